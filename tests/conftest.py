@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny offline model + datasets, and a way to run llmft in real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny GPT-2-style model directory with a locally trained tokenizer (no hub access)."""
+    from llmft.tiny import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A small prompt/completion JSONL dataset generated in code."""
+    from llmft.tiny import as_format, make_examples, write_jsonl
+
+    return write_jsonl(as_format(make_examples(256), "prompt_completion"), tmp_path_factory.mktemp("data") / "train.jsonl")
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    """Environment for subprocesses: offline hub, offline W&B, quiet tokenizers, no stray CUDA."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="offline",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 600, check: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """Run a command, capture its output, and echo it on failure so pytest shows why."""
+    proc = subprocess.run(cmd, cwd=REPO, env=test_env(**env), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-8000:]}")
+    return proc
