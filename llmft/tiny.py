@@ -14,13 +14,7 @@ import json
 import random
 from pathlib import Path
 
-# A minimal chat template for tokenizers that ship none (tiny ones, base models).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
+from llmft.data import DEFAULT_CHAT_TEMPLATE
 
 _WORDS = (
     "apple river stone cloud garden window silver forest candle bridge ocean paper "

@@ -1,0 +1,112 @@
+"""Checkpoint bookkeeping: which checkpoints are complete, which one to resume from, and when a run is done.
+
+HF's Trainer writes `checkpoint-N/` in place, each rank its own ZeRO shard. A job killed while
+saving leaves a directory that looks like a checkpoint but lacks shards. llmft therefore publishes
+`checkpoint-N/llmft_complete.json` last, after every rank has finished writing, listing each file
+and its size; only checkpoints with a matching marker are resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+COMPLETE_MARKER = "llmft_complete.json"
+DONE_MARKER = "llmft_done.json"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message says which and why."""
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """All `checkpoint-N` directories under output_dir, oldest step first."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if p.is_dir() and (m := _CKPT_RE.match(p.name))]
+    return sorted(found)
+
+
+def mark_complete(ckpt_dir: str | Path, world_size: int) -> Path:
+    """Publish the completeness marker; call on one rank after all ranks finished saving."""
+    ckpt = Path(ckpt_dir)
+    files = {
+        str(p.relative_to(ckpt)): p.stat().st_size
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != COMPLETE_MARKER and not p.name.startswith(".")
+    }
+    marker = ckpt / COMPLETE_MARKER
+    _write_json_atomic(marker, {"world_size": world_size, "saved_at": time.time(), "files": files})
+    return marker
+
+
+def incomplete_reason(ckpt_dir: str | Path) -> str | None:
+    """None if the checkpoint is complete, else why not (missing marker, or a listed file missing/truncated)."""
+    ckpt = Path(ckpt_dir)
+    marker = ckpt / COMPLETE_MARKER
+    if not marker.is_file():
+        return f"{ckpt} has no {COMPLETE_MARKER}: it was interrupted while saving"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{marker} is unreadable"
+    for rel, size in files.items():
+        p = ckpt / rel
+        if not p.is_file():
+            return f"{ckpt} is missing {rel}"
+        if p.stat().st_size != size:
+            return f"{ckpt}/{rel} has {p.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def latest_complete(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, skipping any a crash left half-written."""
+    for _, path in reversed(checkpoint_dirs(output_dir)):
+        if incomplete_reason(path) is None:
+            return path
+    return None
+
+
+def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None:
+    """What to resume from.
+
+    - None: the newest complete checkpoint in output_dir, if any (a rerun continues, it never overwrites).
+    - "latest": the same, but it is an error when there is none.
+    - a path: that checkpoint, which must be complete.
+    """
+    if requested in (None, "", "latest"):
+        found = latest_complete(output_dir)
+        if found is None and requested == "latest":
+            raise CheckpointError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}")
+        return found
+    path = Path(requested)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} not found; pass a checkpoint-N directory or 'latest'")
+    reason = incomplete_reason(path)
+    if reason:
+        earlier = latest_complete(path.parent)
+        hint = f"resume from {earlier} instead" if earlier else "start without --resume_from_checkpoint"
+        raise CheckpointError(f"cannot resume: {reason}; {hint}")
+    return path
+
+
+def mark_done(output_dir: str | Path, global_step: int) -> Path:
+    """Record that training ran to its last step (a preempted run has no such file)."""
+    path = Path(output_dir) / DONE_MARKER
+    _write_json_atomic(path, {"global_step": global_step, "finished_at": time.time()})
+    return path
+
+
+def is_done(output_dir: str | Path) -> bool:
+    return (Path(output_dir) / DONE_MARKER).is_file()

@@ -1,0 +1,143 @@
+"""Training data: load a local file/directory or a hub dataset, check it, and shape it for TRL's SFTTrainer.
+
+TRL understands three shapes and llmft passes them through unchanged:
+  - text:               {"text": "..."}                            (field name: --dataset_text_field)
+  - prompt/completion:  {"prompt": "...", "completion": "..."}     (loss on the completion only)
+  - chat:               {"messages": [{"role": ..., "content": ...}, ...]}  (the tokenizer's chat template)
+Other field names are mapped with --prompt_column/--completion_column/--messages_column
+(e.g. `--prompt_column question --completion_column answer`).
+
+Everything here runs before the model is loaded, so bad data fails in seconds with a line number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+# Suffix -> datasets builder for local files.
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+# A minimal chat template for tokenizers that ship none (tiny ones, most base models).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+class DataError(ValueError):
+    """The dataset cannot be used as given; the message names the problem and the fix."""
+
+
+def looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or Path(name).suffix.lower() in BUILDERS
+
+
+def check_jsonl(path: Path) -> int:
+    """Parse every line of a JSON Lines file; return the number of records. Fails on the first bad line."""
+    count = 0
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or delete that line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object; each line must be one {{...}} record")
+            count += 1
+    return count
+
+
+def load_train_split(name: str, config_name: str | None = None, split: str = "train"):
+    """Load the training split from a local file, a local directory, or (with internet) the hub."""
+    from datasets import load_dataset, load_from_disk
+
+    path = Path(name).expanduser()
+    if path.is_file():
+        builder = BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataError(f"unsupported dataset file type {path.suffix!r} for {path}; use one of {', '.join(BUILDERS)}")
+        if path.suffix.lower() == ".jsonl" and check_jsonl(path) == 0:
+            raise DataError(f"dataset {path} is empty; it needs at least one record")
+        if path.stat().st_size == 0:
+            raise DataError(f"dataset {path} is empty; it needs at least one record")
+        try:
+            ds = load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # pyarrow/json parser messages are long; keep the gist
+            raise DataError(f"cannot read {path} as {builder}: {str(e).splitlines()[0][:300]}; check the file's format") from None
+    elif path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
+            ds = load_from_disk(str(path))
+            ds = ds[split] if hasattr(ds, "keys") else ds
+        else:
+            files = sorted(p for p in path.rglob("*") if p.suffix.lower() in BUILDERS)
+            if not files:
+                raise DataError(f"dataset directory {path} holds no {', '.join(BUILDERS)} files")
+            for f in files:
+                if f.suffix.lower() == ".jsonl":
+                    check_jsonl(f)
+            ds = load_dataset(str(path), split=split)
+    elif looks_like_path(name):
+        raise DataError(f"dataset file {name} not found; pass an existing .jsonl/.json/.parquet/.csv file or directory, or a hub dataset name")
+    else:
+        ds = load_dataset(name, name=config_name, split=split)  # hub dataset (users with internet)
+    if len(ds) == 0:
+        raise DataError(f"dataset {name} has no records in its {split!r} split")
+    return ds
+
+
+def shape_for_sft(ds, *, prompt_column: str | None = None, completion_column: str | None = None,
+                  messages_column: str | None = None, text_field: str = "text"):
+    """Rename mapped columns to TRL's names and check the dataset has one of the shapes TRL trains on."""
+    renames = {src: dst for src, dst in ((prompt_column, "prompt"), (completion_column, "completion"), (messages_column, "messages")) if src}
+    missing = [src for src in renames if src not in ds.column_names]
+    if missing:
+        raise DataError(f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}")
+    renames = {src: dst for src, dst in renames.items() if src != dst}
+    if renames:
+        ds = ds.rename_columns(renames)
+    cols = set(ds.column_names)
+    if "messages" in cols:
+        shape, needed = "messages", ["messages"]
+    elif {"prompt", "completion"} <= cols:
+        shape, needed = "prompt_completion", ["prompt", "completion"]
+    elif text_field in cols:
+        shape, needed = "text", [text_field]
+    else:
+        raise DataError(
+            f"dataset has columns {', '.join(sorted(cols))} but llmft needs 'text', 'prompt'+'completion' or 'messages'; "
+            f"map yours with --prompt_column/--completion_column, --messages_column or --dataset_text_field"
+        )
+    for col in needed:
+        if col in ("prompt", "completion", text_field) and getattr(ds.features[col], "dtype", None) != "string":
+            raise DataError(f"column {col!r} must hold strings, found {ds.features[col]}")
+        nulls = sum(1 for v in ds[col] if v is None)
+        if nulls:
+            raise DataError(f"column {col!r} is empty in {nulls} record(s); remove them or fill the field")
+    extra = [c for c in ds.column_names if c not in needed]
+    if extra:
+        ds = ds.remove_columns(extra)
+    return ds, shape
+
+
+def take_percentage(ds, percentage: float, seed: int = 42):
+    """A deterministic random `percentage`% of the split (at least one record), the same on every rank and rerun."""
+    if not (0 < percentage <= 100) or math.isnan(percentage):
+        raise DataError(f"--data_percentage must be in (0, 100], got {percentage}")
+    if percentage == 100:
+        return ds
+    k = max(1, round(len(ds) * percentage / 100))
+    return ds.shuffle(seed=seed).select(range(k))
+
+
+def ensure_chat_template(tokenizer) -> bool:
+    """Give a tokenizer without a chat template llmft's simple default; returns True when it did."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return True

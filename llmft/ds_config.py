@@ -1,0 +1,151 @@
+"""DeepSpeed configs: pick a ZeRO template from ds_configs/, fill every run-dependent field, write it beside the run.
+
+Templates hold production defaults and leave run-dependent fields as "auto". HF's own "auto"
+handling mis-computes the global batch in multi-process CPU runs, so llmft replaces every "auto"
+with a concrete value: the file in the output directory is exactly what DeepSpeed ran with.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from llmft.batch import BatchPlan
+
+ZERO_STAGES = (0, 1, 2, 3)
+RESOLVED_NAME = "ds_config.json"
+
+
+class DSConfigError(ValueError):
+    """A DeepSpeed config that cannot be found, read or resolved."""
+
+
+def templates_dir() -> Path:
+    """ds_configs/ from a source checkout, or the copy installed under <prefix>/share/llmft."""
+    for candidate in (Path(__file__).resolve().parents[1] / "ds_configs", Path(sys.prefix) / "share/llmft/ds_configs"):
+        if (candidate / "zero2.json").is_file():
+            return candidate
+    raise DSConfigError("cannot find llmft's ds_configs/ templates; reinstall llmft or pass --deepspeed PATH")
+
+
+def template_path(zero_stage: int | None, offload: bool = False, deepspeed: str | Path | None = None) -> Path:
+    """The config file to start from: the user's --deepspeed file, or the template for a ZeRO stage."""
+    if deepspeed is not None:
+        if zero_stage is not None:
+            raise DSConfigError("give either --zero_stage or --deepspeed, not both")
+        path = Path(deepspeed)
+        if not path.is_file():
+            raise DSConfigError(f"DeepSpeed config {path} not found; pass an existing JSON file or --zero_stage {{0,1,2,3}}")
+        return path
+    stage = 2 if zero_stage is None else zero_stage
+    if stage not in ZERO_STAGES:
+        raise DSConfigError(f"unknown ZeRO stage {stage!r}; use --zero_stage 0, 1, 2 or 3")
+    if offload and stage < 2:
+        raise DSConfigError(f"--offload needs ZeRO stage 2 or 3 (got {stage}); use --zero_stage 2 --offload")
+    name = f"zero{stage}_offload.json" if offload else f"zero{stage}.json"
+    return templates_dir() / name
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise DSConfigError(f"DeepSpeed config {path} is not valid JSON (line {e.lineno}: {e.msg}); fix the file") from None
+    if not isinstance(config, dict):
+        raise DSConfigError(f"DeepSpeed config {path} must hold a JSON object")
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in ZERO_STAGES:
+        raise DSConfigError(f"DeepSpeed config {path} has unknown ZeRO stage {stage!r}; use 0, 1, 2 or 3")
+    return config
+
+
+def zero_stage_of(config: dict[str, Any]) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads(config: dict[str, Any]) -> bool:
+    zero = config.get("zero_optimization", {})
+    return any(zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
+
+
+def _fill(section: dict[str, Any], key: str, value: Any, where: str) -> None:
+    """Set an "auto" (or absent) field; an explicit different value is a contradiction the user must fix."""
+    current = section.get(key, "auto")
+    if current == "auto":
+        section[key] = value
+    elif current != value and not (isinstance(current, list) and list(value) == current):
+        raise DSConfigError(
+            f"DeepSpeed config sets {where}{key}={current!r} but this run needs {value!r}; "
+            f"set it to \"auto\" in the config and let llmft compute it"
+        )
+
+
+def resolve(
+    config: dict[str, Any],
+    batch: BatchPlan,
+    precision: str,
+    *,
+    gradient_clipping: float,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    hidden_size: int | None = None,
+) -> dict[str, Any]:
+    """Return a copy of `config` with every run-dependent field concrete and no "auto" left."""
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise DSConfigError(f"unknown precision {precision!r}; use bf16, fp16 or fp32")
+    cfg = copy.deepcopy(config)
+    _fill(cfg, "train_micro_batch_size_per_gpu", batch.micro_batch, "")
+    _fill(cfg, "gradient_accumulation_steps", batch.grad_accum, "")
+    _fill(cfg, "train_batch_size", batch.global_batch, "")
+    _fill(cfg, "gradient_clipping", gradient_clipping, "")
+    for kind in ("bf16", "fp16"):
+        cfg.setdefault(kind, {})
+        _fill(cfg[kind], "enabled", precision == kind, f"{kind}.")
+
+    optimizer = cfg.get("optimizer")
+    if optimizer is not None:
+        params = optimizer.setdefault("params", {})
+        for key, value in (("lr", lr), ("betas", list(betas)), ("eps", eps), ("weight_decay", weight_decay)):
+            _fill(params, key, value, "optimizer.params.")
+
+    zero = cfg.get("zero_optimization", {})
+    if any(zero.get(k) == "auto" for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")):
+        if hidden_size is None:
+            raise DSConfigError("ZeRO-3 bucket sizes are \"auto\" but the model's hidden size is unknown")
+        # The sizes HF's integration derives from the hidden size, made explicit.
+        for key, value in (
+            ("reduce_bucket_size", hidden_size * hidden_size),
+            ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+            ("stage3_param_persistence_threshold", 10 * hidden_size),
+        ):
+            if zero.get(key) == "auto":
+                zero[key] = value
+
+    leftover = list(_auto_fields(cfg))
+    if leftover:
+        raise DSConfigError(f"DeepSpeed config fields llmft cannot fill: {', '.join(leftover)}; give them explicit values")
+    return cfg
+
+
+def _auto_fields(node: Any, prefix: str = ""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _auto_fields(v, f"{prefix}{k}.")
+    elif node == "auto":
+        yield prefix.rstrip(".")
+
+
+def write_resolved(config: dict[str, Any], output_dir: Path) -> Path:
+    """Write the resolved config as <output_dir>/ds_config.json (atomically: a crash leaves the old one)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / RESOLVED_NAME
+    tmp = path.with_suffix(f".tmp{id(config)}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.replace(path)
+    return path

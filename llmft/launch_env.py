@@ -1,0 +1,186 @@
+"""Where are we running? The world (nodes x processes per node) from Slurm, torchrun or the local machine.
+
+Pure functions over an environment mapping, so the same answer is computed on a login node
+(planning a job), in the batch script, and inside each training process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+
+class LaunchEnvError(ValueError):
+    """An environment variable holds something llmft cannot interpret."""
+
+
+@dataclass(frozen=True)
+class World:
+    nnodes: int
+    procs_per_node: int
+    source: str = "local"  # which variables decided it: torchrun, slurm, cuda, local
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.procs_per_node
+
+    def describe(self) -> str:
+        return f"world size {self.world_size} ({self.nnodes} nodes x {self.procs_per_node} processes, from {self.source})"
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise LaunchEnvError(f"{name}={value!r} is not a positive integer")
+    return int(value)
+
+
+def parse_gpu_count(spec: str) -> int:
+    """GPUs in a Slurm GPU spec: '2', 'a100:2', 'gpu:a100:2', 'a100:2,l4:1' (summed), '(null)' -> 0."""
+    spec = spec.strip()
+    if not spec or spec in {"(null)", "N/A"}:
+        return 0
+    total = 0
+    for part in spec.split(","):
+        last = part.strip().split(":")[-1]
+        last = last.split("(")[0]  # 'gpu:2(IDX:0-1)' as in SLURM_JOB_GPUS-like output
+        if not last.isdigit():
+            # 'gpu:a100' alone means one GPU of that type
+            if re.fullmatch(r"[A-Za-z0-9_.-]+", last):
+                total += 1
+                continue
+            raise LaunchEnvError(f"cannot read a GPU count from {spec!r}")
+        total += int(last)
+    return total
+
+
+def slurm_gpus_on_node(env: Mapping[str, str]) -> int | None:
+    """GPUs Slurm gave this node, from the most specific variable that is set."""
+    if env.get("SLURM_GPUS_ON_NODE", "").strip():
+        return _int(env, "SLURM_GPUS_ON_NODE")
+    for name in ("SLURM_GPUS_PER_NODE", "SLURM_JOB_GPUS_PER_NODE"):
+        if env.get(name, "").strip():
+            return parse_gpu_count(env[name])
+    if env.get("SLURM_GPUS", "").strip():  # --gpus=N over the whole job
+        nnodes = _int(env, "SLURM_NNODES") or 1
+        return max(1, parse_gpu_count(env["SLURM_GPUS"]) // nnodes)
+    return None
+
+
+def discover_world(env: Mapping[str, str] | None = None, cuda_device_count: int | None = None) -> World:
+    """The world a run will have: torchrun's variables win (we are inside it), then Slurm's, then local CUDA.
+
+    On a machine without GPUs (CPU runs, tests) a Slurm node runs one process.
+    """
+    env = os.environ if env is None else env
+    world_size = _int(env, "WORLD_SIZE")
+    if world_size is not None:
+        local = _int(env, "LOCAL_WORLD_SIZE") or world_size
+        if world_size % local:
+            raise LaunchEnvError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local}")
+        return World(world_size // local, local, "torchrun")
+
+    nnodes = _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
+    if nnodes is not None:
+        gpus = slurm_gpus_on_node(env)
+        if gpus:
+            return World(nnodes, gpus, "slurm")
+        ntasks = _int(env, "SLURM_NTASKS")
+        if ntasks and ntasks > nnodes and ntasks % nnodes == 0:  # one task per process launch style
+            return World(nnodes, ntasks // nnodes, "slurm")
+        return World(nnodes, 1, "slurm")
+
+    if cuda_device_count is None:
+        cuda_device_count = _cuda_device_count()
+    if cuda_device_count:
+        return World(1, cuda_device_count, "cuda")
+    return World(1, 1, "local")
+
+
+def _cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # torch missing or broken CUDA: a CPU world
+        return 0
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a Slurm hostlist ('n[1-3,7]', 'gpu-[01-02],login') as `scontrol show hostnames` does."""
+    hosts: list[str] = []
+    for item in _split_top_level(hostlist.strip()):
+        hosts.extend(_expand_one(item))
+    return hosts
+
+
+def _split_top_level(s: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise LaunchEnvError(f"unbalanced ']' in hostlist {s!r}")
+        elif ch == "," and depth == 0:
+            items.append(s[start:i])
+            start = i + 1
+    if depth:
+        raise LaunchEnvError(f"unbalanced '[' in hostlist {s!r}")
+    items.append(s[start:])
+    return [i for i in items if i]
+
+
+def _expand_one(item: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", item)
+    if not m:
+        return [item]
+    prefix, suffix = item[: m.start()], item[m.end():]
+    out = []
+    for rng in m.group(1).split(","):
+        if "-" in rng:
+            lo, hi = rng.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
+                raise LaunchEnvError(f"bad range {rng!r} in hostlist {item!r}")
+            width = len(lo)
+            numbers = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+        elif rng.isdigit():
+            numbers = [rng]
+        else:
+            raise LaunchEnvError(f"bad entry {rng!r} in hostlist {item!r}")
+        for n in numbers:
+            out.extend(_expand_one(prefix + n + suffix))
+    return out
+
+
+def rank0(env: Mapping[str, str] | None = None) -> bool:
+    """True in the process that should print (global rank 0, or not distributed)."""
+    env = os.environ if env is None else env
+    return env.get("RANK", "0") == "0"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def single_process_defaults(env: dict | None = None) -> bool:
+    """Outside torchrun, give this process the variables of a world of one (else DeepSpeed tries MPI).
+
+    Returns True when it set them.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return False
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(free_port()))
+    return True

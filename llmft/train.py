@@ -1,0 +1,298 @@
+"""Supervised fine-tuning with TRL's SFTTrainer on DeepSpeed ZeRO, with llmft's batch math and checkpoint safety.
+
+# One process (CPU or one GPU)
+```bash
+llmft train --model_name_or_path gpt2 --dataset_name data.jsonl --output_dir runs/gpt2-sft \
+    --global_batch_size 32 --per_device_train_batch_size 4 --zero_stage 2 --num_train_epochs 3
+```
+
+# Several processes: llmft keeps the global batch and derives the accumulation
+```bash
+torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama-3.1-8B \
+    --dataset_name data.jsonl --output_dir runs/llama --global_batch_size 64 \
+    --per_device_train_batch_size 2 --zero_stage 3 --gradient_checkpointing --report_to wandb
+```
+
+# LoRA, packing, and a YAML file holding any of the flags (command-line flags win)
+```bash
+llmft train --config run.yaml --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules q_proj v_proj --packing
+```
+
+Every `SFTConfig`/`TrainingArguments` flag works, with TRL's names. llmft adds `--zero_stage`,
+`--offload`, `--global_batch_size`, `--data_percentage`, `--precision` and column mapping. A rerun
+with the same `--output_dir` resumes from the newest complete checkpoint; it never starts over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmft import checkpoints, data, ds_config
+from llmft.launch_env import rank0, single_process_defaults
+from llmft.plan import PRECISIONS, PlanError, choose_precision, make_plan
+
+
+@dataclass
+class LlmftArguments:
+    """What llmft adds to TRL's flags."""
+
+    zero_stage: int | None = field(default=None, metadata={"help": "ZeRO stage 0-3, using ds_configs/zeroN.json (default 2)."})
+    offload: bool = field(default=False, metadata={"help": "Offload optimizer state (and ZeRO-3 parameters) to CPU."})
+    global_batch_size: int | None = field(
+        default=None, metadata={"help": "Samples per optimizer step over all processes; accumulation is derived from it."}
+    )
+    data_percentage: float = field(default=100.0, metadata={"help": "Train on this percentage (0-100] of the training split."})
+    precision: str = field(default="auto", metadata={"help": "auto (bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU), bf16, fp16 or fp32."})
+    prompt_column: str | None = field(default=None, metadata={"help": "Dataset field holding the prompt (e.g. question)."})
+    completion_column: str | None = field(default=None, metadata={"help": "Dataset field holding the completion (e.g. answer)."})
+    messages_column: str | None = field(default=None, metadata={"help": "Dataset field holding chat messages."})
+    stop_file: str | None = field(
+        default=None,
+        metadata={"help": "When this file appears, save a complete checkpoint and stop (default: $LLMFT_STOP_FILE)."},
+    )
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start; reported as one line and exit code 2."""
+
+
+def log(msg: str) -> None:
+    if rank0():
+        print(f"llmft: {msg}", flush=True)
+
+
+def _callbacks():
+    """Trainer callbacks, defined lazily so importing llmft.train stays cheap."""
+    import torch
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    def all_ranks_max(flag: bool, device) -> bool:
+        if not (dist.is_available() and dist.is_initialized()):
+            return flag
+        t = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    class PublishCompleteCheckpoint(TrainerCallback):
+        """After every rank has written its shard, publish checkpoint-N/llmft_complete.json."""
+
+        def on_save(self, args, state, control, **kwargs):
+            if dist.is_initialized():
+                dist.barrier()
+            if state.is_world_process_zero:
+                ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                checkpoints.mark_complete(ckpt, args.world_size)
+                log(f"saved complete checkpoint {ckpt}")
+            if dist.is_initialized():
+                dist.barrier()
+
+    class GracefulStop(TrainerCallback):
+        """On SIGUSR1/SIGTERM or when the stop file appears: finish this step, save, stop (for preemption)."""
+
+        def __init__(self, stop_file: str | None):
+            self.stop_file = stop_file
+            self.requested = False
+            self.stopped_at: int | None = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            for sig in (signal.SIGUSR1, signal.SIGTERM):
+                signal.signal(sig, self._request)
+
+        def _request(self, signum, frame):
+            self.requested = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            asked = self.requested or bool(state.is_world_process_zero and self.stop_file and os.path.exists(self.stop_file))
+            if all_ranks_max(asked, args.device) and state.global_step < state.max_steps:
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped_at = state.global_step
+
+    class StepLog(TrainerCallback):
+        """One line per logging step on rank 0: step, loss, learning rate, tokens per second."""
+
+        def __init__(self):
+            self.last = (time.time(), 0)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = (time.time(), state.num_input_tokens_seen)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or not logs or "loss" not in logs:
+                return
+            now, tokens = time.time(), state.num_input_tokens_seen
+            tps = (tokens - self.last[1]) / max(now - self.last[0], 1e-9)
+            self.last = (now, tokens)
+            logs["tokens_per_second"] = round(tps, 1)
+            print(
+                f"llmft: step {state.global_step}/{state.max_steps} loss {logs['loss']:.4f} "
+                f"lr {logs.get('learning_rate', 0.0):.2e} tokens/s {tps:.0f}",
+                flush=True,
+            )
+
+    return PublishCompleteCheckpoint, GracefulStop, StepLog
+
+
+def requested_precision(training_args, llmft_args) -> str:
+    """--precision, or an explicit --fp16 (TRL's SFTConfig turns bf16 on by default, so only fp16 is a choice)."""
+    if llmft_args.precision not in PRECISIONS:
+        raise TrainError(f"unknown --precision {llmft_args.precision!r}; use one of {', '.join(PRECISIONS)}")
+    if llmft_args.precision == "auto" and training_args.fp16:
+        return "fp16"
+    return llmft_args.precision
+
+
+def main(script_args, training_args, model_args, llmft_args) -> int:
+    """Check everything cheap first, then build the trainer and train (or resume)."""
+    try:
+        return _train(script_args, training_args, model_args, llmft_args)
+    except (TrainError, PlanError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError) as e:
+        if rank0():
+            print(f"llmft train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _train(script_args, training_args, model_args, llmft_args) -> int:
+    import torch
+
+    single_process_defaults()
+    # 1. Cheap checks: batch math, DeepSpeed template, data, resume point. No model yet.
+    if not model_args.model_name_or_path:
+        raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
+    if not script_args.dataset_name:
+        raise TrainError("--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
+    if training_args.save_total_limit == 1:
+        raise TrainError("--save_total_limit 1 can leave no complete checkpoint if a job dies while saving; use 2 or more")
+    cuda = torch.cuda.is_available()
+    precision = choose_precision(requested_precision(training_args, llmft_args), cuda, cuda and torch.cuda.is_bf16_supported())
+    grad_accum = training_args.gradient_accumulation_steps if training_args.gradient_accumulation_steps != 1 else None
+    plan = make_plan(
+        micro_batch=training_args.per_device_train_batch_size,
+        global_batch=llmft_args.global_batch_size,
+        grad_accum=grad_accum,
+        zero_stage=llmft_args.zero_stage,
+        offload=llmft_args.offload,
+        deepspeed=training_args.deepspeed,
+        precision=precision,
+        output_dir=training_args.output_dir,
+    )
+    if not (0 < llmft_args.data_percentage <= 100):
+        raise TrainError(f"--data_percentage must be in (0, 100], got {llmft_args.data_percentage}")
+    dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+    dataset, shape = data.shape_for_sft(
+        dataset,
+        prompt_column=llmft_args.prompt_column,
+        completion_column=llmft_args.completion_column,
+        messages_column=llmft_args.messages_column,
+        text_field=training_args.dataset_text_field,
+    )
+    dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
+    resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
+    if rank0():
+        print("\n".join(plan.lines()), flush=True)
+    log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
+    log(f"resuming from {resume}" if resume else f"starting a new run in {training_args.output_dir}")
+
+    # 2. Tokenizer and model config (small files), then the concrete DeepSpeed config.
+    from transformers import AutoConfig, AutoTokenizer
+    from trl import SFTTrainer, get_peft_config
+
+    model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
+    if shape == "messages" and data.ensure_chat_template(tokenizer):
+        log("the tokenizer has no chat template; using llmft's default")
+    max_positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    max_length = training_args.max_length
+    if max_positions and max_length and max_length > max_positions:
+        log(f"max_length {max_length} exceeds the model's {max_positions} positions; using {max_positions}")
+        max_length = max_positions
+
+    resolved = ds_config.resolve(
+        ds_config.load_config(plan.ds_template),
+        plan.batch,
+        precision,
+        gradient_clipping=training_args.max_grad_norm,
+        lr=training_args.learning_rate,
+        betas=(training_args.adam_beta1, training_args.adam_beta2),
+        eps=training_args.adam_epsilon,
+        weight_decay=training_args.weight_decay,
+        hidden_size=getattr(model_config, "hidden_size", None),
+    )
+    if rank0():
+        log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
+
+    args = dataclasses.replace(
+        training_args,
+        deepspeed=resolved,
+        per_device_train_batch_size=plan.batch.micro_batch,
+        gradient_accumulation_steps=plan.batch.grad_accum,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
+        dataloader_pin_memory=cuda,
+        include_num_input_tokens_seen="all",
+        max_length=max_length,
+        resume_from_checkpoint=str(resume) if resume else None,
+    )
+    model_init_kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
+    if model_args.attn_implementation:
+        model_init_kwargs["attn_implementation"] = model_args.attn_implementation
+    if model_args.dtype not in (None, "auto"):
+        model_init_kwargs["dtype"] = model_args.dtype  # else fp32 weights: DeepSpeed keeps exact fp32 masters
+    model_init_kwargs.update(args.model_init_kwargs or {})
+    args.model_init_kwargs = model_init_kwargs
+
+    # 3. Train.
+    PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
+    stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
+    trainer = SFTTrainer(
+        model=model_args.model_name_or_path,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        callbacks=[PublishCompleteCheckpoint(), stop, StepLog()],
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    step = trainer.state.global_step
+    if stop.stopped_at is not None:
+        log(f"stop requested; saved checkpoint-{step}")
+    else:
+        trainer.save_model(args.output_dir)
+        if rank0():
+            checkpoints.mark_done(args.output_dir, step)
+        log(f"training complete at step {step}; model saved to {args.output_dir}")
+    if hasattr(trainer, "end"):
+        trainer.end()
+    return 0
+
+
+def make_parser(subparsers=None):
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    import torch
+
+    dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
+    if subparsers is not None:
+        parser = subparsers.add_parser("train", help="Fine-tune with SFTTrainer on DeepSpeed ZeRO", dataclass_types=dataclass_types)
+    else:
+        parser = TrlParser(dataclass_types, prog="llmft train")
+    # SFTConfig turns bf16 on by default, which HF rejects on a machine without CUDA unless use_cpu is set.
+    parser.set_defaults(use_cpu=not torch.cuda.is_available())
+    return parser
+
+
+def cli(parser, argv: list[str] | None = None) -> int:
+    script_args, training_args, model_args, llmft_args = parser.parse_args_and_config(args=argv)
+    return main(script_args, training_args, model_args, llmft_args)
+
+
+if __name__ == "__main__":
+    sys.exit(cli(make_parser()))
