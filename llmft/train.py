@@ -249,7 +249,12 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     model_init_kwargs.update(args.model_init_kwargs or {})
     args.model_init_kwargs = model_init_kwargs
 
-    # 3. Train.
+    # 3. Train. ZeRO-3 partitions the model while loading it (zero.Init), which needs DeepSpeed's comm layer up;
+    # on GPUs HF starts it, on the CPU path it would see a world of one and reject the batch sizes.
+    import deepspeed
+
+    _ = args.device  # accelerate creates the process group (gloo on CPU, nccl on GPUs)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
     trainer = SFTTrainer(

@@ -1,0 +1,427 @@
+"""Generate from (or export) a DeepSpeed ZeRO checkpoint without DeepSpeed: no process group, no engine.
+
+The weights are read straight from the shards (see `llmft.zero_checkpoint`): exact fp32 master
+weights for ZeRO stages 0-3, any number of ranks, with or without CPU offload, and peak memory close
+to the model's own size. Optimizer moments are never read.
+
+Usage:
+
+    # llmft's own layout (config and tokenizer sit beside global_stepN)
+    python -m llmft.infer runs/demo/out/checkpoint-4/global_step4 --prompt "What is 2 plus 3?"
+    python -m llmft.infer runs/demo/out --prompt "What is 2 plus 3?"      # newest checkpoint of a run
+    python -m llmft.infer runs/demo/out/checkpoint-*/global_step* --prompt "Hi"   # highest step wins
+
+    # a plain `engine.save_checkpoint(dir)` checkpoint: name the base model for config + tokenizer
+    python -m llmft.infer my_gpt2_checkpoint/global_step65110 --model_name gpt2 --prompt "Hello"
+
+    # batches, sampling, chat template, JSON output
+    python -m llmft.infer CKPT --prompt_file prompts.jsonl --chat --json
+    python -m llmft.infer CKPT --prompt "Once" --temperature 0.8 --top_p 0.95 --seed 1
+
+    # LoRA runs: base model + adapter; --merge folds the adapter in
+    python -m llmft.infer runs/lora/checkpoint-4 --merge --prompt "Hi"
+
+    # a standard Hugging Face model directory (safetensors + config + tokenizer), fp32 unless --dtype
+    python -m llmft.infer CKPT --export exported/ [--dtype bfloat16]
+
+`llmft infer ...` takes the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmft.zero_checkpoint import CheckpointError, ZeroCheckpoint, is_tag_dir, open_checkpoint
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+# --------------------------------------------------------------------------------------------------
+# Which checkpoint
+
+
+def _step_of(path: Path) -> int:
+    m = re.search(r"(\d+)$", path.name)
+    return int(m.group(1)) if m else -1
+
+
+def _tag_dir_in(path: Path) -> Path:
+    """Map a tag dir, a checkpoint dir (with `latest` or global_step*) or a run dir to one tag dir."""
+    if path.is_file() and path.name.endswith("_states.pt"):
+        path = path.parent
+    if is_tag_dir(path):
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory: pass a global_stepN directory, a checkpoint-N directory or a run's output directory")
+    latest = path / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if not (path / tag).is_dir():
+            raise CheckpointError(f"{latest} names {tag!r}, which is not in {path}: pass the global_stepN directory you want")
+        return path / tag
+    tags = sorted((p for p in path.glob("global_step*") if p.is_dir()), key=_step_of)
+    if tags:
+        return tags[-1]
+    runs = sorted((p for p in path.glob("checkpoint-*") if p.is_dir()), key=_step_of)
+    complete = [p for p in runs if (p / "llmft_complete.json").is_file()]
+    if complete and complete[-1] != runs[-1]:
+        print(f"llmft infer: skipping {runs[-1]} (no llmft_complete.json: still being written or interrupted)", file=sys.stderr)
+    if complete or runs:
+        return _tag_dir_in((complete or runs)[-1])
+    raise CheckpointError(
+        f"{path} holds no DeepSpeed checkpoint (no *model_states.pt, no 'latest' file, no global_step* or checkpoint-* directories): "
+        "pass a global_stepN directory, a checkpoint-N directory or a run's output directory"
+    )
+
+
+def resolve_checkpoint(paths: list[str]) -> tuple[Path, str | None]:
+    """One tag directory for the given paths (a shell glob may hand several: the highest step wins).
+
+    Returns the tag directory and, when a choice was made, a note saying which one.
+    """
+    tags = []
+    for p in paths:
+        path = Path(p)
+        if not path.exists():
+            if glob.has_magic(p):
+                raise CheckpointError(f"no checkpoint matched {p} (the shell passed the pattern through unexpanded): check the directory and the pattern")
+            raise CheckpointError(f"{p} does not exist: check the path")
+        tags.append(_tag_dir_in(path))
+    tags = sorted(set(tags), key=lambda t: (_step_of(t), str(t)))
+    chosen = tags[-1]
+    note = f"{len(tags)} checkpoints given; using the highest step: {chosen}" if len(tags) > 1 else None
+    return chosen, note
+
+
+# --------------------------------------------------------------------------------------------------
+# Which model
+
+
+@dataclass
+class Source:
+    """Where config, tokenizer and (for LoRA) base weights come from."""
+
+    config: str
+    tokenizer: str
+    adapter_dir: Path | None = None
+
+
+def find_source(tag_dir: Path, model_name: str | None) -> Source:
+    """Config and tokenizer: --model_name if given, else llmft's files beside the tag directory
+    (for LoRA: the adapter's base model); the tokenizer saved with the checkpoint is preferred."""
+    ckpt_dir = tag_dir.parent
+    adapter = ckpt_dir / "adapter_config.json"
+    adapter_dir = ckpt_dir if adapter.is_file() else None
+    if model_name:
+        config = model_name
+    elif adapter_dir:
+        config = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        if not config:
+            raise CheckpointError(f"{adapter} names no base_model_name_or_path: pass --model_name with the base model")
+    elif (ckpt_dir / "config.json").is_file():
+        config = str(ckpt_dir)
+    else:
+        raise CheckpointError(
+            f"no config.json beside {tag_dir} (a plain DeepSpeed checkpoint): pass --model_name with the base model it was trained from, e.g. --model_name gpt2"
+        )
+    has_tok = any((ckpt_dir / f).is_file() for f in _TOKENIZER_FILES)
+    tokenizer = str(ckpt_dir) if has_tok and not model_name else config
+    return Source(config=config, tokenizer=tokenizer, adapter_dir=adapter_dir)
+
+
+def pick_device(name: str | None) -> str:
+    import torch
+
+    if name is None:
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CheckpointError(f"--device {name} but CUDA is not available here: use --device cpu")
+    return name
+
+
+def pick_dtype(name: str | None, device: str, exporting: bool):
+    """bf16 on GPU (fp16 where bf16 is unsupported), fp32 on CPU; exports keep the checkpoint's fp32."""
+    import torch
+
+    if name not in (None, "auto"):
+        return getattr(torch, DTYPES[name])
+    if exporting or not device.startswith("cuda"):
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _hf(what: str, src: str, fn):
+    try:
+        return fn()
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load the {what} of {src} ({reason}): pass --model_name with a local model directory or a hub name you can download") from None
+
+
+def _empty_model(config, dtype, device):
+    """Build the architecture without random init (the weights are overwritten from the shards)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights(), torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    return model
+
+
+def _strip(name: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+def fill_from_checkpoint(model, ckpt: ZeroCheckpoint, src: str, allow_missing=lambda name: False) -> None:
+    """Copy the checkpoint into the model's own tensors, after checking names and shapes match."""
+    params = model.state_dict(keep_vars=True)
+    dest = {}
+    for name, shape in ckpt.shapes.items():
+        if name in ckpt.shared:
+            continue
+        target = params.get(_strip(name))
+        if target is None:
+            raise CheckpointError(
+                f"checkpoint tensor {name} does not exist in {src}: --model_name must name the base model the checkpoint was trained from"
+            )
+        if tuple(target.shape) != tuple(shape):
+            raise CheckpointError(
+                f"checkpoint layer {name} has shape {tuple(shape)} but {src} expects {tuple(target.shape)}: "
+                "--model_name must name the base model the checkpoint was trained from"
+            )
+        dest[name] = target.data
+    covered = {_strip(n) for n in ckpt.shapes}
+    ptrs = {t.data_ptr() for t in dest.values()}
+    missing = [n for n, t in params.items() if n not in covered and t.data_ptr() not in ptrs and not allow_missing(n)]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint has no weights for {missing[0]} ({len(missing)} tensors of {src} missing): "
+            "--model_name must name the base model the checkpoint was trained from"
+        )
+    import torch
+
+    with torch.no_grad():
+        ckpt.read_into(dest)
+
+
+@dataclass
+class Loaded:
+    model: object
+    tokenizer: object
+    ckpt: ZeroCheckpoint
+    source: Source
+    seconds: float
+
+
+def load(tag_dir: Path, model_name: str | None = None, device: str = "cpu", dtype=None, merge: bool = False, trust: bool = False) -> Loaded:
+    """Model + tokenizer from a tag directory, weights read from the shards into the model in place."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    dtype = dtype or torch.float32
+    ckpt = open_checkpoint(tag_dir, trust)
+    src = find_source(tag_dir, model_name)
+    config = _hf("config", src.config, lambda: AutoConfig.from_pretrained(src.config))
+    tokenizer = _hf("tokenizer", src.tokenizer, lambda: AutoTokenizer.from_pretrained(src.tokenizer))
+    if src.adapter_dir is None:
+        model = _empty_model(config, dtype, device)
+        fill_from_checkpoint(model, ckpt, src.config)
+    else:
+        from peft import PeftConfig, PeftModel
+
+        peft_config = PeftConfig.from_pretrained(src.adapter_dir)
+        has_base = any("lora_" not in n for n in ckpt.shapes)
+        if has_base:  # frozen base weights were saved in the shards too
+            base = _empty_model(config, dtype, device)
+        else:  # HF Trainer excludes frozen weights: they come from the base model
+            base = _hf("weights", src.config, lambda: AutoModelForCausalLM.from_pretrained(src.config, dtype=dtype).to(device))
+        model = PeftModel(base, peft_config)
+        model.to(device=device, dtype=dtype)
+        fill_from_checkpoint(model, ckpt, f"{src.config} + LoRA adapter", allow_missing=lambda n: not has_base and "lora_" not in n)
+        if merge:
+            model = model.merge_and_unload()
+    model.eval()
+    return Loaded(model, tokenizer, ckpt, src, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts and generation
+
+
+def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list:
+    """--prompt values, then --prompt_file: one prompt per line, or JSONL with prompt/text/question or messages."""
+    out: list = list(prompts or [])
+    if prompt_file:
+        path = Path(prompt_file)
+        if not path.is_file():
+            raise CheckpointError(f"--prompt_file {path} does not exist: check the path")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        jsonl = path.suffix == ".jsonl" or (lines and lines[0].lstrip().startswith("{"))
+        for i, line in enumerate(lines, 1):
+            if not jsonl:
+                out.append(line)
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{path} line {i} is not valid JSON ({e.msg}): write one JSON object per line, or plain text prompts") from None
+            value = next((row[k] for k in ("messages", "prompt", "text", "question") if isinstance(row, dict) and k in row), None)
+            if value is None:
+                raise CheckpointError(f"{path} line {i} has no prompt, text, question or messages field: add one")
+            out.append(value)
+        if not lines:
+            raise CheckpointError(f"--prompt_file {path} is empty: put one prompt per line")
+    return out
+
+
+def render(tokenizer, prompt, chat: bool) -> str:
+    """Chat prompts (or message lists) go through the tokenizer's chat template; plain text as is."""
+    if isinstance(prompt, list) or chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise CheckpointError("the tokenizer has no chat template: drop --chat (and message-list prompts) or use a tokenizer that has one")
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def generate(model, tokenizer, texts: list[str], max_new_tokens=50, temperature=None, top_p=None, seed=None, stream=False) -> list[dict]:
+    """Batched generation, greedy unless temperature/top_p ask for sampling; streams a single prompt."""
+    import torch
+    from transformers import TextStreamer
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+    sample = (temperature is not None and temperature > 0) or top_p is not None
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=tokenizer.pad_token_id)
+    if sample:
+        kwargs.update(temperature=temperature if temperature else 1.0, top_p=top_p if top_p is not None else 1.0, top_k=None)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    if seed is not None:
+        torch.manual_seed(seed)
+    if stream and len(texts) == 1:
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    with torch.no_grad():
+        out = model.generate(**enc, **kwargs)
+    new = out[:, enc["input_ids"].shape[1] :]
+    results = []
+    for text, ids in zip(texts, new):
+        ids = ids[ids != tokenizer.pad_token_id] if tokenizer.pad_token_id != tokenizer.eos_token_id else ids
+        results.append({"prompt": text, "completion": tokenizer.decode(ids, skip_special_tokens=True), "new_tokens": int(ids.numel())})
+    return results
+
+
+def export(loaded: Loaded, out_dir: Path) -> Path:
+    """A standard Hugging Face directory: safetensors + config + tokenizer (+ the adapter alone for unmerged LoRA)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    loaded.model.save_pretrained(out_dir)
+    loaded.tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def make_parser(subparsers=None):
+    kwargs = dict(
+        description="Generate from, or export, a DeepSpeed ZeRO checkpoint (stages 0-3) without DeepSpeed.",
+        epilog="Example: python -m llmft.infer runs/demo/out/checkpoint-4/global_step4 --prompt 'What is 2 plus 3?'",
+    )
+    if subparsers is not None:
+        parser = subparsers.add_parser("infer", help=kwargs["description"], **kwargs)
+    else:
+        parser = argparse.ArgumentParser(prog="python -m llmft.infer", **kwargs)
+    parser.add_argument("checkpoint", nargs="+", help="global_stepN dir, checkpoint-N dir or run output dir (several: the highest step is used)")
+    parser.add_argument("--model_name", "--model_name_or_path", dest="model_name", default=None,
+                        help="base model (hub name or directory) for config and tokenizer; required for plain DeepSpeed checkpoints")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    parser.add_argument("--prompt_file", help="one prompt per line, or JSONL with prompt/text/question/messages")
+    parser.add_argument("--max_new_tokens", type=int, default=50)
+    parser.add_argument("--temperature", type=float, default=None, help="sample with this temperature (default: greedy)")
+    parser.add_argument("--top_p", type=float, default=None, help="nucleus sampling (default: greedy)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    parser.add_argument("--device", default=None, help="cuda:0 when available, else cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on GPU, fp32 on CPU and for --export")
+    parser.add_argument("--json", action="store_true", help="print one JSON document with all generations")
+    parser.add_argument("--export", type=Path, default=None, metavar="DIR", help="write a Hugging Face model directory (safetensors, config, tokenizer)")
+    parser.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base weights")
+    parser.add_argument("--trust_checkpoint", action="store_true",
+                        help="unpickle shards with full pickle (runs code stored in them); only for checkpoints you trust")
+    parser.set_defaults(func=main)
+    return parser
+
+
+def run(args) -> dict:
+    """Everything main does, returning the JSON-able result; raises CheckpointError on bad input."""
+    if args.max_new_tokens < 1:
+        raise CheckpointError("--max_new_tokens must be at least 1")
+    prompts = read_prompts(args.prompt, args.prompt_file)
+    if not prompts and args.export is None:
+        raise CheckpointError("nothing to do: give --prompt, --prompt_file or --export DIR")
+    tag_dir, note = resolve_checkpoint(args.checkpoint)
+    if note:
+        print(f"llmft infer: {note}", file=sys.stderr)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device, exporting=args.export is not None)
+    loaded = load(tag_dir, args.model_name, device, dtype, merge=args.merge, trust=args.trust_checkpoint)
+    ck = loaded.ckpt
+    print(
+        f"llmft infer: loaded {tag_dir} (ZeRO-{ck.stage}, {ck.world_size} rank{'s' * (ck.world_size > 1)}, "
+        f"{ck.numel() / 1e6:.2f}M stored values) on {device} as {str(dtype).replace('torch.', '')} in {loaded.seconds:.1f}s",
+        file=sys.stderr,
+    )
+    result = {"checkpoint": str(tag_dir), "step": ck.step, "zero_stage": ck.stage, "world_size": ck.world_size,
+              "model": loaded.source.config, "device": device, "dtype": str(dtype).replace("torch.", ""), "generations": []}
+    if args.export is not None:
+        out = export(loaded, args.export)
+        result["export"] = str(out)
+        print(f"llmft infer: exported to {out}", file=sys.stderr)
+    if prompts:
+        texts = [render(loaded.tokenizer, p, args.chat) for p in prompts]
+        stream = not args.json and len(texts) == 1
+        if stream:
+            print(texts[0], end="", flush=True)
+        gens = generate(loaded.model, loaded.tokenizer, texts, args.max_new_tokens, args.temperature, args.top_p, args.seed, stream)
+        result["generations"] = gens
+        if not args.json and not stream:
+            for i, g in enumerate(gens):
+                if i:
+                    print("-" * 40)
+                print(g["prompt"] + g["completion"])
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return result
+
+
+def main(args) -> None:
+    try:
+        run(args)
+    except CheckpointError as e:
+        raise SystemExit(f"llmft infer: error: {e}") from None
+
+
+if __name__ == "__main__":
+    main(make_parser().parse_args())
