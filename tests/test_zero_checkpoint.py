@@ -1,0 +1,136 @@
+"""The shard reader against DeepSpeed itself, on checkpoints a plain `deepspeed.initialize(...).save_checkpoint(...)`
+script writes with 2 real processes (torchrun, gloo on CPU): ZeRO stages 0-3, fp32 and bf16 mixed precision.
+
+Run as a script (under torchrun) this module is that writer:
+    torchrun --nproc_per_node 2 tests/test_zero_checkpoint.py OUT MODEL_DIR 0 1 2 3 2bf16 3bf16
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+# Each spec is a ZeRO stage, optionally with bf16 mixed precision; "2" is saved twice (steps 2 and 3)
+# so that a glob over its tag directories has something to choose from.
+SPECS = ["0", "1", "2", "3", "2bf16", "3bf16"]
+
+
+def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
+    """Train the tiny model a few steps per spec with a bare DeepSpeed engine and save_checkpoint()."""
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for spec in specs:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+            "zero_optimization": {"stage": int(spec[0])},
+            "bf16": {"enabled": "bf16" in spec},
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        torch.manual_seed(1 + engine.global_rank)
+        for step in range(1, 4):
+            ids = torch.randint(0, model.config.vocab_size, (2, 16))
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+            if step == 3 or (spec == "2" and step == 2):
+                engine.save_checkpoint(str(out / spec))
+        if spec == "0" and engine.global_rank == 0:  # the engine's own weights: the stage-0 reference
+            torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / "0" / "engine_weights.pt")
+    torch.distributed.barrier()
+
+
+def free_port() -> int:
+    """A free TCP port for torchrun's rendezvous (other test runs may share this machine)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ds_checkpoints(tmp_path_factory, tiny_model) -> Path:
+    """One torchrun (2 processes) writes every spec in SPECS under OUT/<spec>/."""
+    from conftest import PYTHON, run
+
+    out = tmp_path_factory.mktemp("ds_ckpt")
+    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), __file__, str(out), str(tiny_model), *SPECS],
+        timeout=400, check=True)
+    return out
+
+
+def _deepspeed_reference(ckpt_dir: Path) -> dict:
+    """What DeepSpeed's own consolidation reconstructs (stage 0: the engine's weights at save time)."""
+    import torch
+
+    if (ckpt_dir / "engine_weights.pt").is_file():
+        return torch.load(ckpt_dir / "engine_weights.pt", weights_only=True)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+
+
+def _tag(ds_checkpoints: Path, spec: str) -> Path:
+    return ds_checkpoints / spec / "global_step3"
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_weights_equal_deepspeed_bit_for_bit(ds_checkpoints, spec):
+    import torch
+
+    from llmft.zero_checkpoint import load_fp32_state_dict, open_checkpoint
+
+    ckpt = open_checkpoint(_tag(ds_checkpoints, spec))
+    assert (ckpt.stage, ckpt.world_size, ckpt.step) == (int(spec[0]), 2, 3)
+    ours = load_fp32_state_dict(_tag(ds_checkpoints, spec))
+    ref = _deepspeed_reference(ds_checkpoints / spec)
+    assert set(ours) == set(ref)
+    for name, tensor in ref.items():
+        assert ours[name].dtype == tensor.dtype == torch.float32, name
+        assert torch.equal(ours[name], tensor), f"{spec}: {name} differs from DeepSpeed's reconstruction"
+    # GPT-2 ties lm_head to the token embedding: one tensor, as DeepSpeed returns it
+    assert ours["lm_head.weight"] is ours["transformer.wte.weight"]
+
+
+@pytest.mark.parametrize("spec", ["0", "2", "3bf16"])
+def test_logits_match_deepspeed_reconstruction(ds_checkpoints, tiny_model, spec):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmft.infer import load
+
+    loaded = load(_tag(ds_checkpoints, spec), model_name=str(tiny_model))
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    reference.load_state_dict(_deepspeed_reference(ds_checkpoints / spec))
+    reference.eval()
+    ids = torch.arange(3, 40).reshape(1, -1)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, reference(ids).logits)
+    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.transformer.wte.weight.data_ptr()
+
+
+def test_reads_into_bf16_destination(ds_checkpoints):
+    """The reader casts while copying, so a bf16 model never needs an fp32 copy of itself."""
+    import torch
+
+    from llmft.zero_checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(_tag(ds_checkpoints, "3"))
+    dest = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in ckpt.shapes.items() if n not in ckpt.shared}
+    ckpt.read_into(dest)
+    ref = _deepspeed_reference(ds_checkpoints / "3")
+    for name, t in dest.items():
+        assert torch.equal(t, ref[name].to(torch.bfloat16)), name
+
+
+if __name__ == "__main__":
+    write_checkpoints(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
