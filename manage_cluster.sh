@@ -23,7 +23,7 @@ Options:
   -h, --help          show this help
 
 NAME: lowercase letters, digits and hyphens, starting with a letter and ending with a
-letter or digit; at most 30 characters on GCP, 60 on AWS.
+letter or digit; 2 to 30 characters on GCP, 2 to 60 on AWS.
 
 Google Cloud (needs gcluster or ghpc from Cluster Toolkit, and gcloud for status/ssh):
   PROJECT_ID  (required) your project id
@@ -94,10 +94,10 @@ need_tool() { # need_tool name how-to-install...
 }
 
 validate_name() { # validate_name name max_length cloud
-    local re="^[$LOWER]([$LOWER$DIGITS-]*[$LOWER$DIGITS])?\$"
+    local re="^[$LOWER][$LOWER$DIGITS-]*[$LOWER$DIGITS]\$"
     if [[ ! $1 =~ $re ]] || ((${#1} > $2)); then
         die 2 "invalid cluster name '$(show "$1")': use only lowercase letters, digits and hyphens," \
-            "start with a letter, end with a letter or digit, at most $2 characters on $3" \
+            "start with a letter, end with a letter or digit, 2 to $2 characters on $3" \
             "(for example: $DEFAULT_NAME)."
     fi
 }
@@ -364,6 +364,7 @@ dry_run=0
 force=0
 command=""
 name=""
+name_given=0
 while (($#)); do
     case $1 in
         -h | --help)
@@ -393,8 +394,9 @@ while (($#)); do
         *)
             if [[ -z $command ]]; then
                 command=$1
-            elif [[ -z $name ]]; then
+            elif ((!name_given)); then
                 name=$1
+                name_given=1
             else
                 die 2 "too many arguments: '$(show "$1")' (usage: ./manage_cluster.sh [options] COMMAND [NAME])."
             fi
@@ -408,7 +410,9 @@ case $command in
     create | destroy | status | ssh | config) ;;
     *) die 2 "unknown command '$(show "$command")': use create, destroy, status, ssh or config (see --help)." ;;
 esac
-name=${name:-$DEFAULT_NAME}
+if ((!name_given)); then
+    name=$DEFAULT_NAME
+fi
 
 cd "$REPO_DIR"
 case $provider in

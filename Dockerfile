@@ -1,0 +1,45 @@
+# llmft training image: CUDA PyTorch, llmft's pinned dependencies (constraints.txt), llmft
+# itself, and DeepSpeed's CUDA/C++ ops prebuilt for A100 (sm_80) and L4 (sm_89), so jobs
+# never JIT-compile ops on the compute nodes.
+#
+#   docker build -t llmft:latest .
+#   enroot import -o /fsx/llmft.sqsh dockerd://llmft:latest     # or /home/$USER/llmft.sqsh on GCP
+#   sbatch --export=ALL,CONTAINER_IMAGE=/fsx/llmft.sqsh slurm/run_llm.slurm
+#
+# BASE_IMAGE must be a *devel* CUDA 12 image (nvcc is needed to build the ops) whose torch is
+# the version pinned in constraints.txt; with another torch, pip replaces it with the pinned one.
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-devel
+FROM ${BASE_IMAGE}
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1
+
+# ninja: fast op builds; libaio-dev: DeepSpeed's async_io op (ZeRO-Infinity NVMe offload).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends git ninja-build libaio-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/llmft
+
+# Dependencies first (cached layer): torch before deepspeed, whose build imports it.
+COPY constraints.txt ./
+RUN pip install -c constraints.txt torch
+
+# DeepSpeed from source with its ops compiled now. There is no GPU during `docker build`, so
+# DS_ACCELERATOR=cuda stops DeepSpeed from falling back to its CPU accelerator, and
+# TORCH_CUDA_ARCH_LIST says which GPUs to compile for: 8.0 = A100, 8.9 = L4.
+ENV TORCH_CUDA_ARCH_LIST="8.0;8.9"
+RUN DS_ACCELERATOR=cuda DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_AIO=1 \
+    MAX_JOBS=8 pip install --no-build-isolation --no-binary deepspeed -c constraints.txt deepspeed
+
+# llmft itself, with the rest of its pinned dependencies.
+COPY . .
+RUN pip install --no-build-isolation -c constraints.txt . \
+    && DS_ACCELERATOR=cuda ds_report \
+    && DS_ACCELERATOR=cuda python -c "import deepspeed.git_version_info as g; \
+missing = [op for op in ('cpu_adam', 'fused_adam', 'utils', 'async_io') if not g.installed_ops.get(op)]; \
+assert not missing, f'DeepSpeed ops not prebuilt: {missing}'"
+
+CMD ["bash"]
