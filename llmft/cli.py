@@ -1,0 +1,49 @@
+"""The `llmft` command: one subcommand per module, each also runnable as `python -m llmft.<module>`.
+
+    llmft train --model_name_or_path gpt2 --dataset_name data.jsonl --output_dir runs/x --zero_stage 2
+    llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --nnodes 2 --nproc_per_node 4
+    llmft infer runs/x/checkpoint-100/global_step100 --prompt "Hello"
+    llmft tiny --out runs/tiny
+    llmft demo --out runs/demo
+
+Only the chosen subcommand's module is imported, so `llmft plan` answers in a blink on a login node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("llmft.train", "fine-tune with TRL's SFTTrainer on DeepSpeed ZeRO"),
+    "plan": ("llmft.plan", "print the run plan (world, batch math, ZeRO config) without loading a model"),
+    "infer": ("llmft.infer", "generate text from a ZeRO checkpoint, or export it as a Hugging Face model"),
+    "tiny": ("llmft.tiny", "write a tiny offline model, tokenizer and dataset"),
+    "demo": ("llmft.demo", "tiny model + data, a 2-process ZeRO-2 fine-tune on CPU, then inference"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(prog="llmft", description="DeepSpeed-centric LLM fine-tuning on Slurm clusters.")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        top.parse_args(argv or ["--help"])  # prints help, or the error for an unknown command
+        return 2
+
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    if argv[0] == "train":
+        from trl import TrlParser
+
+        subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers(parser_class=TrlParser)
+        return module.cli(module.make_parser(subparsers), argv[1:])
+    subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers()
+    args = module.make_parser(subparsers).parse_args(argv[1:])
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
