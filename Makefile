@@ -8,6 +8,7 @@ PIP := $(PY) -m pip
 DEMO_DIR ?= runs/demo
 # Extra set-up steps the tests need (other targets append to this).
 TEST_DEPS :=
+TEST_DEPS += .venv-pcluster/.installed
 
 .PHONY: venv demo test clean
 
@@ -28,3 +29,12 @@ test: venv $(TEST_DEPS)
 
 clean:
 	rm -rf $(VENV) runs
+
+# aws-parallelcluster lives in its own virtual environment (its pins clash with the training
+# stack): tests/test_clusters.py validates blueprints/aws/config.yaml with its schema, and
+# .venv-pcluster/bin/pcluster is a ready CLI for ./manage_cluster.sh --provider aws.
+PCLUSTER_VERSION ?= 3.16.1
+.venv-pcluster/.installed:
+	test -x .venv-pcluster/bin/python || $(PYTHON) -m venv .venv-pcluster
+	.venv-pcluster/bin/python -m pip install -q aws-parallelcluster==$(PCLUSTER_VERSION)
+	touch $@
