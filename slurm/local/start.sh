@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Start a real Slurm cluster on this one machine: munge, slurmctld and two slurmd (nodes n1, n2),
+# each node with one GPU as Slurm sees it (an empty device file; torch sees no CUDA).
+#
+#   slurm/local/start.sh [--install] [STATE_DIR]
+#   export SLURM_CONF=STATE_DIR/slurm.conf      # then: sinfo, sbatch, squeue, scontrol ...
+#   slurm/local/stop.sh [STATE_DIR]
+#
+# STATE_DIR defaults to $LLMFT_SLURM_DIR, else /tmp/llmft-slurm-$USER. Everything the cluster
+# writes (configs, munge key and socket, logs, spool, pid files) lives there. --install first
+# installs the Debian packages (slurmctld slurmd slurm-client munge) when they are missing
+# (needs root and apt-get). Ports are picked free from $LLMFT_SLURM_PORT_BASE (default 16817) up.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+die() { echo "slurm/local/start.sh: $*" >&2; exit 1; }
+
+install=0
+state=""
+for arg in "$@"; do
+  case "$arg" in
+    --install) install=1 ;;
+    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown option '$arg' (known: --install, --help)" ;;
+    *) [[ -z "$state" ]] || die "only one STATE_DIR may be given"; state=$arg ;;
+  esac
+done
+state=${state:-${LLMFT_SLURM_DIR:-/tmp/llmft-slurm-$(id -un)}}
+mkdir -p "$state"
+state=$(cd "$state" && pwd)
+
+need=(munged mungekey slurmctld slurmd sbatch srun scontrol sinfo)
+missing() {
+  local b
+  for b in "${need[@]}"; do
+    command -v "$b" >/dev/null 2>&1 || PATH="$PATH:/usr/sbin:/sbin" command -v "$b" >/dev/null 2>&1 || { echo "$b"; return 0; }
+  done
+}
+export PATH="$PATH:/usr/sbin:/sbin"
+if [[ -n "$(missing)" ]]; then
+  if [[ "$install" == 1 ]]; then
+    [[ "$(id -u)" == 0 ]] || die "installing Slurm needs root (apt-get); missing: $(missing)"
+    command -v apt-get >/dev/null 2>&1 || die "no apt-get to install Slurm with; install slurmctld slurmd slurm-client munge yourself"
+    echo "installing slurmctld slurmd slurm-client munge ..."
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+  fi
+  [[ -z "$(missing)" ]] || die "'$(missing)' not found; install the packages (apt-get install -y slurmctld slurmd slurm-client munge) or rerun with --install"
+fi
+
+if [[ -s "$state/run/started.pids" ]]; then
+  while read -r _name pid; do
+    if kill -0 "$pid" 2>/dev/null; then
+      die "a cluster started from $state is still running (pid $pid); stop it with slurm/local/stop.sh $state"
+    fi
+  done < "$state/run/started.pids"
+fi
+
+# Fresh state every start: configs, key, spool and controller state.
+rm -rf "$state/ctld" "$state/spool" "$state/run" "$state/log" "$state/munge"
+mkdir -p "$state/ctld" "$state/spool" "$state/run" "$state/log" "$state/munge"
+chmod 755 "$state" "$state/run" "$state/log" "$state/spool"
+chmod 700 "$state/ctld"
+chmod 755 "$state/munge"
+: > "$state/fake-gpu0"
+: > "$state/run/started.pids"
+
+port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+ports=()
+p=${LLMFT_SLURM_PORT_BASE:-16817}
+[[ "$p" =~ ^[0-9]+$ ]] || die "LLMFT_SLURM_PORT_BASE must be a port number, got '$p'"
+while (( ${#ports[@]} < 3 )); do
+  (( p < 65000 )) || die "no free ports found from ${LLMFT_SLURM_PORT_BASE:-16817} up"
+  if port_free "$p"; then ports+=("$p"); fi
+  p=$((p + 1))
+done
+
+host=$(hostname -s)
+user=$(id -un)
+cpus=$(nproc)
+render() {
+  sed -e "s|@STATE@|$state|g" -e "s|@HOST@|$host|g" -e "s|@USER@|$user|g" -e "s|@CPUS@|$cpus|g" \
+      -e "s|@CTLD_PORT@|${ports[0]}|g" -e "s|@N1_PORT@|${ports[1]}|g" -e "s|@N2_PORT@|${ports[2]}|g" "$1" > "$2"
+}
+render "$here/slurm.conf.in" "$state/slurm.conf"
+render "$here/gres.conf.in" "$state/gres.conf"
+chmod 644 "$state/slurm.conf" "$state/gres.conf"
+export SLURM_CONF="$state/slurm.conf"
+
+record() { echo "$1 $2" >> "$state/run/started.pids"; }
+wait_pidfile() {  # wait_pidfile NAME FILE: the daemon writes its pid file once it has daemonized
+  local _
+  for _ in $(seq 1 100); do
+    if [[ -s "$2" ]]; then record "$1" "$(tr -dc '0-9' < "$2")"; return 0; fi
+    sleep 0.1
+  done
+  die "$1 did not start (no pid file $2); see $state/log"
+}
+
+mungekey --create --keyfile="$state/munge/munge.key" --bits=1024 >/dev/null 2>&1 \
+  || mungekey -c -k "$state/munge/munge.key" >/dev/null
+chmod 600 "$state/munge/munge.key"
+munged --key-file="$state/munge/munge.key" --socket="$state/munge/munge.socket" \
+  --pid-file="$state/run/munged.pid" --log-file="$state/log/munged.log" \
+  --seed-file="$state/munge/munged.seed" --force \
+  || die "munged failed to start; see $state/log/munged.log"
+wait_pidfile munged "$state/run/munged.pid"
+
+slurmctld -c -f "$state/slurm.conf" || die "slurmctld failed to start; see $state/log/slurmctld.log"
+wait_pidfile slurmctld "$state/run/slurmctld.pid"
+for n in n1 n2; do
+  slurmd -N "$n" -f "$state/slurm.conf" || die "slurmd $n failed to start; see $state/log/slurmd-$n.log"
+  wait_pidfile slurmd "$state/run/slurmd-$n.pid"
+done
+
+# Ready when both nodes are idle.
+for _ in $(seq 1 120); do
+  idle=$(sinfo -h -N -o '%N %t' 2>/dev/null | grep -c ' idle' || true)
+  if [[ "$idle" == 2 ]]; then
+    {
+      echo "# source this file to use the local cluster"
+      echo "export SLURM_CONF=$state/slurm.conf"
+    } > "$state/env"
+    echo "local Slurm cluster up: nodes n1 n2 (1 GPU each as Slurm sees it), controller port ${ports[0]}"
+    echo "export SLURM_CONF=$state/slurm.conf"
+    exit 0
+  fi
+  sleep 0.5
+done
+sinfo -N >&2 || true
+die "nodes did not become idle within 60 s; see $state/log"

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Stop the local Slurm cluster started by slurm/local/start.sh: cancel its jobs, then end exactly the
+# daemons it started (by the pids it recorded, each checked to still be that daemon), nothing else.
+#
+#   slurm/local/stop.sh [--purge] [STATE_DIR]     # --purge also deletes STATE_DIR
+set -euo pipefail
+
+die() { echo "slurm/local/stop.sh: $*" >&2; exit 1; }
+purge=0
+state=""
+for arg in "$@"; do
+  case "$arg" in
+    --purge) purge=1 ;;
+    -h|--help) sed -n '2,5p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown option '$arg' (known: --purge, --help)" ;;
+    *) [[ -z "$state" ]] || die "only one STATE_DIR may be given"; state=$arg ;;
+  esac
+done
+state=${state:-${LLMFT_SLURM_DIR:-/tmp/llmft-slurm-$(id -un)}}
+[[ -d "$state" ]] || die "no cluster state directory $state"
+pids_file="$state/run/started.pids"
+export PATH="$PATH:/usr/sbin:/sbin"
+
+alive() {  # alive NAME PID: the pid is still the daemon we started (not a recycled pid)
+  [[ -r "/proc/$2/comm" ]] && [[ "$(cat "/proc/$2/comm" 2>/dev/null)" == "$1" ]]
+}
+
+if [[ -s "$pids_file" ]]; then
+  # Cancel this cluster's jobs first so their steps end through Slurm, not as orphans.
+  ctld_up=0
+  while read -r name pid; do
+    if [[ "$name" == slurmctld ]] && alive "$name" "$pid"; then ctld_up=1; fi
+  done < "$pids_file"
+  if [[ "$ctld_up" == 1 ]]; then
+    export SLURM_CONF="$state/slurm.conf"
+    mapfile -t jobs < <(squeue -h -o '%i' 2>/dev/null || true)
+    if (( ${#jobs[@]} > 0 )); then
+      scancel "${jobs[@]}" 2>/dev/null || true
+      for _ in $(seq 1 30); do
+        [[ -z "$(squeue -h -o '%i' 2>/dev/null || true)" ]] && break
+        sleep 0.5
+      done
+    fi
+  fi
+  # slurmd first, then slurmctld, then munged: reverse start order.
+  mapfile -t entries < <(tac "$pids_file")
+  for entry in "${entries[@]}"; do
+    read -r name pid <<< "$entry"
+    if alive "$name" "$pid"; then
+      kill -TERM "$pid" 2>/dev/null || true
+      for _ in $(seq 1 100); do
+        alive "$name" "$pid" || break
+        sleep 0.1
+      done
+      if alive "$name" "$pid"; then
+        echo "$name (pid $pid) did not exit after SIGTERM; sending SIGKILL" >&2
+        kill -KILL "$pid" 2>/dev/null || true
+      fi
+    fi
+  done
+  : > "$pids_file"
+  echo "local Slurm cluster in $state stopped"
+else
+  echo "no running local Slurm cluster recorded in $state"
+fi
+if [[ "$purge" == 1 ]]; then
+  rm -rf "$state"
+fi
