@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -473,3 +474,35 @@ print(json.dumps(problems))
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def readme_cluster_commands() -> list[list[str]]:
+    """The ./manage_cluster.sh invocations in the README's Clusters section, as argv lists."""
+    import shlex
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("<!-- SECTION:clusters -->")[1].split("<!-- /SECTION:clusters -->")[0]
+    commands = []
+    for block in section.split("```bash")[1:]:
+        for line in block.split("```")[0].splitlines():
+            if "./manage_cluster.sh" not in line or "|" in line:  # skip the usage synopsis
+                continue
+            words = shlex.split(line[line.index("./manage_cluster.sh"):], comments=True)
+            commands.append(words[1:])
+    for inline in re.findall(r"`(\./manage_cluster\.sh [^`|]*)`", section):  # in the prose
+        commands.append(shlex.split(inline)[1:])
+    return commands
+
+
+def test_readme_cluster_commands_work(cli):
+    """Every manage_cluster.sh command the README shows is accepted (run with --dry-run)."""
+    commands = readme_cluster_commands()
+    assert {c[c.index("--provider") + 1] if "--provider" in c else "gcp" for c in commands} == {"gcp", "aws"}
+    assert {next(w for w in c if w in ("create", "destroy", "status", "ssh", "config", "--help")) for c in commands} \
+        >= {"create", "destroy", "status", "ssh"}
+    (cli.repo / "deployments" / "llmft-cluster").mkdir(parents=True)  # as left by create, for destroy
+    for args in commands:
+        force = ["--force"] if "create" in args else []
+        proc = cli.run("--dry-run", *force, *args, **GCP_ENV, **AWS_ENV)
+        assert proc.returncode == 0, (args, proc.stderr)
+    assert cli.calls() == []
