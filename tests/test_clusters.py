@@ -211,10 +211,16 @@ def test_gcp_nodes_get_the_build_deps_startup_script(gcp):
         runners = script["settings"]["runners"]
         assert [r["type"] for r in runners] == ["shell"]
         assert runners[0]["source"] == '$(ghpc_stage("install-build-deps.sh"))'
+    # Package installs take minutes: the scripts and node resumes get more than the 300 s defaults.
+    assert controller["settings"]["compute_startup_scripts_timeout"] >= 600
+    assert controller["settings"]["login_startup_scripts_timeout"] >= 600
+    for m in mods.values():
+        if m["source"].endswith("schedmd-slurm-gcp-v6-partition"):
+            assert m["settings"]["resume_timeout"] >= 600, m["id"]
 
 
 def write_fake_tools(bindir: Path, names: list[str], log: Path) -> None:
-    bindir.mkdir(exist_ok=True)
+    bindir.mkdir(parents=True, exist_ok=True)
     for name in names:
         tool = bindir / name
         tool.write_text(f'#!/bin/bash\necho "{name} $*" >> "{log}"\n')
@@ -296,6 +302,16 @@ def test_aws_head_node_script_enables_pyxis_and_enroot(tmp_path):
         assert oct((root / d).stat().st_mode & 0o7777) == "0o1777", d
     assert "python3-dev python3-venv python3-pip ninja-build build-essential" in calls[-2]
     assert calls[-1] == "scontrol reconfigure"  # slurmctld loads the plugstack
+
+
+def test_aws_head_node_script_uses_parallelclusters_scontrol(tmp_path):
+    root = fake_parallelcluster_root(tmp_path / "root")
+    log = tmp_path / "slurm.log"
+    write_fake_tools(root / "opt/slurm/bin", ["scontrol"], log)
+    proc, calls = run_script(REPO / "blueprints/aws/on-head-node-configured.sh", tmp_path, SYSROOT=str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == ["scontrol reconfigure"]
+    assert not any(c.startswith("scontrol") for c in calls)  # not the one on PATH
 
 
 def test_aws_compute_node_script_prepares_enroot(tmp_path):

@@ -42,6 +42,9 @@ else
     exit 1
 fi
 
-# Make slurmctld pick up the plugstack (pyxis options for srun/sbatch).
-scontrol reconfigure
+# Make slurmctld pick up the plugstack (pyxis options for srun/sbatch). Custom actions do not
+# get a login shell, so /opt/slurm/bin may not be on PATH.
+scontrol_bin="$root/opt/slurm/bin/scontrol"
+[[ -x "$scontrol_bin" ]] || scontrol_bin=scontrol
+"$scontrol_bin" reconfigure
 echo "llmft: head node ready"
