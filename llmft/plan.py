@@ -45,7 +45,7 @@ class RunPlan:
             f"llmft plan: global batch {b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.grad_accum} x world size {b.world_size}",
             f"llmft plan: ZeRO stage {self.zero_stage}{' with CPU offload' if self.offload else ''} ({self.ds_template})",
             f"llmft plan: precision {self.precision}",
-            f"llmft plan: checkpoint dir {self.output_dir}",
+            f"llmft plan: checkpoint dir {self.output_dir or '(not set)'}",
         ]
 
 

@@ -1,0 +1,99 @@
+"""Dataset loading and shaping: the formats users bring, and one clear error for each kind of bad data."""
+
+import json
+
+import pytest
+
+from llmft.data import DataError, ensure_chat_template, load_train_split, shape_for_sft, take_percentage
+from llmft.tiny import as_format, make_examples, write_jsonl
+
+
+def jsonl(tmp_path, rows, name="d.jsonl"):
+    return write_jsonl(rows, tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "fmt, shape, columns",
+    [("text", "text", ["text"]), ("prompt_completion", "prompt_completion", ["prompt", "completion"]), ("messages", "messages", ["messages"])],
+)
+def test_the_three_trl_shapes_are_recognised(tmp_path, fmt, shape, columns):
+    ds = load_train_split(str(jsonl(tmp_path, as_format(make_examples(10), fmt))))
+    shaped, found = shape_for_sft(ds)
+    assert found == shape and shaped.column_names == columns and len(shaped) == 10
+
+
+def test_question_answer_fields_map_to_prompt_completion(tmp_path):
+    ds = load_train_split(str(jsonl(tmp_path, as_format(make_examples(5), "question_answer"))))
+    shaped, shape = shape_for_sft(ds, prompt_column="question", completion_column="answer")
+    assert shape == "prompt_completion"
+    assert shaped[0]["prompt"] == ds[0]["question"] and shaped[0]["completion"] == ds[0]["answer"]
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "csv"])
+def test_parquet_and_csv_files_and_directories_load(tmp_path, suffix):
+    from datasets import Dataset
+
+    ds = Dataset.from_list(as_format(make_examples(7), "prompt_completion"))
+    (tmp_path / "dir").mkdir()
+    path = tmp_path / "dir" / f"train.{suffix}"
+    ds.to_parquet(str(path)) if suffix == "parquet" else ds.to_csv(str(path), index=False)
+    assert len(load_train_split(str(path))) == 7
+    assert len(load_train_split(str(tmp_path / "dir"))) == 7
+
+
+def test_malformed_line_is_reported_with_its_number(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": "broken\n{"text": "ok"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl: line 3 is not valid JSON .*fix or delete that line"):
+        load_train_split(str(path))
+
+
+def test_non_object_line_is_reported(tmp_path):
+    path = tmp_path / "list.jsonl"
+    path.write_text('{"text": "ok"}\n["a", "b"]\n')
+    with pytest.raises(DataError, match=r"line 2 is a JSON list, not an object"):
+        load_train_split(str(path))
+
+
+def test_missing_file_and_empty_file(tmp_path):
+    with pytest.raises(DataError, match=r"dataset file ./nope.jsonl not found"):
+        load_train_split("./nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty.jsonl is empty"):
+        load_train_split(str(tmp_path / "empty.jsonl"))
+
+
+def test_dataset_without_expected_fields_lists_its_columns_and_the_fix(tmp_path):
+    ds = load_train_split(str(jsonl(tmp_path, as_format(make_examples(3), "question_answer"))))
+    with pytest.raises(DataError, match=r"columns answer, question but llmft needs .*--prompt_column"):
+        shape_for_sft(ds)
+    with pytest.raises(DataError, match=r"column\(s\) query not in the dataset"):
+        shape_for_sft(ds, prompt_column="query", completion_column="answer")
+
+
+def test_null_fields_are_refused(tmp_path):
+    path = tmp_path / "nulls.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a", "completion": None}) + "\n")
+    with pytest.raises(DataError, match=r"column 'completion' is empty in 1 record"):
+        shape_for_sft(load_train_split(str(path)))
+
+
+def test_percentage_is_deterministic_and_bounded(tmp_path):
+    ds = load_train_split(str(jsonl(tmp_path, as_format(make_examples(200), "text"))))
+    ten = take_percentage(ds, 10, seed=1)
+    assert len(ten) == 20 and ten["text"] == take_percentage(ds, 10, seed=1)["text"]
+    assert len(take_percentage(ds, 0.01)) == 1 and len(take_percentage(ds, 100)) == 200
+    for bad in (0, -5, 101, float("nan")):
+        with pytest.raises(DataError, match=r"--data_percentage must be in \(0, 100\]"):
+            take_percentage(ds, bad)
+
+
+def test_tokenizer_without_chat_template_gets_a_working_default(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = None
+    assert ensure_chat_template(tok) is True
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|user|>\nhi<|endoftext|>\n<|assistant|>\n"
+    assert ensure_chat_template(tok) is False  # an existing template is kept

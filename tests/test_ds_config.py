@@ -1,0 +1,91 @@
+"""ZeRO templates and their resolution into the concrete config a run writes to disk; `llmft plan`."""
+
+import json
+
+import pytest
+
+from conftest import PYTHON, run
+from llmft.batch import plan_batch
+from llmft.ds_config import DSConfigError, load_config, resolve, template_path, templates_dir
+
+OPT = dict(gradient_clipping=1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, hidden_size=64)
+TEMPLATES = ["zero0.json", "zero1.json", "zero2.json", "zero2_offload.json", "zero3.json", "zero3_offload.json"]
+
+
+def leaves(node):
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from leaves(v)
+    else:
+        yield node
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_every_template_resolves_to_explicit_numbers(name):
+    config = load_config(templates_dir() / name)
+    resolved = resolve(config, plan_batch(world_size=4, micro_batch=2, global_batch=64), "bf16", **OPT)
+    assert "auto" not in list(leaves(resolved))
+    assert resolved["train_batch_size"] == 64
+    assert resolved["train_micro_batch_size_per_gpu"] * resolved["gradient_accumulation_steps"] * 4 == 64
+    assert resolved["bf16"]["enabled"] is True and resolved["fp16"]["enabled"] is False
+    assert resolved["optimizer"]["params"]["betas"] == [0.9, 0.95]
+
+
+def test_production_defaults_are_in_the_templates():
+    z2 = json.loads((templates_dir() / "zero2.json").read_text())["zero_optimization"]
+    z3o = json.loads((templates_dir() / "zero3_offload.json").read_text())["zero_optimization"]
+    assert z2["overlap_comm"] and z2["contiguous_gradients"] and z2["reduce_bucket_size"] > 0
+    assert z3o["stage3_gather_16bit_weights_on_model_save"] is True
+    assert z3o["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert z3o["offload_param"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_stage_and_offload_pick_the_template():
+    assert template_path(3, offload=True).name == "zero3_offload.json"
+    assert template_path(None).name == "zero2.json"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(zero_stage=7), "unknown ZeRO stage 7; use --zero_stage 0, 1, 2 or 3"),
+        (dict(zero_stage=1, offload=True), "--offload needs ZeRO stage 2 or 3"),
+        (dict(zero_stage=None, deepspeed="/nonexistent/ds.json"), "DeepSpeed config /nonexistent/ds.json not found"),
+        (dict(zero_stage=2, deepspeed="ds_configs/zero2.json"), "either --zero_stage or --deepspeed"),
+    ],
+)
+def test_bad_config_choices_are_refused(args, message):
+    with pytest.raises(DSConfigError, match=message.replace("(", r"\(")):
+        template_path(**args)
+
+
+def test_explicit_batch_value_contradicting_the_plan_is_refused(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(DSConfigError, match=r"train_micro_batch_size_per_gpu=4 but this run needs 2"):
+        resolve(load_config(path), plan_batch(world_size=1, micro_batch=2), "fp32", **OPT)
+
+
+def test_invalid_json_names_the_line(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{\n  "zero_optimization": {"stage": 2},\n  oops\n}')
+    with pytest.raises(DSConfigError, match=r"broken.json is not valid JSON \(line 3"):
+        load_config(path)
+
+
+def test_plan_cli_prints_the_plan_from_slurm_variables():
+    proc = run([PYTHON, "-m", "llmft.plan", "--global_batch_size", "32", "--per_device_train_batch_size", "2", "--zero_stage", "3"],
+               SLURM_NNODES="2", SLURM_GPUS_ON_NODE="4", check=True)
+    assert "world size 8 (2 nodes x 4 processes, from slurm)" in proc.stdout
+    assert "gradient accumulation 2" in proc.stdout
+    assert "global batch 32 = micro-batch 2 x accumulation 2 x world size 8" in proc.stdout
+    assert "ZeRO stage 3" in proc.stdout
+
+
+def test_plan_cli_fails_with_one_line_on_impossible_batch():
+    proc = run([PYTHON, "-m", "llmft.plan", "--global_batch_size", "30", "--per_device_train_batch_size", "2",
+                "--nnodes", "1", "--nproc_per_node", "4"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "llmft plan: error: global batch 30 is not divisible by micro-batch 2 x world size 4 = 8; use global batch 24 or 32"
+    ]
