@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a real Slurm cluster on this one machine: munge, slurmctld and two slurmd (nodes n1, n2),
-# each node with one GPU as Slurm sees it (an empty device file; torch sees no CUDA).
+# each node with two GPUs as Slurm sees them (empty device files; torch sees no CUDA).
 #
 #   slurm/local/start.sh [--install] [STATE_DIR]
 #   export SLURM_CONF=STATE_DIR/slurm.conf      # then: sinfo, sbatch, squeue, scontrol ...
@@ -63,6 +63,7 @@ chmod 755 "$state" "$state/run" "$state/log" "$state/spool"
 chmod 700 "$state/ctld"
 chmod 755 "$state/munge"
 : > "$state/fake-gpu0"
+: > "$state/fake-gpu1"
 : > "$state/run/started.pids"
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -121,7 +122,7 @@ for _ in $(seq 1 120); do
       echo "# source this file to use the local cluster"
       echo "export SLURM_CONF=$state/slurm.conf"
     } > "$state/env"
-    echo "local Slurm cluster up: nodes n1 n2 (1 GPU each as Slurm sees it), controller port ${ports[0]}"
+    echo "local Slurm cluster up: nodes n1 n2 (2 GPUs each as Slurm sees them), controller port ${ports[0]}"
     echo "export SLURM_CONF=$state/slurm.conf"
     exit 0
   fi

@@ -1,0 +1,110 @@
+"""A real local Slurm cluster for the tests: slurm/local/start.sh once per session, stop.sh at the end.
+
+Nothing here imitates Slurm: jobs go through sbatch to slurmctld and run on two slurmd (n1, n2).
+If Slurm cannot be installed or started the tests FAIL (in CI and outside it), they never skip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "slurm" / "run_llm.slurm"
+LOCAL = REPO / "slurm" / "local"
+SBIN_PATH = os.pathsep.join(["/usr/sbin", "/sbin"])
+
+
+class SlurmCluster:
+    def __init__(self, state: Path):
+        self.state = state
+        self.conf = state / "slurm.conf"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment for Slurm commands and jobs: offline hub, quiet tokenizers, this cluster's config.
+
+        PATH and VIRTUAL_ENV look like a shell with the test venv activated, the way a user submits.
+        """
+        env = dict(os.environ)
+        env.update(
+            SLURM_CONF=str(self.conf),
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            WANDB_MODE="offline",
+            TOKENIZERS_PARALLELISM="false",
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            VIRTUAL_ENV=sys.prefix,
+            PATH=os.pathsep.join([str(Path(sys.prefix) / "bin"), env.get("PATH", ""), SBIN_PATH]),
+        )
+        for key in ("SLURM_JOB_ID", "SLURM_JOBID", "EPOCHS", "CHECKPOINT_DIR", "DRY_RUN", "VENV", "MODEL", "DATASET"):
+            env.pop(key, None)  # a test run inside a Slurm job, or a user's knobs, must not leak in
+        env.update(extra)
+        return env
+
+    def cmd(self, args: list[str], cwd: Path | None = None, env: dict | None = None, check: bool = True, timeout: float = 60):
+        proc = subprocess.run(args, cwd=cwd or REPO, env=env or self.env(), capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        return proc
+
+    def sbatch(self, args: list[str], cwd: Path, **env: str) -> str:
+        """Submit; returns the job id. `args` are exactly what follows `sbatch` on the command line."""
+        out = self.cmd(["sbatch", "--parsable", *args], cwd=cwd, env=self.env(**env)).stdout.strip()
+        return out.split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, ExitCode, Restarts, NodeList, ...)."""
+        out = self.cmd(["scontrol", "show", "job", "-o", job_id]).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait(self, job_id: str, timeout: float = 300, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")) -> dict[str, str]:
+        """Wait until the job reaches one of `states` (pending/requeued jobs keep waiting)."""
+        deadline = time.time() + timeout
+        info = self.job(job_id)
+        while info.get("JobState") not in states:
+            if time.time() > deadline:
+                raise AssertionError(f"job {job_id} still {info.get('JobState')} after {timeout}s: {info}\n{self.logs_tail()}")
+            time.sleep(1)
+            info = self.job(job_id)
+        return info
+
+    def logs_tail(self, n: int = 30) -> str:
+        out = []
+        for log in sorted((self.state / "log").glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-n:]
+            out.append(f"--- {log}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+
+def start_cluster(state: Path) -> SlurmCluster:
+    """Install Slurm if missing (root + apt-get) and start munge, slurmctld and slurmd n1/n2."""
+    proc = subprocess.run(
+        ["bash", str(LOCAL / "start.sh"), "--install", str(state)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PATH": os.environ.get("PATH", "") + os.pathsep + SBIN_PATH},
+    )
+    if proc.returncode != 0:
+        where = "CI=true" if os.environ.get("CI") == "true" else "this machine"
+        pytest.fail(
+            f"could not install or start the local Slurm cluster on {where} (a failure, never a skip):\n"
+            f"{proc.stdout}\n{proc.stderr}",
+            pytrace=False,
+        )
+    return SlurmCluster(state)
+
+
+def stop_cluster(state: Path) -> str:
+    proc = subprocess.run(["bash", str(LOCAL / "stop.sh"), str(state)], capture_output=True, text=True, timeout=120)
+    return proc.stdout + proc.stderr
+
+
+def step_lines(log_text: str) -> list[int]:
+    """Optimizer steps rank 0 reported (`llmft: step 5/20 loss ...`), in log order."""
+    # Not anchored at line start: progress bars on stderr can share a line with them.
+    return [int(m) for m in re.findall(r"llmft: step (\d+)/\d+ loss", log_text)]

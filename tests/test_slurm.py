@@ -1,0 +1,251 @@
+"""slurm/run_llm.slurm on a real local Slurm cluster (slurm/local: munge, slurmctld, slurmd n1 + n2).
+
+Jobs are submitted with sbatch exactly as a user would, run srun + torchrun + DeepSpeed for real on
+two Slurm nodes, and are preempted the way Slurm does it (a signal to the batch shell).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmft.launch_env import expand_hostlist
+from slurm_cluster import SCRIPT, REPO, start_cluster, step_lines, stop_cluster
+
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("slurm")
+    c = start_cluster(state)
+    yield c
+    stop_cluster(state)
+    pids = (state / "run" / "started.pids").read_text()
+    assert pids == "", f"stop.sh left pids recorded: {pids}"
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def optim_shards(tag_dir: Path) -> list[str]:
+    return sorted(p.name for p in tag_dir.glob("*optim_states.pt"))
+
+
+# ---- preemption first: it must be signalled while it trains ----------------------------------------
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes_without_losing_or_repeating_steps(cluster, tiny_model, tiny_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    total = 30
+    # accumulation 8 makes each optimizer step slow enough to signal mid-run; no periodic saves,
+    # so the only checkpoint before the end is the one the signal asks for.
+    knobs = (
+        f"--export=ALL,MAX_STEPS={total},GLOBAL_BATCH=32,MICRO_BATCH=2,SAVE_STEPS=1000,DATA_PERCENTAGE=100,"
+        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
+    )
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+    log = tmp_path / f"llmft-{job}.out"
+
+    deadline = time.time() + 300
+    while not [s for s in step_lines(read(log)) if s >= 2]:
+        state = cluster.job(job).get("JobState")
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job} {state} before training started:\n{read(log)}"
+        assert time.time() < deadline, f"no training step after 300 s:\n{read(log)}"
+        time.sleep(0.3)
+    # What Slurm does before a time limit with --signal=B:USR1@120 (and what an admin does to preempt).
+    cluster.cmd(["scancel", "--signal=USR1", "--batch", job])
+
+    info = cluster.wait(job, timeout=400)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
+    assert info["ExitCode"] == "0:0"
+    assert info["Restarts"] == "1", f"the job should have requeued itself exactly once: {info}"
+
+    m = re.search(r"llmft: stop requested; saved checkpoint-(\d+)\n", text)
+    assert m, text
+    stop = int(m.group(1))
+    assert 2 <= stop < total
+    assert "got SIGUSR1" in text
+    assert f"requeueing job {job}" in text
+    assert re.search(rf"^run_llm.slurm: job {job} \(llmft\) restart 1,", text, flags=re.M), text
+    assert f"resuming from {ckpt}/checkpoint-{stop}" in text
+    assert f"training complete at step {total}" in text
+
+    # Rank 0's step lines: 1..stop in the first run, stop+1..total after the requeue. Nothing twice, nothing lost.
+    first_run, _, second_run = text.partition(f"llmft: stop requested; saved checkpoint-{stop}")
+    assert step_lines(first_run) == list(range(1, stop + 1))
+    assert step_lines(second_run) == list(range(stop + 1, total + 1))
+
+    # The stop checkpoint is complete: every rank's shard, then the marker.
+    tag = ckpt / f"checkpoint-{stop}" / f"global_step{stop}"
+    assert optim_shards(tag) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert json.loads((ckpt / f"checkpoint-{stop}" / "llmft_complete.json").read_text())["world_size"] == 2
+    # The persisted training history agrees: one loss entry per step, 1..total.
+    history = json.loads((ckpt / f"checkpoint-{total}" / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in history if "loss" in h] == list(range(1, total + 1))
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == total
+    assert not list(ckpt.glob(".llmft-stop-*")), "the stop file must be cleaned up"
+
+
+# ---- the user's command on two nodes ------------------------------------------------------------
+
+
+def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_inference(cluster, tiny_model, tiny_data, tmp_path):
+    ckpt = tmp_path / "my_llm_checkpoint"
+    # sbatch slurm/run_llm.slurm --export=ALL,EPOCHS=1,...  (sbatch hands --export=... to the script)
+    knobs = f"--export=ALL,EPOCHS=1,MODEL={tiny_model},DATASET={tiny_data},DATA_PERCENTAGE=25,GLOBAL_BATCH=4,MICRO_BATCH=2"
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+    info = cluster.wait(job, timeout=400)
+    log = tmp_path / f"llmft-{job}.out"  # %x-%j.out in the submit directory
+    text = read(log)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
+    assert info["ExitCode"] == "0:0"
+    assert info["NodeList"] == "n[1-2]"
+
+    # The first lines: the resolved plan, before anything is launched.
+    lines = text.splitlines()
+    launch = next(i for i, line in enumerate(lines) if line.startswith("run_llm.slurm: launch: srun"))
+    head = "\n".join(lines[:launch])
+    assert lines[0].startswith(f"run_llm.slurm: job {job} (llmft) restart 0")
+    for expected in (
+        "run_llm.slurm: nodes 2: n1 n2; GPUs per node 1; processes per node 1",
+        f"python {sys.prefix}/bin/python",  # the environment it was submitted from
+        "llmft plan: world size 2 (2 nodes x 1 processes",
+        "llmft plan: micro-batch 2 per process",
+        "llmft plan: gradient accumulation 1",
+        "llmft plan: global batch 4 = micro-batch 2 x accumulation 1 x world size 2",
+        "llmft plan: ZeRO stage 2",
+        f"llmft plan: checkpoint dir {ckpt}",
+        f"rendezvous c10d at 127.0.0.1:{20000 + int(job) % 10000} (first host n1)",
+    ):
+        assert expected in head, f"{expected!r} not in the job's first lines:\n{head}"
+    assert "--nnodes 2 --nproc_per_node 1 --rdzv_backend c10d" in lines[launch]
+    # One torchrun per Slurm node, and the run's world spans both.
+    assert "run_llm.slurm: node n1 (node rank 0): torchrun with 1 GPU(s)" in text
+    assert "run_llm.slurm: node n2 (node rank 1): torchrun with 1 GPU(s)" in text
+    assert "llmft plan: world size 2 (2 nodes x 1 processes, from torchrun)" in text
+
+    # One shard per rank in a complete checkpoint; the run is marked done.
+    done = json.loads((ckpt / "llmft_done.json").read_text())
+    step = done["global_step"]
+    assert step == 16  # 25% of 256 examples = 64, global batch 4
+    tag = ckpt / f"checkpoint-{step}" / f"global_step{step}"
+    assert optim_shards(tag) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert json.loads((ckpt / f"checkpoint-{step}" / "llmft_complete.json").read_text())["world_size"] == 2
+
+    # Inference straight from the ZeRO checkpoint.
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmft.infer", str(tag), "--prompt", "What is 2 plus 3?", "--max_new_tokens", "8", "--json"],
+        cwd=REPO, env=cluster.env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert result["world_size"] == 2 and result["step"] == step
+    assert len(result["generations"]) == 1 and result["generations"][0]["prompt"].startswith("What is 2 plus 3?")
+
+
+# ---- bad knobs fail in the job's first lines ------------------------------------------------------
+
+
+BAD = [
+    # (sbatch arguments, message in the log)
+    (["{script}", "--export=ALL,EPOCHS=abc"], "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 10)"),
+    (["--export=ALL,EPOCHS=abc", "{script}"], "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 10)"),
+    (["{script}", "--export=ALL,EPOCHS=1,EPOCH=3"], "run_llm.slurm: error: unknown knob 'EPOCH' in '--export=ALL,EPOCHS=1,EPOCH=3'; known knobs: EPOCHS CHECKPOINT_DIR"),
+    (["{script}", "--export=ALL,ZERO_STAGE=7"], "run_llm.slurm: error: ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3"),
+    (["{script}", "--export=ALL,CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3"], "needs the pyxis SPANK plugin"),
+    # Knobs that look fine alone but make an impossible plan: llmft plan says so before torchrun starts.
+    (["{script}", "--export=ALL,GLOBAL_BATCH=3,MICRO_BATCH=2"], "llmft plan: error:"),
+]
+
+
+def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, tmp_path):
+    jobs = []
+    for i, (args, message) in enumerate(BAD):
+        cwd = tmp_path / str(i)
+        cwd.mkdir()
+        jobs.append((cluster.sbatch([a.replace("{script}", str(SCRIPT)) for a in args], cwd=cwd), cwd, args, message))
+    for job, cwd, args, message in jobs:
+        info = cluster.wait(job, timeout=120)
+        text = read(cwd / f"llmft-{job}.out")
+        assert info["JobState"] == "FAILED", f"{args}: {info}\n{text}"
+        assert info["ExitCode"] == "2:0", f"{args}: {info}"
+        assert message in text, f"{args}: {message!r} not in\n{text}"
+        assert "launch: srun" not in text and "torch.distributed.run" not in text, text
+        assert text.count("error:") == 1, text
+        if not message.startswith("llmft plan"):
+            assert text.splitlines()[0].startswith("run_llm.slurm: error:"), text  # before anything else
+        else:
+            assert re.search(r"nearest|use|try", text.split("llmft plan: error:")[1]), text
+
+
+# ---- resources: change #SBATCH --gpus-per-node only ---------------------------------------------
+
+
+def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(cluster, tmp_path):
+    edited = tmp_path / "run_llm_2gpu.slurm"
+    original = SCRIPT.read_text()
+    assert "#SBATCH --gpus-per-node=1\n" in original
+    edited.write_text(original.replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus-per-node=2\n"))
+    knobs = "--export=ALL,DRY_RUN=1,GLOBAL_BATCH=32,MICRO_BATCH=4,NCCL_PROFILE=aws-efa"
+    one = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+    two = cluster.sbatch([str(edited), knobs], cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9")
+    for job in (one, two):
+        assert cluster.wait(job, timeout=120)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
+    a, b = read(tmp_path / f"llmft-{one}.out"), read(tmp_path / f"llmft-{two}.out")
+
+    assert "world size 2 (2 nodes x 1 processes" in a and "gradient accumulation 4" in a
+    assert "GPUs per node 2; processes per node 2" in b
+    assert "world size 4 (2 nodes x 2 processes" in b and "gradient accumulation 2" in b
+    assert "--nnodes 2 --nproc_per_node 2 " in b
+    for text in (a, b):
+        assert "global batch 32 = " in text
+        assert "DRY_RUN=1: not launching" in text
+        assert "nccl FI_PROVIDER=efa" in text
+    assert "nccl NCCL_SOCKET_IFNAME=eth9" in b  # a setting the user exported wins over the profile
+    # Rendezvous ports derive from the job id: two jobs sharing a node do not collide.
+    ports = [re.search(r"rendezvous c10d at [^:]+:(\d+)", t).group(1) for t in (a, b)]
+    assert ports == [str(20000 + int(one) % 10000), str(20000 + int(two) % 10000)] and ports[0] != ports[1]
+
+
+# ---- the local cluster itself -------------------------------------------------------------------
+
+
+hostlist_items = st.tuples(
+    st.sampled_from(["n", "gpu-", "a100-node", "x"]),
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 4)), min_size=1, max_size=3),
+    st.sampled_from([1, 2, 3]),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(hostlist_items, min_size=1, max_size=3))
+def test_expand_hostlist_agrees_with_scontrol_show_hostnames(cluster, items):
+    parts = []
+    for prefix, ranges, width in items:
+        rs = [f"{lo:0{width}d}" if span == 0 else f"{lo:0{width}d}-{lo + span:0{width}d}" for lo, span in ranges]
+        parts.append(f"{prefix}[{','.join(rs)}]")
+    hostlist = ",".join(parts)
+    out = cluster.cmd(["scontrol", "show", "hostnames", hostlist]).stdout.split()
+    assert expand_hostlist(hostlist) == out
+
+
+def test_stop_ends_only_the_daemons_its_cluster_started(cluster, tmp_path):
+    other = tmp_path / "other"
+    start_cluster(other)
+    pids = [line.split() for line in (other / "run" / "started.pids").read_text().splitlines()]
+    assert [name for name, _ in pids] == ["munged", "slurmctld", "slurmd", "slurmd"]
+    stop_cluster(other)
+    for name, pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or name not in Path(f"/proc/{pid}/comm").read_text(), (name, pid)
+    # The session's cluster is untouched.
+    assert cluster.cmd(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout.split() == ["n1", "idle", "n2", "idle"]
