@@ -1,0 +1,90 @@
+"""llmft.launch_env without a cluster: hostlists and the world (nodes x processes) from Slurm/torchrun variables."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmft.launch_env import LaunchEnvError, World, discover_world, expand_hostlist, parse_gpu_count
+
+
+@pytest.mark.parametrize(
+    "hostlist, hosts",
+    [
+        ("n[1-3,7]", ["n1", "n2", "n3", "n7"]),
+        ("n1", ["n1"]),
+        ("n1,n2", ["n1", "n2"]),
+        ("gpu-[01-03]", ["gpu-01", "gpu-02", "gpu-03"]),
+        ("gpu-[08-11]", ["gpu-08", "gpu-09", "gpu-10", "gpu-11"]),
+        ("a3-[1-2],login", ["a3-1", "a3-2", "login"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("slurm-g2-nodeset-[0-1],slurm-a2-[5]", ["slurm-g2-nodeset-0", "slurm-g2-nodeset-1", "slurm-a2-5"]),
+    ],
+)
+def test_expand_hostlist(hostlist, hosts):
+    assert expand_hostlist(hostlist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["n[1-3", "n1-3]", "n[3-1]", "n[a-b]", "n[1,x]"])
+def test_expand_hostlist_rejects_malformed_lists_with_a_message(bad):
+    with pytest.raises(LaunchEnvError, match="hostlist"):
+        expand_hostlist(bad)
+
+
+@given(st.lists(st.integers(0, 999), min_size=1, max_size=20, unique=True))
+def test_expand_hostlist_round_trips_any_set_of_numbered_nodes(numbers):
+    numbers = sorted(numbers)
+    assert expand_hostlist(f"node[{','.join(map(str, numbers))}]") == [f"node{n}" for n in numbers]
+
+
+@pytest.mark.parametrize(
+    "spec, count",
+    [("2", 2), ("a100:2", 2), ("gpu:a100:2", 2), ("gpu:4", 4), ("a100:2,l4:1", 3), ("gpu:a100", 1), ("(null)", 0), ("", 0)],
+)
+def test_gpu_count_from_slurm_gpu_specs(spec, count):
+    assert parse_gpu_count(spec) == count
+
+
+@pytest.mark.parametrize(
+    "env, world",
+    [
+        # Inside a Slurm allocation: GPUs Slurm gave the node, from the most specific variable.
+        ({"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4"}, (2, 4)),
+        ({"SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "a100:8"}, (2, 8)),
+        ({"SLURM_NNODES": "3", "SLURM_GPUS_PER_NODE": "gpu:l4:4"}, (3, 4)),
+        ({"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1", "SLURM_GPUS_PER_NODE": "8"}, (2, 1)),
+        ({"SLURM_NNODES": "4", "SLURM_JOB_NUM_NODES": "4", "SLURM_GPUS": "16"}, (4, 4)),  # --gpus=16 over the job
+        # One task per process launch style, no GPUs: processes from tasks.
+        ({"SLURM_NNODES": "2", "SLURM_NTASKS": "8"}, (2, 4)),
+        # A CPU node (the local test cluster without --gpus): one process per node.
+        ({"SLURM_NNODES": "2", "SLURM_NTASKS": "2"}, (2, 1)),
+        ({"SLURM_NNODES": "2"}, (2, 1)),
+        # Inside torchrun its variables win over Slurm's.
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1"}, (2, 4)),
+        ({"WORLD_SIZE": "2"}, (1, 2)),
+    ],
+)
+def test_discover_world_from_slurm_and_torchrun_variables(env, world):
+    w = discover_world(env, cuda_device_count=0)
+    assert (w.nnodes, w.procs_per_node) == world
+    assert w.world_size == world[0] * world[1]
+
+
+def test_outside_slurm_the_world_is_the_local_gpus_or_one_cpu_process():
+    assert discover_world({}, cuda_device_count=8) == World(1, 8, "cuda")
+    assert discover_world({}, cuda_device_count=0).world_size == 1
+
+
+@pytest.mark.parametrize(
+    "env, name",
+    [
+        ({"SLURM_NNODES": "two"}, "SLURM_NNODES"),
+        ({"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "-1"}, "SLURM_GPUS_ON_NODE"),
+        ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, "WORLD_SIZE"),
+        ({"SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "a100:x?"}, "a100:x?"),
+    ],
+)
+def test_unreadable_variables_fail_naming_the_variable(env, name):
+    with pytest.raises(LaunchEnvError, match=name.replace("?", r"\?")):
+        discover_world(env, cuda_device_count=0)
