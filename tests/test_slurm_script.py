@@ -1,0 +1,119 @@
+"""slurm/ scripts without a cluster: shellcheck, and knob checking that runs before anything else."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "slurm" / "run_llm.slurm"
+SHELL_SCRIPTS = [SCRIPT, REPO / "slurm" / "local" / "start.sh", REPO / "slurm" / "local" / "stop.sh"]
+
+
+def shellcheck() -> str:
+    found = shutil.which("shellcheck")
+    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "shellcheck"], capture_output=True, timeout=600,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        found = shutil.which("shellcheck")
+    if not found:
+        pytest.fail("shellcheck is not installed and could not be installed (apt-get install shellcheck)", pytrace=False)
+    return found
+
+
+def test_shell_scripts_are_shellcheck_clean():
+    proc = subprocess.run([shellcheck(), "-s", "bash", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for script in SHELL_SCRIPTS:
+        text = script.read_text()
+        assert "set -euo pipefail" in text, script
+        assert "eval " not in text, script
+
+
+def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """The batch script run by bash outside Slurm: it checks knobs, then says it must be submitted."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for knob in ("EPOCHS", "CHECKPOINT_DIR", "DRY_RUN", "ZERO_STAGE", "DS_CONFIG", "MODEL", "DATASET", "VENV"):
+        clean.pop(knob, None)
+    clean.update(env)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=clean, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--export=ALL,EPOCHS=abc"], "EPOCHS=abc is not a positive number (default 10)"),
+        (["EPOCHS=0"], "EPOCHS=0 is not a positive number"),
+        (["--export=ALL,EPOCHS=3,EPOCH=3"], "unknown knob 'EPOCH'"),
+        (["--export=ALL,ZERO_STAGE=7"], "ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3"),
+        (["--export=ALL,DATA_PERCENTAGE=150"], "0 < DATA_PERCENTAGE <= 100"),
+        (["--export=ALL,DATA_PERCENTAGE=0"], "0 < DATA_PERCENTAGE <= 100"),
+        (["--export=ALL,GLOBAL_BATCH=-4"], "GLOBAL_BATCH=-4 is not a positive integer"),
+        (["--export=ALL,MICRO_BATCH=1.5"], "MICRO_BATCH=1.5 is not a positive integer"),
+        (["--export=ALL,MAX_STEPS=ten"], "MAX_STEPS=ten is not a positive integer"),
+        (["--export=ALL,OFFLOAD=maybe"], "OFFLOAD=maybe is not a boolean"),
+        (["--export=ALL,OFFLOAD=1,ZERO_STAGE=1"], "OFFLOAD=1 needs ZERO_STAGE=2 or 3"),
+        (["--export=ALL,ZERO_STAGE=3,DS_CONFIG=ds_configs/zero3.json"], "give either ZERO_STAGE or DS_CONFIG, not both"),
+        (["--export=ALL,DS_CONFIG=/nonexistent/ds.json"], "DS_CONFIG=/nonexistent/ds.json: no such file"),
+        (["--export=ALL,NCCL_PROFILE=azure"], "NCCL_PROFILE=azure is unknown; use gcp-g2, aws-efa or ib"),
+        (["--export=ALL,WANDB_MODE=loud"], "WANDB_MODE=loud: use online, offline or disabled"),
+        (["--export=ALL,VENV=/nonexistent/venv"], "VENV=/nonexistent/venv is not a virtual environment"),
+        (["--epochs", "3"], "cannot read argument '--epochs'"),
+    ],
+)
+def test_a_bad_knob_is_one_clear_message_and_exit_2(args, message):
+    proc = run_script(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("run_llm.slurm: error: "), proc.stderr
+    assert message in proc.stderr
+    if "unknown knob" in message or "cannot read" in message:
+        assert "known knobs: EPOCHS CHECKPOINT_DIR DATA_PERCENTAGE" in proc.stderr
+
+
+def test_knobs_from_the_environment_are_checked_like_arguments_and_arguments_win():
+    assert "EPOCHS=x is not a positive number" in run_script(EPOCHS="x").stderr  # sbatch --export=ALL,EPOCHS=x
+    assert run_script("EPOCHS=2", EPOCHS="x", DRY_RUN="1").returncode == 0
+
+
+def test_valid_knobs_outside_slurm_say_to_submit_with_sbatch():
+    proc = run_script("--export=ALL,EPOCHS=3,LORA=yes,OFFLOAD=true,ZERO_STAGE=3,DATA_PERCENTAGE=2.5", DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "knobs are valid" in proc.stdout
+    proc = run_script("--export=ALL,EPOCHS=3")
+    assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr and "sbatch" in proc.stderr
+
+
+def test_values_are_data_never_code(tmp_path):
+    marker = tmp_path / "pwned"
+    for args in (
+        [f"--export=ALL,MODEL=$(touch {marker})", "DRY_RUN=1"],
+        [f"EXTRA_ARGS=`touch {marker}`; touch {marker}", "DRY_RUN=1"],
+        [f"EPOCHS=1;touch {marker}"],
+        [f"$(touch {marker})=1"],
+    ):
+        run_script(*args)
+    run_script(DRY_RUN="1", MODEL=f"$(touch {marker})", EXTRA_ARGS=f"--seed 1 $(touch {marker})")
+    assert not marker.exists()
+
+
+def test_help_documents_every_knob_with_its_default():
+    proc = run_script("--help")
+    assert proc.returncode == 0
+    for line in ("EPOCHS=10", "CHECKPOINT_DIR=./my_llm_checkpoint", "DATA_PERCENTAGE=10", "ZERO_STAGE=2", "GLOBAL_BATCH=32",
+                 "MICRO_BATCH=4", "NCCL_PROFILE=", "CONTAINER_IMAGE=", "VENV=", "EXTRA_ARGS=", "WANDB_PROJECT="):
+        assert line in proc.stdout, line
+    knobs = SCRIPT.read_text().split("KNOBS=(")[1].split(")")[0].split()
+    for knob in knobs:
+        assert f"  {knob}=" in proc.stdout, f"{knob} is not documented in --help"
+
+
+def test_sbatch_directives_for_multinode_preemption_safe_runs():
+    directives = [line for line in SCRIPT.read_text().splitlines() if line.startswith("#SBATCH")]
+    for expected in ("--output=%x-%j.out", "--requeue", "--signal=B:USR1@120", "--ntasks-per-node=1", "--gpus-per-node=1",
+                     "--open-mode=append"):
+        assert any(expected in d for d in directives), expected
