@@ -142,8 +142,12 @@ def pick_device(name: str | None) -> str:
 
     if name is None:
         return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CheckpointError(f"--device {name} but CUDA is not available here: use --device cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise CheckpointError(f"--device {name} but CUDA is not available here: use --device cpu")
+        index = torch.device(name).index or 0
+        if index >= torch.cuda.device_count():
+            raise CheckpointError(f"--device {name} but this machine has {torch.cuda.device_count()} CUDA device(s): use cuda:0 or cpu")
     return name
 
 

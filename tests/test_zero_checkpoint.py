@@ -132,5 +132,124 @@ def test_reads_into_bf16_destination(ds_checkpoints):
         assert torch.equal(t, ref[name].to(torch.bfloat16)), name
 
 
+# --------------------------------------------------------------------------------------------------
+# The plain DeepSpeed layout through the CLI: no config beside the shards, so --model_name is needed
+
+
+def infer_cli(*args: str):
+    from conftest import PYTHON, run
+
+    return run([PYTHON, "-m", "llmft.infer", *map(str, args)], timeout=180)
+
+
+def test_plain_checkpoint_generates_with_model_name_and_glob_picks_highest_step(ds_checkpoints, tiny_model):
+    import json
+
+    tags = sorted(str(p) for p in (ds_checkpoints / "2").glob("global_step*"))
+    assert [Path(t).name for t in tags] == ["global_step2", "global_step3"]
+    proc = infer_cli(*tags, "--model_name", tiny_model, "--prompt", "What is 2 plus 3?", "--max_new_tokens", "6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["checkpoint"].endswith("global_step3") and out["step"] == 3 and out["zero_stage"] == 2
+    assert "using the highest step" in proc.stderr and "global_step3" in proc.stderr
+    assert out["generations"][0]["new_tokens"] == 6
+
+
+def _corrupt_copy(ds_checkpoints: Path, spec: str, name: str, how) -> Path:
+    import shutil
+
+    work = ds_checkpoints / f"bad_{name}"
+    if not work.exists():
+        shutil.copytree(ds_checkpoints / spec, work)
+        how(work / "global_step3")
+    return work / "global_step3"
+
+
+def _truncate(tag: Path):
+    f = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _garbage(tag: Path):
+    f = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    f.write_bytes(b"not a checkpoint" * 1000)
+
+
+def _drop_rank1_optim(tag: Path):
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+
+
+def _drop_rank1_model_states(tag: Path):
+    (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+
+
+def _code_bearing(tag: Path):
+    """An optimizer shard that pickles an arbitrary Python object next to the tensors."""
+    import argparse
+
+    import torch
+
+    f = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["extra"] = argparse.Namespace(note="pickled object")
+    torch.save(sd, f)
+
+
+@pytest.fixture(scope="session")
+def other_model(tmp_path_factory) -> Path:
+    """A tiny model with a different width: the wrong --model_name for the checkpoints above."""
+    from llmft.tiny import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("other") / "model", n_embd=32)
+
+
+BAD_INPUTS = {
+    "does_not_exist": (lambda d: d / "nope" / "global_step3", "does not exist"),
+    "glob_matched_nothing": (lambda d: d / "nope" / "global_step*", "no checkpoint matched"),
+    "no_shards": (lambda d: (d / "empty").mkdir(exist_ok=True) or d / "empty", "holds no DeepSpeed checkpoint"),
+    "missing_rank_optim": (lambda d: _corrupt_copy(d, "2", "missing", _drop_rank1_optim), "missing shard for rank 1 of 2"),
+    "missing_rank_model_states": (lambda d: _corrupt_copy(d, "3", "missing3", _drop_rank1_model_states), "missing shard for rank 1 of 2"),
+    "truncated_shard": (lambda d: _corrupt_copy(d, "2", "truncated", _truncate), "is truncated or corrupt"),
+    "garbage_shard": (lambda d: _corrupt_copy(d, "3", "garbage", _garbage), "is truncated or corrupt"),
+    "code_bearing_shard": (lambda d: _corrupt_copy(d, "2", "code", _code_bearing), "--trust_checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_clear_line_and_nonzero_exit(ds_checkpoints, tiny_model, case):
+    make_path, expected = BAD_INPUTS[case]
+    path = make_path(ds_checkpoints)
+    proc = infer_cli(path, "--model_name", tiny_model, "--prompt", "hi", "--max_new_tokens", "2")
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("llmft infer: error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr
+    if case.startswith("missing_rank"):
+        assert "zero_pp_rank_1_mp_rank_00_" in errors[0]  # names the file to copy over
+    if case != "glob_matched_nothing" and case != "no_shards":
+        assert str(path).split("/")[-2] in errors[0]  # names the checkpoint
+
+
+def test_wrong_model_name_and_missing_model_name(ds_checkpoints, other_model):
+    tag = ds_checkpoints / "2" / "global_step3"
+    proc = infer_cli(tag, "--model_name", other_model, "--prompt", "hi")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "has shape (481, 64) but" in proc.stderr and "expects (481, 32)" in proc.stderr and "--model_name" in proc.stderr
+    proc = infer_cli(tag, "--prompt", "hi")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "no config.json beside" in proc.stderr and "pass --model_name" in proc.stderr
+
+
+def test_trust_checkpoint_loads_a_code_bearing_shard(ds_checkpoints):
+    import torch
+
+    from llmft.zero_checkpoint import load_fp32_state_dict
+
+    tag = _corrupt_copy(ds_checkpoints, "2", "code", _code_bearing)
+    trusted = load_fp32_state_dict(tag, trust=True)
+    clean = load_fp32_state_dict(ds_checkpoints / "2" / "global_step3")
+    assert all(torch.equal(trusted[k], clean[k]) for k in clean)
+
+
 if __name__ == "__main__":
     write_checkpoints(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])

@@ -1,0 +1,254 @@
+"""`python -m llmft.infer` on checkpoints written by real `llmft train` runs (torchrun, 2 processes, DeepSpeed on
+CPU): ZeRO 0, 1, 2, 3 with CPU offload, and LoRA; exactness against DeepSpeed, generation, export, the
+`inference/` entry point and the `llmft infer` subcommand."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import PYTHON, REPO, run
+
+PROMPT = "What is 2 plus 3?"
+
+# name -> llmft train flags; each run: 4 steps, checkpoints at steps 2 and 4.
+
+# Four runs cover the matrix (stages 0-3, offload, LoRA); the plain-DeepSpeed fixture in
+# test_zero_checkpoint.py covers full-weight stage 1 and bf16 exactness.
+RUNS = {
+    "z0": ["--zero_stage", "0"],
+    "z2": ["--zero_stage", "2"],
+    "z3_offload": ["--zero_stage", "3", "--offload"],
+    # a single --lora_target_modules value reaches PEFT as a regex (matching nothing); two values are a list
+    "lora_z1": ["--zero_stage", "1", "--use_peft", "--lora_r", "8", "--lora_target_modules", "c_attn", "c_proj"],
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, tiny_model, tiny_data):
+    """trained(name) -> the output dir of a real 2-process `llmft train` run, trained once per session."""
+    root = tmp_path_factory.mktemp("llmft_runs")
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            out = root / name
+            run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                 "-m", "llmft.train", "--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data),
+                 "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--global_batch_size", "8",
+                 "--per_device_train_batch_size", "2", "--report_to", "none", "--logging_steps", "1", *RUNS[name]],
+                timeout=480, check=True)
+            done[name] = out
+        return done[name]
+
+    return get
+
+
+def tag(out: Path, step: int = 4) -> Path:
+    return out / f"checkpoint-{step}" / f"global_step{step}"
+
+
+def infer(*args, check=True):
+    proc = run([PYTHON, "-m", "llmft.infer", *map(str, args)], timeout=180)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def deepspeed_reference(ckpt_dir: Path) -> dict:
+    """DeepSpeed's own reconstruction; for stage 0 (which it does not handle) the Trainer's saved model."""
+    from safetensors.torch import load_file
+
+    from llmft.zero_checkpoint import open_checkpoint
+
+    tags = sorted(ckpt_dir.glob("global_step*"))
+    if open_checkpoint(tags[-1]).stage == 0:
+        sd = load_file(ckpt_dir / "model.safetensors")
+        sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])
+        return sd
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+
+
+@pytest.mark.parametrize("name,stage", [("z0", 0), ("z2", 2), ("z3_offload", 3)])
+def test_real_run_weights_and_logits_equal_deepspeed(trained, tiny_model, name, stage):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmft.infer import load
+    from llmft.zero_checkpoint import load_fp32_state_dict
+
+    out = trained(name)
+    ref = deepspeed_reference(out / "checkpoint-4")
+    ours = load_fp32_state_dict(tag(out))
+    assert set(ours) == set(ref)
+    for k, v in ref.items():
+        assert ours[k].dtype == torch.float32 and torch.equal(ours[k], v), f"{name}: {k}"
+
+    loaded = load(tag(out))  # llmft layout: config + tokenizer come from beside global_step4
+    assert (loaded.ckpt.stage, loaded.ckpt.world_size, loaded.ckpt.step) == (stage, 2, 4)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model)).eval()
+    reference.load_state_dict(ref)
+    ids = loaded.tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, reference(ids).logits)
+
+
+def test_demo_command_streams_and_greedy_is_deterministic(trained):
+    tag_dir = tag(trained("z2"))
+    first = infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20")
+    second = infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20")
+    as_json = json.loads(infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20", "--json").stdout)
+    assert first.stdout == second.stdout
+    # streamed text: the prompt, then the completion, then a newline
+    assert first.stdout == PROMPT + as_json["generations"][0]["completion"] + "\n"
+    assert as_json["generations"][0]["new_tokens"] == 20
+    assert as_json["checkpoint"] == str(tag_dir) and as_json["zero_stage"] == 2 and as_json["step"] == 4
+    assert "ZeRO-2, 2 ranks" in first.stderr
+
+
+def _main(capsys, *argv) -> dict:
+    from llmft.infer import main, make_parser
+
+    main(make_parser().parse_args([*map(str, argv), "--json"]))
+    return json.loads(capsys.readouterr().out)
+
+
+def test_batch_from_prompt_file_matches_single_prompts(trained, tmp_path, capsys):
+    out = trained("z2")
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("What is 2 plus 3?\n\nSpell apple backwards.\nRepeat: apple river stone\n")
+    batch = _main(capsys, out, "--prompt_file", lines, "--max_new_tokens", "8")["generations"]
+    assert [g["prompt"] for g in batch] == ["What is 2 plus 3?", "Spell apple backwards.", "Repeat: apple river stone"]
+    for g in batch:
+        single = _main(capsys, out, "--prompt", g["prompt"], "--max_new_tokens", "8")["generations"][0]
+        assert single == g  # left-padded batching changes nothing in greedy output
+
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "Spell apple backwards."}) + "\n"
+                     + json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    rows = _main(capsys, out, "--prompt_file", jsonl, "--max_new_tokens", "4")["generations"]
+    assert rows[0]["prompt"] == "Spell apple backwards."
+    assert rows[1]["prompt"] == "<|user|>\nHi<|endoftext|>\n<|assistant|>\n"  # messages go through the chat template
+
+
+def test_chat_sampling_and_seed(trained, capsys):
+    out = trained("z2")
+    chat = _main(capsys, out, "--prompt", "Hi", "--chat", "--max_new_tokens", "4")
+    assert chat["generations"][0]["prompt"] == "<|user|>\nHi<|endoftext|>\n<|assistant|>\n"
+    args = [out, "--prompt", PROMPT, "--max_new_tokens", "12", "--temperature", "1.5", "--top_p", "0.95"]
+    a = _main(capsys, *args, "--seed", "1")["generations"][0]["completion"]
+    b = _main(capsys, *args, "--seed", "1")["generations"][0]["completion"]
+    assert a == b  # a seed makes sampling reproducible
+    draws = {_main(capsys, *args, "--seed", str(s))["generations"][0]["completion"] for s in range(2, 6)}
+    assert len(draws) > 1  # and it does sample
+
+
+def test_resolves_run_dir_checkpoint_dir_and_skips_incomplete(trained, tmp_path, capsys):
+    from llmft.infer import resolve_checkpoint
+
+    out = trained("z0")
+    assert resolve_checkpoint([str(out)]) == (tag(out), None)
+    assert resolve_checkpoint([str(out / "checkpoint-2")]) == (tag(out, 2), None)
+    chosen, note = resolve_checkpoint([str(tag(out, 2)), str(tag(out, 4))])
+    assert chosen == tag(out) and "highest step" in note
+    # a newer checkpoint without llmft's completeness marker (a save that was interrupted) is skipped
+    run_copy = tmp_path / "run"
+    shutil.copytree(out, run_copy)
+    shutil.copytree(run_copy / "checkpoint-4", run_copy / "checkpoint-6")
+    (run_copy / "checkpoint-6" / "llmft_complete.json").unlink()
+    assert resolve_checkpoint([str(run_copy)])[0] == tag(run_copy)
+    assert "skipping" in capsys.readouterr().err
+
+
+def test_export_loads_with_from_pretrained(trained, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = trained("z3_offload")
+    ref = deepspeed_reference(out / "checkpoint-4")
+    infer(tag(out), "--export", tmp_path / "fp32")
+    assert (tmp_path / "fp32" / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "fp32")
+    sd = model.state_dict()
+    assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], v) for k, v in ref.items())
+    assert tokenizer(PROMPT).input_ids
+
+    infer(tag(out), "--export", tmp_path / "bf16", "--dtype", "bfloat16")
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, ref[k].to(torch.bfloat16)) for k, v in bf16.state_dict().items())
+
+
+def test_lora_adapter_merge_and_export(trained, tmp_path, capsys):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from llmft.infer import load
+
+    out = trained("lora_z1")
+    ref = deepspeed_reference(out / "checkpoint-4")  # the LoRA weights (frozen base weights are not saved)
+    assert ref and all("lora_" in k for k in ref)
+    unmerged = load(tag(out))
+    assert unmerged.ckpt.stage == 1
+    assert isinstance(unmerged.model, PeftModel)
+    sd = unmerged.model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in ref.items())
+    merged = load(tag(out), merge=True).model
+    assert not any("lora_" in k for k in merged.state_dict())
+    ids = torch.arange(3, 30).reshape(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, unmerged.model(ids).logits, rtol=1e-5, atol=1e-5)
+    g1 = _main(capsys, out, "--prompt", PROMPT, "--max_new_tokens", "8")
+    g2 = _main(capsys, out, "--prompt", PROMPT, "--max_new_tokens", "8", "--merge")
+    assert g1["generations"] == g2["generations"]
+
+    infer(out, "--merge", "--export", tmp_path / "merged")
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert all(torch.equal(full.state_dict()[k], v) for k, v in merged.state_dict().items())
+    infer(out, "--export", tmp_path / "adapter")
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file() and adapter
+    assert all(torch.equal(v, ref[k.replace(".weight", ".default.weight")]) for k, v in adapter.items())
+
+
+def test_inference_entry_point_and_llmft_subcommand(trained, tiny_model):
+    """The original workflow: python3 inference/inference.py <tag dir> --model_name ... (and `llmft infer`)."""
+    tag_dir = tag(trained("z2"))
+    expected = json.loads(infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "6", "--json").stdout)["generations"]
+    legacy = run([PYTHON, str(REPO / "inference" / "inference.py"), str(tag_dir), "--prompt", PROMPT,
+                  "--model_name", str(tiny_model), "--device", "cpu", "--max_new_tokens", "6", "--json"], timeout=180)
+    assert legacy.returncode == 0, legacy.stderr[-3000:]
+    assert json.loads(legacy.stdout)["generations"] == expected
+    sub = run([PYTHON, "-m", "llmft.cli", "infer", str(tag_dir), "--prompt", PROMPT, "--max_new_tokens", "6", "--json"], timeout=180)
+    assert sub.returncode == 0, sub.stderr[-3000:]
+    assert json.loads(sub.stdout)["generations"] == expected
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--prompt", "hi", "--device", "cuda:99"], "--device cuda:99"),
+    ([], "nothing to do"),
+    (["--prompt_file", "/nonexistent/prompts.txt"], "does not exist"),
+    (["--prompt", "hi", "--model_name", "/nonexistent/model"], "cannot load the config of /nonexistent/model"),
+])
+def test_bad_options_are_one_line_errors(trained, argv, expected):
+    proc = infer(tag(trained("z2")), *argv, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("llmft infer: error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr
