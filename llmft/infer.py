@@ -222,6 +222,16 @@ def fill_from_checkpoint(model, ckpt: ZeroCheckpoint, src: str, allow_missing=la
 
     with torch.no_grad():
         ckpt.read_into(dest)
+    ckpt.release()  # unmap the shards: the pages read stay counted in RSS while mapped
+
+
+def model_from_checkpoint(ckpt: ZeroCheckpoint, config, dtype=None, device: str = "cpu", name: str = "the model"):
+    """A causal LM built from `config` and filled in place from the shards (no tokenizer, no LoRA)."""
+    import torch
+
+    model = _empty_model(config, dtype or torch.float32, device)
+    fill_from_checkpoint(model, ckpt, name)
+    return model.eval()
 
 
 @dataclass
@@ -245,8 +255,7 @@ def load(tag_dir: Path, model_name: str | None = None, device: str = "cpu", dtyp
     config = _hf("config", src.config, lambda: AutoConfig.from_pretrained(src.config))
     tokenizer = _hf("tokenizer", src.tokenizer, lambda: AutoTokenizer.from_pretrained(src.tokenizer))
     if src.adapter_dir is None:
-        model = _empty_model(config, dtype, device)
-        fill_from_checkpoint(model, ckpt, src.config)
+        model = model_from_checkpoint(ckpt, config, dtype, device, src.config)
     else:
         from peft import PeftConfig, PeftModel
 

@@ -20,7 +20,6 @@ the result is bit-identical), but it:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import pickle
 import re
@@ -144,7 +143,6 @@ class ZeroCheckpoint:
     shared: dict[str, str]
     trust: bool = False
     ds_version: str | None = None
-    frozen_excluded: bool = False
     _meta: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -172,6 +170,10 @@ class ZeroCheckpoint:
             _read_zero12(self, dest)
         else:
             _read_zero3(self, dest)
+
+    def release(self) -> None:
+        """Drop the file mappings kept for reading (shapes and metadata stay); read_into() is then unavailable."""
+        self._meta = {k: v for k, v in self._meta.items() if k in ("paddings",)}
 
 
 def open_checkpoint(tag_dir: str | Path, trust: bool = False) -> ZeroCheckpoint:
@@ -229,7 +231,8 @@ def _open_zero012(tag_dir, model_file, optim, trust) -> ZeroCheckpoint:
     buffers = set(meta.get("buffer_names") or [])
     param_shapes = meta.get("param_shapes")
     if not optim or not param_shapes:
-        # Stage 0 (or a checkpoint saved without optimizer state): full weights are in `module`.
+        # Stage 0: full weights are in `module`; with fp16/bf16 the exact fp32 masters are in the
+        # (unpartitioned) optimizer state of the same file.
         shapes = {k: v.shape for k, v in module.items()}
         shared = _shared_from_storage(module)
         return ZeroCheckpoint(tag_dir, 0, world_size, [model_file], [], shapes, shared, trust, meta.get("ds_version"), _meta=meta)
@@ -305,10 +308,80 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
+try:
+    import ctypes
+    import mmap
+
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _MADV_WILLNEED, _MADV_DONTNEED = 3, 4  # Linux and macOS
+except (OSError, AttributeError):  # no libc madvise (Windows): pages are released when the shard is
+    _libc = None
+
+
+def _prefetch(src: torch.Tensor) -> None:
+    """Ask the kernel to read a shard region ahead (one large read instead of a fault per page)."""
+    if _libc is None or src.device.type != "cpu" or src.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = src.data_ptr() // page * page
+    _libc.madvise(start, src.data_ptr() + src.numel() * src.element_size() - start, _MADV_WILLNEED)
+
+
+def _drop_pages(src: torch.Tensor) -> None:
+    """Release the pages of a slice of a memory-mapped shard once it has been copied.
+
+    Read pages of a file mapping count towards RSS until the mapping goes away; dropping them as we go
+    keeps peak memory at the model plus a page or two instead of the model plus a rank's partition.
+    Only whole pages inside `src` are dropped, and the mapping is private and never written, so a
+    later read of the same bytes would simply fault them back in from the file.
+    """
+    if _libc is None or src.device.type != "cpu" or src.numel() == 0:
+        return
+    start = src.data_ptr()
+    end = start + src.numel() * src.element_size()
+    page = mmap.PAGESIZE
+    a, b = -(-start // page) * page, end // page * page
+    if b > a:
+        _libc.madvise(a, b - a, _MADV_DONTNEED)
+
+
+def _stage0_masters(meta: dict, shared: dict, buffers: set) -> dict[str, torch.Tensor]:
+    """Stage 0 with fp16/bf16: map the optimizer's fp32 master copies to parameter names.
+
+    DeepSpeed's FP16 optimizers store masters by parameter group (``fp32_groups``, or one flat tensor
+    per group in ``fp32_groups_flat``), not by name. Within a group they keep the model's parameter
+    order, and each 16-bit module weight is its master rounded, so every master is given to the
+    first unclaimed same-shaped parameter, in model order, whose stored weight equals it rounded.
+    Returns {} (use the 16-bit weights) if a checkpoint does not fit this pattern.
+    """
+    module, opt = meta["module"], meta.get("optimizer")
+    if not isinstance(opt, dict):
+        return {}
+    lowp = [k for k, v in module.items() if k not in shared and k not in buffers
+            and v.is_floating_point() and v.dtype != torch.float32]
+    if not lowp:
+        return {}
+    if not isinstance(opt.get("fp32_groups"), list):
+        return {}  # fused optimizer: flat groups without per-parameter shapes; keep the 16-bit weights
+    masters = [t for group in opt["fp32_groups"] for t in group]
+    found: dict[str, torch.Tensor] = {}
+    for master in masters:
+        for name in lowp:
+            w = module[name]
+            if name not in found and w.shape == master.shape and torch.equal(master.to(w.dtype), w):
+                found[name] = master
+                break
+        else:
+            return {}
+    return found if len(found) == len(lowp) else {}
+
+
 def _read_module(ckpt: ZeroCheckpoint, dest) -> None:
-    module = ckpt._meta["module"]
+    meta = ckpt._meta
+    module, masters = meta["module"], _stage0_masters(meta, ckpt.shared, set(meta.get("buffer_names") or []))
     for name, t in dest.items():
-        _copy(t, module[name])
+        _copy(t, masters.get(name, module[name]))
 
 
 def _read_buffers_and_frozen_z012(ckpt: ZeroCheckpoint, dest) -> None:
@@ -357,13 +430,17 @@ def _read_zero12(ckpt: ZeroCheckpoint, dest) -> None:
     del shards
     for r in range(ckpt.world_size):
         groups = groups_per_rank[r]
+        for g in groups:
+            _prefetch(g)
         for gi, name, offset, n in layout:
             if name not in dest:
                 continue
             lo, hi = starts[gi][r], starts[gi][r] + sizes[gi][r]
             a, b = max(offset, lo), min(offset + n, hi)
             if a < b:
-                _flat(dest[name])[a - offset : b - offset].copy_(groups[gi][a - lo : b - lo])
+                src = groups[gi][a - lo : b - lo]
+                _flat(dest[name])[a - offset : b - offset].copy_(src)
+                _drop_pages(src)
         groups_per_rank[r] = None  # drop this rank's mapping before touching the next one
         del groups
 
@@ -392,11 +469,15 @@ def _read_zero3(ckpt: ZeroCheckpoint, dest) -> None:
         bounds = [0]
         for g in groups:
             bounds.append(bounds[-1] + g.numel())
+            _prefetch(g)
         offset = 0
         for name, shape in param_shapes.items():
             piece = math.ceil(_numel(shape) / ws)
             if name in dest:
-                _copy_piece(dest[name], _read_range(groups, bounds, offset, piece, ckpt, r), r, ws, name, ckpt)
+                src = _read_range(groups, bounds, offset, piece, ckpt, r)
+                _copy_piece(dest[name], src, r, ws, name, ckpt)
+                if any(src.data_ptr() == g.data_ptr() + (offset - bounds[i]) * g.element_size() for i, g in enumerate(groups)):
+                    _drop_pages(src)  # a view into the mapping (not a concatenated copy)
             offset += piece
         if offset != bounds[-1]:
             raise CheckpointError(

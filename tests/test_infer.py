@@ -16,7 +16,6 @@ from conftest import PYTHON, REPO, run
 PROMPT = "What is 2 plus 3?"
 
 # name -> llmft train flags; each run: 4 steps, checkpoints at steps 2 and 4.
-
 # Four runs cover the matrix (stages 0-3, offload, LoRA); the plain-DeepSpeed fixture in
 # test_zero_checkpoint.py covers full-weight stage 1 and bf16 exactness.
 RUNS = {

@@ -2,7 +2,7 @@
 script writes with 2 real processes (torchrun, gloo on CPU): ZeRO stages 0-3, fp32 and bf16 mixed precision.
 
 Run as a script (under torchrun) this module is that writer:
-    torchrun --nproc_per_node 2 tests/test_zero_checkpoint.py OUT MODEL_DIR 0 1 2 3 2bf16 3bf16
+    torchrun --nproc_per_node 2 tests/test_zero_checkpoint.py OUT MODEL_DIR 0 1 2 3 0bf16 2bf16 3bf16
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 # Each spec is a ZeRO stage, optionally with bf16 mixed precision; "2" is saved twice (steps 2 and 3)
 # so that a glob over its tag directories has something to choose from.
-SPECS = ["0", "1", "2", "3", "2bf16", "3bf16"]
+SPECS = ["0", "1", "2", "3", "0bf16", "2bf16", "3bf16"]
 
 
 def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
@@ -42,8 +42,15 @@ def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
             engine.step()
             if step == 3 or (spec == "2" and step == 2):
                 engine.save_checkpoint(str(out / spec))
-        if spec == "0" and engine.global_rank == 0:  # the engine's own weights: the stage-0 reference
-            torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out / "0" / "engine_weights.pt")
+        if spec.startswith("0") and engine.global_rank == 0:
+            # DeepSpeed's zero_to_fp32 does not read stage 0: the reference is the engine's own fp32
+            # weights (with bf16, the optimizer's fp32 master copies of the bf16 module weights)
+            opt, masters = engine.optimizer, {}
+            for g16, g32 in zip(getattr(opt, "fp16_groups", []), getattr(opt, "fp32_groups", [])):
+                masters.update({p.data_ptr(): m for p, m in zip(g16, g32)})
+            assert ("bf16" in spec) == bool(masters)
+            ref = {k: masters.get(v.data_ptr(), v).detach().clone() for k, v in engine.module.state_dict().items()}
+            torch.save(ref, out / spec / "engine_weights.pt")
     torch.distributed.barrier()
 
 
