@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import sys
 import time
@@ -162,7 +163,6 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
 def _train(script_args, training_args, model_args, llmft_args) -> int:
     import torch
 
-    single_process_defaults()
     # 1. Cheap checks: batch math, DeepSpeed template, data, resume point. No model yet.
     if not model_args.model_name_or_path:
         raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
@@ -200,6 +200,12 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
     log(f"resuming from {resume}" if resume else f"starting a new run in {training_args.output_dir}")
 
+    # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
+    # module names: `c_attn` would then match nothing. A plain name means "modules called that".
+    target = model_args.lora_target_modules
+    if isinstance(target, str) and target != "all-linear" and re.fullmatch(r"[\w.]+", target):
+        model_args.lora_target_modules = [target]
+
     # 2. Tokenizer and model config (small files), then the concrete DeepSpeed config.
     from transformers import AutoConfig, AutoTokenizer
     from trl import SFTTrainer, get_peft_config
@@ -228,6 +234,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if rank0():
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
 
+    single_process_defaults()  # outside torchrun: a world of one, before DeepSpeed reads the environment
     args = dataclasses.replace(
         training_args,
         deepspeed=resolved,
@@ -295,7 +302,12 @@ def make_parser(subparsers=None):
 
 
 def cli(parser, argv: list[str] | None = None) -> int:
-    script_args, training_args, model_args, llmft_args = parser.parse_args_and_config(args=argv)
+    try:
+        script_args, training_args, model_args, llmft_args = parser.parse_args_and_config(args=argv)
+    except ValueError as e:  # HF/TRL validate flags in __post_init__ (e.g. a --deepspeed file that does not exist)
+        if rank0():
+            print(f"llmft train: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr, flush=True)
+        return 2
     return main(script_args, training_args, model_args, llmft_args)
 
 

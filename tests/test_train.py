@@ -1,0 +1,179 @@
+"""`llmft train` end to end: real torchrun, real DeepSpeed engine (gloo on CPU), a tiny GPT-2-style model."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, run
+from llmft.tiny import as_format, make_examples, write_jsonl
+
+STEP_RE = re.compile(r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+)")
+
+
+def train_cmd(model, data, out, *extra, nproc=2):
+    launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
+    return launcher + [
+        "-m", "llmft.train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+        "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", *map(str, extra),
+    ]
+
+
+def steps(stdout: str) -> list[tuple[int, int, float, float]]:
+    return [(int(s), int(m), float(loss), float(lr)) for s, m, loss, lr, _ in STEP_RE.findall(stdout)]
+
+
+def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "run"
+    proc = run(train_cmd(tiny_model, tiny_data, out, "--zero_stage", 2, "--max_steps", 10, "--save_steps", 5,
+                         "--global_batch_size", 8, "--per_device_train_batch_size", 2, "--learning_rate", "5e-3"), check=True)
+    assert "llmft plan: world size 2 (1 nodes x 2 processes, from torchrun)" in proc.stdout
+    logged = steps(proc.stdout)
+    assert [s for s, *_ in logged] == list(range(1, 11))
+    first, last = logged[0][2], sum(loss for *_, loss, _ in logged[-3:]) / 3
+    assert last < 0.85 * first, f"loss did not go down: {logged}"
+
+    tag = out / "checkpoint-10" / "global_step10"
+    assert sorted(p.name for p in tag.iterdir()) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    for ckpt in ("checkpoint-5", "checkpoint-10"):
+        marker = json.loads((out / ckpt / "llmft_complete.json").read_text())
+        assert marker["world_size"] == 2
+        assert (out / ckpt / "config.json").is_file() and (out / ckpt / "tokenizer.json").is_file()
+    cfg = json.loads((out / "ds_config.json").read_text())
+    assert cfg["train_batch_size"] == 8 == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
+    assert cfg["gradient_accumulation_steps"] == 2 and cfg["zero_optimization"]["stage"] == 2
+    assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
+    assert proc.stdout.count("llmft plan: world size") == 1  # rank 0 only
+
+
+def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_data, tmp_path):
+    """The preemption path: a stop request mid-run saves a complete checkpoint; a rerun continues from it."""
+    out, stop = tmp_path / "run", tmp_path / "STOP"
+    cmd = train_cmd(tiny_model, tiny_data, out, "--zero_stage", 3, "--max_steps", 20, "--save_steps", 2,
+                    "--global_batch_size", 4, "--per_device_train_batch_size", 1, "--learning_rate", "1e-3")
+
+    def request_stop_after_first_checkpoint():
+        deadline = time.time() + 300
+        while time.time() < deadline and not (out / "checkpoint-2" / "llmft_complete.json").exists():
+            time.sleep(0.02)
+        stop.touch()
+
+    watcher = threading.Thread(target=request_stop_after_first_checkpoint, daemon=True)
+    watcher.start()
+    first = run(cmd, check=True, LLMFT_STOP_FILE=str(stop))
+    watcher.join()
+    stopped = int(re.search(r"stop requested; saved checkpoint-(\d+)", first.stdout).group(1))
+    assert 2 <= stopped < 20
+    assert not (out / "llmft_done.json").exists()
+    tag = out / f"checkpoint-{stopped}" / f"global_step{stopped}"
+    assert sorted(p.name for p in tag.glob("zero_pp_rank_*_model_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    ]
+
+    stop.unlink()
+    second = run(cmd, check=True, LLMFT_STOP_FILE=str(stop))
+    assert f"resuming from {out / f'checkpoint-{stopped}'}" in second.stdout
+    before, after = steps(first.stdout), steps(second.stdout)
+    assert [s for s, *_ in before] == list(range(1, stopped + 1))
+    assert [s for s, *_ in after] == list(range(stopped + 1, 21))  # nothing trained twice, nothing skipped
+    for s, total, _, lr in before + after:  # one linear schedule across both runs
+        assert lr == pytest.approx(1e-3 * (1 - s / total), rel=1e-3, abs=1e-9)
+    assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 20
+
+
+def test_lora_under_zero3_trains_and_saves_an_adapter(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "lora"
+    run(train_cmd(tiny_model, tiny_data, out, "--zero_stage", 3, "--max_steps", 2, "--save_steps", 2, "--global_batch_size", 4,
+                  "--per_device_train_batch_size", 2, "--use_peft", "--lora_r", 4, "--lora_alpha", 8,
+                  "--lora_target_modules", "c_attn"), check=True)
+    for where in (out, out / "checkpoint-2"):
+        config = json.loads((where / "adapter_config.json").read_text())
+        assert config["r"] == 4 and config["target_modules"] == ["c_attn"]
+        assert (where / "adapter_model.safetensors").stat().st_size > 0
+    assert (out / "checkpoint-2" / "llmft_complete.json").is_file()
+
+
+def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
+    """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; chat data uses the template,
+    with packing and gradient checkpointing on."""
+    qa = write_jsonl(as_format(make_examples(32), "question_answer"), tmp_path / "qa.jsonl")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model_name_or_path: {tiny_model}\ndataset_name: {qa}\nprompt_column: question\ncompletion_column: answer\n"
+        f"zero_stage: 0\nmax_steps: 2\nsave_steps: 2\nper_device_train_batch_size: 2\nreport_to: none\n"
+    )
+    proc = run([PYTHON, "-m", "llmft.train", "--config", str(config), "--output_dir", str(tmp_path / "qa_run"),
+                "--logging_steps", "1", "--disable_tqdm", "true"], check=True)
+    assert "32 records (prompt_completion" in proc.stdout and "ZeRO stage 0" in proc.stdout
+    assert [s for s, *_ in steps(proc.stdout)] == [1, 2]
+
+    chat = write_jsonl(as_format(make_examples(16), "messages"), tmp_path / "chat.jsonl")
+    proc = run(train_cmd(tiny_model, chat, tmp_path / "chat_run", "--zero_stage", 1, "--max_steps", 1,
+                         "--per_device_train_batch_size", 2, "--packing", "--gradient_checkpointing", nproc=1), check=True)
+    assert "16 records (messages" in proc.stdout and (tmp_path / "chat_run" / "llmft_done.json").is_file()
+
+
+def test_wandb_offline_logs_without_network_and_never_prints_the_key(tiny_model, tiny_data, tmp_path):
+    secret = "wandb-secret-0123456789abcdef0123456789abcdef"
+    cmd = train_cmd(tiny_model, tiny_data, tmp_path / "run", "--zero_stage", 0, "--max_steps", 2, nproc=1)
+    cmd[cmd.index("--report_to") + 1] = "wandb"
+    proc = run(cmd, check=True, WANDB_MODE="offline", WANDB_API_KEY=secret, WANDB_DIR=str(tmp_path), WANDB_PROJECT="llmft-test")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert secret not in proc.stdout + proc.stderr
+
+
+def _bad(tmp_path: Path, tiny_data: Path):
+    bad_line = tmp_path / "bad.jsonl"
+    bad_line.write_text('{"text": "a"}\n{"text": "b"}\n{"text": \n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    qa = write_jsonl(as_format(make_examples(4), "question_answer"), tmp_path / "qa.jsonl")
+    return [
+        (["--dataset_name", str(tmp_path / "missing.jsonl")], "missing.jsonl not found"),
+        (["--dataset_name", str(bad_line)], "bad.jsonl: line 3 is not valid JSON"),
+        (["--dataset_name", str(empty)], "empty.jsonl is empty"),
+        (["--dataset_name", str(qa)], "dataset has columns answer, question but llmft needs"),
+        (["--zero_stage", "7"], "unknown ZeRO stage 7"),
+        (["--deepspeed", str(tmp_path / "nope.json")], f"existing deepspeed config, or a dictionary, or a base64 encoded string. Received: {tmp_path / 'nope.json'}"),
+        (["--global_batch_size", "7", "--per_device_train_batch_size", "2"], "global batch 7 is not divisible by micro-batch 2 x world size 1 = 2; use global batch 6 or 8"),
+        (["--data_percentage", "150"], "--data_percentage must be in (0, 100], got 150"),
+        (["--data_percentage", "0"], "--data_percentage must be in (0, 100], got 0"),
+    ]
+
+
+def test_bad_input_fails_fast_with_one_clear_line(tiny_model, tiny_data, tmp_path, capsys):
+    """Each case goes through the same entry point as the command line, in-process to spare 9 interpreter starts."""
+    import os
+
+    from llmft.train import cli, make_parser
+
+    env_before = dict(os.environ)
+    parser = make_parser()
+    for extra, message in _bad(tmp_path, tiny_data):
+        out = tmp_path / "never"
+        argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out),
+                "--report_to", "none", *extra]
+        assert cli(parser, argv) == 2, extra
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("llmft train: error:")]
+        assert len(errors) == 1 and message in errors[0], (extra, err[-2000:])
+        assert not out.exists() or not any(out.iterdir())  # nothing written, nothing loaded
+    assert dict(os.environ) == env_before  # failed before any distributed set-up
+
+
+def test_bad_input_from_the_llmft_command_exits_2_without_traceback(tiny_model, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a" "completion": "b"}\n')
+    proc = run([str(Path(PYTHON).parent / "llmft"), "train", "--model_name_or_path", str(tiny_model), "--dataset_name", str(bad),
+                "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"llmft train: error: {bad}: line 2 is not valid JSON")
+    assert "Traceback" not in proc.stderr
