@@ -24,6 +24,13 @@ COMMANDS = {
 }
 
 
+def command_parser(subparsers, name: str, description: str) -> argparse.ArgumentParser:
+    """The parser for `llmft NAME` (as a subcommand) or `python -m llmft.NAME` (standalone): one shape for both."""
+    if subparsers is not None:
+        return subparsers.add_parser(name, help=description, description=description)
+    return argparse.ArgumentParser(prog=f"llmft {name}", description=description)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="llmft", description="DeepSpeed-centric LLM fine-tuning on Slurm clusters.")

@@ -10,12 +10,12 @@ retrained or overwritten) and generates again.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from llmft.cli import command_parser
 from llmft.tiny import as_format, make_examples, make_model_dir, write_jsonl
 
 PROMPTS = ["What is 2 plus 3?", "Spell garden backwards."]
@@ -37,10 +37,7 @@ def newest_tag_dir(output_dir: Path) -> Path:
 
 def make_parser(subparsers=None):
     description = "Tiny offline fine-tune (torchrun, DeepSpeed ZeRO on CPU) and inference from its checkpoint."
-    if subparsers is not None:
-        parser = subparsers.add_parser("demo", help=description, description=description)
-    else:
-        parser = argparse.ArgumentParser(prog="llmft demo", description=description)
+    parser = command_parser(subparsers, "demo", description)
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
     parser.add_argument("--nproc", type=int, default=2, help="processes for torchrun")
     parser.add_argument("--zero_stage", type=int, default=2)

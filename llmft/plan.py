@@ -9,14 +9,19 @@ script's first lines, so a user sees (and a bad knob fails) before GPUs are spen
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.batch import BatchError, BatchPlan, plan_batch
-from llmft.ds_config import DSConfigError, load_config, offloads, template_path, zero_stage_of
+from llmft.cli import command_parser
+from llmft.ds_config import (
+    DSConfigError,
+    load_config,
+    offloads,
+    template_path,
+    zero_stage_of,
+)
 from llmft.launch_env import LaunchEnvError, World, discover_world
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -92,10 +97,7 @@ def make_plan(
 
 def make_parser(subparsers=None):
     description = "Print the resolved run plan (world, batch math, ZeRO config) without loading a model."
-    if subparsers is not None:
-        parser = subparsers.add_parser("plan", help=description, description=description)
-    else:
-        parser = argparse.ArgumentParser(prog="llmft plan", description=description)
+    parser = command_parser(subparsers, "plan", description)
     parser.add_argument("--global_batch_size", type=int, default=None)
     parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="micro-batch per process (HF default 8)")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=None)

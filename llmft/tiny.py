@@ -9,11 +9,11 @@ from a GPT-2-style config with random weights, and the instruction data is gener
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
 
+from llmft.cli import command_parser
 from llmft.data import DEFAULT_CHAT_TEMPLATE
 
 _WORDS = (
@@ -113,8 +113,7 @@ def make_model_dir(out: Path, **model_kwargs) -> Path:
 
 
 def make_parser(subparsers=None):
-    kwargs = dict(description="Write a tiny offline model, tokenizer and instruction dataset.")
-    parser = subparsers.add_parser("tiny", help=kwargs["description"], **kwargs) if subparsers else argparse.ArgumentParser(prog="llmft tiny", **kwargs)
+    parser = command_parser(subparsers, "tiny", "Write a tiny offline model, tokenizer and instruction dataset.")
     parser.add_argument("--out", type=Path, required=True, help="directory to write model/ and data.jsonl into")
     parser.add_argument("--examples", type=int, default=512)
     parser.add_argument("--format", default="prompt_completion", choices=["prompt_completion", "text", "messages", "question_answer"])

@@ -287,9 +287,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
 
 
 def make_parser(subparsers=None):
-    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
-
     import torch
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
     if subparsers is not None:
