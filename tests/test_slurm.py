@@ -1,7 +1,7 @@
 """slurm/run_llm.slurm on a real local Slurm cluster (slurm/local: munge, slurmctld, slurmd n1 + n2).
 
 Jobs are submitted with sbatch exactly as a user would, run srun + torchrun + DeepSpeed for real on
-two Slurm nodes, and are preempted the way Slurm does it (a signal to the batch shell).
+two Slurm nodes, and are preempted the way Slurm does it (USR1 to the batch shell, scontrol requeue).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,72 +41,128 @@ def optim_shards(tag_dir: Path) -> list[str]:
     return sorted(p.name for p in tag_dir.glob("*optim_states.pt"))
 
 
-# ---- preemption first: it must be signalled while it trains ----------------------------------------
+def signal_when_training(cluster, job: str, log: Path, min_step: int, command: list[str]) -> dict:
+    """In the background: once rank 0 has reported `min_step`, preempt the job with `command`."""
+    result: dict = {}
+
+    def watch():
+        deadline = time.time() + 600
+        try:
+            while time.time() < deadline:
+                steps = step_lines(read(log))
+                if steps and max(steps) >= min_step:
+                    result["at_step"] = max(steps)
+                    result["proc"] = cluster.cmd(command, check=False)
+                    return
+                state = cluster.job(job).get("JobState")
+                if state not in ("PENDING", "CONFIGURING", "RUNNING"):
+                    result["error"] = f"job {job} was {state} before step {min_step}"
+                    return
+                time.sleep(0.3)
+            result["error"] = f"job {job} reached no step {min_step} in 600 s"
+        except Exception as e:  # reported by the test that waits for this job
+            result["error"] = repr(e)
+
+    result["thread"] = threading.Thread(target=watch, daemon=True)
+    result["thread"].start()
+    return result
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes_without_losing_or_repeating_steps(cluster, tiny_model, tiny_data, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    total = 30
-    # accumulation 8 makes each optimizer step slow enough to signal mid-run; no periodic saves,
-    # so the only checkpoint before the end is the one the signal asks for.
-    knobs = (
-        f"--export=ALL,MAX_STEPS={total},GLOBAL_BATCH=32,MICRO_BATCH=2,SAVE_STEPS=1000,DATA_PERCENTAGE=100,"
-        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
-    )
-    job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
-    log = tmp_path / f"llmft-{job}.out"
+@pytest.fixture(scope="module")
+def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
+    """The training jobs, submitted together so they overlap (each takes one CPU per node)."""
+    submitted = {}
+    # The user's command: sbatch slurm/run_llm.slurm --export=ALL,EPOCHS=1,... (sbatch hands --export=... to the script).
+    cwd = tmp_path_factory.mktemp("users_job")
+    knobs = f"--export=ALL,EPOCHS=1,MODEL={tiny_model},DATASET={tiny_data},DATA_PERCENTAGE=25,GLOBAL_BATCH=4,MICRO_BATCH=2"
+    submitted["users"] = (cluster.sbatch([str(SCRIPT), knobs], cwd=cwd), cwd, None)
 
-    deadline = time.time() + 300
-    while not [s for s in step_lines(read(log)) if s >= 2]:
-        state = cluster.job(job).get("JobState")
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job} {state} before training started:\n{read(log)}"
-        assert time.time() < deadline, f"no training step after 300 s:\n{read(log)}"
-        time.sleep(0.3)
-    # What Slurm does before a time limit with --signal=B:USR1@120 (and what an admin does to preempt).
-    cluster.cmd(["scancel", "--signal=USR1", "--batch", job])
+    # Preemption twice over: Slurm's time-limit signal (USR1 to the batch shell, as --signal=B:USR1@120 sends it,
+    # with no periodic checkpoints, so the only one before the end is the one the signal asks for), and an
+    # outside `scontrol requeue` (SIGTERM to every process of the job, checkpoints every 2 steps).
+    for name, save_steps, min_step, command in (
+        ("usr1", 1000, 2, ["scancel", "--signal=USR1", "--batch"]),
+        ("requeue", 2, 5, ["scontrol", "requeue"]),
+    ):
+        cwd = tmp_path_factory.mktemp(name)
+        knobs = (
+            f"--export=ALL,MAX_STEPS={TOTAL},GLOBAL_BATCH=16,MICRO_BATCH=2,SAVE_STEPS={save_steps},DATA_PERCENTAGE=100,"
+            f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
+        )
+        job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd)
+        submitted[name] = (job, cwd, signal_when_training(cluster, job, cwd / f"llmft-{job}.out", min_step, [*command, job]))
+    return submitted
 
-    info = cluster.wait(job, timeout=400)
-    text = read(log)
+
+TOTAL = 20
+
+
+def finished_preempted_job(cluster, job, cwd, signal) -> tuple[str, Path]:
+    info = cluster.wait(job, timeout=600)
+    signal["thread"].join(timeout=5)
+    text = read(cwd / f"llmft-{job}.out")
+    assert "error" not in signal, f"{signal['error']}\n{text}"
+    assert signal["proc"].returncode == 0, signal["proc"].stderr
     assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
     assert info["ExitCode"] == "0:0"
-    assert info["Restarts"] == "1", f"the job should have requeued itself exactly once: {info}"
+    assert info["Restarts"] == "1", f"the job should have been requeued exactly once: {info}\n{text}"
+    assert re.search(rf"run_llm.slurm: job {job} \(llmft\) restart 1,", text), text
+    return text, cwd / "ckpt"
 
+
+def assert_resumed_without_losing_or_repeating(text: str, ckpt: Path) -> int:
+    """The second run resumed from the newest complete checkpoint K and trained exactly K+1..TOTAL."""
+    m = re.search(r"llmft: resuming from (\S+)/checkpoint-(\d+)\n", text)
+    assert m and m.group(1) == str(ckpt), text
+    resumed = int(m.group(2))
+    restart = text.index("restart 1,")
+    first_run, second_run = text[:restart], text[restart:]
+    first_steps = step_lines(first_run)
+    assert first_steps == list(range(1, len(first_steps) + 1)) and len(first_steps) >= resumed, first_steps
+    assert step_lines(second_run) == list(range(resumed + 1, TOTAL + 1))
+    # The checkpoint resumed from was complete: every rank's shard, then the marker.
+    tag = ckpt / f"checkpoint-{resumed}" / f"global_step{resumed}"
+    assert optim_shards(tag) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert json.loads((ckpt / f"checkpoint-{resumed}" / "llmft_complete.json").read_text())["world_size"] == 2
+    # The persisted history agrees: one loss entry per step, 1..TOTAL, none twice.
+    history = json.loads((ckpt / f"checkpoint-{TOTAL}" / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in history if "loss" in h] == list(range(1, TOTAL + 1))
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == TOTAL
+    assert f"training complete at step {TOTAL}" in text
+    assert not list(ckpt.glob(".llmft-stop-*")), "the stop file must be cleaned up"
+    return resumed
+
+
+def test_time_limit_signal_checkpoints_every_rank_requeues_and_resumes(cluster, jobs):
+    job, cwd, signal = jobs["usr1"]
+    text, ckpt = finished_preempted_job(cluster, job, cwd, signal)
     m = re.search(r"llmft: stop requested; saved checkpoint-(\d+)\n", text)
     assert m, text
     stop = int(m.group(1))
-    assert 2 <= stop < total
+    assert signal["at_step"] <= stop < TOTAL
     assert "got SIGUSR1" in text
     assert f"requeueing job {job}" in text
-    assert re.search(rf"^run_llm.slurm: job {job} \(llmft\) restart 1,", text, flags=re.M), text
-    assert f"resuming from {ckpt}/checkpoint-{stop}" in text
-    assert f"training complete at step {total}" in text
+    # It resumed from exactly the checkpoint the signal asked for, and the first run trained up to it.
+    assert assert_resumed_without_losing_or_repeating(text, ckpt) == stop
+    assert step_lines(text[: text.index("restart 1,")]) == list(range(1, stop + 1))
 
-    # Rank 0's step lines: 1..stop in the first run, stop+1..total after the requeue. Nothing twice, nothing lost.
-    first_run, _, second_run = text.partition(f"llmft: stop requested; saved checkpoint-{stop}")
-    assert step_lines(first_run) == list(range(1, stop + 1))
-    assert step_lines(second_run) == list(range(stop + 1, total + 1))
 
-    # The stop checkpoint is complete: every rank's shard, then the marker.
-    tag = ckpt / f"checkpoint-{stop}" / f"global_step{stop}"
-    assert optim_shards(tag) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert json.loads((ckpt / f"checkpoint-{stop}" / "llmft_complete.json").read_text())["world_size"] == 2
-    # The persisted training history agrees: one loss entry per step, 1..total.
-    history = json.loads((ckpt / f"checkpoint-{total}" / "trainer_state.json").read_text())["log_history"]
-    assert [h["step"] for h in history if "loss" in h] == list(range(1, total + 1))
-    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == total
-    assert not list(ckpt.glob(".llmft-stop-*")), "the stop file must be cleaned up"
+def test_scontrol_requeue_resumes_from_the_newest_complete_checkpoint(cluster, jobs):
+    job, cwd, signal = jobs["requeue"]
+    text, ckpt = finished_preempted_job(cluster, job, cwd, signal)
+    resumed = assert_resumed_without_losing_or_repeating(text, ckpt)
+    # Checkpoints every 2 steps: at least the one before the requeue (step >= 5 had been reported).
+    assert resumed >= 4, text
 
 
 # ---- the user's command on two nodes ------------------------------------------------------------
 
 
-def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_inference(cluster, tiny_model, tiny_data, tmp_path):
-    ckpt = tmp_path / "my_llm_checkpoint"
-    # sbatch slurm/run_llm.slurm --export=ALL,EPOCHS=1,...  (sbatch hands --export=... to the script)
-    knobs = f"--export=ALL,EPOCHS=1,MODEL={tiny_model},DATASET={tiny_data},DATA_PERCENTAGE=25,GLOBAL_BATCH=4,MICRO_BATCH=2"
-    job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_inference(cluster, jobs):
+    job, cwd, _ = jobs["users"]
+    ckpt = cwd / "my_llm_checkpoint"  # the default CHECKPOINT_DIR, relative to the submit directory
     info = cluster.wait(job, timeout=400)
-    log = tmp_path / f"llmft-{job}.out"  # %x-%j.out in the submit directory
+    log = cwd / f"llmft-{job}.out"  # %x-%j.out in the submit directory
     text = read(log)
     assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
     assert info["ExitCode"] == "0:0"

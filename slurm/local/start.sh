@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a real Slurm cluster on this one machine: munge, slurmctld and two slurmd (nodes n1, n2),
-# each node with two GPUs as Slurm sees them (empty device files; torch sees no CUDA).
+# each node with four GPUs as Slurm sees them (empty device files; torch sees no CUDA).
 #
 #   slurm/local/start.sh [--install] [STATE_DIR]
 #   export SLURM_CONF=STATE_DIR/slurm.conf      # then: sinfo, sbatch, squeue, scontrol ...
@@ -62,8 +62,7 @@ mkdir -p "$state/ctld" "$state/spool" "$state/run" "$state/log" "$state/munge"
 chmod 755 "$state" "$state/run" "$state/log" "$state/spool"
 chmod 700 "$state/ctld"
 chmod 755 "$state/munge"
-: > "$state/fake-gpu0"
-: > "$state/fake-gpu1"
+for g in 0 1 2 3; do : > "$state/fake-gpu$g"; done
 : > "$state/run/started.pids"
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -78,7 +77,9 @@ done
 
 host=$(hostname -s)
 user=$(id -un)
+# At least 4 CPUs per node as Slurm sees them (config_overrides), so a few small test jobs run side by side.
 cpus=$(nproc)
+if (( cpus < 4 )); then cpus=4; fi
 render() {
   sed -e "s|@STATE@|$state|g" -e "s|@HOST@|$host|g" -e "s|@USER@|$user|g" -e "s|@CPUS@|$cpus|g" \
       -e "s|@CTLD_PORT@|${ports[0]}|g" -e "s|@N1_PORT@|${ports[1]}|g" -e "s|@N2_PORT@|${ports[2]}|g" "$1" > "$2"
@@ -122,7 +123,7 @@ for _ in $(seq 1 120); do
       echo "# source this file to use the local cluster"
       echo "export SLURM_CONF=$state/slurm.conf"
     } > "$state/env"
-    echo "local Slurm cluster up: nodes n1 n2 (2 GPUs each as Slurm sees them), controller port ${ports[0]}"
+    echo "local Slurm cluster up: nodes n1 n2 (4 GPUs each as Slurm sees them), controller port ${ports[0]}"
     echo "export SLURM_CONF=$state/slurm.conf"
     exit 0
   fi
