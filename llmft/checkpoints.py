@@ -38,7 +38,7 @@ def checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def mark_complete(ckpt_dir: str | Path, world_size: int) -> Path:
+def mark_complete(ckpt_dir: str | Path, world_size: int, zero_stage: int | None = None) -> Path:
     """Publish the completeness marker; call on one rank after all ranks finished saving."""
     ckpt = Path(ckpt_dir)
     files = {
@@ -47,7 +47,8 @@ def mark_complete(ckpt_dir: str | Path, world_size: int) -> Path:
         if p.is_file() and p.name != COMPLETE_MARKER and not p.name.startswith(".")
     }
     marker = ckpt / COMPLETE_MARKER
-    _write_json_atomic(marker, {"world_size": world_size, "saved_at": time.time(), "files": files})
+    payload = {"world_size": world_size, "zero_stage": zero_stage, "saved_at": time.time(), "files": files}
+    _write_json_atomic(marker, payload)
     return marker
 
 
@@ -99,6 +100,22 @@ def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None
         hint = f"resume from {earlier} instead" if earlier else "start without --resume_from_checkpoint"
         raise CheckpointError(f"cannot resume: {reason}; {hint}")
     return path
+
+
+def check_resumable(ckpt_dir: str | Path, world_size: int, zero_stage: int) -> None:
+    """DeepSpeed loads ZeRO-1/2/3 shards only onto as many ranks as wrote them, and only with the same stage."""
+    marker = json.loads((Path(ckpt_dir) / COMPLETE_MARKER).read_text())
+    saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage")
+    if saved_stage is not None and saved_stage != zero_stage:
+        raise CheckpointError(
+            f"{ckpt_dir} was written with ZeRO stage {saved_stage}, this run uses stage {zero_stage}; "
+            f"resume with --zero_stage {saved_stage}, or use a new --output_dir"
+        )
+    if zero_stage > 0 and saved_world is not None and saved_world != world_size:
+        raise CheckpointError(
+            f"{ckpt_dir} holds ZeRO shards for {saved_world} ranks, this run has {world_size}; resume on {saved_world} "
+            f"GPUs, or export the weights (python -m llmft.infer {ckpt_dir} --export DIR) and start a new run from DIR"
+        )
 
 
 def mark_done(output_dir: str | Path, global_step: int) -> Path:

@@ -84,12 +84,15 @@ def _callbacks():
     class PublishCompleteCheckpoint(TrainerCallback):
         """After every rank has written its shard, publish checkpoint-N/llmft_complete.json."""
 
+        def __init__(self, zero_stage: int):
+            self.zero_stage = zero_stage
+
         def on_save(self, args, state, control, **kwargs):
             if dist.is_initialized():
                 dist.barrier()
             if state.is_world_process_zero:
                 ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                checkpoints.mark_complete(ckpt, args.world_size)
+                checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage)
                 log(f"saved complete checkpoint {ckpt}")
             if dist.is_initialized():
                 dist.barrier()
@@ -195,6 +198,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     )
     dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
     resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
+    if resume:
+        checkpoints.check_resumable(resume, plan.world.world_size, plan.zero_stage)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
     log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
@@ -270,7 +275,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
-        callbacks=[PublishCompleteCheckpoint(), stop, StepLog()],
+        callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop, StepLog()],
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step

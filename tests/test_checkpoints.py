@@ -2,10 +2,18 @@
 
 import pytest
 
-from llmft.checkpoints import CheckpointError, latest_complete, mark_complete, mark_done, is_done, resolve_resume
+from llmft.checkpoints import (
+    CheckpointError,
+    check_resumable,
+    is_done,
+    latest_complete,
+    mark_complete,
+    mark_done,
+    resolve_resume,
+)
 
 
-def fake_checkpoint(root, step, ranks=2, complete=True):
+def fake_checkpoint(root, step, ranks=2, complete=True, zero_stage=2):
     ckpt = root / f"checkpoint-{step}"
     tag = ckpt / f"global_step{step}"
     tag.mkdir(parents=True)
@@ -13,7 +21,7 @@ def fake_checkpoint(root, step, ranks=2, complete=True):
         (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"x" * (100 + r))
     (ckpt / "latest").write_text(f"global_step{step}")
     if complete:
-        mark_complete(ckpt, ranks)
+        mark_complete(ckpt, ranks, zero_stage)
     return ckpt
 
 
@@ -51,3 +59,14 @@ def test_done_marker(tmp_path):
     assert not is_done(tmp_path)
     mark_done(tmp_path, 42)
     assert is_done(tmp_path)
+
+
+def test_resuming_on_another_world_size_or_stage_is_refused_with_the_way_out(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 10, ranks=2, zero_stage=2)
+    check_resumable(ckpt, world_size=2, zero_stage=2)  # the same world: fine
+    with pytest.raises(CheckpointError, match=r"holds ZeRO shards for 2 ranks, this run has 4; resume on 2 GPUs, or export"):
+        check_resumable(ckpt, world_size=4, zero_stage=2)
+    with pytest.raises(CheckpointError, match=r"written with ZeRO stage 2, this run uses stage 3; resume with --zero_stage 2"):
+        check_resumable(ckpt, world_size=2, zero_stage=3)
+    stage0 = fake_checkpoint(tmp_path, 20, ranks=2, zero_stage=0)
+    check_resumable(stage0, world_size=1, zero_stage=0)  # nothing partitioned: any world

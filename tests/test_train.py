@@ -56,8 +56,9 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
 def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_data, tmp_path):
     """The preemption path: a stop request mid-run saves a complete checkpoint; a rerun continues from it."""
     out, stop = tmp_path / "run", tmp_path / "STOP"
-    cmd = train_cmd(tiny_model, tiny_data, out, "--zero_stage", 3, "--max_steps", 20, "--save_steps", 2,
-                    "--global_batch_size", 4, "--per_device_train_batch_size", 1, "--learning_rate", "1e-3")
+    flags = ("--zero_stage", 3, "--max_steps", 10, "--save_steps", 2, "--global_batch_size", 4,
+             "--per_device_train_batch_size", 1, "--learning_rate", "1e-3")
+    cmd = train_cmd(tiny_model, tiny_data, out, *flags)
 
     def request_stop_after_first_checkpoint():
         deadline = time.time() + 300
@@ -70,7 +71,7 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     first = run(cmd, check=True, LLMFT_STOP_FILE=str(stop))
     watcher.join()
     stopped = int(re.search(r"stop requested; saved checkpoint-(\d+)", first.stdout).group(1))
-    assert 2 <= stopped < 20
+    assert 2 <= stopped < 10
     assert not (out / "llmft_done.json").exists()
     tag = out / f"checkpoint-{stopped}" / f"global_step{stopped}"
     assert sorted(p.name for p in tag.glob("zero_pp_rank_*_model_states.pt")) == [
@@ -82,10 +83,15 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     assert f"resuming from {out / f'checkpoint-{stopped}'}" in second.stdout
     before, after = steps(first.stdout), steps(second.stdout)
     assert [s for s, *_ in before] == list(range(1, stopped + 1))
-    assert [s for s, *_ in after] == list(range(stopped + 1, 21))  # nothing trained twice, nothing skipped
+    assert [s for s, *_ in after] == list(range(stopped + 1, 11))  # nothing trained twice, nothing skipped
     for s, total, _, lr in before + after:  # one linear schedule across both runs
         assert lr == pytest.approx(1e-3 * (1 - s / total), rel=1e-3, abs=1e-9)
-    assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 20
+    assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
+
+    # The same run directory on a different number of processes: refused before the model loads.
+    third = run(train_cmd(tiny_model, tiny_data, out, *flags, nproc=1))
+    assert third.returncode == 2
+    assert "holds ZeRO shards for 2 ranks, this run has 1; resume on 2 GPUs" in third.stderr
 
 
 def test_lora_under_zero3_trains_and_saves_an_adapter(tiny_model, tiny_data, tmp_path):
