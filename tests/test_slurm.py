@@ -255,7 +255,10 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     edited.write_text(original.replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus-per-node=2\n"))
     knobs = "--export=ALL,DRY_RUN=1,GLOBAL_BATCH=32,MICRO_BATCH=4,NCCL_PROFILE=aws-efa"
     one = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
-    two = cluster.sbatch([str(edited), knobs], cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9")
+    two = cluster.sbatch(
+        [str(edited), knobs + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5"],
+        cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9",
+    )
     for job in (one, two):
         assert cluster.wait(job, timeout=120)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
     a, b = read(tmp_path / f"llmft-{one}.out"), read(tmp_path / f"llmft-{two}.out")
@@ -269,6 +272,9 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
         assert "DRY_RUN=1: not launching" in text
         assert "nccl FI_PROVIDER=efa" in text
     assert "nccl NCCL_SOCKET_IFNAME=eth9" in b  # a setting the user exported wins over the profile
+    # Knobs become llmft train flags; EXTRA_ARGS are passed as separate words.
+    assert "--report_to none" in a and "--use_peft" not in a
+    assert "--report_to wandb" in b and "--use_peft" in b and "--seed 7 --logging_steps 5" in b
     # Rendezvous ports derive from the job id: two jobs sharing a node do not collide.
     ports = [re.search(r"rendezvous c10d at [^:]+:(\d+)", t).group(1) for t in (a, b)]
     assert ports == [str(20000 + int(one) % 10000), str(20000 + int(two) % 10000)] and ports[0] != ports[1]
