@@ -200,6 +200,11 @@ def fill_from_checkpoint(model, ckpt: ZeroCheckpoint, src: str, allow_missing=la
         if name in ckpt.shared:
             continue
         target = params.get(_strip(name))
+        if target is None and "lora_" in name:
+            raise CheckpointError(
+                f"{ckpt.tag_dir} holds LoRA weights ({name}) but no adapter_config.json beside it: "
+                "copy the run's adapter_config.json into the checkpoint directory"
+            )
         if target is None:
             raise CheckpointError(
                 f"checkpoint tensor {name} does not exist in {src}: --model_name must name the base model the checkpoint was trained from"

@@ -107,17 +107,17 @@ def test_real_run_weights_and_logits_equal_deepspeed(trained, tiny_model, name, 
         assert torch.equal(loaded.model(ids).logits, reference(ids).logits)
 
 
-def test_demo_command_streams_and_greedy_is_deterministic(trained):
+def test_demo_command_streams_and_greedy_is_deterministic(trained, capsys):
     tag_dir = tag(trained("z2"))
-    first = infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20")
-    second = infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20")
-    as_json = json.loads(infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20", "--json").stdout)
-    assert first.stdout == second.stdout
-    # streamed text: the prompt, then the completion, then a newline
-    assert first.stdout == PROMPT + as_json["generations"][0]["completion"] + "\n"
-    assert as_json["generations"][0]["new_tokens"] == 20
-    assert as_json["checkpoint"] == str(tag_dir) and as_json["zero_stage"] == 2 and as_json["step"] == 4
-    assert "ZeRO-2, 2 ranks" in first.stderr
+    streamed = infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20")  # the demo's command
+    first = _main(capsys, tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20")
+    second = _main(capsys, tag_dir, "--prompt", PROMPT, "--max_new_tokens", "20")
+    assert first == second  # greedy: the same tokens every time
+    # streamed to the terminal: the prompt, then the completion, then a newline
+    assert streamed.stdout == PROMPT + first["generations"][0]["completion"] + "\n"
+    assert first["generations"][0]["new_tokens"] == 20
+    assert first["checkpoint"] == str(tag_dir) and first["zero_stage"] == 2 and first["step"] == 4
+    assert "ZeRO-2, 2 ranks" in streamed.stderr
 
 
 def _main(capsys, *argv) -> dict:
@@ -174,13 +174,13 @@ def test_resolves_run_dir_checkpoint_dir_and_skips_incomplete(trained, tmp_path,
     assert "skipping" in capsys.readouterr().err
 
 
-def test_export_loads_with_from_pretrained(trained, tmp_path):
+def test_export_loads_with_from_pretrained(trained, tmp_path, capsys):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = trained("z3_offload")
     ref = deepspeed_reference(out / "checkpoint-4")
-    infer(tag(out), "--export", tmp_path / "fp32")
+    _main(capsys, tag(out), "--export", tmp_path / "fp32")
     assert (tmp_path / "fp32" / "model.safetensors").is_file()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "fp32")
@@ -188,7 +188,7 @@ def test_export_loads_with_from_pretrained(trained, tmp_path):
     assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], v) for k, v in ref.items())
     assert tokenizer(PROMPT).input_ids
 
-    infer(tag(out), "--export", tmp_path / "bf16", "--dtype", "bfloat16")
+    _main(capsys, tag(out), "--export", tmp_path / "bf16", "--dtype", "bfloat16")
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
     assert all(v.dtype == torch.bfloat16 and torch.equal(v, ref[k].to(torch.bfloat16)) for k, v in bf16.state_dict().items())
 
@@ -218,19 +218,19 @@ def test_lora_adapter_merge_and_export(trained, tmp_path, capsys):
     g2 = _main(capsys, out, "--prompt", PROMPT, "--max_new_tokens", "8", "--merge")
     assert g1["generations"] == g2["generations"]
 
-    infer(out, "--merge", "--export", tmp_path / "merged")
+    _main(capsys, out, "--merge", "--export", tmp_path / "merged")
     full = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert all(torch.equal(full.state_dict()[k], v) for k, v in merged.state_dict().items())
-    infer(out, "--export", tmp_path / "adapter")
+    _main(capsys, out, "--export", tmp_path / "adapter")
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file() and adapter
     assert all(torch.equal(v, ref[k.replace(".weight", ".default.weight")]) for k, v in adapter.items())
 
 
-def test_inference_entry_point_and_llmft_subcommand(trained, tiny_model):
+def test_inference_entry_point_and_llmft_subcommand(trained, tiny_model, capsys):
     """The original workflow: python3 inference/inference.py <tag dir> --model_name ... (and `llmft infer`)."""
     tag_dir = tag(trained("z2"))
-    expected = json.loads(infer(tag_dir, "--prompt", PROMPT, "--max_new_tokens", "6", "--json").stdout)["generations"]
+    expected = _main(capsys, tag_dir, "--prompt", PROMPT, "--max_new_tokens", "6")["generations"]
     legacy = run([PYTHON, str(REPO / "inference" / "inference.py"), str(tag_dir), "--prompt", PROMPT,
                   "--model_name", str(tiny_model), "--device", "cpu", "--max_new_tokens", "6", "--json"], timeout=180)
     assert legacy.returncode == 0, legacy.stderr[-3000:]
