@@ -249,12 +249,12 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
 
 
 def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(cluster, tmp_path):
-    edited = tmp_path / "run_llm_2gpu.slurm"
+    edited = tmp_path / "run_llm_4gpu.slurm"
     original = SCRIPT.read_text()
     assert "#SBATCH --gpus-per-node=1\n" in original
-    edited.write_text(original.replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus-per-node=2\n"))
+    edited.write_text(original.replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus-per-node=4\n"))
     knobs = "--export=ALL,DRY_RUN=1,GLOBAL_BATCH=32,MICRO_BATCH=4,NCCL_PROFILE=aws-efa"
-    one = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+    one = cluster.sbatch([knobs, str(SCRIPT)], cwd=tmp_path)  # sbatch's own --export: knobs in the environment
     two = cluster.sbatch(
         [str(edited), knobs + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5"],
         cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9",
@@ -264,9 +264,9 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     a, b = read(tmp_path / f"llmft-{one}.out"), read(tmp_path / f"llmft-{two}.out")
 
     assert "world size 2 (2 nodes x 1 processes" in a and "gradient accumulation 4" in a
-    assert "GPUs per node 2; processes per node 2" in b
-    assert "world size 4 (2 nodes x 2 processes" in b and "gradient accumulation 2" in b
-    assert "--nnodes 2 --nproc_per_node 2 " in b
+    assert "GPUs per node 4; processes per node 4" in b
+    assert "world size 8 (2 nodes x 4 processes" in b and "gradient accumulation 1" in b
+    assert "--nnodes 2 --nproc_per_node 4 " in b
     for text in (a, b):
         assert "global batch 32 = " in text
         assert "DRY_RUN=1: not launching" in text
