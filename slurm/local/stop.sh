@@ -42,22 +42,34 @@ if [[ -s "$pids_file" ]]; then
       done
     fi
   fi
-  # slurmd first, then slurmctld, then munged: reverse start order.
-  mapfile -t entries < <(tac "$pids_file")
-  for entry in "${entries[@]}"; do
-    read -r name pid <<< "$entry"
-    if alive "$name" "$pid"; then
-      kill -TERM "$pid" 2>/dev/null || true
-      for _ in $(seq 1 100); do
-        alive "$name" "$pid" || break
-        sleep 0.1
+  # The Slurm daemons together, then munged (they may still talk to it while shutting down).
+  stop_pids() {  # stop_pids "NAME PID"...: SIGTERM each, wait up to 10 s, SIGKILL what is left
+    local entry name pid
+    for entry in "$@"; do
+      read -r name pid <<< "$entry"
+      if alive "$name" "$pid"; then kill -TERM "$pid" 2>/dev/null || true; fi
+    done
+    for _ in $(seq 1 100); do
+      local left=0
+      for entry in "$@"; do
+        read -r name pid <<< "$entry"
+        if alive "$name" "$pid"; then left=1; fi
       done
+      [[ "$left" == 0 ]] && return 0
+      sleep 0.1
+    done
+    for entry in "$@"; do
+      read -r name pid <<< "$entry"
       if alive "$name" "$pid"; then
         echo "$name (pid $pid) did not exit after SIGTERM; sending SIGKILL" >&2
         kill -KILL "$pid" 2>/dev/null || true
       fi
-    fi
-  done
+    done
+  }
+  mapfile -t slurm_daemons < <(grep -v '^munged ' "$pids_file" || true)
+  mapfile -t munge_daemons < <(grep '^munged ' "$pids_file" || true)
+  if (( ${#slurm_daemons[@]} > 0 )); then stop_pids "${slurm_daemons[@]}"; fi
+  if (( ${#munge_daemons[@]} > 0 )); then stop_pids "${munge_daemons[@]}"; fi
   : > "$pids_file"
   echo "local Slurm cluster in $state stopped"
 else
