@@ -17,6 +17,7 @@ import pytest
 # Each spec is a ZeRO stage, optionally with bf16 mixed precision; "2" is saved twice (steps 2 and 3)
 # so that a glob over its tag directories has something to choose from.
 SPECS = ["0", "1", "2", "3", "0bf16", "2bf16", "3bf16"]
+SPECS_3_RANKS = ["1", "3"]  # written again by 3 processes, under ranks3/
 
 
 def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
@@ -71,6 +72,9 @@ def ds_checkpoints(tmp_path_factory, tiny_model) -> Path:
     out = tmp_path_factory.mktemp("ds_ckpt")
     run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), __file__, str(out), str(tiny_model), *SPECS],
         timeout=400, check=True)
+    # 3 ranks: partitions and paddings that do not divide evenly
+    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()), __file__,
+         str(out / "ranks3"), str(tiny_model), *SPECS_3_RANKS], timeout=400, check=True)
     return out
 
 
@@ -90,14 +94,16 @@ def _tag(ds_checkpoints: Path, spec: str) -> Path:
     return ds_checkpoints / spec / "global_step3"
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", SPECS + [f"ranks3/{s}" for s in SPECS_3_RANKS])
 def test_weights_equal_deepspeed_bit_for_bit(ds_checkpoints, spec):
     import torch
 
     from llmft.zero_checkpoint import load_fp32_state_dict, open_checkpoint
 
+    world = 3 if spec.startswith("ranks3/") else 2
+    stage = int(spec.split("/")[-1][0])
     ckpt = open_checkpoint(_tag(ds_checkpoints, spec))
-    assert (ckpt.stage, ckpt.world_size, ckpt.step) == (int(spec[0]), 2, 3)
+    assert (ckpt.stage, ckpt.world_size, ckpt.step) == (stage, world, 3)
     ours = load_fp32_state_dict(_tag(ds_checkpoints, spec))
     ref = _deepspeed_reference(ds_checkpoints / spec)
     assert set(ours) == set(ref)
@@ -160,6 +166,20 @@ def test_plain_checkpoint_generates_with_model_name_and_glob_picks_highest_step(
     assert out["checkpoint"].endswith("global_step3") and out["step"] == 3 and out["zero_stage"] == 2
     assert "using the highest step" in proc.stderr and "global_step3" in proc.stderr
     assert out["generations"][0]["new_tokens"] == 6
+
+
+def test_no_deepspeed_engine_and_no_process_group(ds_checkpoints, tiny_model):
+    """Inference reads the shards itself: DeepSpeed is never imported and no process group starts."""
+    from conftest import PYTHON, run
+
+    code = (
+        "import sys, torch, llmft.infer as i; "
+        f"i.main(i.make_parser().parse_args([{str(_tag(ds_checkpoints, '3'))!r}, '--model_name', {str(tiny_model)!r}, "
+        "'--prompt', 'hi', '--max_new_tokens', '2', '--json'])); "
+        "print('deepspeed' in sys.modules, torch.distributed.is_initialized(), file=sys.stderr)"
+    )
+    proc = run([PYTHON, "-c", code], timeout=180, check=True)
+    assert proc.stderr.strip().splitlines()[-1] == "False False"
 
 
 def _corrupt_copy(ds_checkpoints: Path, spec: str, name: str, how) -> Path:
