@@ -184,6 +184,11 @@ def open_checkpoint(tag_dir: str | Path, trust: bool = False) -> ZeroCheckpoint:
     zero3_models = _ranked(sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_*_model_states.pt")))
     optim = _ranked(sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_*_optim_states.pt")))
     z012_model = tag_dir / MODEL_STATES_Z012
+    if not zero3_models and not z012_model.is_file() and optim:
+        raise CheckpointError(
+            f"{tag_dir} has optimizer shards but no {MODEL_STATES_Z012} (parameter names and shapes): "
+            "copy it over or use another checkpoint"
+        )
     if not zero3_models and not z012_model.is_file():
         raise CheckpointError(
             f"{tag_dir} holds no DeepSpeed shards (*model_states.pt): pass a global_stepN directory, a checkpoint-N directory or a run's output directory"
@@ -241,7 +246,9 @@ def _open_zero012(tag_dir, model_file, optim, trust) -> ZeroCheckpoint:
     osd = first.get("optimizer_state_dict", {})
     if "single_partition_of_fp32_groups" not in osd:
         raise CheckpointError(f"{optim_files[0]} has no fp32 partitions: it is not a ZeRO stage 1/2 optimizer shard")
-    stage = int(osd.get("zero_stage", 2))
+    # BF16_Optimizer (bf16 without ZeRO) writes the same partitions but no zero_stage: ask the config
+    stage = osd.get("zero_stage", (meta.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 2))
+    stage = int(stage) if str(stage).isdigit() else 2
     shapes = {}
     for k in buffers:
         shapes[k] = module[k].shape
