@@ -15,7 +15,13 @@ try:
     import llmft.infer
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import llmft.infer
+    try:
+        import llmft.infer
+    except ImportError as e:
+        raise SystemExit(
+            f"inference.py: error: {e.msg}: run it with llmft's environment (make venv; .venv/bin/python inference/inference.py ...) "
+            "or pip install -e . first"
+        ) from None
 
 
 if __name__ == "__main__":
