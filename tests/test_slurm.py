@@ -52,6 +52,7 @@ def signal_when_training(cluster, job: str, log: Path, min_step: int, command: l
                 steps = step_lines(read(log))
                 if steps and max(steps) >= min_step:
                     result["at_step"] = max(steps)
+                    result["at_time"] = time.time()
                     result["proc"] = cluster.cmd(command, check=False)
                     return
                 state = cluster.job(job).get("JobState")
@@ -91,6 +92,12 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
         )
         job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd)
         submitted[name] = (job, cwd, signal_when_training(cluster, job, cwd / f"llmft-{job}.out", min_step, [*command, job]))
+
+    # A user's plain `scancel`: the job must end, not requeue itself.
+    cwd = tmp_path_factory.mktemp("cancel")
+    knobs = f"--export=ALL,MAX_STEPS=200,MODEL={tiny_model},DATASET={tiny_data},GLOBAL_BATCH=4,MICRO_BATCH=2,EXTRA_ARGS=--logging_steps 1"
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd)
+    submitted["cancel"] = (job, cwd, signal_when_training(cluster, job, cwd / f"llmft-{job}.out", 2, ["scancel", job]))
     return submitted
 
 
@@ -208,6 +215,21 @@ def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_infe
     result = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert result["world_size"] == 2 and result["step"] == step
     assert len(result["generations"]) == 1 and result["generations"][0]["prompt"].startswith("What is 2 plus 3?")
+
+
+def test_a_cancelled_job_ends_and_is_not_requeued(cluster, jobs):
+    job, cwd, signal = jobs["cancel"]
+    signal["thread"].join(timeout=600)
+    assert "error" not in signal and signal["proc"].returncode == 0, signal
+    info = cluster.wait(job, timeout=120)
+    assert info["JobState"] == "CANCELLED", info
+    # Longer than the local cluster's requeue delay (cred_expire=20 s) after the cancel: it stays cancelled.
+    time.sleep(max(0.0, signal["at_time"] + 35 - time.time()))
+    info = cluster.job(job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    text = read(cwd / f"llmft-{job}.out")
+    assert "requeueing" not in text and "restart 1" not in text, text
+    assert "training complete" not in text
 
 
 # ---- bad knobs fail in the job's first lines ------------------------------------------------------
