@@ -155,16 +155,29 @@ def infer_cli(*args: str):
     return run([PYTHON, "-m", "llmft.infer", *map(str, args)], timeout=180)
 
 
-def test_plain_checkpoint_generates_with_model_name_and_glob_picks_highest_step(ds_checkpoints, tiny_model):
+def cli_error(*argv) -> str:
+    """Run `llmft infer` in-process; it must stop with SystemExit carrying one line (printed to stderr, exit 1)."""
+    from llmft.infer import main, make_parser
+
+    with pytest.raises(SystemExit) as e:
+        main(make_parser().parse_args([str(a) for a in argv]))
+    msg = e.value.code
+    assert isinstance(msg, str) and msg.startswith("llmft infer: error: ") and "\n" not in msg
+    return msg
+
+
+def test_plain_checkpoint_generates_with_model_name_and_glob_picks_highest_step(ds_checkpoints, tiny_model, capsys):
     import json
+
+    from llmft.infer import main, make_parser
 
     tags = sorted(str(p) for p in (ds_checkpoints / "2").glob("global_step*"))
     assert [Path(t).name for t in tags] == ["global_step2", "global_step3"]
-    proc = infer_cli(*tags, "--model_name", tiny_model, "--prompt", "What is 2 plus 3?", "--max_new_tokens", "6", "--json")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    main(make_parser().parse_args([*tags, "--model_name", str(tiny_model), "--prompt", "What is 2 plus 3?", "--max_new_tokens", "6", "--json"]))
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert out["checkpoint"].endswith("global_step3") and out["step"] == 3 and out["zero_stage"] == 2
-    assert "using the highest step" in proc.stderr and "global_step3" in proc.stderr
+    assert "using the highest step" in captured.err and "global_step3" in captured.err
     assert out["generations"][0]["new_tokens"] == 6
 
 
@@ -243,28 +256,32 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_is_one_clear_line_and_nonzero_exit(ds_checkpoints, tiny_model, case):
-    make_path, expected = BAD_INPUTS[case]
-    path = make_path(ds_checkpoints)
-    proc = infer_cli(path, "--model_name", tiny_model, "--prompt", "hi", "--max_new_tokens", "2")
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("llmft infer: error:")]
-    assert len(errors) == 1 and expected in errors[0], proc.stderr
+def test_bad_input_is_one_clear_line(ds_checkpoints, tiny_model, case):
+    path = BAD_INPUTS[case][0](ds_checkpoints)
+    msg = cli_error(path, "--model_name", tiny_model, "--prompt", "hi", "--max_new_tokens", "2")
+    assert BAD_INPUTS[case][1] in msg
     if case.startswith("missing_rank"):
-        assert "zero_pp_rank_1_mp_rank_00_" in errors[0]  # names the file to copy over
-    if case != "glob_matched_nothing" and case != "no_shards":
-        assert str(path).split("/")[-2] in errors[0]  # names the checkpoint
+        assert "zero_pp_rank_1_mp_rank_00_" in msg  # names the file to copy over
+    if case not in ("glob_matched_nothing", "no_shards"):
+        assert str(path).split("/")[-2] in msg  # names the checkpoint
+
+
+@pytest.mark.parametrize("case", ["glob_matched_nothing", "missing_rank_optim"])
+def test_bad_input_exits_nonzero_without_traceback(ds_checkpoints, tiny_model, case):
+    """The same errors from the real command line: exit status 1, one line on stderr."""
+    path = BAD_INPUTS[case][0](ds_checkpoints)
+    proc = infer_cli(path, "--model_name", tiny_model, "--prompt", "hi", "--max_new_tokens", "2")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("llmft infer: error:")]
+    assert len(errors) == 1 and BAD_INPUTS[case][1] in errors[0], proc.stderr
 
 
 def test_wrong_model_name_and_missing_model_name(ds_checkpoints, other_model):
     tag = ds_checkpoints / "2" / "global_step3"
-    proc = infer_cli(tag, "--model_name", other_model, "--prompt", "hi")
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "has shape (481, 64) but" in proc.stderr and "expects (481, 32)" in proc.stderr and "--model_name" in proc.stderr
-    proc = infer_cli(tag, "--prompt", "hi")
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "no config.json beside" in proc.stderr and "pass --model_name" in proc.stderr
+    msg = cli_error(tag, "--model_name", other_model, "--prompt", "hi")
+    assert "has shape (481, 64) but" in msg and "expects (481, 32)" in msg and "--model_name" in msg
+    msg = cli_error(tag, "--prompt", "hi")
+    assert "no config.json beside" in msg and "pass --model_name" in msg
 
 
 def test_trust_checkpoint_loads_a_code_bearing_shard(ds_checkpoints):
