@@ -66,7 +66,7 @@ def slurm_gpus_on_node(env: Mapping[str, str]) -> int | None:
         if env.get(name, "").strip():
             return parse_gpu_count(env[name])
     if env.get("SLURM_GPUS", "").strip():  # --gpus=N over the whole job
-        nnodes = _int(env, "SLURM_NNODES") or 1
+        nnodes = _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES") or 1
         return max(1, parse_gpu_count(env["SLURM_GPUS"]) // nnodes)
     return None
 

@@ -55,6 +55,7 @@ def test_gpu_count_from_slurm_gpu_specs(spec, count):
         ({"SLURM_NNODES": "3", "SLURM_GPUS_PER_NODE": "gpu:l4:4"}, (3, 4)),
         ({"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1", "SLURM_GPUS_PER_NODE": "8"}, (2, 1)),
         ({"SLURM_NNODES": "4", "SLURM_JOB_NUM_NODES": "4", "SLURM_GPUS": "16"}, (4, 4)),  # --gpus=16 over the job
+        ({"SLURM_JOB_NUM_NODES": "4", "SLURM_GPUS": "16"}, (4, 4)),  # only the older node-count name
         # One task per process launch style, no GPUs: processes from tasks.
         ({"SLURM_NNODES": "2", "SLURM_NTASKS": "8"}, (2, 4)),
         # A CPU node (the local test cluster without --gpus): one process per node.
