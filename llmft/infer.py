@@ -363,14 +363,10 @@ def export(loaded: Loaded, out_dir: Path) -> Path:
 
 
 def make_parser(subparsers=None):
-    kwargs = dict(
-        description="Generate from, or export, a DeepSpeed ZeRO checkpoint (stages 0-3) without DeepSpeed.",
-        epilog="Example: python -m llmft.infer runs/demo/out/checkpoint-4/global_step4 --prompt 'What is 2 plus 3?'",
-    )
-    if subparsers is not None:
-        parser = subparsers.add_parser("infer", help=kwargs["description"], **kwargs)
-    else:
-        parser = argparse.ArgumentParser(prog="python -m llmft.infer", **kwargs)
+    from llmft.cli import command_parser
+
+    parser = command_parser(subparsers, "infer", "Generate from, or export, a DeepSpeed ZeRO checkpoint (stages 0-3) without DeepSpeed.")
+    parser.epilog = "Example: python -m llmft.infer runs/demo/run/checkpoint-40/global_step40 --prompt 'What is 2 plus 3?'"
     parser.add_argument("checkpoint", nargs="+", help="global_stepN dir, checkpoint-N dir or run output dir (several: the highest step is used)")
     parser.add_argument("--model_name", "--model_name_or_path", dest="model_name", default=None,
                         help="base model (hub name or directory) for config and tokenizer; required for plain DeepSpeed checkpoints")

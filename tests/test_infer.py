@@ -22,7 +22,6 @@ RUNS = {
     "z0": ["--zero_stage", "0"],
     "z2": ["--zero_stage", "2"],
     "z3_offload": ["--zero_stage", "3", "--offload"],
-    # a single --lora_target_modules value reaches PEFT as a regex (matching nothing); two values are a list
     "lora_z1": ["--zero_stage", "1", "--use_peft", "--lora_r", "8", "--lora_target_modules", "c_attn", "c_proj"],
 }
 
