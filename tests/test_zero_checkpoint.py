@@ -18,6 +18,7 @@ import pytest
 # so that a glob over its tag directories has something to choose from.
 SPECS = ["0", "1", "2", "3", "0bf16", "2bf16", "3bf16"]
 SPECS_3_RANKS = ["1", "3"]  # written again by 3 processes, under ranks3/
+MEMORY_SPEC = "2wide"  # a wider model for the peak-memory test (not in SPECS: its config differs)
 
 
 def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
@@ -28,6 +29,10 @@ def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
 
     for spec in specs:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if spec.endswith("wide"):  # ~50 MB of fp32 weights: large enough to measure memory against
+            from transformers import GPT2Config
+
+            model = AutoModelForCausalLM.from_config(GPT2Config(**{**model.config.to_dict(), "n_embd": 512, "n_layer": 4, "n_head": 8}))
         config = {
             "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 1,
@@ -70,7 +75,7 @@ def ds_checkpoints(tmp_path_factory, tiny_model) -> Path:
     from conftest import PYTHON, run
 
     out = tmp_path_factory.mktemp("ds_ckpt")
-    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), __file__, str(out), str(tiny_model), *SPECS],
+    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), __file__, str(out), str(tiny_model), *SPECS, MEMORY_SPEC],
         timeout=400, check=True)
     # 3 ranks: partitions and paddings that do not divide evenly
     run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()), __file__,
@@ -143,6 +148,32 @@ def test_reads_into_bf16_destination(ds_checkpoints):
     ref = _deepspeed_reference(ds_checkpoints / "3")
     for name, t in dest.items():
         assert torch.equal(t, ref[name].to(torch.bfloat16)), name
+
+
+def test_peak_memory_is_about_the_model_not_the_optimizer(ds_checkpoints):
+    """Loading never materialises the optimizer moments or a second copy: the peak RSS added by loading
+    stays near the fp32 weights' size (a ZeRO-2 checkpoint of 2 ranks holds 4x that in moments and
+    partitions, plus a full fp32 module copy)."""
+    import json
+
+    from conftest import PYTHON, run
+
+    code = (
+        "import json, resource, sys, torch\n"
+        "from llmft.zero_checkpoint import load_fp32_state_dict\n"
+        "load_fp32_state_dict(sys.argv[1])  # warm-up: imports and allocator\n"
+        "rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+        "base = rss()\n"
+        "sd = load_fp32_state_dict(sys.argv[2])\n"
+        "size = sum(t.numel() * 4 for t in {id(t): t for t in sd.values()}.values()) / 2**20\n"
+        "print(json.dumps({'delta': rss() - base, 'size': size}))\n"
+    )
+    wide = ds_checkpoints / MEMORY_SPEC / "global_step3"
+    ckpt_mb = sum(f.stat().st_size for f in wide.iterdir()) / 2**20
+    proc = run([PYTHON, "-c", code, str(_tag(ds_checkpoints, "2")), str(wide)], timeout=180, check=True)
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert m["size"] > 40 and ckpt_mb > 4 * m["size"]
+    assert m["delta"] < 1.25 * m["size"], m
 
 
 # --------------------------------------------------------------------------------------------------
