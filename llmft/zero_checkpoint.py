@@ -29,12 +29,10 @@ from pathlib import Path
 
 import torch
 
+from llmft.checkpoints import CheckpointError  # one error type for checkpoint problems a user can fix
+
 MODEL_STATES_Z012 = "mp_rank_00_model_states.pt"
 _RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint problem the user can fix; the message is one line that names the problem and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------
