@@ -7,7 +7,8 @@ TRL understands three shapes and llmft passes them through unchanged:
 Other field names are mapped with --prompt_column/--completion_column/--messages_column
 (e.g. `--prompt_column question --completion_column answer`).
 
-Everything here runs before the model is loaded, so bad data fails in seconds with a line number.
+Everything here runs before the model is loaded, so bad data fails in seconds; a malformed JSONL line is
+reported with its number (found by parsing the file only after `datasets` failed to read it).
 """
 
 from __future__ import annotations
@@ -62,14 +63,9 @@ def load_train_split(name: str, config_name: str | None = None, split: str = "tr
         builder = BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise DataError(f"unsupported dataset file type {path.suffix!r} for {path}; use one of {', '.join(BUILDERS)}")
-        if path.suffix.lower() == ".jsonl" and check_jsonl(path) == 0:
-            raise DataError(f"dataset {path} is empty; it needs at least one record")
         if path.stat().st_size == 0:
             raise DataError(f"dataset {path} is empty; it needs at least one record")
-        try:
-            ds = load_dataset(builder, data_files=str(path), split="train")
-        except Exception as e:  # pyarrow/json parser messages are long; keep the gist
-            raise DataError(f"cannot read {path} as {builder}: {str(e).splitlines()[0][:300]}; check the file's format") from None
+        ds = _load_or_explain([path], lambda: load_dataset(builder, data_files=str(path), split="train"))
     elif path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
             ds = load_from_disk(str(path))
@@ -78,17 +74,29 @@ def load_train_split(name: str, config_name: str | None = None, split: str = "tr
             files = sorted(p for p in path.rglob("*") if p.suffix.lower() in BUILDERS)
             if not files:
                 raise DataError(f"dataset directory {path} holds no {', '.join(BUILDERS)} files")
-            for f in files:
-                if f.suffix.lower() == ".jsonl":
-                    check_jsonl(f)
-            ds = load_dataset(str(path), split=split)
+            ds = _load_or_explain(files, lambda: load_dataset(str(path), split=split))
     elif looks_like_path(name):
         raise DataError(f"dataset file {name} not found; pass an existing .jsonl/.json/.parquet/.csv file or directory, or a hub dataset name")
     else:
         ds = load_dataset(name, name=config_name, split=split)  # hub dataset (users with internet)
     if len(ds) == 0:
-        raise DataError(f"dataset {name} has no records in its {split!r} split")
+        raise DataError(f"dataset {name} is empty; it needs at least one record")
     return ds
+
+
+def _load_or_explain(files: list[Path], load):
+    """Load with `datasets`; only if that fails, parse the JSONL files line by line to name the bad line.
+
+    Checking first would cost ~80% of the load time on every rank (bench/bench_data_check.py).
+    """
+    try:
+        return load()
+    except Exception as e:  # pyarrow/json parser messages are long and name no line: find the line ourselves
+        for f in files:
+            if f.suffix.lower() == ".jsonl" and check_jsonl(f) == 0:
+                raise DataError(f"dataset {f} is empty; it needs at least one record") from None
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise DataError(f"cannot read {', '.join(map(str, files[:3]))}: {reason}; check the file's format") from None
 
 
 def shape_for_sft(ds, *, prompt_column: str | None = None, completion_column: str | None = None,
