@@ -25,7 +25,7 @@ demo: venv
 	$(PY) -m llmft.demo --out $(DEMO_DIR)
 
 test: venv $(TEST_DEPS)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=10 tests
 
 clean:
 	rm -rf $(VENV) runs

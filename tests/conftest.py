@@ -29,7 +29,7 @@ def tiny_data(tmp_path_factory) -> Path:
     return write_jsonl(as_format(make_examples(256), "prompt_completion"), tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for subprocesses: offline hub, offline W&B, quiet tokenizers, no stray CUDA."""
     env = dict(os.environ)
     env.update(
@@ -46,7 +46,7 @@ def test_env(**extra: str) -> dict[str, str]:
 
 def run(cmd: list[str], timeout: float = 600, check: bool = False, **env: str) -> subprocess.CompletedProcess:
     """Run a command, capture its output, and echo it on failure so pytest shows why."""
-    proc = subprocess.run(cmd, cwd=REPO, env=test_env(**env), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-8000:]}")
     return proc

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import subprocess_env
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "run_llm.slurm"
 LOCAL = REPO / "slurm" / "local"
@@ -31,17 +33,10 @@ class SlurmCluster:
 
         PATH and VIRTUAL_ENV look like a shell with the test venv activated, the way a user submits.
         """
-        env = dict(os.environ)
-        env.update(
+        env = subprocess_env(
             SLURM_CONF=str(self.conf),
-            HF_HUB_OFFLINE="1",
-            HF_DATASETS_OFFLINE="1",
-            WANDB_MODE="offline",
-            TOKENIZERS_PARALLELISM="false",
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
             VIRTUAL_ENV=sys.prefix,
-            PATH=os.pathsep.join([str(Path(sys.prefix) / "bin"), env.get("PATH", ""), SBIN_PATH]),
+            PATH=os.pathsep.join([str(Path(sys.prefix) / "bin"), os.environ.get("PATH", ""), SBIN_PATH]),
         )
         for key in ("SLURM_JOB_ID", "SLURM_JOBID", "EPOCHS", "CHECKPOINT_DIR", "DRY_RUN", "VENV", "MODEL", "DATASET"):
             env.pop(key, None)  # a test run inside a Slurm job, or a user's knobs, must not leak in
