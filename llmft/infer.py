@@ -29,7 +29,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import re

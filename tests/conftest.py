@@ -12,6 +12,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
+# Well-formed values for blueprints/aws/config.yaml's placeholders (no real account behind them).
+AWS_PLACEHOLDER_ENV = {
+    "AWS_REGION": "us-east-1",
+    "HEAD_SUBNET_ID": "subnet-0123456789abcdef0",
+    "COMPUTE_SUBNET_ID": "subnet-0fedcba9876543210",
+    "KEY_NAME": "llmft-key",
+    "S3_BUCKET": "llmft-scripts-bucket",
+}
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:

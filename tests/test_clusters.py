@@ -18,11 +18,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from conftest import AWS_PLACEHOLDER_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 GCP_BLUEPRINT = REPO / "blueprints" / "gcp" / "hpc-slurm.yaml"
@@ -344,13 +345,6 @@ def test_aws_node_scripts_refuse_amis_without_pyxis(tmp_path, script):
     assert calls == []
 
 
-AWS_ENV = {
-    "AWS_REGION": "us-east-1",
-    "HEAD_SUBNET_ID": "subnet-0123456789abcdef0",
-    "COMPUTE_SUBNET_ID": "subnet-0fedcba9876543210",
-    "KEY_NAME": "llmft-key",
-    "S3_BUCKET": "llmft-scripts-bucket",
-}
 
 # Runs in the aws-parallelcluster venv: load each config (JSON list on stdin) with the package's
 # schema and validators, and report what the tests need as JSON.
@@ -405,7 +399,7 @@ def pcluster_check(*configs: tuple[str, dict]) -> list[dict]:
 def aws_config() -> dict:
     """blueprints/aws/config.yaml filled by manage_cluster.sh from environment variables."""
     proc = subprocess.run([str(REPO / "manage_cluster.sh"), "--provider", "aws", "config", "llmft-test"],
-                          env={"PATH": "/usr/bin:/bin", **AWS_ENV}, capture_output=True, text=True, timeout=60)
+                          env={"PATH": "/usr/bin:/bin", **AWS_PLACEHOLDER_ENV}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import AWS_PLACEHOLDER_ENV
 from test_clusters import pcluster_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,14 +47,7 @@ fi
 """
 
 GCP_ENV = {"PROJECT_ID": "my-proj-123"}
-AWS_ENV = {
-    "AWS_REGION": "us-east-1",
-    "HEAD_SUBNET_ID": "subnet-0123456789abcdef0",
-    "COMPUTE_SUBNET_ID": "subnet-0fedcba9876543210",
-    "KEY_NAME": "llmft-key",
-    "S3_BUCKET": "llmft-scripts-bucket",
-    "POLL_SECONDS": "0",
-}
+AWS_ENV = {**AWS_PLACEHOLDER_ENV, "POLL_SECONDS": "0"}
 
 
 class Cli:
