@@ -89,3 +89,26 @@ def test_plan_cli_fails_with_one_line_on_impossible_batch():
     assert proc.stderr.strip().splitlines() == [
         "llmft plan: error: global batch 30 is not divisible by micro-batch 2 x world size 4 = 8; use global batch 24 or 32"
     ]
+
+
+@pytest.mark.parametrize(
+    "requested, cuda, bf16_ok, expected",
+    [
+        ("auto", False, False, "fp32"),  # CPU
+        ("auto", True, True, "bf16"),  # A100, L4, H100
+        ("auto", True, False, "fp16"),  # V100, T4
+        ("fp16", True, True, "fp16"),  # an explicit choice wins
+        ("fp32", True, True, "fp32"),
+    ],
+)
+def test_precision_follows_the_hardware_unless_chosen(requested, cuda, bf16_ok, expected):
+    from llmft.plan import choose_precision
+
+    assert choose_precision(requested, cuda, bf16_ok) == expected
+
+
+def test_unknown_precision_is_refused():
+    from llmft.plan import PlanError, choose_precision
+
+    with pytest.raises(PlanError, match="unknown precision 'fp8'; use one of auto, bf16, fp16, fp32"):
+        choose_precision("fp8", True, True)
