@@ -133,10 +133,15 @@ def shape_for_sft(ds, *, prompt_column: str | None = None, completion_column: st
     return ds, shape
 
 
-def take_percentage(ds, percentage: float, seed: int = 42):
-    """A deterministic random `percentage`% of the split (at least one record), the same on every rank and rerun."""
+def check_percentage(percentage: float) -> None:
+    """--data_percentage must be in (0, 100]; checked before any data is read."""
     if not (0 < percentage <= 100) or math.isnan(percentage):
         raise DataError(f"--data_percentage must be in (0, 100], got {percentage}")
+
+
+def take_percentage(ds, percentage: float, seed: int = 42):
+    """A deterministic random `percentage`% of the split (at least one record), the same on every rank and rerun."""
+    check_percentage(percentage)
     if percentage == 100:
         return ds
     k = max(1, round(len(ds) * percentage / 100))

@@ -186,8 +186,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         precision=precision,
         output_dir=training_args.output_dir,
     )
-    if not (0 < llmft_args.data_percentage <= 100):
-        raise TrainError(f"--data_percentage must be in (0, 100], got {llmft_args.data_percentage}")
+    data.check_percentage(llmft_args.data_percentage)
     dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     dataset, shape = data.shape_for_sft(
         dataset,
