@@ -123,7 +123,3 @@ def mark_done(output_dir: str | Path, global_step: int) -> Path:
     path = Path(output_dir) / DONE_MARKER
     _write_json_atomic(path, {"global_step": global_step, "finished_at": time.time()})
     return path
-
-
-def is_done(output_dir: str | Path) -> bool:
-    return (Path(output_dir) / DONE_MARKER).is_file()

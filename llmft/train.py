@@ -36,7 +36,7 @@ from pathlib import Path
 
 from llmft import checkpoints, data, ds_config
 from llmft.launch_env import rank0, single_process_defaults
-from llmft.plan import PRECISIONS, PlanError, choose_precision, make_plan
+from llmft.plan import PRECISIONS, PlanError, local_precision, make_plan
 
 
 @dataclass
@@ -174,7 +174,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if training_args.save_total_limit == 1:
         raise TrainError("--save_total_limit 1 can leave no complete checkpoint if a job dies while saving; use 2 or more")
     cuda = torch.cuda.is_available()
-    precision = choose_precision(requested_precision(training_args, llmft_args), cuda, cuda and torch.cuda.is_bf16_supported())
+    precision = local_precision(requested_precision(training_args, llmft_args))
     grad_accum = training_args.gradient_accumulation_steps if training_args.gradient_accumulation_steps != 1 else None
     plan = make_plan(
         micro_batch=training_args.per_device_train_batch_size,

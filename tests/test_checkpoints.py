@@ -1,11 +1,13 @@
 """Checkpoint bookkeeping: half-written checkpoints are never resumed from or passed off as complete."""
 
+import json
+
 import pytest
 
 from llmft.checkpoints import (
+    DONE_MARKER,
     CheckpointError,
     check_resumable,
-    is_done,
     latest_complete,
     mark_complete,
     mark_done,
@@ -56,9 +58,9 @@ def test_explicit_resume_points_are_checked(tmp_path):
 
 
 def test_done_marker(tmp_path):
-    assert not is_done(tmp_path)
+    assert not (tmp_path / DONE_MARKER).exists()
     mark_done(tmp_path, 42)
-    assert is_done(tmp_path)
+    assert json.loads((tmp_path / DONE_MARKER).read_text())["global_step"] == 42
 
 
 def test_resuming_on_another_world_size_or_stage_is_refused_with_the_way_out(tmp_path):
