@@ -2,17 +2,25 @@
 # Each sets up its own virtual environment in .venv first (torch before deepspeed: its build imports torch).
 SHELL := /bin/bash
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DEMO_DIR ?= runs/demo
 # Extra set-up steps the tests need (other targets append to this).
-TEST_DEPS :=
+TEST_DEPS := system-deps
 TEST_DEPS += .venv-pcluster/.installed
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-other-pythons system-deps check-python clean
 
-venv: $(VENV)/.installed
+venv: check-python $(VENV)/.installed
+
+# llmft needs Python 3.10+; a .venv built by another interpreter than $(PYTHON) is rebuilt, not reused.
+check-python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
+	  echo "make: $(PYTHON) is missing or older than Python 3.10; llmft needs 3.10+: make $(MAKECMDGOALS) PYTHON=python3.11" >&2; exit 1; }
+	@want=$$($(PYTHON) -c 'import sys; print(sys.version)'); \
+	if [[ -x $(PY) ]] && [[ "$$($(PY) -c 'import sys; print(sys.version)' 2>/dev/null)" != "$$want" ]]; then \
+	  echo "make: $(VENV) was built with another Python than $(PYTHON); rebuilding it"; rm -rf $(VENV); fi
 
 $(VENV)/.installed: setup.cfg constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,10 +33,18 @@ demo: venv
 	$(PY) -m llmft.demo --out $(DEMO_DIR)
 
 test: venv $(TEST_DEPS)
-	$(PY) -m pytest -q --durations=10 tests
+	$(PY) -m pytest -q --durations=15 tests
+
+# System tools the tests need (shellcheck, Slurm, munge): installed once here, before pytest starts.
+system-deps:
+	bash tests/system_deps.sh
+
+# The interpreter-dependent tests (checkpoint reading, data) under every other Python 3.10+ found here.
+test-other-pythons: venv
+	bash tests/other_pythons.sh
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-py* runs
 
 # aws-parallelcluster lives in its own virtual environment (its pins clash with the training
 # stack): tests/test_clusters.py validates blueprints/aws/config.yaml with its schema, and

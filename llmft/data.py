@@ -13,6 +13,7 @@ reported with its number (found by parsing the file only after `datasets` failed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -52,6 +53,34 @@ def check_jsonl(path: Path) -> int:
                 raise DataError(f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object; each line must be one {{...}} record")
             count += 1
     return count
+
+
+def data_files(name: str) -> list[Path]:
+    """The local files a dataset name stands for (a file, or the data files under a directory); [] for hub names."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix.lower() in BUILDERS or p.suffix == ".arrow"))
+    return []
+
+
+def content_fingerprint(name: str, config_name: str | None = None, revision: str | None = None) -> str:
+    """A short hash of what a dataset holds: the bytes of its local files (names relative to it, then
+    contents), or for a hub dataset its name, config and revision. Equal fingerprints mean equal data;
+    one edited byte changes it. Used to key prepared data and to tell whether a rerun is the same run."""
+    h = hashlib.sha256()
+    files = data_files(name)
+    if not files:
+        h.update(f"hub:{name}:{config_name or ''}:{revision or ''}".encode())
+    root = Path(name).expanduser()
+    for f in files:
+        h.update(str(f.relative_to(root) if root.is_dir() else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
 
 
 def load_train_split(name: str, config_name: str | None = None, split: str = "train"):

@@ -151,14 +151,17 @@ def pick_device(name: str | None) -> str:
 
 
 def pick_dtype(name: str | None, device: str, exporting: bool):
-    """bf16 on GPU (fp16 where bf16 is unsupported), fp32 on CPU; exports keep the checkpoint's fp32."""
+    """llmft.hardware.choose_precision for the device (bf16 on Ampere+, fp16 on older GPUs); fp32 on CPU
+    and for exports (they keep the checkpoint's fp32 unless --dtype says otherwise)."""
     import torch
+
+    from llmft.hardware import choose_precision, local_gpu, torch_dtype
 
     if name not in (None, "auto"):
         return getattr(torch, DTYPES[name])
     if exporting or not device.startswith("cuda"):
         return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch_dtype(choose_precision("auto", local_gpu(torch.device(device).index or 0)))
 
 
 def _hf(what: str, src: str, fn):

@@ -22,9 +22,9 @@ from llmft.ds_config import (
     template_path,
     zero_stage_of,
 )
+from llmft.hardware import PRECISIONS, choose_precision
 from llmft.launch_env import LaunchEnvError, World, discover_world
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 
 class PlanError(ValueError):
@@ -54,22 +54,11 @@ class RunPlan:
         ]
 
 
-def choose_precision(requested: str, cuda: bool, bf16_supported: bool) -> str:
-    """bf16 where the GPU supports it, fp16 on older GPUs, fp32 on CPU; an explicit choice wins."""
-    if requested not in PRECISIONS:
-        raise PlanError(f"unknown precision {requested!r}; use one of {', '.join(PRECISIONS)}")
-    if requested != "auto":
-        return requested
-    if not cuda:
-        return "fp32"
-    return "bf16" if bf16_supported else "fp16"
-
-
 def local_precision(requested: str) -> str:
-    import torch
+    """The precision this process trains in: llmft.hardware.choose_precision on the local GPU (if any)."""
+    from llmft.hardware import local_gpu
 
-    cuda = torch.cuda.is_available()
-    return choose_precision(requested, cuda, cuda and torch.cuda.is_bf16_supported())
+    return choose_precision(requested, local_gpu())
 
 
 def make_plan(

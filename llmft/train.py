@@ -36,7 +36,8 @@ from pathlib import Path
 
 from llmft import checkpoints, data, ds_config
 from llmft.launch_env import rank0, single_process_defaults
-from llmft.plan import PRECISIONS, PlanError, local_precision, make_plan
+from llmft.hardware import PRECISIONS, HardwareError
+from llmft.plan import PlanError, local_precision, make_plan
 
 
 @dataclass
@@ -157,7 +158,7 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
     """Check everything cheap first, then build the trainer and train (or resume)."""
     try:
         return _train(script_args, training_args, model_args, llmft_args)
-    except (TrainError, PlanError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError) as e:
+    except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError) as e:
         if rank0():
             print(f"llmft train: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -20,6 +20,7 @@ the result is bit-identical), but it:
 
 from __future__ import annotations
 
+import enum
 import math
 import pickle
 import re
@@ -56,16 +57,36 @@ class _FragmentAddress:
     start: int = 0
 
 
-def _zero_stage_enum(value):
-    """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum (an IntEnum): keep the plain int."""
-    return int(value)
+class _ZeroStageEnum(enum.IntEnum):
+    """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum (an IntEnum with these members)."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+# Python pickles an enum member in one of two ways, depending on the interpreter: by value,
+# `ZeroStageEnum(2)` (3.10, 3.11.5+, 3.12, 3.13), or by name, `getattr(ZeroStageEnum, 'gradients')`
+# (3.11.0-3.11.4, e.g. Debian 12's 3.11.2). The by-name form needs `builtins.getattr`, which safe
+# loading must never grant in general: this one only looks up a member of the allowed enum stand-in.
+_ENUMS = (_ZeroStageEnum,)
+
+
+def _member_getattr(obj, name):
+    """`builtins.getattr` as a checkpoint may call it: a member of an allowed enum, nothing else."""
+    if obj in _ENUMS and isinstance(name, str) and name in obj.__members__:
+        return obj[name]
+    target = "ZeroStageEnum" if obj in _ENUMS else getattr(obj, "__qualname__", type(obj).__name__)
+    raise pickle.UnpicklingError(f"Unsupported global: GLOBAL builtins.getattr on {target}.{name}")
 
 
 _DEEPSPEED_GLOBALS = [
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (_zero_stage_enum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_member_getattr, "builtins.getattr"),
 ]
 
 
@@ -88,7 +109,7 @@ def load_shard(path: Path, trust: bool = False) -> dict:
         with torch.serialization.safe_globals(_DEEPSPEED_GLOBALS):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        found = re.search(r"GLOBAL ([\w.]+(?: on [\w.]+)?)", str(e))
         what = f"the Python object {found.group(1)}" if found else "a Python object"
         raise CheckpointError(
             f"shard {path} contains {what} that safe loading refuses: if you trust this checkpoint, "
@@ -245,8 +266,7 @@ def _open_zero012(tag_dir, model_file, optim, trust) -> ZeroCheckpoint:
     if "single_partition_of_fp32_groups" not in osd:
         raise CheckpointError(f"{optim_files[0]} has no fp32 partitions: it is not a ZeRO stage 1/2 optimizer shard")
     # BF16_Optimizer (bf16 without ZeRO) writes the same partitions but no zero_stage: ask the config
-    stage = osd.get("zero_stage", (meta.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 2))
-    stage = int(stage) if str(stage).isdigit() else 2
+    stage = int(osd.get("zero_stage", (meta.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 2)))
     shapes = {}
     for k in buffers:
         shapes[k] = module[k].shape

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,12 @@ def run(cmd: list[str], timeout: float = 600, check: bool = False, **env: str) -
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-8000:]}")
     return proc
+
+
+def require_tool(name: str) -> str:
+    """A system tool the tests need; `make test` installs it first (tests/system_deps.sh). Missing: a failure, not a skip."""
+    found = shutil.which(name) or shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+    if not found:
+        pytest.fail(f"{name} is not installed: run `make test` (its set-up step, tests/system_deps.sh, installs it) "
+                    f"or `bash tests/system_deps.sh`", pytrace=False)
+    return found

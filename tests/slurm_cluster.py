@@ -79,15 +79,15 @@ class SlurmCluster:
 
 
 def start_cluster(state: Path) -> SlurmCluster:
-    """Install Slurm if missing (root + apt-get) and start munge, slurmctld and slurmd n1/n2."""
+    """Start munge, slurmctld and slurmd n1/n2 (installed by `make test`'s set-up step, tests/system_deps.sh)."""
     proc = subprocess.run(
-        ["bash", str(LOCAL / "start.sh"), "--install", str(state)],
+        ["bash", str(LOCAL / "start.sh"), str(state)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "PATH": os.environ.get("PATH", "") + os.pathsep + SBIN_PATH},
     )
     if proc.returncode != 0:
         where = "CI=true" if os.environ.get("CI") == "true" else "this machine"
         pytest.fail(
-            f"could not install or start the local Slurm cluster on {where} (a failure, never a skip):\n"
+            f"could not start the local Slurm cluster on {where} (a failure, never a skip; `make test` installs Slurm first):\n"
             f"{proc.stdout}\n{proc.stderr}",
             pytrace=False,
         )

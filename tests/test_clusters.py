@@ -16,14 +16,13 @@ import copy
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import AWS_PLACEHOLDER_ENV
+from conftest import AWS_PLACEHOLDER_ENV, require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 GCP_BLUEPRINT = REPO / "blueprints" / "gcp" / "hpc-slurm.yaml"
@@ -31,11 +30,12 @@ AWS_CONFIG = REPO / "blueprints" / "aws" / "config.yaml"
 MODULE_VARIABLES = REPO / "tests" / "data" / "cluster-toolkit-v1.95.0-module-variables.json"
 SHELL_SCRIPTS = [
     REPO / "manage_cluster.sh",
+    REPO / "tests" / "system_deps.sh",
+    REPO / ".ci" / "run",
     REPO / "blueprints" / "gcp" / "install-build-deps.sh",
     REPO / "blueprints" / "aws" / "on-head-node-configured.sh",
     REPO / "blueprints" / "aws" / "on-compute-node-start.sh",
 ]
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def pcluster_python() -> str:
@@ -450,28 +450,13 @@ def test_aws_custom_action_scripts_exist_beside_the_config():
 # ------------------------------------------------------------------- shell, image
 
 
-def shellcheck() -> str:
-    found = shutil.which("shellcheck")
-    if found:
-        return found
-    if not IN_CI and hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-q", "shellcheck"], capture_output=True, timeout=600)
-        if not shutil.which("shellcheck"):
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
-            subprocess.run(["apt-get", "install", "-y", "-q", "shellcheck"], capture_output=True, timeout=600)
-        found = shutil.which("shellcheck")
-        if found:
-            return found
-    pytest.fail("shellcheck is not installed: apt-get install shellcheck (or brew install shellcheck), then rerun")
-
-
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
 def test_shell_scripts_are_shellcheck_clean_and_strict(script):
     text = script.read_text()
     assert text.startswith("#!"), "needs a shebang"
     assert "set -euo pipefail" in text
     assert os.access(script, os.X_OK), f"{script} is not executable"
-    proc = subprocess.run([shellcheck(), "--severity=style", str(script)], capture_output=True, text=True)
+    proc = subprocess.run([require_tool("shellcheck"), "--severity=style", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 

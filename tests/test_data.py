@@ -97,3 +97,17 @@ def test_tokenizer_without_chat_template_gets_a_working_default(tiny_model):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|user|>\nhi<|endoftext|>\n<|assistant|>\n"
     assert ensure_chat_template(tok) is False  # an existing template is kept
+
+
+def test_content_fingerprint_follows_the_bytes_not_the_path(tmp_path):
+    from llmft.data import content_fingerprint
+
+    rows = as_format(make_examples(8), "prompt_completion")
+    a = write_jsonl(rows, tmp_path / "a" / "train.jsonl")
+    b = write_jsonl(rows, tmp_path / "b" / "train.jsonl")
+    assert content_fingerprint(str(a)) == content_fingerprint(str(b))  # same bytes, same name: same data
+    assert content_fingerprint(str(a.parent)) == content_fingerprint(str(b.parent))  # directories too
+    b.write_text(b.read_text().replace("plus", "plus ", 1))
+    assert content_fingerprint(str(a)) != content_fingerprint(str(b))  # one byte changes it
+    assert content_fingerprint(str(a.parent)) != content_fingerprint(str(b.parent))
+    assert content_fingerprint("trl-lib/Capybara") != content_fingerprint("trl-lib/Capybara", revision="abc123")

@@ -1,6 +1,7 @@
 """ZeRO templates and their resolution into the concrete config a run writes to disk; `llmft plan`."""
 
 import json
+import re
 
 import pytest
 
@@ -92,23 +93,54 @@ def test_plan_cli_fails_with_one_line_on_impossible_batch():
 
 
 @pytest.mark.parametrize(
-    "requested, cuda, bf16_ok, expected",
+    "requested, gpu, expected",
     [
-        ("auto", False, False, "fp32"),  # CPU
-        ("auto", True, True, "bf16"),  # A100, L4, H100
-        ("auto", True, False, "fp16"),  # V100, T4
-        ("fp16", True, True, "fp16"),  # an explicit choice wins
-        ("fp32", True, True, "fp32"),
+        ("auto", None, "fp32"),  # CPU
+        ("auto", "A100-40GB", "bf16"),
+        ("auto", "L4", "bf16"),
+        ("auto", "H100-80GB", "bf16"),
+        ("auto", "T4", "fp16"),  # torch calls bf16 "supported" on a T4 (emulated): still fp16
+        ("auto", "V100-16GB", "fp16"),
+        ("fp16", "A100-40GB", "fp16"),  # an explicit choice wins where the hardware has it
+        ("fp32", "L4", "fp32"),
+        ("bf16", None, "bf16"),  # bf16 on CPU runs (slowly): allowed when asked for
     ],
 )
-def test_precision_follows_the_hardware_unless_chosen(requested, cuda, bf16_ok, expected):
-    from llmft.plan import choose_precision
+def test_precision_follows_the_hardware_unless_chosen(requested, gpu, expected):
+    from llmft.hardware import GPUS, choose_precision
 
-    assert choose_precision(requested, cuda, bf16_ok) == expected
+    assert choose_precision(requested, GPUS[gpu] if gpu else None) == expected
 
 
-def test_unknown_precision_is_refused():
-    from llmft.plan import PlanError, choose_precision
+@pytest.mark.parametrize(
+    "requested, gpu, message",
+    [
+        ("fp8", "A100-40GB", "unknown precision 'fp8'; use one of auto, bf16, fp16, fp32"),
+        ("bf16", "T4", "bf16 needs a GPU with compute capability 8.0 or newer; this T4 has 7.5: use --precision fp16"),
+        ("fp16", None, "fp16 mixed precision needs a GPU and none is visible here: use --precision fp32"),
+    ],
+)
+def test_impossible_precision_is_refused_with_the_fix(requested, gpu, message):
+    from llmft.hardware import GPUS, HardwareError, choose_precision
 
-    with pytest.raises(PlanError, match="unknown precision 'fp8'; use one of auto, bf16, fp16, fp32"):
-        choose_precision("fp8", True, True)
+    with pytest.raises(HardwareError, match=re.escape(message)):
+        choose_precision(requested, GPUS[gpu] if gpu else None)
+
+
+@pytest.mark.parametrize(
+    "device_name, memory, cc, expected, peak",
+    [
+        ("NVIDIA L4", 22.0, (8, 9), "L4", 121.0),
+        ("NVIDIA A100-SXM4-40GB", 39.4, (8, 0), "A100-40GB", 312.0),
+        ("NVIDIA A100-SXM4-80GB", 79.1, (8, 0), "A100-80GB", 312.0),
+        ("NVIDIA H100 80GB HBM3", 79.1, (9, 0), "H100-80GB", 989.0),
+        ("NVIDIA H100 PCIe", 79.1, (9, 0), "H100-PCIe", 756.0),
+        ("Tesla T4", 14.6, (7, 5), "T4", 65.0),
+        ("NVIDIA RTX 6000 Ada Generation", 47.5, (8, 9), "NVIDIA RTX 6000 Ada Generation", None),  # unknown: no peak, no MFU
+    ],
+)
+def test_cuda_device_names_map_to_catalogue_facts(device_name, memory, cc, expected, peak):
+    from llmft.hardware import gpu_from_device
+
+    gpu = gpu_from_device(device_name, memory, cc)
+    assert (gpu.name, gpu.peak_tflops, gpu.memory_gib, gpu.compute_capability) == (expected, peak, memory, cc)

@@ -3,31 +3,20 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from conftest import require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "run_llm.slurm"
 SHELL_SCRIPTS = [SCRIPT, REPO / "slurm" / "local" / "start.sh", REPO / "slurm" / "local" / "stop.sh"]
 
 
-def shellcheck() -> str:
-    found = shutil.which("shellcheck")
-    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "shellcheck"], capture_output=True, timeout=600,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        found = shutil.which("shellcheck")
-    if not found:
-        pytest.fail("shellcheck is not installed and could not be installed (apt-get install shellcheck)", pytrace=False)
-    return found
-
-
 def test_shell_scripts_are_shellcheck_clean():
-    proc = subprocess.run([shellcheck(), "-s", "bash", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True)
+    proc = subprocess.run([require_tool("shellcheck"), "-s", "bash", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for script in SHELL_SCRIPTS:
         text = script.read_text()

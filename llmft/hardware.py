@@ -1,0 +1,141 @@
+"""Hardware facts and the decisions made from them: which GPU this is, which precision and attention it gets.
+
+CPU machines cannot show GPU behaviour, so every GPU decision is a pure function of a `GPU` record
+(compute capability, memory, peak throughput). The tests drive those functions with the facts of an
+L4, an A100 and a T4; on a real node `local_gpu()` reads the same facts from CUDA.
+
+    from llmft.hardware import GPUS, choose_precision, local_gpu
+    choose_precision("auto", GPUS["T4"])        # 'fp16': no bf16 tensor cores before compute capability 8.0
+    choose_precision("auto", local_gpu())       # what this machine trains in ('fp32' without CUDA)
+
+Peak throughputs are NVIDIA's dense (no sparsity) 16-bit tensor-core numbers from the data sheets:
+L4 121 TFLOP/s (L4 datasheet, "BF16 242 TFLOPS with sparsity"), A100 312 (A100 datasheet), H100 SXM
+and H200 989 (H100/H200 datasheets, SXM), H100 PCIe 756, T4 65 fp16 (T4 datasheet), V100 SXM2 125,
+V100 PCIe 112 fp16 (V100 datasheet). A GPU not in the table has no peak: MFU is then reported as
+unknown rather than computed against a guess.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+class HardwareError(ValueError):
+    """A hardware name or setting llmft does not know; the message lists the known ones."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    """What llmft needs to know about one GPU model."""
+
+    name: str  # llmft's short name: L4, A100-40GB, H100-80GB ...
+    memory_gib: float  # total device memory as CUDA reports it
+    compute_capability: tuple[int, int]
+    peak_tflops: float | None  # dense 16-bit tensor-core peak (bf16 where supported, else fp16); None = unknown
+
+    @property
+    def has_bf16(self) -> bool:
+        """Native bf16 tensor cores: Ampere (8.0) and newer. Older GPUs only emulate bf16 (slowly)."""
+        return self.compute_capability >= (8, 0)
+
+    @property
+    def supports_flash_attention(self) -> bool:
+        """flash-attn 2 needs Ampere (8.0) or newer."""
+        return self.compute_capability >= (8, 0)
+
+    @property
+    def bitsandbytes_4bit(self) -> bool:
+        """bitsandbytes' 4-bit kernels run on compute capability 7.5 (Turing) and newer."""
+        return self.compute_capability >= (7, 5)
+
+
+# The GPUs llmft's clusters use (L4 on g2/g6, A100 on a2/p4d, H100/H200 on a3/p5) and the older ones users
+# still meet (T4, V100). Memory: what `torch.cuda.get_device_properties(0).total_memory` reports.
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        GPU("T4", 15.0, (7, 5), 65.0),
+        GPU("V100-16GB", 15.8, (7, 0), 125.0),
+        GPU("V100-32GB", 31.7, (7, 0), 125.0),
+        GPU("L4", 22.0, (8, 9), 121.0),
+        GPU("A100-40GB", 39.4, (8, 0), 312.0),
+        GPU("A100-80GB", 79.1, (8, 0), 312.0),
+        GPU("H100-80GB", 79.1, (9, 0), 989.0),
+        GPU("H100-PCIe", 79.1, (9, 0), 756.0),
+        GPU("H200", 139.8, (9, 0), 989.0),
+    )
+}
+
+# CUDA device names (torch.cuda.get_device_name) -> llmft's short names. Order matters: first match wins.
+_NAME_PATTERNS = [
+    (r"\bT4\b", "T4"),
+    (r"V100.*32GB", "V100-32GB"),
+    (r"V100", "V100-16GB"),
+    (r"\bL4\b", "L4"),
+    (r"A100.*80GB", "A100-80GB"),
+    (r"A100", "A100-40GB"),
+    (r"H100.*PCIe", "H100-PCIe"),
+    (r"H100.*(HBM3|SXM)", "H100-80GB"),
+    (r"H200", "H200"),
+]
+
+
+def gpu_by_name(name: str) -> GPU:
+    """A catalogue GPU by llmft's short name (case-insensitive), e.g. 'a100-40gb'."""
+    for key, gpu in GPUS.items():
+        if key.lower() == name.strip().lower():
+            return gpu
+    raise HardwareError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or give its memory with --gpu_memory_gb)")
+
+
+def gpu_from_device(device_name: str, memory_gib: float, compute_capability: tuple[int, int]) -> GPU:
+    """The facts for a CUDA device: the catalogue entry its name matches, else what CUDA said (no peak)."""
+    for pattern, short in _NAME_PATTERNS:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            known = GPUS[short]
+            return GPU(known.name, round(memory_gib, 1), tuple(compute_capability), known.peak_tflops)
+    return GPU(device_name, round(memory_gib, 1), tuple(compute_capability), None)
+
+
+def local_gpu(index: int = 0) -> GPU | None:
+    """This process's GPU, or None on a machine without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(index)
+    return gpu_from_device(props.name, props.total_memory / 2**30, (props.major, props.minor))
+
+
+def choose_precision(requested: str, gpu: GPU | None) -> str:
+    """The one place llmft decides the training/inference precision.
+
+    auto: bf16 on GPUs with native bf16 (compute capability >= 8.0: A100, L4, H100), fp16 on older GPUs
+    (T4, V100: PyTorch reports bf16 "supported" there through emulation, which is slow), fp32 on CPU.
+    An explicit bf16 on a GPU without native bf16, or fp16 on CPU, is refused with the fix (explicit bf16 on
+    CPU is allowed: PyTorch and DeepSpeed run it there, slowly, which is how the bf16 path is tested).
+    """
+    if requested not in PRECISIONS:
+        raise HardwareError(f"unknown precision {requested!r}; use one of {', '.join(PRECISIONS)}")
+    if requested == "auto":
+        if gpu is None:
+            return "fp32"
+        return "bf16" if gpu.has_bf16 else "fp16"
+    if requested == "bf16" and gpu is not None and not gpu.has_bf16:
+        raise HardwareError(
+            f"bf16 needs a GPU with compute capability 8.0 or newer; this {gpu.name} has "
+            f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}: use --precision fp16 (or auto)"
+        )
+    if requested == "fp16" and gpu is None:
+        raise HardwareError("fp16 mixed precision needs a GPU and none is visible here: use --precision fp32 (or auto)")
+    return requested
+
+
+def torch_dtype(precision: str):
+    """The torch dtype for a resolved precision (bf16, fp16, fp32)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
