@@ -139,3 +139,83 @@ def torch_dtype(precision: str):
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+# --- Attention and GPU kernels (issue 10) -------------------------------------------------------------------------
+# Which attention implementation a run gets, and whether Liger's kernels can run. Pure functions of the GPU facts
+# and of what is installed, so the tests can ask them about an L4, an A100 and a T4 on a CPU machine.
+
+ATTENTIONS = ("auto", "flash_attention_2", "sdpa", "eager")
+
+
+def flash_attn_installed() -> bool:
+    """flash-attn 2 is importable (`pip install 'llmft[gpu]'` on a CUDA machine)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def choose_attention(requested: str | None, gpu: GPU | None, flash_installed: bool,
+                     model_supports: frozenset[str] | None = None) -> str:
+    """The one place llmft decides the attention implementation.
+
+    auto (or unset): flash_attention_2 when flash-attn is installed and the GPU can run it (compute capability
+    8.0+: A100, L4, H100), else PyTorch's SDPA, which runs everywhere (eager for the few models without SDPA
+    support). All three keep packed samples apart (see llmft.packing). `model_supports`: the implementations the
+    model's code has (llmft.packing.model_attentions; None: not known, all assumed). An explicit choice that
+    cannot run here is refused with the fix.
+    """
+    requested = requested or "auto"
+    if requested not in ATTENTIONS:
+        raise HardwareError(f"unknown --attn_implementation {requested!r}; use one of {', '.join(ATTENTIONS)}")
+    supports = model_supports if model_supports is not None else frozenset(ATTENTIONS)
+    flash_ok = gpu is not None and gpu.supports_flash_attention
+    if requested == "auto":
+        if flash_ok and flash_installed and "flash_attention_2" in supports:
+            return "flash_attention_2"
+        return "sdpa" if "sdpa" in supports else "eager"
+    if requested not in supports:
+        raise HardwareError(f"this model has no {requested} attention; use one of {', '.join(sorted(supports))} (or auto)")
+    if requested == "flash_attention_2":
+        if gpu is None:
+            raise HardwareError("--attn_implementation flash_attention_2 needs a CUDA GPU and none is visible here; use sdpa (or auto)")
+        if not gpu.supports_flash_attention:
+            cc = ".".join(map(str, gpu.compute_capability))
+            raise HardwareError(f"flash-attention 2 needs compute capability 8.0 or newer; this {gpu.name} has {cc}: use sdpa (or auto)")
+        if not flash_installed:
+            raise HardwareError("--attn_implementation flash_attention_2 needs flash-attn: pip install 'llmft[gpu]' (or use sdpa)")
+    return requested
+
+
+def liger_model_types() -> frozenset[str] | None:
+    """Model types Liger has kernels for, or None when liger-kernel is not installed."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return None
+    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def check_liger(gpu: GPU | None, model_type: str, supported: frozenset[str] | None, kernel_config: dict | None = None) -> None:
+    """Refuse --use_liger_kernel where it cannot work, instead of letting it do nothing or crash mid-run.
+
+    Liger's kernels are Triton GPU kernels: no CUDA, no Liger. For a model type Liger has no kernels for,
+    transformers logs one info line and trains without them: llmft refuses instead. Any ZeRO stage is allowed:
+    TRL 1.16's SFTTrainer applies only Liger's layer kernels (RMSNorm, RoPE, SwiGLU), which run inside each
+    module's forward where ZeRO-3 has gathered the weights, and keeps its own ZeRO-3-aware fused LM head. The
+    ZeRO-3 failures reported upstream (Liger-Kernel#1048, TRL#3368, #5891, #6372) come from Liger's fused linear
+    cross-entropy reading lm_head.weight outside the module's forward; that option is refused here (TRL refuses it
+    too, with a traceback).
+    """
+    if gpu is None:
+        raise HardwareError("--use_liger_kernel needs a CUDA GPU (Liger's kernels are Triton GPU kernels) and none is visible here; drop the flag")
+    if supported is None:
+        raise HardwareError("--use_liger_kernel needs liger-kernel: pip install 'llmft[gpu]'")
+    if model_type not in supported:
+        known = ", ".join(sorted(t for t in supported if t in {"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"}))
+        raise HardwareError(f"Liger has no kernels for model type {model_type!r} (it has them for {known}, ...); drop --use_liger_kernel")
+    if (kernel_config or {}).get("fused_linear_cross_entropy"):
+        raise HardwareError(
+            "--liger_kernel_config fused_linear_cross_entropy is not supported: TRL's SFTTrainer uses its own fused LM head "
+            "(it also works under ZeRO-3); remove that key"
+        )

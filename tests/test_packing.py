@@ -1,0 +1,166 @@
+"""Packed samples must not attend to each other: the same samples trained packed (TRL's bfd packing and
+padding-free collator, exactly what `llmft train --packing` feeds the model) and unpacked give the same per-token
+losses and the same gradients, for a Llama-shaped and a GPT-2-shaped model, under SDPA and eager attention.
+The decision logic (llmft.packing, llmft.hardware) is checked with the facts of an L4, an A100 and a T4."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config
+from trl.data_utils import pack_dataset
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from llmft.hardware import GPUS, HardwareError, check_liger, choose_attention
+from llmft.packing import PackingError, check_packing, masks_from_position_ids, model_attentions
+
+VOCAB, PAD = 96, 0
+
+
+def tiny_llama(attn: str):
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD)
+    return LlamaForCausalLM._from_config(config, attn_implementation=attn)
+
+
+def tiny_gpt2(attn: str):
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, pad_token_id=PAD,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel._from_config(config, attn_implementation=attn)
+
+
+def samples(n: int = 6, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def per_token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Loss of predicting ids[1:] from logits[:-1] (one sample, no batch dim)."""
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:], reduction="none")
+
+
+def unpacked(model, seqs):
+    batch = DataCollatorForLanguageModeling(pad_token_id=PAD)([{"input_ids": s} for s in seqs])
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return {tuple(s): per_token_losses(logits[i, : len(s)], batch["input_ids"][i, : len(s)]) for i, s in enumerate(seqs)}
+
+
+def packed(model, seqs, with_positions: bool = True):
+    """TRL's bfd packing into one row, its padding-free collator, and the model called with the whole batch as
+    SFTTrainer calls it. with_positions=False drops position_ids: one causal sequence, samples attending to each other."""
+    rows = pack_dataset(Dataset.from_dict({"input_ids": seqs}), seq_length=sum(map(len, seqs)), strategy="bfd")
+    assert len(rows) == 1
+    batch = DataCollatorForLanguageModeling(pad_token_id=PAD, padding_free=True)([rows[0]])
+    assert "attention_mask" not in batch
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if not with_positions:
+        inputs = {"input_ids": inputs["input_ids"]}
+    inputs["use_cache"] = False  # as SFTTrainer.compute_loss does; with a cache transformers skips packed detection
+    logits = model(**inputs).logits[0]
+    ids, pos = batch["input_ids"][0], batch["position_ids"][0]
+    starts = torch.nonzero(pos == 0).flatten().tolist() + [len(pos)]
+    return {tuple(ids[a:b].tolist()): per_token_losses(logits[a:b], ids[a:b]) for a, b in zip(starts, starts[1:])}
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_and_unpacked_training_agree_per_token(build, attn):
+    torch.manual_seed(0)
+    model = build(attn).train()
+    seqs = samples()
+
+    reference = unpacked(model, seqs)
+    sum(v.sum() for v in reference.values()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    got = packed(model, seqs)
+    assert got.keys() == reference.keys()  # every sample present, once, uncut
+    for key, losses in reference.items():
+        torch.testing.assert_close(got[key], losses, rtol=1e-4, atol=1e-5)
+    sum(v.sum() for v in got.values()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_the_comparison_catches_samples_attending_to_each_other():
+    """Without the restarting position ids the row is one causal sequence: later samples see earlier ones and
+    their losses change. The test above would fail on such a model."""
+    torch.manual_seed(0)
+    model = tiny_llama("sdpa")
+    seqs = samples()
+    reference, leaky = unpacked(model, seqs), packed(model, seqs, with_positions=False)
+    differing = [k for k in reference if not torch.allclose(leaky[k], reference[k], rtol=1e-4, atol=1e-5)]
+    assert len(differing) >= len(seqs) - 1  # all but the first sample in the row
+
+
+def test_packing_decision():
+    ok = dict(packing=True, padding_free=False, strategy="bfd", masks_from_positions=True)
+    for attn in ("flash_attention_2", "sdpa", "eager"):
+        check_packing(attention=attn, **ok)
+    check_packing(attention="flex_attention", **{**ok, "packing": False})  # nothing packed: nothing to check
+    with pytest.raises(PackingError, match="--packing_strategy wrapped concatenates samples"):
+        check_packing(attention="sdpa", **{**ok, "strategy": "wrapped"})
+    with pytest.raises(PackingError, match="--attn_implementation flex_attention is not known"):
+        check_packing(attention="flex_attention", **ok)
+    with pytest.raises(PackingError, match="--padding_free: this model's code does not build"):
+        check_packing(attention="sdpa", **{**ok, "packing": False, "padding_free": True, "masks_from_positions": False})
+
+
+def test_which_models_build_masks_from_position_ids():
+    assert masks_from_position_ids(LlamaConfig())
+    assert masks_from_position_ids(Qwen2Config())
+    assert masks_from_position_ids(GPT2Config())
+    remote = LlamaConfig(auto_map={"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+    assert not masks_from_position_ids(remote, trust_remote_code=True)
+    unknown = LlamaConfig()
+    unknown.model_type = "not-a-model"
+    assert not masks_from_position_ids(unknown)
+
+
+def test_attention_choice_from_hardware_facts():
+    l4, a100, t4 = GPUS["L4"], GPUS["A100-80GB"], GPUS["T4"]
+    assert choose_attention("auto", a100, flash_installed=True) == "flash_attention_2"
+    assert choose_attention(None, l4, flash_installed=True) == "flash_attention_2"
+    assert choose_attention("auto", l4, flash_installed=False) == "sdpa"
+    assert choose_attention("auto", t4, flash_installed=True) == "sdpa"  # flash-attn 2 needs compute capability 8.0
+    assert choose_attention("auto", None, flash_installed=True) == "sdpa"
+    assert choose_attention("eager", t4, flash_installed=False) == "eager"
+    assert choose_attention("flash_attention_2", a100, flash_installed=True) == "flash_attention_2"
+    with pytest.raises(HardwareError, match="this T4 has 7.5: use sdpa"):
+        choose_attention("flash_attention_2", t4, flash_installed=True)
+    with pytest.raises(HardwareError, match=r"needs flash-attn: pip install 'llmft\[gpu\]'"):
+        choose_attention("flash_attention_2", l4, flash_installed=False)
+    with pytest.raises(HardwareError, match="needs a CUDA GPU and none is visible"):
+        choose_attention("flash_attention_2", None, flash_installed=True)
+    with pytest.raises(HardwareError, match="unknown --attn_implementation 'flash'"):
+        choose_attention("flash", a100, flash_installed=True)
+
+
+def test_liger_decision_from_hardware_facts():
+    supported = frozenset({"llama", "qwen2", "mistral"})
+    for gpu in (GPUS["L4"], GPUS["A100-80GB"], GPUS["T4"]):
+        check_liger(gpu, "llama", supported)  # any GPU, any ZeRO stage
+    with pytest.raises(HardwareError, match="needs a CUDA GPU"):
+        check_liger(None, "llama", supported)
+    with pytest.raises(HardwareError, match=r"needs liger-kernel: pip install 'llmft\[gpu\]'"):
+        check_liger(GPUS["A100-80GB"], "llama", None)
+    with pytest.raises(HardwareError, match="Liger has no kernels for model type 'gpt2'"):
+        check_liger(GPUS["A100-80GB"], "gpt2", supported)
+    with pytest.raises(HardwareError, match="fused_linear_cross_entropy is not supported"):
+        check_liger(GPUS["A100-80GB"], "llama", supported, {"fused_linear_cross_entropy": True})
+
+
+def test_attention_choice_follows_what_the_model_has():
+    assert model_attentions(LlamaConfig()) == {"flash_attention_2", "sdpa", "eager"}
+    assert model_attentions(GPT2Config()) == {"flash_attention_2", "sdpa", "eager"}
+    assert model_attentions(LlamaConfig(auto_map={"AutoModelForCausalLM": "x.Y"}), trust_remote_code=True) is None
+    a100 = GPUS["A100-80GB"]
+    eager_only = frozenset({"eager"})
+    assert choose_attention("auto", a100, flash_installed=True, model_supports=eager_only) == "eager"
+    assert choose_attention("auto", a100, flash_installed=True, model_supports=frozenset({"sdpa", "eager"})) == "sdpa"
+    with pytest.raises(HardwareError, match="this model has no sdpa attention; use one of eager"):
+        choose_attention("sdpa", None, flash_installed=False, model_supports=eager_only)
