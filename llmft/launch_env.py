@@ -184,3 +184,24 @@ def single_process_defaults(env: dict | None = None) -> bool:
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(free_port()))
     return True
+
+
+def skip_deepspeed_shm_op(env: dict | None = None) -> bool:
+    """Keep DeepSpeed from building its CPU shared-memory all-reduce op when its comm layer starts.
+
+    On the CPU accelerator `deepspeed.init_distributed` JIT-compiles `deepspeed_shm_comm` (C++ with OpenMP, about
+    a minute on 2 cores, then a cached load on every start; a cache written by another environment is rebuilt).
+    Only `inference_all_reduce` (DeepSpeed's tensor-parallel inference) uses it; training's collectives go through
+    torch.distributed, so llmft never needs it (bench/bench_startup.py measures the difference).
+    LLMFT_DEEPSPEED_SHM_COMM=1 keeps DeepSpeed's default. Returns True when it was skipped.
+    """
+    env = os.environ if env is None else env
+    if env.get("LLMFT_DEEPSPEED_SHM_COMM") == "1":
+        return False
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if not isinstance(compatible, dict) or "deepspeed_shm_comm" not in compatible:
+        return False
+    compatible["deepspeed_shm_comm"] = False  # deepspeed.comm.torch.build_shm_op then returns None
+    return True

@@ -30,13 +30,12 @@ import os
 import re
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config
-from llmft.launch_env import rank0, single_process_defaults
-from llmft.hardware import PRECISIONS, HardwareError
+from llmft import checkpoints, data, ds_config, metrics, packing
+from llmft.launch_env import rank0, single_process_defaults, skip_deepspeed_shm_op
+from llmft.hardware import PRECISIONS, HardwareError, check_liger, choose_attention, flash_attn_installed, liger_model_types, local_gpu
 from llmft.plan import PlanError, local_precision, make_plan
 
 
@@ -120,29 +119,7 @@ def _callbacks():
                 control.should_training_stop = True
                 self.stopped_at = state.global_step
 
-    class StepLog(TrainerCallback):
-        """One line per logging step on rank 0: step, loss, learning rate, tokens per second."""
-
-        def __init__(self):
-            self.last = (time.time(), 0)
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.last = (time.time(), state.num_input_tokens_seen)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if not state.is_world_process_zero or not logs or "loss" not in logs:
-                return
-            now, tokens = time.time(), state.num_input_tokens_seen
-            tps = (tokens - self.last[1]) / max(now - self.last[0], 1e-9)
-            self.last = (now, tokens)
-            logs["tokens_per_second"] = round(tps, 1)
-            print(
-                f"llmft: step {state.global_step}/{state.max_steps} loss {logs['loss']:.4f} "
-                f"lr {logs.get('learning_rate', 0.0):.2e} tokens/s {tps:.0f}",
-                flush=True,
-            )
-
-    return PublishCompleteCheckpoint, GracefulStop, StepLog
+    return PublishCompleteCheckpoint, GracefulStop
 
 
 def requested_precision(training_args, llmft_args) -> str:
@@ -158,14 +135,18 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
     """Check everything cheap first, then build the trainer and train (or resume)."""
     try:
         return _train(script_args, training_args, model_args, llmft_args)
-    except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError) as e:
+    except (TrainError, PlanError, HardwareError, packing.PackingError, data.DataError, ds_config.DSConfigError,
+            checkpoints.CheckpointError) as e:
         if rank0():
             print(f"llmft train: error: {e}", file=sys.stderr, flush=True)
         return 2
 
 
 def _train(script_args, training_args, model_args, llmft_args) -> int:
-    import torch
+    clock = metrics.StartupClock()  # everything before this point was interpreter start-up and imports
+    clock.add("import", clock.elapsed())
+    with clock.phase("import"):
+        import torch
 
     # 1. Cheap checks: batch math, DeepSpeed template, data, resume point. No model yet.
     if not model_args.model_name_or_path:
@@ -188,15 +169,16 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         output_dir=training_args.output_dir,
     )
     data.check_percentage(llmft_args.data_percentage)
-    dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
-    dataset, shape = data.shape_for_sft(
-        dataset,
-        prompt_column=llmft_args.prompt_column,
-        completion_column=llmft_args.completion_column,
-        messages_column=llmft_args.messages_column,
-        text_field=training_args.dataset_text_field,
-    )
-    dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
+    with clock.phase("data"):
+        dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
+        dataset, shape = data.shape_for_sft(
+            dataset,
+            prompt_column=llmft_args.prompt_column,
+            completion_column=llmft_args.completion_column,
+            messages_column=llmft_args.messages_column,
+            text_field=training_args.dataset_text_field,
+        )
+        dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
     resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
     if resume:
         checkpoints.check_resumable(resume, plan.world.world_size, plan.zero_stage)
@@ -212,11 +194,13 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         model_args.lora_target_modules = [target]
 
     # 2. Tokenizer and model config (small files), then the concrete DeepSpeed config.
-    from transformers import AutoConfig, AutoTokenizer
-    from trl import SFTTrainer, get_peft_config
+    with clock.phase("import"):
+        from transformers import AutoConfig, AutoTokenizer
+        from trl import SFTTrainer, get_peft_config
 
-    model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
+    with clock.phase("model_load"):
+        model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
     if shape == "messages" and data.ensure_chat_template(tokenizer):
         log("the tokenizer has no chat template; using llmft's default")
     max_positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
@@ -224,6 +208,17 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if max_positions and max_length and max_length > max_positions:
         log(f"max_length {max_length} exceeds the model's {max_positions} positions; using {max_positions}")
         max_length = max_positions
+    gpu = local_gpu()
+    attention = choose_attention(model_args.attn_implementation, gpu, flash_attn_installed(),
+                                 packing.model_attentions(model_config, training_args.trust_remote_code))
+    if training_args.packing or training_args.padding_free:
+        packing.check_packing(
+            packing=training_args.packing, padding_free=training_args.padding_free, strategy=training_args.packing_strategy,
+            attention=attention, masks_from_positions=packing.masks_from_position_ids(model_config, training_args.trust_remote_code),
+        )
+    if training_args.use_liger_kernel:
+        check_liger(gpu, model_config.model_type, liger_model_types(), training_args.liger_kernel_config)
+    log(f"attention {attention}" + (" (auto)" if model_args.attn_implementation in (None, "auto") else ""))
 
     resolved = ds_config.resolve(
         ds_config.load_config(plan.ds_template),
@@ -240,22 +235,24 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
 
     single_process_defaults()  # outside torchrun: a world of one, before DeepSpeed reads the environment
-    args = dataclasses.replace(
-        training_args,
-        deepspeed=resolved,
-        per_device_train_batch_size=plan.batch.micro_batch,
-        gradient_accumulation_steps=plan.batch.grad_accum,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
-        dataloader_pin_memory=cuda,
-        include_num_input_tokens_seen="all",
-        max_length=max_length,
-        resume_from_checkpoint=str(resume) if resume else None,
-    )
-    model_init_kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
-    if model_args.attn_implementation:
-        model_init_kwargs["attn_implementation"] = model_args.attn_implementation
+    with clock.phase("import"):
+        skip_deepspeed_shm_op()  # an op training never uses that DeepSpeed would compile at start-up on CPU
+    with clock.phase("deepspeed_init"):  # TrainingArguments with a DeepSpeed config sets up DeepSpeed's config object
+        args = dataclasses.replace(
+            training_args,
+            deepspeed=resolved,
+            per_device_train_batch_size=plan.batch.micro_batch,
+            gradient_accumulation_steps=plan.batch.grad_accum,
+            bf16=precision == "bf16",
+            fp16=precision == "fp16",
+            use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
+            dataloader_pin_memory=cuda,
+            include_num_input_tokens_seen="no",  # llmft.metrics counts tokens without a collective per micro-batch
+            max_length=max_length,
+            resume_from_checkpoint=str(resume) if resume else None,
+        )
+    model_init_kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision,
+                         "attn_implementation": attention}
     if model_args.dtype not in (None, "auto"):
         model_init_kwargs["dtype"] = model_args.dtype  # else fp32 weights: DeepSpeed keeps exact fp32 masters
     model_init_kwargs.update(args.model_init_kwargs or {})
@@ -263,21 +260,25 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
 
     # 3. Train. ZeRO-3 partitions the model while loading it (zero.Init), which needs DeepSpeed's comm layer up;
     # on GPUs HF starts it, on the CPU path it would see a world of one and reject the batch sizes.
-    import deepspeed
+    with clock.phase("import"):
+        import deepspeed
 
-    _ = args.device  # accelerate creates the process group (gloo on CPU, nccl on GPUs)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
+    with clock.phase("deepspeed_init"):
+        _ = args.device  # accelerate creates the process group (gloo on CPU, nccl on GPUs)
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    PublishCompleteCheckpoint, GracefulStop = _callbacks()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
-    trainer = SFTTrainer(
-        model=model_args.model_name_or_path,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-        callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop, StepLog()],
-    )
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    with clock.phase("data"), metrics.timing_model_load(clock):  # tokenising/packing is data, loading weights model_load
+        trainer = SFTTrainer(
+            model=model_args.model_name_or_path,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+            callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop],
+        )
+    meter = metrics.attach(trainer, clock, gpu)  # step line, W&B metrics, run_summary.json
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step
     if stop.stopped_at is not None:
         log(f"stop requested; saved checkpoint-{step}")
@@ -286,6 +287,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         if rank0():
             checkpoints.mark_done(args.output_dir, step)
         log(f"training complete at step {step}; model saved to {args.output_dir}")
+    if rank0():
+        log(f"run summary written to {meter.write_summary(args.output_dir, result.training_loss)}")
     if hasattr(trainer, "end"):
         trainer.end()
     return 0

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, run
+from llmft.metrics import STARTUP_PHASES, SUMMARY_FIELDS
 from llmft.tiny import as_format, make_examples, write_jsonl
 
-STEP_RE = re.compile(r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+)")
+STEP_RE = re.compile(
+    r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+) padded/s (\d+) tflops/gpu ([\d.e+-]+) "
+    r"mfu (n/a|[\d.]+%) gpu_mem (n/a|[\d.]+GiB) data ([\d.]+)%"
+)
 
 
 def train_cmd(model, data, out, *extra, nproc=2):
@@ -25,7 +29,11 @@ def train_cmd(model, data, out, *extra, nproc=2):
 
 
 def steps(stdout: str) -> list[tuple[int, int, float, float]]:
-    return [(int(s), int(m), float(loss), float(lr)) for s, m, loss, lr, _ in STEP_RE.findall(stdout)]
+    return [(int(s), int(m), float(loss), float(lr)) for s, m, loss, lr, *_ in STEP_RE.findall(stdout)]
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "run_summary.json").read_text())
 
 
 def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(tiny_model, tiny_data, tmp_path):
@@ -52,6 +60,19 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
     assert proc.stdout.count("llmft plan: world size") == 1  # rank 0 only
 
+    # Speed, from the run itself: the step line's throughput fields and run_summary.json (CPU: no MFU, no GPU memory).
+    for _, _, _, _, tps, padded, tflops, mfu, gpu_mem, data_share in STEP_RE.findall(proc.stdout):
+        assert 0 < int(tps) <= int(padded) and float(tflops) > 0 and mfu == gpu_mem == "n/a" and 0 <= float(data_share) <= 100
+    s = summary(out)
+    assert list(s) == list(SUMMARY_FIELDS)
+    assert s["steps"] == 10 and s["world_size"] == 2 and s["gpu"] is None and s["mfu"] is None
+    assert s["peak_gpu_memory_gib"] is None and 0 < s["peak_host_rss_gib"] < 8
+    assert 0 < s["tokens"] <= s["padded_tokens"] and 0 < s["tokens_per_second"] <= s["padded_tokens_per_second"]
+    assert s["tflops_per_gpu"] > 0 and s["train_loss"] > 0
+    assert list(s["startup_seconds"]) == list(STARTUP_PHASES) and all(v > 0 for v in s["startup_seconds"].values())
+    assert sum(s["startup_seconds"].values()) < s["wall_seconds"]
+    assert proc.stdout.count("llmft: start-up ") == 1
+
 
 def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_data, tmp_path):
     """The preemption path: a stop request mid-run saves a complete checkpoint; a rerun continues from it."""
@@ -73,6 +94,7 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     stopped = int(re.search(r"stop requested; saved checkpoint-(\d+)", first.stdout).group(1))
     assert 2 <= stopped < 10
     assert not (out / "llmft_done.json").exists()
+    assert summary(out)["steps"] == stopped  # written when a stop request ends the run early, too
     tag = out / f"checkpoint-{stopped}" / f"global_step{stopped}"
     assert sorted(p.name for p in tag.glob("zero_pp_rank_*_model_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
@@ -87,6 +109,7 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     for s, total, _, lr in before + after:  # one linear schedule across both runs
         assert lr == pytest.approx(1e-3 * (1 - s / total), rel=1e-3, abs=1e-9)
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
+    assert summary(out)["steps"] == 10 - stopped  # this run's steps
 
     # The same run directory on a different number of processes: refused before the model loads.
     third = run(train_cmd(tiny_model, tiny_data, out, *flags, nproc=1))
@@ -126,6 +149,20 @@ def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
     assert "16 records (messages" in proc.stdout and (tmp_path / "chat_run" / "llmft_done.json").is_file()
 
 
+def test_real_tokens_counted_the_same_padded_or_packed(tiny_model, tmp_path):
+    """One epoch over the same samples: the padded run (attention masks) and the packed run (padding-free rows,
+    position ids) count the same real tokens; only the padded one feeds padding."""
+    data = write_jsonl(as_format(make_examples(24), "prompt_completion"), tmp_path / "d.jsonl")
+    flags = ("--zero_stage", 0, "--num_train_epochs", 1, "--save_strategy", "no", "--logging_steps", 1)
+    run(train_cmd(tiny_model, data, tmp_path / "padded", *flags, "--per_device_train_batch_size", 8, nproc=1), check=True)
+    proc = run(train_cmd(tiny_model, data, tmp_path / "packed", *flags, "--per_device_train_batch_size", 4, "--packing",
+                         "--max_length", 128, nproc=1), check=True)
+    assert "llmft: attention sdpa (auto)" in proc.stdout
+    padded, packed = summary(tmp_path / "padded"), summary(tmp_path / "packed")
+    assert padded["steps"] == 3 and packed["steps"] >= 1
+    assert packed["tokens"] == padded["tokens"] == packed["padded_tokens"] < padded["padded_tokens"]
+
+
 def test_wandb_offline_logs_without_network_and_never_prints_the_key(tiny_model, tiny_data, tmp_path):
     secret = "wandb-secret-0123456789abcdef0123456789abcdef"
     cmd = train_cmd(tiny_model, tiny_data, tmp_path / "run", "--zero_stage", 0, "--max_steps", 2, nproc=1)
@@ -133,6 +170,8 @@ def test_wandb_offline_logs_without_network_and_never_prints_the_key(tiny_model,
     proc = run(cmd, check=True, WANDB_MODE="offline", WANDB_API_KEY=secret, WANDB_DIR=str(tmp_path), WANDB_PROJECT="llmft-test")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    record = next(runs[0].glob("*.wandb")).read_bytes()
+    assert all(key.encode() in record for key in ("tokens_per_second", "padded_tokens_per_second", "tflops_per_gpu"))
     assert secret not in proc.stdout + proc.stderr
 
 
@@ -152,6 +191,9 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--global_batch_size", "7", "--per_device_train_batch_size", "2"], "global batch 7 is not divisible by micro-batch 2 x world size 1 = 2; use global batch 6 or 8"),
         (["--data_percentage", "150"], "--data_percentage must be in (0, 100], got 150"),
         (["--data_percentage", "0"], "--data_percentage must be in (0, 100], got 0"),
+        (["--packing", "--packing_strategy", "wrapped"], "--packing_strategy wrapped concatenates samples"),
+        (["--attn_implementation", "flash_attention_2"], "flash_attention_2 needs a CUDA GPU and none is visible here"),
+        (["--use_liger_kernel", "true"], "--use_liger_kernel needs a CUDA GPU"),
     ]
 
 

@@ -1,0 +1,383 @@
+"""How fast a run went and how far from the hardware's limit: tokens/s, FLOPs, MFU, memory, data wait, start-up.
+
+Rank 0 logs one line per logging step (and the same numbers to W&B when it is on):
+
+    llmft: step 40/128 loss 1.3786 lr 2.44e-03 tokens/s 3623 padded/s 5120 tflops/gpu 121.4 mfu 38.9% gpu_mem 61.2GiB data 0.4%
+
+- tokens/s: non-padding tokens per second over all ranks; padded/s: every token fed to the model (padding included).
+- tflops/gpu: model FLOPs per second per GPU; mfu: that over the GPU's dense 16-bit peak (llmft.hardware.GPU.peak_tflops:
+  L4 121, A100 312, H100/H200 989). A GPU without a known peak, or a CPU, gives no MFU (n/a, null), never a guess.
+- gpu_mem: peak memory PyTorch allocated on any rank's GPU; data: share of the interval spent waiting for batches.
+
+At the end of a run (also one ended early by a stop signal), `<output_dir>/run_summary.json` holds the run's totals
+(SUMMARY_FIELDS) and `startup_seconds` split into STARTUP_PHASES. Its rates leave out the first optimizer step,
+which `startup_seconds.first_step` reports, so they describe the steady state.
+
+FLOPs per token (the convention of PaLM, appendix B, and llm-foundry, so MFU compares with their numbers):
+
+    forward 2N + activation gradients 2N + weight gradients 2N_trainable, plus attention 12 * L * A * s
+
+N counts the parameters used in matrix multiplies (embedding look-ups excluded, the LM head included, once even
+when tied), N_trainable those of them that get weight gradients: full fine-tuning gives the usual 6N; under LoRA
+the frozen weights still cost their forward and activation-gradient FLOPs (4N) and only the adapters add weight
+gradients. L is the number of layers, A = attention heads x head dim, s the length of the sample the token is in
+(QK^T and AV: 4*A*s per layer forward, 8*A*s backward; no discount for the causal mask). Per step that is
+(4N + 2N_trainable) * tokens + 12 * L * A * sum(s^2) over the step's samples, counting real tokens only:
+padding is not useful work. Recomputation under gradient checkpointing is not counted (that would be HFU, not
+MFU). MoE models would need active rather than total parameters; llmft counts all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+STARTUP_PHASES = ("import", "data", "model_load", "deepspeed_init", "first_step")
+SUMMARY_FIELDS = (
+    "steps", "tokens", "padded_tokens", "tokens_per_second", "padded_tokens_per_second", "tflops_per_gpu", "mfu",
+    "peak_gpu_memory_gib", "peak_host_rss_gib", "train_loss", "world_size", "gpu", "wall_seconds", "startup_seconds",
+)
+
+
+# --- FLOPs ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP count needs to know about a model."""
+
+    matmul_params: int  # N: parameters used in matrix multiplies
+    trainable_params: int  # N_trainable: of those, the ones that get weight gradients
+    n_layers: int  # L
+    attn_width: int  # A: attention heads x head dim (the width of QK^T and AV)
+
+
+def training_flops(shape: ModelShape, tokens: float, sum_sq_lengths: float) -> float:
+    """Model FLOPs of one training pass over `tokens` real tokens in samples whose squared lengths sum to `sum_sq_lengths`."""
+    dense = (4 * shape.matmul_params + 2 * shape.trainable_params) * tokens
+    attention = 12 * shape.n_layers * shape.attn_width * sum_sq_lengths
+    return dense + attention
+
+
+def model_shape(model) -> ModelShape:
+    """N, N_trainable, L and A of a (possibly PEFT-wrapped, possibly ZeRO-3-partitioned) transformers model."""
+    import torch
+
+    def numel(p) -> int:
+        return int(getattr(p, "ds_numel", 0) or p.numel())  # ZeRO-3 leaves an empty tensor; ds_numel is the real size
+
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    matmul = trainable = 0
+    for p in model.parameters():
+        if id(p) in lookups and p is not head_weight:  # a look-up table; a tied LM head is counted (once) as a matmul
+            continue
+        matmul += numel(p)
+        trainable += numel(p) if p.requires_grad else 0
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    return ModelShape(matmul, trainable, int(layers), int(heads * head_dim))
+
+
+def batch_counts(batch):
+    """[real tokens, all tokens, sum of squared sample lengths] of one collated batch, as a float64 tensor on the
+    batch's device (no host sync). Padded batches: lengths from the attention mask. Padding-free (packed) batches:
+    lengths from `cu_seq_lens_q` or the restarts of `position_ids`; a right-padded tail (pad_to_multiple_of) is
+    position 0 throughout and is left out (a 1-token sample at the very end is taken for padding too)."""
+    import torch
+
+    ids = batch["input_ids"]
+    total = torch.tensor(float(ids.numel()), dtype=torch.float64, device=ids.device)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        lengths = mask.sum(-1).to(torch.float64)
+        return torch.stack([lengths.sum(), total, (lengths * lengths).sum()])
+    pos = batch.get("position_ids")
+    if pos is None:
+        lengths = torch.full((ids.shape[0],), float(ids.shape[-1]), dtype=torch.float64, device=ids.device)
+        return torch.stack([lengths.sum(), total, (lengths * lengths).sum()])
+    pos = pos.reshape(-1)
+    starts = torch.nonzero(pos == 0).flatten() if "cu_seq_lens_q" not in batch else None
+    if starts is not None:
+        bounds = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device)])
+    else:
+        bounds = batch["cu_seq_lens_q"].to(pos.device)
+    lengths = bounds.diff().to(torch.float64)
+    tail = (pos.flip(0) == 0).to(torch.int64).cumprod(0).sum().to(torch.float64)  # trailing padding, 1-token pieces
+    real = total - tail
+    return torch.stack([real, total, (lengths * lengths).sum() - tail])
+
+
+def mfu(tflops_per_gpu: float | None, gpu) -> float | None:
+    """Model FLOPs utilisation against the GPU's dense 16-bit peak; None without a GPU or a known peak."""
+    if tflops_per_gpu is None or gpu is None or not gpu.peak_tflops:
+        return None
+    return tflops_per_gpu / gpu.peak_tflops
+
+
+# --- Start-up clock -------------------------------------------------------------------------------------------------
+
+def process_start_time() -> float:
+    """When this process started (wall clock), from /proc; the import time of this module elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+
+
+class StartupClock:
+    """Seconds spent in each start-up phase. Phases nest: time in an inner phase is taken out of the outer one
+    (model loading inside SFTTrainer's construction counts as model_load, not data)."""
+
+    def __init__(self, start: float | None = None):
+        self.start = process_start_time() if start is None else start
+        self.seconds = dict.fromkeys(STARTUP_PHASES, 0.0)
+        self._stack: list[tuple[str, float]] = []
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += max(seconds, 0.0)
+
+    @contextmanager
+    def phase(self, name: str):
+        now = time.time()
+        if self._stack:  # pause the outer phase
+            outer, since = self._stack[-1]
+            self.add(outer, now - since)
+        self._stack.append((name, now))
+        try:
+            yield
+        finally:
+            name, since = self._stack.pop()
+            now = time.time()
+            self.add(name, now - since)
+            if self._stack:
+                self._stack[-1] = (self._stack[-1][0], now)
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.seconds.items()}
+
+
+@contextmanager
+def timing_model_load(clock: StartupClock):
+    """Count TRL's model loading (trl.trainer.sft_trainer.create_model_from_path) as the model_load phase while
+    SFTTrainer is built; the rest of its construction (tokenising, packing) stays in the enclosing data phase."""
+    from trl.trainer import sft_trainer
+
+    original = getattr(sft_trainer, "create_model_from_path", None)
+    if original is None:
+        yield
+        return
+
+    def timed(*args, **kwargs):
+        with clock.phase("model_load"):
+            return original(*args, **kwargs)
+
+    sft_trainer.create_model_from_path = timed
+    try:
+        yield
+    finally:
+        sft_trainer.create_model_from_path = original
+
+
+# --- The meter: counts, timing, the step line and run_summary.json --------------------------------------------------
+
+def _peak_host_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def format_step_line(step: int, max_steps: int, loss: float, lr: float, m: dict) -> str:
+    """The console line; its prefix `llmft: step N/M loss X lr Y` is what scripts and tests parse."""
+    mfu_text = f"{m['mfu'] * 100:.1f}%" if m.get("mfu") is not None else "n/a"
+    mem = f"{m['peak_gpu_memory_gib']:.1f}GiB" if m.get("peak_gpu_memory_gib") is not None else "n/a"
+    return (
+        f"llmft: step {step}/{max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {m['tokens_per_second']:.0f} "
+        f"padded/s {m['padded_tokens_per_second']:.0f} tflops/gpu {m['tflops_per_gpu']:.4g} mfu {mfu_text} "
+        f"gpu_mem {mem} data {m['data_wait_share'] * 100:.1f}%"
+    )
+
+
+class Meter:
+    """Counts every batch a rank trains on (without host syncs), times the data wait, and reduces over ranks only
+    at logging steps and at the end. Built by `attach`."""
+
+    def __init__(self, shape: ModelShape, gpu, clock: StartupClock, world_size: int):
+        import torch
+
+        self.shape, self.gpu, self.clock, self.world_size = shape, gpu, clock, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # real, all, sum s^2 (this rank, cumulative)
+        self.data_seconds = 0.0  # this rank, cumulative
+        self.steps = 0
+        self.begin: float | None = None
+        self.first: tuple | None = None  # (time, counts, data_seconds) at the end of the first step
+        self.last: tuple | None = None  # the same at the last logging step
+        self.totals: dict | None = None
+        self.peak_gpu_gib: float | None = None
+        self.peak_rss_gib = 0.0
+        self.attached_at = time.time()
+
+    # Data: wrap the iterator Trainer.get_batch_samples pulls micro-batches from.
+    def timed(self, iterator):
+        meter = self
+
+        class Timed:
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                t = time.perf_counter()
+                batch = next(iterator)
+                meter.data_seconds += time.perf_counter() - t
+                meter.counts += batch_counts(batch).to(meter.device)
+                return batch
+
+        return Timed()
+
+    def snapshot(self) -> tuple:
+        return (time.time(), self.counts.clone(), self.data_seconds)
+
+    def reduce(self, snapshots: list[tuple]) -> list[dict]:
+        """Over all ranks: summed token counts and the highest data wait, memory and RSS. One collective per kind."""
+        import torch
+        import torch.distributed as dist
+
+        sums = torch.cat([s[1] for s in snapshots])
+        peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else -1.0
+        maxes = torch.tensor([s[2] for s in snapshots] + [peak_gpu, _peak_host_rss_gib()], dtype=torch.float64, device=self.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        sums, maxes = sums.tolist(), maxes.tolist()
+        out = []
+        for i, s in enumerate(snapshots):
+            real, padded, sum_sq = sums[3 * i: 3 * i + 3]
+            out.append({"time": s[0], "tokens": real, "padded_tokens": padded, "sum_sq": sum_sq, "data_seconds": maxes[i]})
+        self.peak_gpu_gib = maxes[-2] if maxes[-2] >= 0 else None
+        self.peak_rss_gib = maxes[-1]
+        return out
+
+    def rates(self, a: dict, b: dict) -> dict:
+        """Rates between two reduced snapshots (b later than a)."""
+        seconds = max(b["time"] - a["time"], 1e-9)
+        tokens, padded = b["tokens"] - a["tokens"], b["padded_tokens"] - a["padded_tokens"]
+        tflops = training_flops(self.shape, tokens, b["sum_sq"] - a["sum_sq"]) / seconds / self.world_size / 1e12
+        return {
+            "tokens_per_second": tokens / seconds,
+            "padded_tokens_per_second": padded / seconds,
+            "tflops_per_gpu": tflops,
+            "mfu": mfu(tflops, self.gpu),
+            "peak_gpu_memory_gib": self.peak_gpu_gib,
+            "data_wait_share": min((b["data_seconds"] - a["data_seconds"]) / seconds, 1.0),
+        }
+
+    def summary(self, train_loss: float | None) -> dict:
+        """run_summary.json's fields (SUMMARY_FIELDS); `reduce_totals` must have run on every rank."""
+        t = self.totals
+        if t is None:
+            raise RuntimeError("Meter.summary before the end of training")
+        start, first, end = t["start"], t["first"], t["end"]
+        steady = self.rates(first, end) if self.steps > 1 else self.rates(start, end)
+        return {
+            "steps": self.steps,
+            "tokens": int(end["tokens"]),
+            "padded_tokens": int(end["padded_tokens"]),
+            "tokens_per_second": round(steady["tokens_per_second"], 2),
+            "padded_tokens_per_second": round(steady["padded_tokens_per_second"], 2),
+            "tflops_per_gpu": round(steady["tflops_per_gpu"], 6),
+            "mfu": None if steady["mfu"] is None else round(steady["mfu"], 4),
+            "peak_gpu_memory_gib": None if self.peak_gpu_gib is None else round(self.peak_gpu_gib, 3),
+            "peak_host_rss_gib": round(self.peak_rss_gib, 3),
+            "train_loss": None if train_loss is None else round(float(train_loss), 6),
+            "world_size": self.world_size,
+            "gpu": self.gpu.name if self.gpu is not None else None,
+            "wall_seconds": round(time.time() - self.clock.start, 3),
+            "startup_seconds": self.clock.rounded(),
+        }
+
+    def write_summary(self, output_dir: str | Path, train_loss: float | None) -> Path:
+        """Write <output_dir>/run_summary.json atomically (rank 0 calls this)."""
+        path = Path(output_dir) / "run_summary.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.summary(train_loss), indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def _callback_class():
+    from transformers import TrainerCallback
+
+    class ThroughputCallback(TrainerCallback):
+        """Marks the start-up phases, adds the throughput metrics to every loss log (so W&B records them),
+        prints the step line on rank 0, and reduces the totals when training ends."""
+
+        def __init__(self, meter: Meter):
+            self.meter = meter
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            m = self.meter
+            m.begin = m.snapshot()
+            m.clock.add("deepspeed_init", m.begin[0] - m.attached_at)  # data loader, DeepSpeed engine, resumed state
+            m.last = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            m = self.meter
+            m.steps += 1
+            if m.steps == 1:
+                m.first = m.snapshot()
+                m.clock.add("first_step", m.first[0] - m.begin[0])
+                if state.is_world_process_zero:
+                    phases = ", ".join(f"{k} {v:.1f}" for k, v in m.clock.seconds.items())
+                    print(f"llmft: start-up {m.first[0] - m.clock.start:.1f} s to the end of the first step ({phases})", flush=True)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            m = self.meter
+            if not logs or "loss" not in logs or m.begin is None:
+                return
+            now = m.snapshot()
+            before, after = m.reduce([m.last or m.begin, now])
+            m.last = now
+            rates = m.rates(before, after)
+            logs.update({k: round(v, 6) for k, v in rates.items() if v is not None})
+            if state.is_world_process_zero:
+                print(format_step_line(state.global_step, state.max_steps, logs["loss"], logs.get("learning_rate", 0.0), rates), flush=True)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            m = self.meter
+            end = m.snapshot()
+            start, first, end = m.reduce([m.begin, m.first or end, end])
+            m.totals = {"start": start, "first": first, "end": end}
+
+    return ThroughputCallback
+
+
+def attach(trainer, clock: StartupClock, gpu) -> Meter:
+    """Meter a built SFTTrainer: time and count the micro-batches Trainer.get_batch_samples pulls, and put the
+    callback first so its metrics are in the logs before W&B's callback sends them."""
+    meter = Meter(model_shape(trainer.model), gpu, clock, trainer.args.world_size)
+    get_batch_samples = trainer.get_batch_samples
+
+    def metered_get_batch_samples(epoch_iterator, num_batches, device):
+        return get_batch_samples(meter.timed(epoch_iterator), num_batches, device)
+
+    trainer.get_batch_samples = metered_get_batch_samples
+    trainer.callback_handler.callbacks.insert(0, _callback_class()(meter))
+    return meter
+
