@@ -89,3 +89,23 @@ def test_outside_slurm_the_world_is_the_local_gpus_or_one_cpu_process():
 def test_unreadable_variables_fail_naming_the_variable(env, name):
     with pytest.raises(LaunchEnvError, match=name.replace("?", r"\?")):
         discover_world(env, cuda_device_count=0)
+
+
+def test_deepspeed_start_up_builds_no_shm_op():
+    """DeepSpeed's CPU shared-memory all-reduce op (inference only) is not compiled when llmft starts DeepSpeed;
+    LLMFT_DEEPSPEED_SHM_COMM=1 keeps DeepSpeed's default."""
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+
+    from llmft.launch_env import skip_deepspeed_shm_op
+
+    before = dict(deepspeed.ops.__compatible_ops__)
+    assert before["deepspeed_shm_comm"] is True  # DeepSpeed would build it on this (Linux) machine
+    try:
+        assert skip_deepspeed_shm_op({"LLMFT_DEEPSPEED_SHM_COMM": "1"}) is False
+        assert deepspeed.ops.__compatible_ops__ == before
+        assert skip_deepspeed_shm_op({}) is True
+        assert build_shm_op() is None  # returns before any compiler runs
+    finally:
+        deepspeed.ops.__compatible_ops__.clear()
+        deepspeed.ops.__compatible_ops__.update(before)
