@@ -95,7 +95,8 @@ def batch_counts(batch):
     import torch
 
     ids = batch["input_ids"]
-    total = torch.tensor(float(ids.numel()), dtype=torch.float64, device=ids.device)
+    # torch.full launches a fill kernel; torch.tensor(..., device="cuda") would copy from the host and wait for the GPU
+    total = torch.full((), float(ids.numel()), dtype=torch.float64, device=ids.device)
     mask = batch.get("attention_mask")
     if mask is not None:
         lengths = mask.sum(-1).to(torch.float64)
@@ -107,7 +108,7 @@ def batch_counts(batch):
     pos = pos.reshape(-1)
     starts = torch.nonzero(pos == 0).flatten() if "cu_seq_lens_q" not in batch else None
     if starts is not None:
-        bounds = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device)])
+        bounds = torch.cat([starts, torch.full((1,), pos.numel(), dtype=starts.dtype, device=pos.device)])
     else:
         bounds = batch["cu_seq_lens_q"].to(pos.device)
     lengths = bounds.diff().to(torch.float64)
