@@ -34,12 +34,22 @@ ENV TORCH_CUDA_ARCH_LIST="8.0;8.9"
 RUN DS_ACCELERATOR=cuda DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_AIO=1 \
     MAX_JOBS=8 pip install --no-build-isolation --no-binary deepspeed -c constraints.txt deepspeed
 
-# llmft itself, with the rest of its pinned dependencies.
+# The GPU extras (setup.cfg [gpu]: flash-attn, liger-kernel, bitsandbytes, pinned) before the source tree, so an
+# edit to llmft does not rebuild flash-attn. flash-attn downloads a prebuilt wheel matching torch/CUDA/Python when
+# one exists and compiles otherwise (long: MAX_JOBS bounds its memory); FLASH_ATTN_CUDA_ARCHS: A100/L4 (sm_80
+# code runs on 8.9) and H100/H200 (9.0).
+COPY setup.cfg ./
+RUN pip install -c constraints.txt packaging psutil \
+    && FLASH_ATTN_CUDA_ARCHS="80;90" MAX_JOBS=8 pip install --no-build-isolation -c constraints.txt \
+       $(python -c "import configparser; c = configparser.ConfigParser(); c.read('setup.cfg'); print(c['options.extras_require']['gpu'])")
+
+# llmft itself, with the rest of its pinned dependencies and the GPU extras (already installed above).
 COPY . .
-RUN pip install --no-build-isolation -c constraints.txt . \
+RUN pip install --no-build-isolation -c constraints.txt '.[gpu]' \
     && DS_ACCELERATOR=cuda ds_report \
     && DS_ACCELERATOR=cuda python -c "import deepspeed.git_version_info as g; \
 missing = [op for op in ('cpu_adam', 'fused_adam', 'utils', 'async_io') if not g.installed_ops.get(op)]; \
-assert not missing, f'DeepSpeed ops not prebuilt: {missing}'"
+assert not missing, f'DeepSpeed ops not prebuilt: {missing}'" \
+    && python -c "import flash_attn, liger_kernel, bitsandbytes; print('gpu extras:', flash_attn.__version__)"
 
 CMD ["bash"]
