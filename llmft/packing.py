@@ -10,6 +10,13 @@ there is no attention mask. Samples stay apart only if the attention reads those
   builds its mask there gets this: Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-2 and nearly all decoders in 5.x.
   (Only without a KV cache: SFTTrainer.compute_loss passes use_cache=False, so training never has one.)
 
+Correct is not yet fast: SDPA (and eager) attend over the whole packed row with a dense block-diagonal mask, so a
+row of L tokens costs L^2 whatever the samples' lengths (and TRL flattens the whole micro-batch into one row). On a
+CPU that made packing 2.4x slower than padding (bench/README.md). So when packing meets SDPA, llmft registers
+`llmft_sdpa_packed` with transformers' AttentionInterface: for a padding-free batch it runs SDPA causally on each
+sample (the boundaries TRL's collator passes as cu_seq_lens_q), costing sum(s_i^2) like flash-attention's varlen
+kernels; any other batch goes to transformers' own SDPA with its usual mask.
+
 Not safe, so refused: `--packing_strategy wrapped` (it cuts samples and concatenates them into one sequence),
 models whose own code builds the mask (remote code, a few old architectures), and attention implementations
 llmft has not checked. tests/test_packing.py trains the same samples packed and unpacked and compares per-token
@@ -21,16 +28,21 @@ from __future__ import annotations
 # Attention implementations that keep packed samples apart, given a model that builds its masks with masking_utils.
 PACKED_ATTENTIONS = ("flash_attention_2", "sdpa", "eager")
 SAFE_STRATEGIES = ("bfd", "bfd_split")
+PACKED_SDPA = "llmft_sdpa_packed"  # SDPA per packed sample (registered by register_packed_sdpa)
+_SEQUENCE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 class PackingError(ValueError):
     """Packing would let samples attend to each other; the message says what to change."""
 
 
-def check_packing(*, packing: bool, padding_free: bool, strategy: str, attention: str, masks_from_positions: bool) -> None:
-    """The one place llmft decides whether packed / padding-free batches are correct for this run."""
+def check_packing(*, packing: bool, padding_free: bool, strategy: str, attention: str, masks_from_positions: bool,
+                  sliding_window: bool = False) -> str:
+    """The one place llmft decides whether packed / padding-free batches are correct for this run, and the attention
+    implementation to load for them: SDPA becomes llmft's per-sample SDPA, unless the model has sliding-window
+    layers (which the per-sample causal SDPA would not honour: those keep transformers' SDPA and its mask)."""
     if not (packing or padding_free):
-        return
+        return attention
     what = "--packing" if packing else "--padding_free"
     if packing and strategy not in SAFE_STRATEGIES:
         raise PackingError(
@@ -47,6 +59,43 @@ def check_packing(*, packing: bool, padding_free: bool, strategy: str, attention
             f"{what}: this model's code does not build its attention mask with transformers' masking_utils, so packed "
             f"samples would attend to each other; train without {what}"
         )
+    return PACKED_SDPA if attention == "sdpa" and not sliding_window else attention
+
+
+def uses_sliding_window(model_config) -> bool:
+    """Whether any attention layer of the model is windowed (Mistral v0.1, Gemma 2/3, Qwen with use_sliding_window)."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True) is not False
+
+
+def packed_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention function: SDPA on each packed sample of a padding-free batch, transformers' SDPA for
+    every other batch. query/key/value: (batch, heads, tokens, head_dim); returns (batch, tokens, heads, head_dim)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    bounds = getattr(cu, "_llmft_bounds", None)
+    if bounds is None:  # one host copy per forward, shared by the layers
+        bounds = cu.tolist()
+        cu._llmft_bounds = bounds
+    rest = {k: v for k, v in kwargs.items() if k not in _SEQUENCE_KWARGS}
+    pieces = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **rest)[0]
+              for a, b in zip(bounds, bounds[1:]) if b > a]
+    return torch.cat(pieces, dim=1), None
+
+
+def register_packed_sdpa() -> None:
+    """Make `attn_implementation="llmft_sdpa_packed"` loadable in this process (masks as for SDPA)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
 
 
 def _model_class(model_config, trust_remote_code: bool):

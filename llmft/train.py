@@ -212,13 +212,17 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     attention = choose_attention(model_args.attn_implementation, gpu, flash_attn_installed(),
                                  packing.model_attentions(model_config, training_args.trust_remote_code))
     if training_args.packing or training_args.padding_free:
-        packing.check_packing(
+        attention = packing.check_packing(
             packing=training_args.packing, padding_free=training_args.padding_free, strategy=training_args.packing_strategy,
             attention=attention, masks_from_positions=packing.masks_from_position_ids(model_config, training_args.trust_remote_code),
+            sliding_window=packing.uses_sliding_window(model_config),
         )
+        if attention == packing.PACKED_SDPA:
+            packing.register_packed_sdpa()
     if training_args.use_liger_kernel:
         check_liger(gpu, model_config.model_type, liger_model_types(), training_args.liger_kernel_config)
-    log(f"attention {attention}" + (" (auto)" if model_args.attn_implementation in (None, "auto") else ""))
+    log(f"attention {attention}" + (" (auto)" if model_args.attn_implementation in (None, "auto") else "")
+        + (": SDPA on each packed sample" if attention == packing.PACKED_SDPA else ""))
 
     resolved = ds_config.resolve(
         ds_config.load_config(plan.ds_template),

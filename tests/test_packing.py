@@ -15,9 +15,12 @@ from trl.data_utils import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from llmft.hardware import GPUS, HardwareError, check_liger, choose_attention
-from llmft.packing import PackingError, check_packing, masks_from_position_ids, model_attentions
+from llmft.packing import (
+    PACKED_SDPA, PackingError, check_packing, masks_from_position_ids, model_attentions, register_packed_sdpa, uses_sliding_window,
+)
 
 VOCAB, PAD = 96, 0
+register_packed_sdpa()
 
 
 def tiny_llama(attn: str):
@@ -48,7 +51,7 @@ def unpacked(model, seqs):
     return {tuple(s): per_token_losses(logits[i, : len(s)], batch["input_ids"][i, : len(s)]) for i, s in enumerate(seqs)}
 
 
-def packed(model, seqs, with_positions: bool = True):
+def packed(model, seqs, with_positions: bool = True, drop: tuple[str, ...] = ()):
     """TRL's bfd packing into one row, its padding-free collator, and the model called with the whole batch as
     SFTTrainer calls it. with_positions=False drops position_ids: one causal sequence, samples attending to each other."""
     rows = pack_dataset(Dataset.from_dict({"input_ids": seqs}), seq_length=sum(map(len, seqs)), strategy="bfd")
@@ -58,6 +61,7 @@ def packed(model, seqs, with_positions: bool = True):
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     if not with_positions:
         inputs = {"input_ids": inputs["input_ids"]}
+    inputs = {k: v for k, v in inputs.items() if k not in drop}
     inputs["use_cache"] = False  # as SFTTrainer.compute_loss does; with a cache transformers skips packed detection
     logits = model(**inputs).logits[0]
     ids, pos = batch["input_ids"][0], batch["position_ids"][0]
@@ -66,7 +70,7 @@ def packed(model, seqs, with_positions: bool = True):
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", PACKED_SDPA])
 def test_packed_and_unpacked_training_agree_per_token(build, attn):
     torch.manual_seed(0)
     model = build(attn).train()
@@ -97,11 +101,24 @@ def test_the_comparison_catches_samples_attending_to_each_other():
     assert len(differing) >= len(seqs) - 1  # all but the first sample in the row
 
 
+def test_packed_sdpa_attends_per_sample_from_the_boundaries():
+    """llmft's SDPA splits at the sample boundaries TRL's collator passes (cu_seq_lens_q): even without position ids
+    (RoPE only sees relative positions) the Llama-shaped model's losses match the unpacked ones."""
+    torch.manual_seed(0)
+    model = tiny_llama(PACKED_SDPA)
+    seqs = samples()
+    reference, got = unpacked(model, seqs), packed(model, seqs, drop=("position_ids",))
+    for key, losses in reference.items():
+        torch.testing.assert_close(got[key], losses, rtol=1e-4, atol=1e-5)
+
+
 def test_packing_decision():
     ok = dict(packing=True, padding_free=False, strategy="bfd", masks_from_positions=True)
-    for attn in ("flash_attention_2", "sdpa", "eager"):
-        check_packing(attention=attn, **ok)
-    check_packing(attention="flex_attention", **{**ok, "packing": False})  # nothing packed: nothing to check
+    assert check_packing(attention="flash_attention_2", **ok) == "flash_attention_2"
+    assert check_packing(attention="eager", **ok) == "eager"
+    assert check_packing(attention="sdpa", **ok) == PACKED_SDPA  # SDPA per sample, not one dense row
+    assert check_packing(attention="sdpa", sliding_window=True, **ok) == "sdpa"  # windows need transformers' mask
+    assert check_packing(attention="flex_attention", **{**ok, "packing": False}) == "flex_attention"  # nothing packed
     with pytest.raises(PackingError, match="--packing_strategy wrapped concatenates samples"):
         check_packing(attention="sdpa", **{**ok, "strategy": "wrapped"})
     with pytest.raises(PackingError, match="--attn_implementation flex_attention is not known"):
@@ -114,6 +131,8 @@ def test_which_models_build_masks_from_position_ids():
     assert masks_from_position_ids(LlamaConfig())
     assert masks_from_position_ids(Qwen2Config())
     assert masks_from_position_ids(GPT2Config())
+    assert not uses_sliding_window(LlamaConfig()) and not uses_sliding_window(Qwen2Config())
+    assert uses_sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=64))
     remote = LlamaConfig(auto_map={"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
     assert not masks_from_position_ids(remote, trust_remote_code=True)
     unknown = LlamaConfig()
