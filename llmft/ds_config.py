@@ -56,7 +56,9 @@ def load_config(path: Path) -> dict[str, Any]:
         raise DSConfigError(f"DeepSpeed config {path} is not valid JSON (line {e.lineno}: {e.msg}); fix the file") from None
     if not isinstance(config, dict):
         raise DSConfigError(f"DeepSpeed config {path} must hold a JSON object")
-    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if not isinstance(config.get("zero_optimization"), dict):  # HF's Trainer refuses such a config, without naming it
+        raise DSConfigError(f'DeepSpeed config {path} has no "zero_optimization" section; add e.g. "zero_optimization": {{"stage": 2}}')
+    stage = config["zero_optimization"].get("stage", 0)
     if stage not in ZERO_STAGES:
         raise DSConfigError(f"DeepSpeed config {path} has unknown ZeRO stage {stage!r}; use 0, 1, 2 or 3")
     return config

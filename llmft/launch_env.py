@@ -112,11 +112,9 @@ def launch_problem(env: Mapping[str, str], cuda_device_count: int, argv: list[st
     the workers, their signals and restarts, the command is visible in the log, and a Slurm job keeps using
     slurm/run_llm.slurm, which starts one torchrun per node.
     """
-    if env.get("WORLD_SIZE", "").strip():
-        return None  # torchrun (or another launcher) has set up the world
-    world = discover_world(env, cuda_device_count)
-    if world.world_size <= 1:
-        return None
+    world = discover_world(env, cuda_device_count)  # also checks the launcher's variables are numbers
+    if world.source == "torchrun" or world.world_size <= 1:
+        return None  # torchrun (or another launcher setting WORLD_SIZE) has set up the world, or there is one process
     command = " ".join(shlex.quote(a) for a in ["torchrun", "--nproc_per_node", str(world.procs_per_node), "-m", module, *argv])
     if world.source == "slurm":
         if world.nnodes > 1:

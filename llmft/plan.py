@@ -98,7 +98,9 @@ def main(args) -> int:
     try:
         world = discover_world()
         if args.nnodes is not None or args.nproc_per_node is not None:
-            world = World(args.nnodes or world.nnodes, args.nproc_per_node or world.procs_per_node, "arguments")
+            nnodes = world.nnodes if args.nnodes is None else args.nnodes  # 0 is a mistake to report, not "unset"
+            procs = world.procs_per_node if args.nproc_per_node is None else args.nproc_per_node
+            world = World(nnodes, procs, "arguments")
         if world.nnodes < 1 or world.procs_per_node < 1:
             raise PlanError("--nnodes and --nproc_per_node must be positive")
         # Planning on a login node: say what the GPU nodes will pick (llmft.hardware.choose_precision's rule).

@@ -378,7 +378,18 @@ def make_parser(subparsers=None):
 def cli(parser, argv: list[str] | None = None) -> int:
     import yaml
 
+    from llmft.launch_env import _cuda_device_count
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(argv):
+        try:
+            problem = launch_problem(os.environ, _cuda_device_count(), argv)
+        except LaunchEnvError as e:
+            problem = str(e)
+        if problem:  # before anything loads (HF reads these variables while parsing): several GPUs but one process
+            if rank0():
+                print(f"llmft train: error: {problem}", file=sys.stderr, flush=True)
+            return 2
     try:
         script_args, training_args, model_args, llmft_args = parser.parse_args_and_config(args=argv)
     except (ValueError, OSError, yaml.YAMLError) as e:  # HF/TRL validate flags in __post_init__; --config file problems
@@ -390,16 +401,6 @@ def cli(parser, argv: list[str] | None = None) -> int:
             message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if rank0():
             print(f"llmft train: error: {message}", file=sys.stderr, flush=True)
-        return 2
-    from llmft.launch_env import _cuda_device_count
-
-    try:
-        problem = launch_problem(os.environ, _cuda_device_count(), argv)
-    except LaunchEnvError as e:
-        problem = str(e)
-    if problem:  # before anything loads: several GPUs but one process
-        if rank0():
-            print(f"llmft train: error: {problem}", file=sys.stderr, flush=True)
         return 2
     return main(script_args, training_args, model_args, llmft_args)
 
