@@ -105,7 +105,7 @@ def choose_quantization(
         raise QuantizationError("--load_in_8bit cannot run under ZeRO-3 (8-bit weights cannot be partitioned): "
                                 "use --zero_stage 2, or --load_in_4bit with ZeRO-3")
     if bitsandbytes is None:
-        raise QuantizationError(f"{flag} needs bitsandbytes: pip install -c constraints.txt 'llmft[qlora]' (or bitsandbytes)")
+        raise QuantizationError(f"{flag} needs bitsandbytes: pip install -e '.[qlora]' in llmft's checkout (or pip install bitsandbytes)")
     if _version_tuple(bitsandbytes) < MIN_BITSANDBYTES:
         raise QuantizationError(f"bitsandbytes {bitsandbytes} is too old for QLoRA under DeepSpeed: "
                                 f"pip install 'bitsandbytes>={'.'.join(map(str, MIN_BITSANDBYTES))}'")
