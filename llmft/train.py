@@ -234,8 +234,6 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
     if not script_args.dataset_name:
         raise TrainError("--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
-    if not training_args.output_dir:
-        raise TrainError("--output_dir is required: checkpoints, the DeepSpeed config and the run record go there")
     cuda = torch.cuda.is_available()
     check_flags(script_args, training_args, model_args, cuda=cuda)
     gpu = local_gpu()
@@ -312,10 +310,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         weight_decay=training_args.weight_decay,
         hidden_size=getattr(model_config, "hidden_size", None),
     )
-    if rank0():
-        if accepted or not (Path(training_args.output_dir) / run_identity.RUN_RECORD).is_file() \
-                or not run_identity.has_training_state(training_args.output_dir):
-            run_identity.record_run(training_args.output_dir, identity)
+    if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
+        run_identity.record_run(training_args.output_dir, identity)
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
 
     single_process_defaults()  # outside torchrun: a world of one, before DeepSpeed reads the environment
