@@ -18,9 +18,11 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
 llmft train --config run.yaml --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules q_proj v_proj --packing
 ```
 
-Every `SFTConfig`/`TrainingArguments` flag works, with TRL's names. llmft adds `--zero_stage`,
-`--offload`, `--global_batch_size`, `--data_percentage`, `--precision` and column mapping. A rerun
-with the same `--output_dir` resumes from the newest complete checkpoint; it never starts over.
+Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
+(llmft/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--global_batch_size`,
+`--data_percentage`, `--precision` and column mapping. A rerun with the same `--output_dir` resumes from
+the newest complete checkpoint of the same run (llmft_run.json); a different run there is refused.
+Started without torchrun on a machine with several GPUs, it stops and prints the torchrun command.
 """
 
 from __future__ import annotations
