@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The system tools llmft's tests need, installed in one step before pytest starts (`make test` runs this):
-#   shellcheck                              the shell-script checks
-#   slurmctld slurmd slurm-client munge     the real two-node Slurm cluster of slurm/local/
+#   - the shell-script checks: the shellcheck package
+#   - the real two-node Slurm cluster of slurm/local/: slurmctld, slurmd, slurm-client, munge
 # Present tools are left alone. Missing ones are installed with apt-get (as root, or through sudo -n);
 # where that is impossible the script says what to install and exits 1, so the tests never start half-equipped.
 set -euo pipefail
