@@ -83,18 +83,24 @@ def _callbacks():
         return bool(t.item())
 
     class PublishCompleteCheckpoint(TrainerCallback):
-        """After every rank has written its shard, publish checkpoint-N/llmft_complete.json."""
+        """After every rank has written its shard, publish checkpoint-N/llmft_complete.json from the ranks' reports."""
 
         def __init__(self, zero_stage: int):
             self.zero_stage = zero_stage
 
         def on_save(self, args, state, control, **kwargs):
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            report = checkpoints.rank_report(ckpt, args.process_index)  # what this rank wrote, as its node sees it
+            reports = [report]
             if dist.is_initialized():
-                dist.barrier()
+                reports = [None] * dist.get_world_size()
+                dist.all_gather_object(reports, report)  # also the barrier: every rank has finished saving
             if state.is_world_process_zero:
-                ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage)
-                log(f"saved complete checkpoint {ckpt}")
+                if checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage, reports):
+                    log(f"saved complete checkpoint {ckpt}")
+                else:
+                    missing = [r for r, files in enumerate(reports) if not files]
+                    log(f"warning: not marking {ckpt} complete: rank(s) {missing} reported no files")
             if dist.is_initialized():
                 dist.barrier()
 
