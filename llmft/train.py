@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config
+from llmft import checkpoints, data, ds_config, hub
 from llmft.launch_env import rank0, single_process_defaults
 from llmft.hardware import PRECISIONS, HardwareError
 from llmft.plan import PlanError, local_precision, make_plan
@@ -164,7 +164,8 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
     """Check everything cheap first, then build the trainer and train (or resume)."""
     try:
         return _train(script_args, training_args, model_args, llmft_args)
-    except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError) as e:
+    except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError,
+            hub.HubError) as e:
         if rank0():
             print(f"llmft train: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -221,8 +222,10 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     from transformers import AutoConfig, AutoTokenizer
     from trl import SFTTrainer, get_peft_config
 
-    model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
+    # A hub model is downloaded once per job (one process, the others wait), then every process loads the local copy.
+    model_path = hub.resolve_model(model_args.model_name_or_path, model_args.model_revision)
+    model_config = AutoConfig.from_pretrained(model_path, trust_remote_code=training_args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=training_args.trust_remote_code)
     if shape == "messages" and data.ensure_chat_template(tokenizer):
         log("the tokenizer has no chat template; using llmft's default")
     max_positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
@@ -276,7 +279,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
     trainer = SFTTrainer(
-        model=model_args.model_name_or_path,
+        model=model_path,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
