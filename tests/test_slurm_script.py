@@ -54,11 +54,12 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         (["--export=ALL,VENV=/nonexistent/venv"], "VENV=/nonexistent/venv is not a virtual environment"),
         (["--epochs", "3"], "cannot read argument '--epochs'"),
         # A comma inside an --export=... value splits it: the rest is named, not silently dropped.
-        (["--export=ALL,CONTAINER_MOUNTS=/data:/data,/models:/models"],
-         "'/models:/models' in '--export=ALL,CONTAINER_MOUNTS=/data:/data,/models:/models' is not KEY=VALUE: a value was cut "
-         "at a comma, which separates items in --export=...; separate CONTAINER_MOUNTS with ';'"),
-        (["CONTAINER_MOUNTS=/data /models"], "'/data /models' is not a mount SRC[:DST[:FLAGS]]; separate mounts with ';'"),
-        (["CONTAINER_MOUNTS=/data:/data;;/x"], "'' is not a mount"),
+        (["--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models"],
+         "'/models:/models' in '--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models' is not KEY=VALUE: "
+         "a value was cut at a comma, which separates items in --export=...; separate CONTAINER_MOUNTS with ';'"),
+        (["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data /models"], "'/data /models' is not a mount SRC[:DST[:FLAGS]]; separate mounts with ';'"),
+        (["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data:/data;;/x"], "'' is not a mount"),
+        (["CONTAINER_MOUNTS=/data:/data"], "CONTAINER_MOUNTS=/data:/data needs CONTAINER_IMAGE"),
     ],
 )
 def test_a_bad_knob_is_one_clear_message_and_exit_2(args, message):
@@ -87,7 +88,7 @@ def test_valid_knobs_outside_slurm_say_to_submit_with_sbatch():
         (["--export=ALL,CONTAINER_MOUNTS='/data:/data,/models:/models:ro'"], {}),
         ([], {"CONTAINER_MOUNTS": "'/data:/data,/models:/models:ro'"}),
     ):
-        proc = run_script(*args, DRY_RUN="1", **env)
+        proc = run_script(*args, DRY_RUN="1", CONTAINER_IMAGE="img", **env)
         assert proc.returncode == 0 and "knobs are valid" in proc.stdout, (args, env, proc.stderr)
     proc = run_script("--export=ALL,EPOCHS=3")
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr and "sbatch" in proc.stderr
