@@ -158,6 +158,8 @@ def resolve_model(name_or_path: str, revision: str | None = None, env: Mapping[s
     env = os.environ if env is None else env
     if os.path.isdir(name_or_path):
         return name_or_path
+    if os.path.exists(name_or_path):
+        raise HubError(f"model {name_or_path} is a file; pass a model directory (config.json, weights, tokenizer) or a Hugging Face Hub id")
     if _looks_like_path(name_or_path):
         raise HubError(f"model directory {name_or_path} does not exist; pass an existing directory or a Hugging Face Hub id (org/name)")
     from huggingface_hub import constants

@@ -100,6 +100,9 @@ def test_local_directories_and_bad_names_never_touch_the_hub(tmp_path):
         resolve_model("runs/x/model", download=never)
     with pytest.raises(HubError, match=r"neither a local directory nor a Hugging Face Hub id"):
         resolve_model("bad name!", download=never)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(HubError, match=r"model\.gguf is a file; pass a model directory"):
+        resolve_model(str(tmp_path / "model.gguf"), download=never)
 
 
 def test_weights_transformers_does_not_load_are_not_downloaded():
