@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -145,3 +146,26 @@ def test_compute_nodes_without_internet_use_the_cached_snapshot_or_say_how_to_ge
     proc = run([PYTHON, "-c", CACHED, "org/uncached"], timeout=120, **env)
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("HubError: cannot download model org/uncached (") and "hf download org/uncached" in last, proc.stdout
+
+
+def test_a_two_process_run_from_a_hub_id_downloads_once_and_trains(tiny_model, tiny_data, tmp_path):
+    """`llmft train --model_name_or_path org/tiny` under torchrun, on a node that cannot reach the Hub but has the
+    model in its cache: one process resolves it (and says so), the other waits, both train from the snapshot."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny" / "snapshots" / ("b" * 40)
+    snapshot.parent.mkdir(parents=True)
+    shutil.copytree(tiny_model, snapshot)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("b" * 40)
+    out = tmp_path / "run"
+    proc = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "llmft.train",
+                "--model_name_or_path", "org/tiny", "--dataset_name", str(tiny_data), "--output_dir", str(out),
+                "--max_steps", "1", "--global_batch_size", "4", "--per_device_train_batch_size", "2", "--report_to", "none",
+                "--disable_tqdm", "true"],
+               HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(cache), HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("llmft: downloading org/tiny (revision main)") == 1, proc.stdout
+    assert proc.stdout.count("using the cached copy of org/tiny") == 1, proc.stdout
+    assert "training complete at step 1" in proc.stdout
+    [stamp] = (cache / ".llmft-locks").glob("*-*.json")
+    assert json.loads(stamp.read_text())["path"] == str(snapshot)
