@@ -150,7 +150,7 @@ def _download_snapshot(repo_id: str, revision: str | None) -> str:
 
 
 def resolve_model(name_or_path: str, revision: str | None = None, env: Mapping[str, str] | None = None,
-                  download: Callable[[str, str | None], str] = _download_snapshot) -> str:
+                  download: Callable[[str, str | None], str] | None = None) -> str:
     """What to load: a local directory as is; a hub id fetched once per job into the cache (its snapshot path).
 
     In offline mode (HF_HUB_OFFLINE=1) the name is returned and transformers reads its cache.
@@ -174,4 +174,5 @@ def resolve_model(name_or_path: str, revision: str | None = None, env: Mapping[s
         return name_or_path
     lock_dir = Path(constants.HF_HUB_CACHE) / LOCK_SUBDIR
     key = f"model:{name_or_path}@{revision or 'main'}"
+    download = download or _download_snapshot
     return fetch_once(lock_dir, key, job_token(env), lambda: download(name_or_path, revision))
