@@ -4,6 +4,11 @@ HF's Trainer writes `checkpoint-N/` in place, each rank its own ZeRO shard. A jo
 saving leaves a directory that looks like a checkpoint but lacks shards. llmft therefore publishes
 `checkpoint-N/llmft_complete.json` last, after every rank has finished writing, listing each file
 and its size; only checkpoints with a matching marker are resumed from.
+
+The list comes from the ranks themselves: each rank reports the files it wrote, as its own node
+sees them (`rank_report`), and rank 0 merges the reports. Rank 0's own listing of a network
+filesystem (NFS attribute caches, Lustre) can lag behind what other nodes just wrote: a shard it
+cannot see yet would be left out of the marker, and its absence later would go unnoticed.
 """
 
 from __future__ import annotations
@@ -39,16 +44,71 @@ def checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def mark_complete(ckpt_dir: str | Path, world_size: int, zero_stage: int | None = None) -> Path:
-    """Publish the completeness marker; call on one rank after all ranks finished saving."""
+# Files one rank writes for itself: DeepSpeed's ZeRO shards (named by data-parallel rank, which is the
+# global rank without model/pipeline parallelism) and the Trainer's per-process RNG state.
+_RANK_FILE_RES = (
+    re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$"),
+    re.compile(r"^rng_state_(\d+)\.pth$"),
+)
+
+
+def owner_rank(relpath: str) -> int:
+    """The rank that writes this checkpoint file: the rank in a per-rank file's name, else rank 0."""
+    name = Path(relpath).name
+    for pattern in _RANK_FILE_RES:
+        m = pattern.match(name)
+        if m:
+            return int(m.group(1))
+    return 0
+
+
+def _listing(ckpt: Path) -> dict[str, int]:
+    files = {}
+    for p in sorted(ckpt.rglob("*")):
+        if p.name == COMPLETE_MARKER or p.name.startswith("."):
+            continue
+        try:
+            if p.is_file():
+                files[str(p.relative_to(ckpt))] = p.stat().st_size
+        except FileNotFoundError:  # another rank's temporary file, renamed away while we listed
+            continue
+    return files
+
+
+def rank_report(ckpt_dir: str | Path, rank: int) -> dict[str, int]:
+    """The files this rank wrote into the checkpoint and their sizes, as this rank's node sees them.
+
+    A writer always sees its own closed files, so the report is exact even where other nodes' files are
+    not visible here yet.
+    """
+    return {rel: size for rel, size in _listing(Path(ckpt_dir)).items() if owner_rank(rel) == rank}
+
+
+def mark_complete(
+    ckpt_dir: str | Path, world_size: int, zero_stage: int | None = None, reports: list[dict[str, int]] | None = None
+) -> Path | None:
+    """Publish the completeness marker; call on one rank after all ranks finished saving.
+
+    `reports[r]` is rank r's `rank_report`; the marker lists their union. Without reports (a world of one)
+    this process's own listing is the writer's view. Returns None, publishing nothing, when a rank of a
+    multi-rank run reported no files: its shard is missing, and the checkpoint must not pass as complete.
+    """
     ckpt = Path(ckpt_dir)
-    files = {
-        str(p.relative_to(ckpt)): p.stat().st_size
-        for p in sorted(ckpt.rglob("*"))
-        if p.is_file() and p.name != COMPLETE_MARKER and not p.name.startswith(".")
-    }
+    if reports is None:
+        reports = [_listing(ckpt)]
+    elif len(reports) != world_size or (world_size > 1 and not all(reports)):
+        return None
+    files: dict[str, int] = {}
+    for report in reports:
+        files.update(report)
     marker = ckpt / COMPLETE_MARKER
-    payload = {"world_size": world_size, "zero_stage": zero_stage, "saved_at": time.time(), "files": files}
+    payload = {
+        "world_size": world_size,
+        "zero_stage": zero_stage,
+        "saved_at": time.time(),
+        "files": dict(sorted(files.items())),
+        "reported_by_rank": {str(r): sorted(report) for r, report in enumerate(reports)},
+    }
     _write_json_atomic(marker, payload)
     return marker
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config, run_identity
+from llmft import checkpoints, data, ds_config, hub, run_identity
 from llmft.flags import FlagError, TrainParser, check_flags
 from llmft.hardware import HardwareError, choose_precision, local_gpu
 from llmft.launch_env import LaunchEnvError, launch_problem, rank0, single_process_defaults
@@ -90,18 +90,24 @@ def _callbacks():
         return bool(t.item())
 
     class PublishCompleteCheckpoint(TrainerCallback):
-        """After every rank has written its shard, publish checkpoint-N/llmft_complete.json."""
+        """After every rank has written its shard, publish checkpoint-N/llmft_complete.json from the ranks' reports."""
 
         def __init__(self, zero_stage: int):
             self.zero_stage = zero_stage
 
         def on_save(self, args, state, control, **kwargs):
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            report = checkpoints.rank_report(ckpt, args.process_index)  # what this rank wrote, as its node sees it
+            reports = [report]
             if dist.is_initialized():
-                dist.barrier()
+                reports = [None] * dist.get_world_size()
+                dist.all_gather_object(reports, report)  # also the barrier: every rank has finished saving
             if state.is_world_process_zero:
-                ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage)
-                log(f"saved complete checkpoint {ckpt}")
+                if checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage, reports):
+                    log(f"saved complete checkpoint {ckpt}")
+                else:
+                    missing = [r for r, files in enumerate(reports) if not files]
+                    log(f"warning: not marking {ckpt} complete: rank(s) {missing} reported no files")
             if dist.is_initialized():
                 dist.barrier()
 
@@ -164,7 +170,9 @@ def train_precision(training_args, llmft_args, gpu) -> str:
 
 
 def load_model_files(model_args, training_args):
-    """The model's config and tokenizer (small files), at the asked revision; a missing model is one line."""
+    """The model's config and tokenizer (small files), at the asked revision, and the path to load the weights
+    from; a missing model is one line. A hub model is downloaded once per job first (llmft.hub: one process,
+    the others wait), then every process loads the local snapshot."""
     from transformers import AutoConfig, AutoTokenizer
 
     name = model_args.model_name_or_path
@@ -175,6 +183,7 @@ def load_model_files(model_args, training_args):
         if not path.is_dir() or not (path / "config.json").is_file():
             raise TrainError(f"{name} is not a model directory (no config.json in it): pass a directory saved with "
                              "save_pretrained, or a hub model name")
+    name = hub.resolve_model(name, model_args.model_revision)
     kwargs = {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code}
     loaded = []
     for what, cls in (("config", AutoConfig), ("tokenizer", AutoTokenizer)):
@@ -183,7 +192,7 @@ def load_model_files(model_args, training_args):
         except (OSError, ValueError) as e:
             reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise TrainError(f"cannot load the {what} of {name} (revision {model_args.model_revision}): {reason}") from None
-    return loaded[0], loaded[1]
+    return loaded[0], loaded[1], name
 
 
 def model_init_kwargs(model_args, training_args, quantization: dict | None) -> dict:
@@ -222,7 +231,7 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
     try:
         return _train(script_args, training_args, model_args, llmft_args)
     except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError,
-            FlagError, QuantizationError, run_identity.RunMismatch, LaunchEnvError) as e:
+            FlagError, QuantizationError, run_identity.RunMismatch, LaunchEnvError, hub.HubError) as e:
         if rank0():
             print(f"llmft train: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -257,7 +266,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
                                        offload=plan.offload, use_peft=model_args.use_peft, precision=precision,
                                        bitsandbytes=bitsandbytes_version())
     data.check_percentage(llmft_args.data_percentage)
-    model_config, tokenizer = load_model_files(model_args, training_args)
+    model_config, tokenizer, model_path = load_model_files(model_args, training_args)
     dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     dataset, shape = data.shape_for_sft(
         dataset,
@@ -335,7 +344,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
     trainer = SFTTrainer(
-        model=model_args.model_name_or_path,
+        model=model_path,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -131,12 +131,20 @@ def test_model_revision_reaches_config_tokenizer_and_weights(tmp_path, monkeypat
     def fake(kind):
         return classmethod(lambda cls, name, **kw: calls.append((kind, name, kw.get("revision"))) or object())
 
+    from huggingface_hub import constants
+
+    import llmft.hub
+
+    snapshot = str(tmp_path / "snapshot")  # what the once-per-job download (llmft.hub) returns
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(llmft.hub, "_download_snapshot", lambda name, revision: calls.append(("download", name, revision)) or snapshot)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake("config"))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake("tokenizer"))
     _, training_args, model_args, _ = _parse(tmp_path, "--model_revision", "v1.2")
     model_args.model_name_or_path = "org/model"
-    load_model_files(model_args, training_args)
-    assert calls == [("config", "org/model", "v1.2"), ("tokenizer", "org/model", "v1.2")]
+    assert load_model_files(model_args, training_args)[2] == snapshot
+    assert calls == [("download", "org/model", "v1.2"), ("config", snapshot, "v1.2"), ("tokenizer", snapshot, "v1.2")]
     assert model_init_kwargs(model_args, training_args, None)["revision"] == "v1.2"
 
 

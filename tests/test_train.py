@@ -42,9 +42,14 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
     assert sorted(p.name for p in tag.iterdir()) == [
         "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
-    for ckpt in ("checkpoint-5", "checkpoint-10"):
+    for step in (5, 10):
+        ckpt = f"checkpoint-{step}"
         marker = json.loads((out / ckpt / "llmft_complete.json").read_text())
         assert marker["world_size"] == 2
+        # Rank 1 itself reported the files it wrote; rank 0 merged the reports into the marker.
+        own = [f"global_step{step}/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"]
+        assert marker["reported_by_rank"]["1"] == own and all(f in marker["files"] for f in own)
+        assert f"global_step{step}/mp_rank_00_model_states.pt" in marker["reported_by_rank"]["0"]
         assert (out / ckpt / "config.json").is_file() and (out / ckpt / "tokenizer.json").is_file()
     cfg = json.loads((out / "ds_config.json").read_text())
     assert cfg["train_batch_size"] == 8 == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
