@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config
+from llmft import checkpoints, data, ds_config, elastic, saved_weights
 from llmft.launch_env import rank0, single_process_defaults
 from llmft.hardware import PRECISIONS, HardwareError
 from llmft.plan import PlanError, local_precision, make_plan
@@ -83,17 +83,25 @@ def _callbacks():
         return bool(t.item())
 
     class PublishCompleteCheckpoint(TrainerCallback):
-        """After every rank has written its shard, publish checkpoint-N/llmft_complete.json."""
+        """After every rank has written its shard and the saved weights hold the model, publish checkpoint-N/llmft_complete.json.
 
-        def __init__(self, zero_stage: int):
-            self.zero_stage = zero_stage
+        Weights that do not (empty, missing tensors, zeros): no marker, training stops, `refused` says why.
+        """
 
-        def on_save(self, args, state, control, **kwargs):
+        def __init__(self, zero_stage: int, batch):
+            self.zero_stage, self.batch = zero_stage, batch
+            self.refused: str | None = None
+
+        def on_save(self, args, state, control, model=None, **kwargs):
             if dist.is_initialized():
                 dist.barrier()
-            if state.is_world_process_zero:
-                ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage)
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            bad = saved_weights.check_save(ckpt, model, state.is_world_process_zero)
+            if all_ranks_max(bool(bad), args.device):
+                self.refused = f"{ckpt} not published as complete: {'; '.join(bad) or 'see rank 0'}"
+                control.should_training_stop = True
+            elif state.is_world_process_zero:
+                checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage, self.batch)
                 log(f"saved complete checkpoint {ckpt}")
             if dist.is_initialized():
                 dist.barrier()
@@ -198,12 +206,15 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     )
     dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
     resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
-    if resume:
-        checkpoints.check_resumable(resume, plan.world.world_size, plan.zero_stage)
+    resuming = resume and elastic.plan_resume(
+        resume, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=llmft_args.global_batch_size is not None
+    )
+    if resuming:  # another world keeps the checkpoint's global batch: the accumulation follows
+        plan = dataclasses.replace(plan, batch=resuming.batch)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
     log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
-    log(f"resuming from {resume}" if resume else f"starting a new run in {training_args.output_dir}")
+    log(resuming.describe(elastic.prepare(resuming, rank0(), log)) if resuming else f"starting a new run in {training_args.output_dir}")
 
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
@@ -236,6 +247,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         weight_decay=training_args.weight_decay,
         hidden_size=getattr(model_config, "hidden_size", None),
     )
+    if resuming and resuming.universal:
+        resolved = elastic.with_universal_load(resolved)
     if rank0():
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
 
@@ -269,20 +282,26 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
+    publish = PublishCompleteCheckpoint(plan.zero_stage, plan.batch)
     trainer = SFTTrainer(
         model=model_args.model_name_or_path,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
-        callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop, StepLog()],
+        callbacks=[publish, stop, StepLog()],
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step
+    if publish.refused:
+        raise TrainError(publish.refused)
     if stop.stopped_at is not None:
         log(f"stop requested; saved checkpoint-{step}")
     else:
         trainer.save_model(args.output_dir)
+        bad = saved_weights.check_save(args.output_dir, trainer.model, rank0())
+        if bad:
+            raise TrainError(f"the final model in {args.output_dir} is not what was trained: {'; '.join(bad)}; run not marked done")
         if rank0():
             checkpoints.mark_done(args.output_dir, step)
         log(f"training complete at step {step}; model saved to {args.output_dir}")

@@ -1,0 +1,323 @@
+"""Elastic resume: a checkpoint written on 2 ranks continues on 1 and vice versa (ZeRO-1, 2, 3), real torchrun + DeepSpeed.
+
+Each stage trains the same 6 steps on 1 and on 2 ranks without interruption (checkpoint-3 saved on the way), then
+resumes each checkpoint-3 on the other world size. The model has no dropout, so with the same samples per step the
+runs agree to float rounding: a resume that lost the optimizer moments, the schedule or the data position does not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, REPO, run
+from llmft import elastic
+from llmft.batch import BatchPlan
+from llmft.checkpoints import CheckpointError, mark_complete
+
+PROBE = str(REPO / "tests" / "train_probe.py")
+STEP_RE = re.compile(r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+)")
+TOTAL, SAVED = 6, 3
+# Same samples, same state: losses agree to ~1e-6 (reduction order). A resume with fresh Adam moments (the spike
+# this guards against) is off by > 1e-2 at the next steps; the measured gap is asserted below, not assumed.
+LOSS_TOL = 1e-3
+
+
+def losses(stdout: str) -> dict[int, tuple[float, float]]:
+    return {int(s): (float(loss), float(lr)) for s, _, loss, lr in STEP_RE.findall(stdout)}
+
+
+def train(model, data, out: Path, nproc: int, stage: int, *extra, probe: Path | None = None, check=True):
+    launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
+    cmd = launcher + [
+        PROBE, "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+        "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", str(stage),
+        "--max_steps", str(TOTAL), "--save_steps", str(SAVED), "--global_batch_size", "8",
+        "--per_device_train_batch_size", "2", "--learning_rate", "5e-3", *map(str, extra),
+    ]
+    return run(cmd, check=check, LLMFT_PROBE_DIR=str(probe or out / "probe"))
+
+
+def resume_copy(src: Path, dest: Path) -> Path:
+    """A run directory holding only src's checkpoint-3: what a job interrupted after step 3 leaves."""
+    dest.mkdir(parents=True)
+    shutil.copytree(src / f"checkpoint-{SAVED}", dest / f"checkpoint-{SAVED}")
+    return dest
+
+
+@pytest.fixture(scope="module")
+def nodrop_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model without dropout: runs on different world sizes then see the same arithmetic."""
+    from transformers import AutoConfig
+
+    out = tmp_path_factory.mktemp("nodrop") / "model"
+    shutil.copytree(tiny_model, out)
+    config = AutoConfig.from_pretrained(out)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    config.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def matrix(nodrop_model, tiny_data, tmp_path_factory):
+    """runs(stage) -> {'w1', 'w2': uninterrupted runs; '2to1', '1to2': checkpoint-3 resumed on the other world}, cached."""
+    done: dict[int, dict] = {}
+
+    def runs(stage: int) -> dict:
+        if stage not in done:
+            root = tmp_path_factory.mktemp(f"zero{stage}")
+            r = {}
+            for world in (1, 2):
+                out = root / f"w{world}"
+                r[f"w{world}"] = (out, train(nodrop_model, tiny_data, out, world, stage).stdout)
+            for name, src, world in (("2to1", "w2", 1), ("1to2", "w1", 2)):
+                out = resume_copy(r[src][0], root / name)
+                r[name] = (out, train(nodrop_model, tiny_data, out, world, stage).stdout)
+            done[stage] = r
+        return done[stage]
+
+    return runs
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_trains_the_same_samples_on_any_world_size(matrix, stage):
+    """The data position claim itself: with the global batch fixed, step s of a 1-rank and a 2-rank run see the same
+    samples (accelerate hands the micro-batches round-robin to the ranks), so their losses agree step by step."""
+    r = matrix(stage)
+    one, two = losses(r["w1"][1]), losses(r["w2"][1])
+    assert sorted(one) == sorted(two) == list(range(1, TOTAL + 1))
+    assert "gradient accumulation 4" in r["w1"][1] and "gradient accumulation 2" in r["w2"][1]
+    for s in one:
+        assert one[s][0] == pytest.approx(two[s][0], abs=LOSS_TOL), (s, one, two)
+    assert one[TOTAL][0] < 0.9 * one[1][0]  # it trained
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("direction", ["2to1", "1to2"])
+def test_resume_on_another_world_size_continues_the_uninterrupted_run(matrix, stage, direction):
+    r = matrix(stage)
+    before, after = (2, 1) if direction == "2to1" else (1, 2)
+    out, text = r[direction]
+    reference = losses(r[f"w{after}"][1])
+    ckpt = out / f"checkpoint-{SAVED}"
+
+    # The log says what changed.
+    accum = {1: 4, 2: 2}
+    line = next(l for l in text.splitlines() if l.startswith("llmft: resuming"))
+    how = re.search(r"\((converted in \d+ s)\)", line)
+    assert how and line == (
+        f"llmft: resuming checkpoint-{SAVED} written by {before} ranks on {after} ranks: universal checkpoint "
+        f"{ckpt / f'universal_step{SAVED}'} ({how.group(1)}), accumulation {accum[before]} -> {accum[after]}, global batch 8 kept"
+    ), line
+    assert f"llmft plan: gradient accumulation {accum[after]}" in text
+    assert json.loads((out / "ds_config.json").read_text())["checkpoint"] == {"load_universal": True}
+    assert elastic.conversion_problem(ckpt) is None
+
+    # Steps 4..6 only, on the uninterrupted schedule and within LOSS_TOL of the uninterrupted run's losses.
+    resumed = losses(text)
+    assert sorted(resumed) == list(range(SAVED + 1, TOTAL + 1)), text[-3000:]
+    for s, (loss, lr) in resumed.items():
+        assert lr == pytest.approx(reference[s][1], rel=1e-6)
+        assert loss == pytest.approx(reference[s][0], abs=LOSS_TOL), (s, resumed, reference)
+
+    # The Adam moments the engine holds right after the resume are the ones saved, tensor by tensor.
+    import torch
+
+    saved = torch.load(r[f"w{before}"][0] / "probe" / f"moments-saved-{SAVED}.pt")
+    loaded = torch.load(out / "probe" / f"moments-resumed-{SAVED}.pt")
+    assert sorted(saved) == sorted(loaded) and len(saved) >= 10
+    for name in saved:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved[name][key], loaded[name][key]), (name, key)
+    assert any(bool(m["exp_avg_sq"].ne(0).any()) for m in saved.values())
+
+    # It goes on as a run on the new world: its own shards, a complete checkpoint, done.
+    marker = json.loads((out / f"checkpoint-{TOTAL}" / "llmft_complete.json").read_text())
+    assert marker["world_size"] == after and marker["batch"]["grad_accum"] == accum[after]
+    assert json.loads((out / "llmft_done.json").read_text())["global_step"] == TOTAL
+
+
+def test_the_uninterrupted_runs_did_not_convert(matrix):
+    """Resuming or saving on the same world leaves checkpoints as DeepSpeed wrote them (see also test_train's resume)."""
+    for stage in (1, 2, 3):
+        for world in ("w1", "w2"):
+            out, text = matrix(stage)[world]
+            assert "universal" not in text
+            assert not list(out.glob("checkpoint-*/universal_step*")) and not list(out.glob("checkpoint-*/latest_universal"))
+
+
+def test_the_tolerance_separates_a_resume_whose_optimizer_restarted_from_zero(matrix, nodrop_model, tiny_data, tmp_path):
+    """The same resume with the Adam moments and step zeroed in the universal checkpoint (what a conversion that
+    'resumes as if from scratch' does) misses the uninterrupted losses by far more than LOSS_TOL."""
+    import torch
+
+    r = matrix(2)
+    out = resume_copy(r["2to1"][0], tmp_path / "restarted")
+    ckpt = out / f"checkpoint-{SAVED}"
+    universal = ckpt / f"universal_step{SAVED}"
+    zeroed = 0
+    for f in universal.glob("zero/*/*.pt"):
+        if f.name in ("exp_avg.pt", "exp_avg_sq.pt"):
+            torch.save(torch.zeros_like(torch.load(f)), f)
+            zeroed += 1
+        elif f.name == "step.pt":
+            torch.save(0, f)
+    assert zeroed >= 20
+    marker = universal / elastic.UNIVERSAL_MARKER  # sizes unchanged, but list them again so the cache is used as is
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "files": elastic._files(universal)}))
+    text = train(nodrop_model, tiny_data, out, 1, 2).stdout
+    assert "(cached)" in text
+    restarted, reference, resumed = losses(text), losses(r["w1"][1]), losses(r["2to1"][1])
+    gap = max(abs(restarted[s][0] - reference[s][0]) for s in restarted)
+    good = max(abs(resumed[s][0] - reference[s][0]) for s in resumed)
+    print(f"loss gap to the uninterrupted run: resumed {good:.2e}, optimizer restarted {gap:.2e}, tolerance {LOSS_TOL:.0e}")
+    assert good < LOSS_TOL < gap / 10
+
+
+def test_resume_from_a_zero1_checkpoint_under_zero2_on_another_world(matrix, nodrop_model, tiny_data, tmp_path):
+    """ZeRO-1 and ZeRO-2 share one optimizer format: a stage change between them goes through the same conversion."""
+    r = matrix(1)
+    out = resume_copy(r["w2"][0], tmp_path / "restaged")
+    text = train(nodrop_model, tiny_data, out, 1, 2, "--resume_from_checkpoint", out / f"checkpoint-{SAVED}").stdout
+    assert re.search(r"resuming checkpoint-3 written by 2 ranks on 1 ranks: universal checkpoint .* ZeRO stage 1 -> 2, "
+                     r"accumulation 2 -> 4, global batch 8 kept", text), text
+    resumed, reference = losses(text), losses(r["w1"][1])
+    assert sorted(resumed) == [4, 5, 6]
+    for s in resumed:
+        assert resumed[s][0] == pytest.approx(reference[s][0], abs=LOSS_TOL)
+
+
+# ---- the decision, without training ------------------------------------------------------------------
+
+
+def fake_checkpoint(root: Path, step: int, world: int, stage: int, micro: int = 2, accum: int = 2) -> Path:
+    ckpt = root / f"checkpoint-{step}"
+    (ckpt / f"global_step{step}").mkdir(parents=True)
+    (ckpt / "latest").write_text(f"global_step{step}")
+    mark_complete(ckpt, world, stage, BatchPlan(micro, accum, world))
+    return ckpt
+
+
+def test_the_resume_decision(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 400, world=16, stage=3, micro=2, accum=2)  # global batch 64
+
+    same = elastic.plan_resume(ckpt, 16, 3, BatchPlan(2, 2, 16), global_batch_given=True)
+    assert not same.universal and same.describe() == f"resuming from {ckpt}"
+
+    # 8 ranks, the global batch given again (the Slurm script passes GLOBAL_BATCH): accumulation already follows.
+    moved = elastic.plan_resume(ckpt, 8, 3, BatchPlan(2, 4, 8), global_batch_given=True)
+    assert moved.universal and moved.batch == BatchPlan(2, 4, 8)
+    assert moved.describe("converted in 12 s") == (
+        f"resuming checkpoint-400 written by 16 ranks on 8 ranks: universal checkpoint {ckpt / 'universal_step400'} "
+        "(converted in 12 s), accumulation 2 -> 4, global batch 64 kept"
+    )
+    # No --global_batch_size: the checkpoint's global batch is kept rather than micro x accumulation x the new world.
+    kept = elastic.plan_resume(ckpt, 8, 3, BatchPlan(2, 1, 8), global_batch_given=False)
+    assert kept.batch == BatchPlan(2, 4, 8)
+    # ... and when the new world cannot keep it, the nearest valid values are named before any model loads.
+    with pytest.raises(CheckpointError, match=r"checkpoint-400 was trained with global batch 64 \(micro-batch 2 x accumulation 2 x 16 "
+                                              r"ranks\), which 12 ranks cannot keep with micro-batch 2; use 8 or 16 ranks, or "
+                                              r"--global_batch_size 48 or 72 to change the global batch$"):
+        elastic.plan_resume(ckpt, 12, 3, BatchPlan(2, 1, 12), global_batch_given=False)
+    with pytest.raises(CheckpointError, match=r"which 32 ranks cannot keep with micro-batch 4; use --per_device_train_batch_size 1 or 2"
+                                              r", or 16 ranks, or --global_batch_size 128 to change the global batch$"):
+        elastic.plan_resume(ckpt, 32, 3, BatchPlan(4, 1, 32), global_batch_given=False)
+    # An explicit, different global batch is the user's choice, and the log says so.
+    asked = elastic.plan_resume(ckpt, 8, 3, BatchPlan(2, 8, 8), global_batch_given=True)
+    assert "global batch 64 -> 128" in asked.describe()
+
+    # ZeRO-0 holds no partitions: any world loads it as is.
+    stage0 = fake_checkpoint(tmp_path / "s0", 10, world=2, stage=0)
+    assert not elastic.plan_resume(stage0, 1, 0, BatchPlan(2, 4, 1), True).universal
+
+
+@pytest.mark.parametrize("saved,now,ok", [(1, 2, True), (2, 1, True), (2, 3, False), (3, 2, False), (3, 1, False), (0, 2, False), (2, 0, False)])
+def test_stage_changes_go_through_the_conversion_or_are_refused_with_the_way_out(tmp_path, saved, now, ok):
+    ckpt = fake_checkpoint(tmp_path, 10, world=2, stage=saved)
+    if ok:
+        r = elastic.plan_resume(ckpt, 2, now, BatchPlan(2, 2, 2), True)
+        assert r.universal and f"ZeRO stage {saved} -> {now}" in r.describe()
+    else:
+        with pytest.raises(CheckpointError, match=rf"written with ZeRO stage {saved}, this run uses stage {now}: .*; resume with "
+                                                  rf"--zero_stage {saved}, or export the weights \(python -m llmft.infer .*checkpoint-10 --export DIR\)"):
+            elastic.plan_resume(ckpt, 2, now, BatchPlan(2, 2, 2), True)
+
+
+# ---- the cached conversion: complete or redone ----------------------------------------------------
+
+
+@pytest.fixture
+def two_rank_checkpoint(matrix, tmp_path) -> Path:
+    """A copy of a real ZeRO-2 checkpoint written by 2 ranks, not yet converted."""
+    return resume_copy(matrix(2)["w2"][0], tmp_path / "run") / f"checkpoint-{SAVED}"
+
+
+def resume_of(ckpt: Path) -> elastic.Resume:
+    return elastic.plan_resume(ckpt, 1, 2, BatchPlan(2, 4, 1), True)
+
+
+def test_a_conversion_killed_half_way_is_never_used_and_is_redone(two_rank_checkpoint):
+    """SIGKILL in the middle of ds_to_universal (after the fragments, before the optimizer state): no universal
+    checkpoint appears under its final name and latest_universal is not written; the next resume converts again."""
+    ckpt = two_rank_checkpoint
+    killer = (
+        "import os, signal, sys; from pathlib import Path\n"
+        "from deepspeed.checkpoint import ds_to_universal as d\n"
+        "d._save_optimizer_state = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "from llmft.elastic import convert; convert(Path(sys.argv[1]))\n"
+    )
+    proc = run([PYTHON, "-c", killer, str(ckpt)])
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    leftovers = list(ckpt.glob(".llmft-universal-*"))
+    assert leftovers and list(leftovers[0].rglob("fp32.pt")), "the kill should leave a half-written conversion behind"
+    assert not (ckpt / "universal_step3").exists() and not (ckpt / "latest_universal").exists()
+    assert "does not exist" in elastic.conversion_problem(ckpt)
+
+    how = elastic.prepare(resume_of(ckpt), is_first_rank=True, log=lambda msg: None)
+    assert how.startswith("converted in")
+    assert elastic.conversion_problem(ckpt) is None and not list(ckpt.glob(".llmft-universal-*"))
+    assert elastic.prepare(resume_of(ckpt), is_first_rank=True) == "cached"
+
+
+def test_a_damaged_conversion_is_detected_and_redone(two_rank_checkpoint):
+    ckpt = two_rank_checkpoint
+    resume = resume_of(ckpt)
+    elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
+    universal = ckpt / "universal_step3"
+    fp32 = next(universal.glob("zero/*/exp_avg.pt"))
+
+    def damage_and_redo(expected: str) -> None:
+        assert re.search(expected, elastic.conversion_problem(ckpt)), elastic.conversion_problem(ckpt)
+        how = elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
+        assert re.search(rf"converted in \d+ s; redone: .*{expected}", how), how
+        assert elastic.conversion_problem(ckpt) is None
+
+    fp32.write_bytes(fp32.read_bytes()[:-7])  # truncated
+    damage_and_redo(r"exp_avg.pt has \d+ bytes, \d+ were written")
+    next(universal.glob("zero/*/fp32.pt")).unlink()
+    damage_and_redo(r"is missing zero/.*/fp32.pt")
+    (universal / elastic.UNIVERSAL_MARKER).unlink()  # e.g. a copy that stopped before its last file
+    damage_and_redo(r"has no llmft_universal.json: its conversion was interrupted")
+    (universal / elastic.UNIVERSAL_MARKER).write_text("{not json")
+    damage_and_redo(r"llmft_universal.json is unreadable")
+    (ckpt / "latest_universal").write_text("universal_step999")
+    damage_and_redo(r"latest_universal does not name universal_step3")
+
+
+def test_other_ranks_wait_for_the_first_ranks_conversion(two_rank_checkpoint):
+    ckpt = two_rank_checkpoint
+    resume = resume_of(ckpt)
+    finished = []
+    waiter = threading.Thread(target=lambda: finished.append(elastic.prepare(resume, is_first_rank=False, poll_s=0.05)))
+    waiter.start()
+    time.sleep(0.5)
+    assert not finished  # nothing converted yet: a non-first rank never converts, and never loads a partial result
+    elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
+    waiter.join(timeout=30)
+    assert finished == ["cached"]
