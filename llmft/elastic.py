@@ -80,7 +80,8 @@ class Resume:
     def describe(self, how: str | None = None) -> str:
         name = self.checkpoint.name
         if not self.universal:
-            return f"resuming from {self.checkpoint}"
+            changed = [c for c in self.changes() if not c.endswith(" kept")]
+            return f"resuming from {self.checkpoint}" + (f": {', '.join(self.changes())}" if changed else "")
         who = f"written by {self.saved_world} ranks on {self.world} ranks" if self.saved_world != self.world else f"written with ZeRO stage {self.saved_stage}"
         parts = [f"universal checkpoint {universal_dir(self.checkpoint)}" + (f" ({how})" if how else "")] + self.changes()
         return f"resuming {name} {who}: {', '.join(parts)}"
@@ -237,12 +238,18 @@ def convert(ckpt: Path, workers: int | None = None) -> float:
 
     t0 = time.time()
     tag, out = _tag(ckpt), universal_dir(ckpt)
-    for stale in [*ckpt.glob(_TMP_PREFIX + "*"), out]:
-        shutil.rmtree(stale, ignore_errors=True)
-    (ckpt / LATEST_UNIVERSAL).unlink(missing_ok=True)
     tmp = ckpt / f"{_TMP_PREFIX}{os.getpid()}"
     staged = tmp / out.name
-    tmp.mkdir()
+    try:
+        for stale in [*ckpt.glob(_TMP_PREFIX + "*"), out]:
+            shutil.rmtree(stale, ignore_errors=True)
+        (ckpt / LATEST_UNIVERSAL).unlink(missing_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write a universal conversion into {ckpt} ({e.strerror or e}); make it writable, "
+            f"or copy {ckpt} into this run's --output_dir and resume from the copy"
+        ) from None
     workers = workers or max(1, min(4, (os.cpu_count() or 2) // 2))
     args = argparse.Namespace(
         input_folder=str(ckpt / tag), output_folder=str(staged), num_extract_workers=workers, num_merge_workers=max(1, workers // 2),

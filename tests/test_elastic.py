@@ -164,7 +164,8 @@ def test_the_tolerance_separates_a_resume_whose_optimizer_restarted_from_zero(ma
     zeroed = 0
     for f in universal.glob("zero/*/*.pt"):
         if f.name in ("exp_avg.pt", "exp_avg_sq.pt"):
-            torch.save(torch.zeros_like(torch.load(f)), f)
+            state = torch.load(f)  # {"param": tensor, "cat_dim": 0}
+            torch.save({**state, "param": torch.zeros_like(state["param"])}, f)
             zeroed += 1
         elif f.name == "step.pt":
             torch.save(0, f)
@@ -231,6 +232,11 @@ def test_the_resume_decision(tmp_path):
     # An explicit, different global batch is the user's choice, and the log says so.
     asked = elastic.plan_resume(ckpt, 8, 3, BatchPlan(2, 8, 8), global_batch_given=True)
     assert "global batch 64 -> 128" in asked.describe()
+
+    # The same world with another micro-batch and no --global_batch_size: no conversion, the global batch is kept.
+    smaller = elastic.plan_resume(ckpt, 16, 3, BatchPlan(1, 1, 16), global_batch_given=False)
+    assert not smaller.universal and smaller.batch == BatchPlan(1, 4, 16)
+    assert smaller.describe() == f"resuming from {ckpt}: accumulation 2 -> 4, micro-batch 2 -> 1, global batch 64 kept"
 
     # ZeRO-0 holds no partitions: any world loads it as is.
     stage0 = fake_checkpoint(tmp_path / "s0", 10, world=2, stage=0)
@@ -321,3 +327,37 @@ def test_other_ranks_wait_for_the_first_ranks_conversion(two_rank_checkpoint):
     elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
     waiter.join(timeout=30)
     assert finished == ["cached"]
+
+
+def test_a_conversion_that_cannot_be_done_is_one_clear_error(tmp_path, monkeypatch):
+    ckpt = fake_checkpoint(tmp_path, 10, world=2, stage=2)
+    (ckpt / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a torch file")
+    resume = elastic.plan_resume(ckpt, 1, 2, BatchPlan(2, 4, 1), True)
+    with pytest.raises(CheckpointError, match=rf"converting {ckpt} to a universal checkpoint failed \(.+\); log: .*conversion.log$"):
+        elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
+    assert elastic.conversion_problem(ckpt) is not None and not (ckpt / "latest_universal").exists()
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    with pytest.raises(CheckpointError, match=rf"cannot write a universal conversion into {ckpt} \(Permission denied\); make it "
+                                              rf"writable, or copy {ckpt} into this run's --output_dir and resume from the copy"):
+        elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
+
+
+def test_llmft_train_refuses_an_unsupported_stage_change_before_any_model_loads(tiny_model, tiny_data, tmp_path, capsys):
+    from llmft.train import cli, make_parser
+
+    out = tmp_path / "run"
+    ckpt = fake_checkpoint(out, 10, world=1, stage=3)
+    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out),
+            "--report_to", "none", "--zero_stage", "2"]
+    assert cli(make_parser(), argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmft train: error:")]
+    assert errors == [
+        f"llmft train: error: {ckpt} was written with ZeRO stage 3, this run uses stage 2: ZeRO stage 3 checkpoints cannot be "
+        f"loaded under stage 2: DeepSpeed's universal conversion only moves ZeRO-1 <-> ZeRO-2 state; resume with --zero_stage 3, "
+        f"or export the weights (python -m llmft.infer {ckpt} --export DIR) and start a new run from DIR"
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10"]  # nothing written, nothing converted

@@ -180,3 +180,28 @@ def test_full_model_files_tied_weights_and_shards(tiny_model, tmp_path):
     assert saved_weights.problems(tmp_path / "sharded", expected, adapter=False) == [f"{shard} is missing"]
     # ZeRO shards only (no model file at all): nothing to check here, the shards are the weights.
     assert saved_weights.problems(tmp_path / "none", expected, adapter=False) == []
+
+
+def test_a_lora_checkpoint_written_by_two_ranks_resumes_on_one(lora_run, tiny_model, tiny_data, tmp_path):
+    """Elastic resume with LoRA: only the adapter is in the optimizer; its moments come back whole on one rank."""
+    import shutil
+
+    import torch
+
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copytree(lora_run / "checkpoint-2", out / "checkpoint-2")
+    cmd = lora_cmd(tiny_model, tiny_data, out)
+    cmd = [PYTHON] + cmd[cmd.index(PROBE):]  # one process
+    proc = run(cmd, check=True, LLMFT_PROBE_DIR=str(out / "probe"))
+    assert "resuming checkpoint-2 written by 2 ranks on 1 ranks: universal checkpoint" in proc.stdout
+    assert "accumulation 1 -> 2, global batch 4 kept" in proc.stdout
+    saved = torch.load(lora_run / "probe" / "moments-saved-2.pt")
+    resumed = torch.load(out / "probe" / "moments-resumed-2.pt")
+    assert sorted(saved) == sorted(resumed) and len(saved) == len(EXPECTED)
+    for name in saved:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved[name][key], resumed[name][key]), (name, key)
+    tensors = adapter(out)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == EXPECTED
+    assert json.loads((out / DONE_MARKER).read_text())["global_step"] == 4
