@@ -20,7 +20,8 @@ llmft train --config run.yaml --use_peft --lora_r 16 --lora_alpha 32 --lora_targ
 
 Every `SFTConfig`/`TrainingArguments` flag works, with TRL's names. llmft adds `--zero_stage`,
 `--offload`, `--global_batch_size`, `--data_percentage`, `--precision` and column mapping. A rerun
-with the same `--output_dir` resumes from the newest complete checkpoint; it never starts over.
+with the same `--output_dir` resumes from the newest complete checkpoint, on any number of GPUs (see
+`llmft.elastic`); it never starts over.
 """
 
 from __future__ import annotations

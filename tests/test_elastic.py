@@ -1,8 +1,9 @@
-"""Elastic resume: a checkpoint written on 2 ranks continues on 1 and vice versa (ZeRO-1, 2, 3), real torchrun + DeepSpeed.
+"""Elastic resume: a checkpoint written on 2 ranks continues on 1 and back on 2 (ZeRO-1, 2, 3), real torchrun + DeepSpeed.
 
-Each stage trains the same 6 steps on 1 and on 2 ranks without interruption (checkpoint-3 saved on the way), then
-resumes each checkpoint-3 on the other world size. The model has no dropout, so with the same samples per step the
-runs agree to float rounding: a resume that lost the optimizer moments, the schedule or the data position does not.
+Per stage, one chain of runs over the same 6 steps: an uninterrupted 2-rank run (checkpoints 2, 4, 6); its
+checkpoint-2 resumed on 1 rank (which writes checkpoint-4 with 1 rank); that checkpoint-4 resumed on 2 ranks.
+The model has no dropout, so with the same samples per step the runs agree to float rounding with the
+uninterrupted one: a resume that lost the optimizer moments, the schedule or the data position does not.
 """
 
 from __future__ import annotations
@@ -23,37 +24,40 @@ from llmft.checkpoints import CheckpointError, mark_complete
 
 PROBE = str(REPO / "tests" / "train_probe.py")
 STEP_RE = re.compile(r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+)")
-TOTAL, SAVED = 6, 3
-# Same samples, same state: losses agree to ~1e-6 (reduction order). A resume with fresh Adam moments (the spike
-# this guards against) is off by > 1e-2 at the next steps; the measured gap is asserted below, not assumed.
-LOSS_TOL = 1e-3
+TOTAL, EVERY = 6, 2
+CHAIN = {"2to1": ("w2", 2, 1), "1to2": ("2to1", 4, 2)}  # run: (run whose checkpoint it resumes, that step, its world)
+ACCUM = {1: 4, 2: 2}  # global batch 8 = micro-batch 2 x accumulation x world
+# The same samples and state give the same losses up to float rounding (identical at the 4 printed decimals here).
+# A resume whose Adam moments restarted from zero (the failure this guards against) misses by far more: measured
+# and asserted in test_the_tolerance_separates_a_resume_whose_optimizer_restarted_from_zero.
+LOSS_TOL = 5e-4
 
 
 def losses(stdout: str) -> dict[int, tuple[float, float]]:
     return {int(s): (float(loss), float(lr)) for s, _, loss, lr in STEP_RE.findall(stdout)}
 
 
-def train(model, data, out: Path, nproc: int, stage: int, *extra, probe: Path | None = None, check=True):
+def train(model, data, out: Path, nproc: int, stage: int, *extra, check=True):
     launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
     cmd = launcher + [
         PROBE, "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
         "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", str(stage),
-        "--max_steps", str(TOTAL), "--save_steps", str(SAVED), "--global_batch_size", "8",
+        "--max_steps", str(TOTAL), "--save_steps", str(EVERY), "--global_batch_size", "8",
         "--per_device_train_batch_size", "2", "--learning_rate", "5e-3", *map(str, extra),
     ]
-    return run(cmd, check=check, LLMFT_PROBE_DIR=str(probe or out / "probe"))
+    return run(cmd, check=check, LLMFT_PROBE_DIR=str(out / "probe"))
 
 
-def resume_copy(src: Path, dest: Path) -> Path:
-    """A run directory holding only src's checkpoint-3: what a job interrupted after step 3 leaves."""
+def resume_copy(src: Path, step: int, dest: Path) -> Path:
+    """A run directory holding only src's checkpoint-{step}: what a job interrupted after that step leaves."""
     dest.mkdir(parents=True)
-    shutil.copytree(src / f"checkpoint-{SAVED}", dest / f"checkpoint-{SAVED}")
+    shutil.copytree(src / f"checkpoint-{step}", dest / f"checkpoint-{step}")
     return dest
 
 
 @pytest.fixture(scope="module")
 def nodrop_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model without dropout: runs on different world sizes then see the same arithmetic."""
+    """The tiny model without dropout: runs on different world sizes then do the same arithmetic."""
     from transformers import AutoConfig
 
     out = tmp_path_factory.mktemp("nodrop") / "model"
@@ -66,18 +70,15 @@ def nodrop_model(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def matrix(nodrop_model, tiny_data, tmp_path_factory):
-    """runs(stage) -> {'w1', 'w2': uninterrupted runs; '2to1', '1to2': checkpoint-3 resumed on the other world}, cached."""
+    """runs(stage) -> {'w2': the uninterrupted run, '2to1', '1to2': the chain of resumes} as (dir, stdout), cached."""
     done: dict[int, dict] = {}
 
     def runs(stage: int) -> dict:
         if stage not in done:
             root = tmp_path_factory.mktemp(f"zero{stage}")
-            r = {}
-            for world in (1, 2):
-                out = root / f"w{world}"
-                r[f"w{world}"] = (out, train(nodrop_model, tiny_data, out, world, stage).stdout)
-            for name, src, world in (("2to1", "w2", 1), ("1to2", "w1", 2)):
-                out = resume_copy(r[src][0], root / name)
+            r = {"w2": (root / "w2", train(nodrop_model, tiny_data, root / "w2", 2, stage).stdout)}
+            for name, (src, step, world) in CHAIN.items():
+                out = resume_copy(r[src][0], step, root / name)
                 r[name] = (out, train(nodrop_model, tiny_data, out, world, stage).stdout)
             done[stage] = r
         return done[stage]
@@ -85,14 +86,15 @@ def matrix(nodrop_model, tiny_data, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_step_trains_the_same_samples_on_any_world_size(matrix, stage):
-    """The data position claim itself: with the global batch fixed, step s of a 1-rank and a 2-rank run see the same
-    samples (accelerate hands the micro-batches round-robin to the ranks), so their losses agree step by step."""
-    r = matrix(stage)
-    one, two = losses(r["w1"][1]), losses(r["w2"][1])
+def test_a_step_trains_the_same_samples_on_any_world_size(matrix, nodrop_model, tiny_data, tmp_path):
+    """The data position claim itself: with the global batch fixed, step s of an uninterrupted 1-rank run and of a
+    2-rank run see the same samples (accelerate hands the micro-batches round-robin to the ranks), so their losses
+    agree step by step."""
+    two = matrix(2)["w2"][1]
+    one = train(nodrop_model, tiny_data, tmp_path / "w1", 1, 2, "--save_steps", 100).stdout
+    assert "gradient accumulation 4" in one and "gradient accumulation 2" in two
+    one, two = losses(one), losses(two)
     assert sorted(one) == sorted(two) == list(range(1, TOTAL + 1))
-    assert "gradient accumulation 4" in r["w1"][1] and "gradient accumulation 2" in r["w2"][1]
     for s in one:
         assert one[s][0] == pytest.approx(two[s][0], abs=LOSS_TOL), (s, one, two)
     assert one[TOTAL][0] < 0.9 * one[1][0]  # it trained
@@ -102,26 +104,26 @@ def test_a_step_trains_the_same_samples_on_any_world_size(matrix, stage):
 @pytest.mark.parametrize("direction", ["2to1", "1to2"])
 def test_resume_on_another_world_size_continues_the_uninterrupted_run(matrix, stage, direction):
     r = matrix(stage)
-    before, after = (2, 1) if direction == "2to1" else (1, 2)
+    src, step, after = CHAIN[direction]
+    before = 3 - after
     out, text = r[direction]
-    reference = losses(r[f"w{after}"][1])
-    ckpt = out / f"checkpoint-{SAVED}"
+    reference = losses(r["w2"][1])
+    ckpt = out / f"checkpoint-{step}"
 
     # The log says what changed.
-    accum = {1: 4, 2: 2}
-    line = next(l for l in text.splitlines() if l.startswith("llmft: resuming"))
+    line = next(line for line in text.splitlines() if line.startswith("llmft: resuming"))
     how = re.search(r"\((converted in \d+ s)\)", line)
     assert how and line == (
-        f"llmft: resuming checkpoint-{SAVED} written by {before} ranks on {after} ranks: universal checkpoint "
-        f"{ckpt / f'universal_step{SAVED}'} ({how.group(1)}), accumulation {accum[before]} -> {accum[after]}, global batch 8 kept"
+        f"llmft: resuming checkpoint-{step} written by {before} ranks on {after} ranks: universal checkpoint "
+        f"{ckpt / f'universal_step{step}'} ({how.group(1)}), accumulation {ACCUM[before]} -> {ACCUM[after]}, global batch 8 kept"
     ), line
-    assert f"llmft plan: gradient accumulation {accum[after]}" in text
+    assert f"llmft plan: gradient accumulation {ACCUM[after]}" in text
     assert json.loads((out / "ds_config.json").read_text())["checkpoint"] == {"load_universal": True}
     assert elastic.conversion_problem(ckpt) is None
 
-    # Steps 4..6 only, on the uninterrupted schedule and within LOSS_TOL of the uninterrupted run's losses.
+    # The remaining steps only, on the uninterrupted schedule and within LOSS_TOL of the uninterrupted run's losses.
     resumed = losses(text)
-    assert sorted(resumed) == list(range(SAVED + 1, TOTAL + 1)), text[-3000:]
+    assert sorted(resumed) == list(range(step + 1, TOTAL + 1)), text[-3000:]
     for s, (loss, lr) in resumed.items():
         assert lr == pytest.approx(reference[s][1], rel=1e-6)
         assert loss == pytest.approx(reference[s][0], abs=LOSS_TOL), (s, resumed, reference)
@@ -129,8 +131,8 @@ def test_resume_on_another_world_size_continues_the_uninterrupted_run(matrix, st
     # The Adam moments the engine holds right after the resume are the ones saved, tensor by tensor.
     import torch
 
-    saved = torch.load(r[f"w{before}"][0] / "probe" / f"moments-saved-{SAVED}.pt")
-    loaded = torch.load(out / "probe" / f"moments-resumed-{SAVED}.pt")
+    saved = torch.load(r[src][0] / "probe" / f"moments-saved-{step}.pt")
+    loaded = torch.load(out / "probe" / f"moments-resumed-{step}.pt")
     assert sorted(saved) == sorted(loaded) and len(saved) >= 10
     for name in saved:
         for key in ("exp_avg", "exp_avg_sq"):
@@ -139,28 +141,29 @@ def test_resume_on_another_world_size_continues_the_uninterrupted_run(matrix, st
 
     # It goes on as a run on the new world: its own shards, a complete checkpoint, done.
     marker = json.loads((out / f"checkpoint-{TOTAL}" / "llmft_complete.json").read_text())
-    assert marker["world_size"] == after and marker["batch"]["grad_accum"] == accum[after]
+    assert marker["world_size"] == after and marker["batch"]["grad_accum"] == ACCUM[after]
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == TOTAL
 
 
-def test_the_uninterrupted_runs_did_not_convert(matrix):
-    """Resuming or saving on the same world leaves checkpoints as DeepSpeed wrote them (see also test_train's resume)."""
+def test_only_the_checkpoint_resumed_on_another_world_is_converted(matrix):
+    """Saving, and resuming on the same world (test_train's stop-and-resume), leave checkpoints as DeepSpeed wrote them."""
     for stage in (1, 2, 3):
-        for world in ("w1", "w2"):
-            out, text = matrix(stage)[world]
-            assert "universal" not in text
-            assert not list(out.glob("checkpoint-*/universal_step*")) and not list(out.glob("checkpoint-*/latest_universal"))
+        r = matrix(stage)
+        assert "universal" not in r["w2"][1]
+        assert not list(r["w2"][0].rglob("*universal*"))
+        for name, (_, step, _) in CHAIN.items():
+            out = r[name][0]
+            assert [p.relative_to(out) for p in out.glob("checkpoint-*/universal_step*")] == [Path(f"checkpoint-{step}/universal_step{step}")]
 
 
 def test_the_tolerance_separates_a_resume_whose_optimizer_restarted_from_zero(matrix, nodrop_model, tiny_data, tmp_path):
     """The same resume with the Adam moments and step zeroed in the universal checkpoint (what a conversion that
-    'resumes as if from scratch' does) misses the uninterrupted losses by far more than LOSS_TOL."""
+    'resumes as if from scratch' amounts to) misses the uninterrupted losses by far more than LOSS_TOL."""
     import torch
 
     r = matrix(2)
-    out = resume_copy(r["2to1"][0], tmp_path / "restarted")
-    ckpt = out / f"checkpoint-{SAVED}"
-    universal = ckpt / f"universal_step{SAVED}"
+    out = resume_copy(r["2to1"][0], 2, tmp_path / "restarted")
+    universal = out / "checkpoint-2" / "universal_step2"
     zeroed = 0
     for f in universal.glob("zero/*/*.pt"):
         if f.name in ("exp_avg.pt", "exp_avg_sq.pt"):
@@ -170,26 +173,27 @@ def test_the_tolerance_separates_a_resume_whose_optimizer_restarted_from_zero(ma
         elif f.name == "step.pt":
             torch.save(0, f)
     assert zeroed >= 20
-    marker = universal / elastic.UNIVERSAL_MARKER  # sizes unchanged, but list them again so the cache is used as is
+    marker = universal / elastic.UNIVERSAL_MARKER  # list the files again so the edited cache is used as it is
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "files": elastic._files(universal)}))
     text = train(nodrop_model, tiny_data, out, 1, 2).stdout
     assert "(cached)" in text
-    restarted, reference, resumed = losses(text), losses(r["w1"][1]), losses(r["2to1"][1])
+    restarted, reference, resumed = losses(text), losses(r["w2"][1]), losses(r["2to1"][1])
+    assert sorted(restarted) == sorted(resumed) == [3, 4, 5, 6]
     gap = max(abs(restarted[s][0] - reference[s][0]) for s in restarted)
     good = max(abs(resumed[s][0] - reference[s][0]) for s in resumed)
-    print(f"loss gap to the uninterrupted run: resumed {good:.2e}, optimizer restarted {gap:.2e}, tolerance {LOSS_TOL:.0e}")
-    assert good < LOSS_TOL < gap / 10
+    print(f"loss gap to the uninterrupted run, steps 3-6: resumed {good:.1e}, optimizer restarted {gap:.1e}, tolerance {LOSS_TOL:.0e}")
+    assert good <= LOSS_TOL < gap / 10
 
 
 def test_resume_from_a_zero1_checkpoint_under_zero2_on_another_world(matrix, nodrop_model, tiny_data, tmp_path):
     """ZeRO-1 and ZeRO-2 share one optimizer format: a stage change between them goes through the same conversion."""
     r = matrix(1)
-    out = resume_copy(r["w2"][0], tmp_path / "restaged")
-    text = train(nodrop_model, tiny_data, out, 1, 2, "--resume_from_checkpoint", out / f"checkpoint-{SAVED}").stdout
-    assert re.search(r"resuming checkpoint-3 written by 2 ranks on 1 ranks: universal checkpoint .* ZeRO stage 1 -> 2, "
+    out = resume_copy(r["w2"][0], 2, tmp_path / "restaged")
+    text = train(nodrop_model, tiny_data, out, 1, 2, "--resume_from_checkpoint", out / "checkpoint-2").stdout
+    assert re.search(r"resuming checkpoint-2 written by 2 ranks on 1 ranks: universal checkpoint .* ZeRO stage 1 -> 2, "
                      r"accumulation 2 -> 4, global batch 8 kept", text), text
-    resumed, reference = losses(text), losses(r["w1"][1])
-    assert sorted(resumed) == [4, 5, 6]
+    resumed, reference = losses(text), losses(r["w2"][1])
+    assert sorted(resumed) == [3, 4, 5, 6]
     for s in resumed:
         assert resumed[s][0] == pytest.approx(reference[s][0], abs=LOSS_TOL)
 
@@ -261,7 +265,7 @@ def test_stage_changes_go_through_the_conversion_or_are_refused_with_the_way_out
 @pytest.fixture
 def two_rank_checkpoint(matrix, tmp_path) -> Path:
     """A copy of a real ZeRO-2 checkpoint written by 2 ranks, not yet converted."""
-    return resume_copy(matrix(2)["w2"][0], tmp_path / "run") / f"checkpoint-{SAVED}"
+    return resume_copy(matrix(2)["w2"][0], 2, tmp_path / "run") / "checkpoint-2"
 
 
 def resume_of(ckpt: Path) -> elastic.Resume:
@@ -282,7 +286,7 @@ def test_a_conversion_killed_half_way_is_never_used_and_is_redone(two_rank_check
     assert proc.returncode == -9, proc.stderr[-2000:]
     leftovers = list(ckpt.glob(".llmft-universal-*"))
     assert leftovers and list(leftovers[0].rglob("fp32.pt")), "the kill should leave a half-written conversion behind"
-    assert not (ckpt / "universal_step3").exists() and not (ckpt / "latest_universal").exists()
+    assert not (ckpt / "universal_step2").exists() and not (ckpt / "latest_universal").exists()
     assert "does not exist" in elastic.conversion_problem(ckpt)
 
     how = elastic.prepare(resume_of(ckpt), is_first_rank=True, log=lambda msg: None)
@@ -295,7 +299,7 @@ def test_a_damaged_conversion_is_detected_and_redone(two_rank_checkpoint):
     ckpt = two_rank_checkpoint
     resume = resume_of(ckpt)
     elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
-    universal = ckpt / "universal_step3"
+    universal = ckpt / "universal_step2"
     fp32 = next(universal.glob("zero/*/exp_avg.pt"))
 
     def damage_and_redo(expected: str) -> None:
@@ -313,7 +317,7 @@ def test_a_damaged_conversion_is_detected_and_redone(two_rank_checkpoint):
     (universal / elastic.UNIVERSAL_MARKER).write_text("{not json")
     damage_and_redo(r"llmft_universal.json is unreadable")
     (ckpt / "latest_universal").write_text("universal_step999")
-    damage_and_redo(r"latest_universal does not name universal_step3")
+    damage_and_redo(r"latest_universal does not name universal_step2")
 
 
 def test_other_ranks_wait_for_the_first_ranks_conversion(two_rank_checkpoint):

@@ -91,18 +91,6 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     assert "universal" not in second.stdout and not list(out.glob("checkpoint-*/universal_step*"))
 
 
-def test_lora_under_zero3_trains_and_saves_an_adapter(tiny_model, tiny_data, tmp_path):
-    out = tmp_path / "lora"
-    run(train_cmd(tiny_model, tiny_data, out, "--zero_stage", 3, "--max_steps", 2, "--save_steps", 2, "--global_batch_size", 4,
-                  "--per_device_train_batch_size", 2, "--use_peft", "--lora_r", 4, "--lora_alpha", 8,
-                  "--lora_target_modules", "c_attn"), check=True)
-    for where in (out, out / "checkpoint-2"):
-        config = json.loads((where / "adapter_config.json").read_text())
-        assert config["r"] == 4 and config["target_modules"] == ["c_attn"]
-        assert (where / "adapter_model.safetensors").stat().st_size > 0
-    assert (out / "checkpoint-2" / "llmft_complete.json").is_file()
-
-
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
     """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; chat data uses the template,
     with packing and gradient checkpointing on."""
