@@ -114,7 +114,7 @@ def test_a_save_with_zeroed_adapter_is_refused_and_training_stops(tiny_model, ti
     )
     assert not (out / "checkpoint-2" / COMPLETE_MARKER).exists()
     assert not (out / "checkpoint-4").exists() and not (out / DONE_MARKER).exists()
-    assert "Traceback" not in proc.stderr
+    assert f'File "{REPO / "llmft"}' not in proc.stderr  # llmft's error is one line; torchrun adds its own report
 
 
 # ---- the check itself, on files written here ----------------------------------------------------------

@@ -179,14 +179,14 @@ def test_a_job_requeued_from_two_nodes_onto_one_resumes_on_one_rank(cluster, tin
     while cluster.job(job).get("JobState") != "PENDING":
         assert time.time() < deadline, f"job {job} not back in the queue: {cluster.job(job)}\n{read(log)}"
         time.sleep(1)
-    cluster.cmd(["scontrol", "update", f"JobId={job}", "NumNodes=1"])
+    cluster.cmd(["scontrol", "update", f"JobId={job}", "NumNodes=1", "NumTasks=1"])  # tasks too: one per node
     cluster.cmd(["scontrol", "release", job])
     info = cluster.wait(job, timeout=600)
     text = read(log)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
     first, second = text[: text.index("restart 1,")], text[text.index("restart 1,"):]
-    assert "llmft plan: world size 2 (2 nodes x 1 processes" in first and "gradient accumulation 2" in first
-    assert "run_llm.slurm: nodes 1:" in second and "llmft plan: world size 1 (1 nodes x 1 processes" in second
+    assert "llmft plan: world size 2 (2 nodes x 1 processes" in first and "gradient accumulation 2" in first, first
+    assert "run_llm.slurm: nodes 1: n" in second and "llmft plan: world size 1 (1 nodes x 1 processes" in second, second
     m = re.search(r"llmft: resuming checkpoint-(\d+) written by 2 ranks on 1 ranks: universal checkpoint (\S+) "
                   r"\(converted in \d+ s\), accumulation 2 -> 4, global batch 8 kept\n", second)
     assert m, second
