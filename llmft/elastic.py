@@ -110,10 +110,9 @@ def stage_change_problem(saved_stage: int | None, stage: int) -> str | None:
         return None
     if any({saved_stage, stage} <= group for group in _SAME_FORMAT):
         return None
-    return (
-        f"ZeRO stage {saved_stage} checkpoints cannot be loaded under stage {stage}: DeepSpeed's universal conversion "
-        f"only moves ZeRO-1 <-> ZeRO-2 state"
-    )
+    if 0 in (saved_stage, stage):
+        return "DeepSpeed converts and loads universal checkpoints only under ZeRO-1, 2 and 3"
+    return "DeepSpeed's ZeRO-3 and ZeRO-1/2 loaders do not read each other's universal checkpoints"
 
 
 def plan_resume(ckpt: Path, world: int, stage: int, batch: BatchPlan, global_batch_given: bool) -> Resume:

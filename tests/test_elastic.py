@@ -360,8 +360,8 @@ def test_llmft_train_refuses_an_unsupported_stage_change_before_any_model_loads(
     assert cli(make_parser(), argv) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmft train: error:")]
     assert errors == [
-        f"llmft train: error: {ckpt} was written with ZeRO stage 3, this run uses stage 2: ZeRO stage 3 checkpoints cannot be "
-        f"loaded under stage 2: DeepSpeed's universal conversion only moves ZeRO-1 <-> ZeRO-2 state; resume with --zero_stage 3, "
+        f"llmft train: error: {ckpt} was written with ZeRO stage 3, this run uses stage 2: DeepSpeed's ZeRO-3 and ZeRO-1/2 loaders "
+        f"do not read each other's universal checkpoints; resume with --zero_stage 3, "
         f"or export the weights (python -m llmft.infer {ckpt} --export DIR) and start a new run from DIR"
     ]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10"]  # nothing written, nothing converted
