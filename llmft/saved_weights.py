@@ -72,9 +72,11 @@ def live_tensors(model) -> list[Tensor]:
         local = p.data if local is None else local
         flags[i] = float(local.numel() > 0 and bool(local.detach().ne(0).any()))
     if dist.is_available() and dist.is_initialized():
-        device = next(iter(model.parameters())).device
-        flags = flags.to(device) if device.type != "meta" else flags
+        # NCCL reduces GPU tensors only (ZeRO-3 offload keeps the slices themselves on the CPU).
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        flags = flags.to(device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags = flags.cpu()
     out = []
     for (p, names), flag in zip(params, flags.tolist()):
         shape = tuple(getattr(p, "ds_shape", None) or p.shape)
