@@ -61,9 +61,6 @@ class ProbedTrainer(trl.SFTTrainer):
         super().__init__(*args, callbacks=[*(callbacks or []), Probe(Path(os.environ["LLMFT_PROBE_DIR"]))], **kwargs)
 
 
-trl.SFTTrainer = ProbedTrainer  # llmft.train does `from trl import SFTTrainer` when it builds the trainer
-
-
 def _zero_lora_b_after_save(original):
     """$LLMFT_PROBE_SABOTAGE=zero_lora_b: after each checkpoint save, rank 0 overwrites the adapter's lora_B with zeros
     (what an ungathered ZeRO-3 save looks like), before llmft's on_save callback checks the files."""
@@ -80,12 +77,13 @@ def _zero_lora_b_after_save(original):
     return save
 
 
-if os.environ.get("LLMFT_PROBE_SABOTAGE") == "zero_lora_b":
-    import transformers
-
-    transformers.Trainer._save_checkpoint = _zero_lora_b_after_save(transformers.Trainer._save_checkpoint)
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
+
+    trl.SFTTrainer = ProbedTrainer  # llmft.train does `from trl import SFTTrainer` when it builds the trainer
+    if os.environ.get("LLMFT_PROBE_SABOTAGE") == "zero_lora_b":
+        import transformers
+
+        transformers.Trainer._save_checkpoint = _zero_lora_b_after_save(transformers.Trainer._save_checkpoint)
 
     sys.exit(cli(make_parser()))
