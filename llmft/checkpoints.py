@@ -16,6 +16,7 @@ from pathlib import Path
 
 COMPLETE_MARKER = "llmft_complete.json"
 DONE_MARKER = "llmft_done.json"
+RUN_RECORD = "llmft_run.json"  # what defines the run (llmft.run_identity): present in every run llmft started
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -76,12 +77,43 @@ def incomplete_reason(ckpt_dir: str | Path) -> str | None:
     return None
 
 
+def choose_checkpoint(output_dir: str | Path, *, unmarked_ok: bool = False) -> tuple[Path | None, list[str]]:
+    """The one answer to "which checkpoint of this run" (training resume, inference, the demo all ask it).
+
+    Returns the newest complete checkpoint-N (None if there is none) and one note per newer checkpoint
+    skipped, saying why. unmarked_ok: for a run written without llmft (no run record, no checkpoint with a
+    marker, e.g. a plain HF Trainer run), the newest checkpoint-N is taken as it is.
+    """
+    found = checkpoint_dirs(output_dir)
+    foreign = not (Path(output_dir) / RUN_RECORD).exists() and not any((p / COMPLETE_MARKER).exists() for _, p in found)
+    if unmarked_ok and found and foreign:
+        return found[-1][1], []
+    notes = []
+    for _, path in reversed(found):
+        reason = incomplete_reason(path)
+        if reason is None:
+            return path, notes
+        notes.append(f"skipping {reason}")
+    return None, notes
+
+
 def latest_complete(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint, skipping any a crash left half-written."""
-    for _, path in reversed(checkpoint_dirs(output_dir)):
-        if incomplete_reason(path) is None:
-            return path
-    return None
+    return choose_checkpoint(output_dir)[0]
+
+
+def tag_dir(ckpt_dir: str | Path) -> Path | None:
+    """The DeepSpeed tag directory (global_stepN) inside a checkpoint: the one its `latest` file names, else the
+    highest step; None when there is none. A `latest` naming a missing directory is an error."""
+    ckpt = Path(ckpt_dir)
+    latest = ckpt / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if not (ckpt / tag).is_dir():
+            raise CheckpointError(f"{latest} names {tag!r}, which is not in {ckpt}: pass the global_stepN directory you want")
+        return ckpt / tag
+    tags = [(int(m.group(1)), p) for p in ckpt.glob("global_step*") if p.is_dir() and (m := re.search(r"(\d+)$", p.name))]
+    return max(tags)[1] if tags else None
 
 
 def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None:
@@ -92,7 +124,7 @@ def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None
     - a path: that checkpoint, which must be complete.
     """
     if requested in (None, "", "latest"):
-        found = latest_complete(output_dir)
+        found, _ = choose_checkpoint(output_dir)
         if found is None and requested == "latest":
             raise CheckpointError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}")
         return found

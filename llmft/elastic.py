@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.batch import BatchError, BatchPlan, nearest_global_batches, nearest_micro_batches, plan_batch
-from llmft.checkpoints import COMPLETE_MARKER, CheckpointError
+from llmft.checkpoints import COMPLETE_MARKER, CheckpointError, tag_dir
 
 UNIVERSAL_MARKER = "llmft_universal.json"
 LATEST_UNIVERSAL = "latest_universal"  # the file name DeepSpeed's engine reads (engine.load_checkpoint)
@@ -129,9 +129,10 @@ def plan_resume(ckpt: Path, world: int, stage: int, batch: BatchPlan, global_bat
             f"{ckpt} was written with ZeRO stage {saved_stage}, this run uses stage {stage}: {why}; resume with "
             f"--zero_stage {saved_stage}, or export the weights (python -m llmft.infer {ckpt} --export DIR) and start a new run from DIR"
         )
-    if saved_batch and not global_batch_given and saved_batch.global_batch != batch.global_batch:
+    kept = kept_global_batch(ckpt, batch.global_batch, global_batch_given)
+    if kept != batch.global_batch:
         try:
-            batch = plan_batch(world, batch.micro_batch, saved_batch.global_batch)
+            batch = plan_batch(world, batch.micro_batch, kept)
         except BatchError:
             raise CheckpointError(
                 f"{ckpt} was trained with global batch {saved_batch.global_batch} (micro-batch {saved_batch.micro_batch} x "
@@ -139,6 +140,14 @@ def plan_resume(ckpt: Path, world: int, stage: int, batch: BatchPlan, global_bat
                 f"micro-batch {batch.micro_batch}; use {ways_to_keep(saved_batch.global_batch, batch.micro_batch, world)}"
             ) from None
     return Resume(ckpt, saved_world, saved_stage, saved_batch, world, stage, batch)
+
+
+def kept_global_batch(ckpt: Path | None, global_batch: int, global_batch_given: bool) -> int:
+    """The global batch a run trains with: the one asked for (--global_batch_size), else its checkpoint's, if any."""
+    if ckpt is None or global_batch_given:
+        return global_batch
+    saved = _saved_batch(_saved(ckpt))
+    return saved.global_batch if saved else global_batch
 
 
 def ways_to_keep(global_batch: int, micro_batch: int, world: int) -> str:
@@ -162,13 +171,10 @@ def ways_to_keep(global_batch: int, micro_batch: int, world: int) -> str:
 
 
 def _tag(ckpt: Path) -> str:
-    latest = ckpt / "latest"
-    if latest.is_file():
-        return latest.read_text().strip()
-    tags = sorted(p.name for p in ckpt.glob("global_step*") if p.is_dir())
-    if not tags:
+    found = tag_dir(ckpt)
+    if found is None:
         raise CheckpointError(f"{ckpt} has no global_step* directory: it holds no DeepSpeed shards to convert")
-    return tags[-1]
+    return found.name
 
 
 def universal_dir(ckpt: Path) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -99,6 +100,30 @@ def discover_world(env: Mapping[str, str] | None = None, cuda_device_count: int 
     if cuda_device_count:
         return World(1, cuda_device_count, "cuda")
     return World(1, 1, "local")
+
+
+def launch_problem(env: Mapping[str, str], cuda_device_count: int, argv: list[str], module: str = "llmft.train") -> str | None:
+    """None when this process may train as it was started; else why not, with the exact command to run instead.
+
+    `llmft train` started directly (no torchrun) is one process. On a machine with several GPUs, or inside
+    a Slurm allocation of several GPUs or nodes, the plan would count them all while one process trains,
+    and Hugging Face's batch checks fail after the model has loaded. llmft stops before loading anything and
+    prints the torchrun command rather than launching it: torchrun's agent (not a training process) then owns
+    the workers, their signals and restarts, the command is visible in the log, and a Slurm job keeps using
+    slurm/run_llm.slurm, which starts one torchrun per node.
+    """
+    world = discover_world(env, cuda_device_count)  # also checks the launcher's variables are numbers
+    if world.source == "torchrun" or world.world_size <= 1:
+        return None  # torchrun (or another launcher setting WORLD_SIZE) has set up the world, or there is one process
+    command = " ".join(shlex.quote(a) for a in ["torchrun", "--nproc_per_node", str(world.procs_per_node), "-m", module, *argv])
+    if world.source == "slurm":
+        if world.nnodes > 1:
+            return (f"this Slurm job has {world.nnodes} nodes x {world.procs_per_node} processes, but llmft train was started "
+                    f"without torchrun and would train as one process: submit slurm/run_llm.slurm, which starts one torchrun per node")
+        return (f"this Slurm job has {world.procs_per_node} GPUs on its node, but llmft train was started without torchrun and "
+                f"would train as one process: run {command}")
+    return (f"this machine has {world.procs_per_node} GPUs, but llmft train was started without torchrun and would train "
+            f"as one process: run {command}   (or CUDA_VISIBLE_DEVICES=0 for one GPU)")
 
 
 def _cuda_device_count() -> int:

@@ -22,7 +22,7 @@ from llmft.ds_config import (
     template_path,
     zero_stage_of,
 )
-from llmft.hardware import PRECISIONS, choose_precision
+from llmft.hardware import AUTO_PRECISION, PRECISIONS
 from llmft.launch_env import LaunchEnvError, World, discover_world
 
 
@@ -52,13 +52,6 @@ class RunPlan:
             f"llmft plan: precision {self.precision}",
             f"llmft plan: checkpoint dir {self.output_dir or '(not set)'}",
         ]
-
-
-def local_precision(requested: str) -> str:
-    """The precision this process trains in: llmft.hardware.choose_precision on the local GPU (if any)."""
-    from llmft.hardware import local_gpu
-
-    return choose_precision(requested, local_gpu())
 
 
 def make_plan(
@@ -105,13 +98,13 @@ def main(args) -> int:
     try:
         world = discover_world()
         if args.nnodes is not None or args.nproc_per_node is not None:
-            world = World(args.nnodes or world.nnodes, args.nproc_per_node or world.procs_per_node, "arguments")
+            nnodes = world.nnodes if args.nnodes is None else args.nnodes  # 0 is a mistake to report, not "unset"
+            procs = world.procs_per_node if args.nproc_per_node is None else args.nproc_per_node
+            world = World(nnodes, procs, "arguments")
         if world.nnodes < 1 or world.procs_per_node < 1:
             raise PlanError("--nnodes and --nproc_per_node must be positive")
-        precision = args.precision
-        if precision == "auto":
-            # Planning on a login node: say what the GPU nodes will pick.
-            precision = "bf16 on Ampere+ GPUs, fp16 on older GPUs, fp32 on CPU"
+        # Planning on a login node: say what the GPU nodes will pick (llmft.hardware.choose_precision's rule).
+        precision = AUTO_PRECISION if args.precision == "auto" else args.precision
         plan = make_plan(
             micro_batch=args.per_device_train_batch_size,
             global_batch=args.global_batch_size,

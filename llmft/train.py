@@ -18,10 +18,12 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
 llmft train --config run.yaml --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules q_proj v_proj --packing
 ```
 
-Every `SFTConfig`/`TrainingArguments` flag works, with TRL's names. llmft adds `--zero_stage`,
-`--offload`, `--global_batch_size`, `--data_percentage`, `--precision` and column mapping. A rerun
-with the same `--output_dir` resumes from the newest complete checkpoint, on any number of GPUs (see
-`llmft.elastic`); it never starts over.
+Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
+(llmft/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--global_batch_size`,
+`--data_percentage`, `--precision` and column mapping. A rerun with the same `--output_dir` resumes from
+the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.elastic);
+a different run there is refused. Started without torchrun on a machine with several GPUs, it stops and
+prints the torchrun command.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config, elastic, saved_weights
-from llmft.launch_env import rank0, single_process_defaults
-from llmft.hardware import PRECISIONS, HardwareError
-from llmft.plan import PlanError, local_precision, make_plan
+from llmft import checkpoints, data, ds_config, elastic, run_identity, saved_weights
+from llmft.flags import FlagError, TrainParser, check_flags
+from llmft.hardware import HardwareError, choose_precision, local_gpu
+from llmft.launch_env import LaunchEnvError, launch_problem, rank0, single_process_defaults
+from llmft.plan import PlanError, make_plan
+from llmft.qlora import QuantizationError, QuantRequest, bitsandbytes_version, choose_quantization
 
 
 @dataclass
@@ -59,6 +63,9 @@ class LlmftArguments:
         default=None,
         metadata={"help": "When this file appears, save a complete checkpoint and stop (default: $LLMFT_STOP_FILE)."},
     )
+    # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.flags.TrainParser; not flags themselves.
+    bf16_flag: bool | None = field(default=None, init=False, repr=False)
+    fp16_flag: bool | None = field(default=None, init=False, repr=False)
 
 
 class TrainError(RuntimeError):
@@ -154,20 +161,77 @@ def _callbacks():
     return PublishCompleteCheckpoint, GracefulStop, StepLog
 
 
-def requested_precision(training_args, llmft_args) -> str:
-    """--precision, or an explicit --fp16 (TRL's SFTConfig turns bf16 on by default, so only fp16 is a choice)."""
-    if llmft_args.precision not in PRECISIONS:
-        raise TrainError(f"unknown --precision {llmft_args.precision!r}; use one of {', '.join(PRECISIONS)}")
-    if llmft_args.precision == "auto" and training_args.fp16:
-        return "fp16"
-    return llmft_args.precision
+def train_precision(training_args, llmft_args, gpu) -> str:
+    """llmft.hardware.choose_precision with --precision and the --bf16/--fp16 flags as given.
+
+    Called without llmft's parser (main() from Python), only an fp16=True is a choice: SFTConfig sets bf16 on
+    by default, so its bf16 says nothing about what the user asked."""
+    bf16, fp16 = llmft_args.bf16_flag, llmft_args.fp16_flag
+    if bf16 is None and fp16 is None and training_args.fp16:
+        fp16 = True
+    return choose_precision(llmft_args.precision, gpu, bf16=bf16, fp16=fp16)
+
+
+def load_model_files(model_args, training_args):
+    """The model's config and tokenizer (small files), at the asked revision; a missing model is one line."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = model_args.model_name_or_path
+    path = Path(name).expanduser()
+    if name.startswith(("/", "./", "../", "~")) or path.exists():
+        if not path.exists():
+            raise TrainError(f"model directory {name} not found: pass an existing local model directory or a hub model name")
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise TrainError(f"{name} is not a model directory (no config.json in it): pass a directory saved with "
+                             "save_pretrained, or a hub model name")
+    kwargs = {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code}
+    loaded = []
+    for what, cls in (("config", AutoConfig), ("tokenizer", AutoTokenizer)):
+        try:
+            loaded.append(cls.from_pretrained(name, **kwargs))
+        except (OSError, ValueError) as e:
+            reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise TrainError(f"cannot load the {what} of {name} (revision {model_args.model_revision}): {reason}") from None
+    return loaded[0], loaded[1]
+
+
+def model_init_kwargs(model_args, training_args, quantization: dict | None) -> dict:
+    """How SFTTrainer loads the weights: the same revision as the config and tokenizer, llmft's QLoRA dtype."""
+    kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    if model_args.dtype not in (None, "auto"):
+        kwargs["dtype"] = model_args.dtype  # else fp32 weights: DeepSpeed keeps exact fp32 masters
+    if quantization:
+        kwargs["dtype"] = quantization["model_dtype"]
+    kwargs.update(training_args.model_init_kwargs or {})
+    return kwargs
+
+
+def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cuda: bool, max_length, resume):
+    """The SFTConfig the Trainer runs with: the user's, with what llmft decided (flags.POLICY names each field)."""
+    tokens = training_args.include_num_input_tokens_seen
+    return dataclasses.replace(
+        training_args,
+        deepspeed=resolved_ds_config,
+        per_device_train_batch_size=plan.batch.micro_batch,
+        gradient_accumulation_steps=plan.batch.grad_accum,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
+        dataloader_pin_memory=training_args.dataloader_pin_memory and cuda,
+        include_num_input_tokens_seen=tokens if tokens not in ("no", False) else "all",  # for tokens/s
+        max_length=max_length,
+        resume_from_checkpoint=str(resume) if resume else None,
+    )
 
 
 def main(script_args, training_args, model_args, llmft_args) -> int:
     """Check everything cheap first, then build the trainer and train (or resume)."""
     try:
         return _train(script_args, training_args, model_args, llmft_args)
-    except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError) as e:
+    except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError,
+            FlagError, QuantizationError, run_identity.RunMismatch, LaunchEnvError) as e:
         if rank0():
             print(f"llmft train: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -176,15 +240,15 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
 def _train(script_args, training_args, model_args, llmft_args) -> int:
     import torch
 
-    # 1. Cheap checks: batch math, DeepSpeed template, data, resume point. No model yet.
+    # 1. Cheap checks: flags, batch math, DeepSpeed template, optimizer, QLoRA, model files, data, resume point.
     if not model_args.model_name_or_path:
         raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
     if not script_args.dataset_name:
         raise TrainError("--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
-    if training_args.save_total_limit == 1:
-        raise TrainError("--save_total_limit 1 can leave no complete checkpoint if a job dies while saving; use 2 or more")
     cuda = torch.cuda.is_available()
-    precision = local_precision(requested_precision(training_args, llmft_args))
+    check_flags(script_args, training_args, model_args, cuda=cuda)
+    gpu = local_gpu()
+    precision = train_precision(training_args, llmft_args, gpu)
     grad_accum = training_args.gradient_accumulation_steps if training_args.gradient_accumulation_steps != 1 else None
     plan = make_plan(
         micro_batch=training_args.per_device_train_batch_size,
@@ -196,7 +260,13 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         precision=precision,
         output_dir=training_args.output_dir,
     )
+    template = ds_config.choose_optimizer(ds_config.load_config(plan.ds_template), training_args.optim,
+                                          optim_args=training_args.optim_args, user_config=training_args.deepspeed is not None)
+    quantization = choose_quantization(QuantRequest.from_model_args(model_args), gpu=gpu, zero_stage=plan.zero_stage,
+                                       offload=plan.offload, use_peft=model_args.use_peft, precision=precision,
+                                       bitsandbytes=bitsandbytes_version())
     data.check_percentage(llmft_args.data_percentage)
+    model_config, tokenizer = load_model_files(model_args, training_args)
     dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     dataset, shape = data.shape_for_sft(
         dataset,
@@ -207,8 +277,15 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     )
     dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
     resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
+    given = llmft_args.global_batch_size is not None  # if not, a resume keeps the checkpoint's global batch on any world
+    identity = run_identity.run_identity(
+        script_args, training_args, model_args, llmft_args, zero_stage=plan.zero_stage,
+        global_batch=elastic.kept_global_batch(resume, plan.batch.global_batch, global_batch_given=given),
+        dataset_fingerprint=data.content_fingerprint(script_args.dataset_name, script_args.dataset_config),
+    )
+    accepted = run_identity.check_same_run(training_args.output_dir, identity, training_args.resume_from_checkpoint)
     resuming = resume and elastic.plan_resume(
-        resume, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=llmft_args.global_batch_size is not None
+        resume, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=given
     )
     if resuming:  # another world keeps the checkpoint's global batch: the accumulation follows
         plan = dataclasses.replace(plan, batch=resuming.batch)
@@ -216,6 +293,10 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         print("\n".join(plan.lines()), flush=True)
     log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
     log(resuming.describe(elastic.prepare(resuming, rank0(), log)) if resuming else f"starting a new run in {training_args.output_dir}")
+    if accepted:
+        log(f"continuing on purpose with new settings: {'; '.join(accepted)}")
+    if quantization:
+        log(f"QLoRA: base model loaded in {'4' if quantization.get('load_in_4bit') else '8'}-bit (bitsandbytes)")
 
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
@@ -223,13 +304,10 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if isinstance(target, str) and target != "all-linear" and re.fullmatch(r"[\w.]+", target):
         model_args.lora_target_modules = [target]
 
-    # 2. Tokenizer and model config (small files), then the concrete DeepSpeed config.
-    from transformers import AutoConfig, AutoTokenizer
+    # 2. The concrete DeepSpeed config (the tokenizer and model config are loaded above).
     from trl import SFTTrainer, get_peft_config
 
-    model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
-    if shape == "messages" and data.ensure_chat_template(tokenizer):
+    if shape == "messages" and not training_args.chat_template_path and data.ensure_chat_template(tokenizer):
         log("the tokenizer has no chat template; using llmft's default")
     max_positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     max_length = training_args.max_length
@@ -238,7 +316,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         max_length = max_positions
 
     resolved = ds_config.resolve(
-        ds_config.load_config(plan.ds_template),
+        template,
         plan.batch,
         precision,
         gradient_clipping=training_args.max_grad_norm,
@@ -250,30 +328,19 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     )
     if resuming and resuming.universal:
         resolved = elastic.with_universal_load(resolved)
-    if rank0():
+    if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
+        run_identity.record_run(training_args.output_dir, identity)
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
 
     single_process_defaults()  # outside torchrun: a world of one, before DeepSpeed reads the environment
-    args = dataclasses.replace(
-        training_args,
-        deepspeed=resolved,
-        per_device_train_batch_size=plan.batch.micro_batch,
-        gradient_accumulation_steps=plan.batch.grad_accum,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
-        dataloader_pin_memory=cuda,
-        include_num_input_tokens_seen="all",
-        max_length=max_length,
-        resume_from_checkpoint=str(resume) if resume else None,
-    )
-    model_init_kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
-    if model_args.attn_implementation:
-        model_init_kwargs["attn_implementation"] = model_args.attn_implementation
-    if model_args.dtype not in (None, "auto"):
-        model_init_kwargs["dtype"] = model_args.dtype  # else fp32 weights: DeepSpeed keeps exact fp32 masters
-    model_init_kwargs.update(args.model_init_kwargs or {})
-    args.model_init_kwargs = model_init_kwargs
+    args = trainer_arguments(training_args, plan=plan, precision=precision, resolved_ds_config=resolved, cuda=cuda,
+                             max_length=max_length, resume=resume)
+    args.model_init_kwargs = model_init_kwargs(model_args, training_args, quantization)
+    quantization_config = None
+    if quantization:
+        from transformers import BitsAndBytesConfig
+
+        quantization_config = BitsAndBytesConfig(**{k: v for k, v in quantization.items() if k != "model_dtype"})
 
     # 3. Train. ZeRO-3 partitions the model while loading it (zero.Init), which needs DeepSpeed's comm layer up;
     # on GPUs HF starts it, on the CPU path it would see a world of one and reject the batch sizes.
@@ -290,6 +357,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        quantization_config=quantization_config,
         callbacks=[publish, stop, StepLog()],
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
@@ -312,25 +380,47 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
 
 
 def make_parser(subparsers=None):
+    """llmft.flags.TrainParser (TRL's parser, with llmft's precision and DeepSpeed-file handling) for the four dataclasses.
+
+    As a subcommand, `subparsers` must have been made with parser_class=TrainParser (llmft.cli does)."""
     import torch
-    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+    from trl import ModelConfig, ScriptArguments, SFTConfig
 
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
     if subparsers is not None:
         parser = subparsers.add_parser("train", help="Fine-tune with SFTTrainer on DeepSpeed ZeRO", dataclass_types=dataclass_types)
     else:
-        parser = TrlParser(dataclass_types, prog="llmft train")
-    # SFTConfig turns bf16 on by default, which HF rejects on a machine without CUDA unless use_cpu is set.
-    parser.set_defaults(use_cpu=not torch.cuda.is_available())
+        parser = TrainParser(dataclass_types, prog="llmft train")
+    parser.set_defaults(use_cpu=not torch.cuda.is_available())  # llmft trains on CPU exactly when no GPU is visible
     return parser
 
 
 def cli(parser, argv: list[str] | None = None) -> int:
+    import yaml
+
+    from llmft.launch_env import _cuda_device_count
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(argv):
+        try:
+            problem = launch_problem(os.environ, _cuda_device_count(), argv)
+        except LaunchEnvError as e:
+            problem = str(e)
+        if problem:  # before anything loads (HF reads these variables while parsing): several GPUs but one process
+            if rank0():
+                print(f"llmft train: error: {problem}", file=sys.stderr, flush=True)
+            return 2
     try:
         script_args, training_args, model_args, llmft_args = parser.parse_args_and_config(args=argv)
-    except ValueError as e:  # HF/TRL validate flags in __post_init__ (e.g. a --deepspeed file that does not exist)
+    except (ValueError, OSError, yaml.YAMLError) as e:  # HF/TRL validate flags in __post_init__; --config file problems
+        if isinstance(e, OSError):
+            message = f"cannot read {e.filename or 'the --config file'}: {e.strerror or e}"
+        elif isinstance(e, yaml.YAMLError):
+            message = f"the --config file is not valid YAML: {str(e).strip().splitlines()[0]}"
+        else:
+            message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if rank0():
-            print(f"llmft train: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr, flush=True)
+            print(f"llmft train: error: {message}", file=sys.stderr, flush=True)
         return 2
     return main(script_args, training_args, model_args, llmft_args)
 

@@ -7,10 +7,12 @@ import pytest
 from llmft.checkpoints import (
     DONE_MARKER,
     CheckpointError,
+    choose_checkpoint,
     latest_complete,
     mark_complete,
     mark_done,
     resolve_resume,
+    tag_dir,
 )
 
 
@@ -20,6 +22,7 @@ def fake_checkpoint(root, step, ranks=2, complete=True, zero_stage=2):
     tag.mkdir(parents=True)
     for r in range(ranks):
         (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"x" * (100 + r))
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"m" * 50)
     (ckpt / "latest").write_text(f"global_step{step}")
     if complete:
         mark_complete(ckpt, ranks, zero_stage)
@@ -60,3 +63,42 @@ def test_done_marker(tmp_path):
     assert not (tmp_path / DONE_MARKER).exists()
     mark_done(tmp_path, 42)
     assert json.loads((tmp_path / DONE_MARKER).read_text())["global_step"] == 42
+
+
+def test_training_inference_and_the_demo_pick_the_same_checkpoint(tmp_path, capsys):
+    """One decision (checkpoints.choose_checkpoint): resume, `llmft infer RUN_DIR` and the demo agree."""
+    from llmft.demo import newest_tag_dir
+    from llmft.infer import resolve_checkpoint
+
+    fake_checkpoint(tmp_path, 10)
+    good = fake_checkpoint(tmp_path, 20)
+    fake_checkpoint(tmp_path, 30, complete=False)  # a job killed while saving
+    assert resolve_resume(tmp_path, None) == good
+    assert resolve_checkpoint([str(tmp_path)]) == (good / "global_step20", None)
+    assert capsys.readouterr().err == f"llmft infer: skipping {tmp_path / 'checkpoint-30'} has no llmft_complete.json: it was interrupted while saving\n"
+    assert newest_tag_dir(tmp_path) == good / "global_step20"
+    assert choose_checkpoint(tmp_path) == (good, [f"skipping {tmp_path / 'checkpoint-30'} has no llmft_complete.json: it was interrupted while saving"])
+
+
+def test_inference_refuses_a_run_whose_checkpoints_are_all_incomplete_and_reads_foreign_runs(tmp_path):
+    from llmft.infer import resolve_checkpoint
+
+    fake_checkpoint(tmp_path / "a", 10, complete=False)
+    (tmp_path / "a" / "llmft_run.json").write_text("{}")  # llmft started this run: its unmarked checkpoint is half-written
+    with pytest.raises(CheckpointError, match=r"holds no complete checkpoint \(.*checkpoint-10 has no llmft_complete.json"):
+        resolve_checkpoint([str(tmp_path / "a")])
+    fake_checkpoint(tmp_path / "hf", 10, complete=False)
+    fake_checkpoint(tmp_path / "hf", 20, complete=False)  # written by a plain HF Trainer: nobody marks anything
+    assert choose_checkpoint(tmp_path / "hf", unmarked_ok=True)[0] == tmp_path / "hf" / "checkpoint-20"
+    assert choose_checkpoint(tmp_path / "hf")[0] is None  # training never resumes from unverified state
+
+
+def test_tag_dir_follows_latest_and_refuses_a_dangling_one(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 10)
+    assert tag_dir(ckpt) == ckpt / "global_step10"
+    (ckpt / "latest").write_text("global_step99")
+    with pytest.raises(CheckpointError, match="names 'global_step99', which is not in"):
+        tag_dir(ckpt)
+    (ckpt / "latest").unlink()
+    (ckpt / "global_step9").mkdir()
+    assert tag_dir(ckpt) == ckpt / "global_step10"  # the highest step, not the last in name order

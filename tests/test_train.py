@@ -133,7 +133,7 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--dataset_name", str(empty)], "empty.jsonl is empty"),
         (["--dataset_name", str(qa)], "dataset has columns answer, question but llmft needs"),
         (["--zero_stage", "7"], "unknown ZeRO stage 7"),
-        (["--deepspeed", str(tmp_path / "nope.json")], f"existing deepspeed config, or a dictionary, or a base64 encoded string. Received: {tmp_path / 'nope.json'}"),
+        (["--deepspeed", str(tmp_path / "nope.json")], f"DeepSpeed config {tmp_path / 'nope.json'} not found"),
         (["--global_batch_size", "7", "--per_device_train_batch_size", "2"], "global batch 7 is not divisible by micro-batch 2 x world size 1 = 2; use global batch 6 or 8"),
         (["--data_percentage", "150"], "--data_percentage must be in (0, 100], got 150"),
         (["--data_percentage", "0"], "--data_percentage must be in (0, 100], got 0"),
