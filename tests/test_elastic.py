@@ -20,7 +20,7 @@ import pytest
 from conftest import PYTHON, REPO, run
 from llmft import elastic
 from llmft.batch import BatchPlan
-from llmft.checkpoints import CheckpointError, mark_complete
+from llmft.checkpoints import RUN_RECORD, CheckpointError, mark_complete
 
 PROBE = str(REPO / "tests" / "train_probe.py")
 STEP_RE = re.compile(r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+)")
@@ -49,9 +49,10 @@ def train(model, data, out: Path, nproc: int, stage: int, *extra, check=True):
 
 
 def resume_copy(src: Path, step: int, dest: Path) -> Path:
-    """A run directory holding only src's checkpoint-{step}: what a job interrupted after that step leaves."""
+    """src's run record and checkpoint-{step} only: what a job interrupted after that step leaves."""
     dest.mkdir(parents=True)
     shutil.copytree(src / f"checkpoint-{step}", dest / f"checkpoint-{step}")
+    shutil.copy2(src / RUN_RECORD, dest / RUN_RECORD)  # the same run: another world size is not another experiment
     return dest
 
 
@@ -192,6 +193,7 @@ def test_resume_from_a_zero1_checkpoint_under_zero2_on_another_world(matrix, nod
     text = train(nodrop_model, tiny_data, out, 1, 2, "--resume_from_checkpoint", out / "checkpoint-2").stdout
     assert re.search(r"resuming checkpoint-2 written by 2 ranks on 1 ranks: universal checkpoint .* ZeRO stage 1 -> 2, "
                      r"accumulation 2 -> 4, global batch 8 kept", text), text
+    assert "continuing on purpose with new settings: ZeRO stage" in text  # the run record: a stage change is asked for
     resumed, reference = losses(text), losses(r["w2"][1])
     assert sorted(resumed) == [3, 4, 5, 6]
     for s in resumed:
@@ -222,9 +224,13 @@ def test_the_resume_decision(tmp_path):
         f"resuming checkpoint-400 written by 16 ranks on 8 ranks: universal checkpoint {ckpt / 'universal_step400'} "
         "(converted in 12 s), accumulation 2 -> 4, global batch 64 kept"
     )
-    # No --global_batch_size: the checkpoint's global batch is kept rather than micro x accumulation x the new world.
+    # No --global_batch_size: the checkpoint's global batch is kept rather than micro x accumulation x the new world,
+    # and that is the global batch the run record (llmft.run_identity) compares, so the rerun is the same run.
     kept = elastic.plan_resume(ckpt, 8, 3, BatchPlan(2, 1, 8), global_batch_given=False)
     assert kept.batch == BatchPlan(2, 4, 8)
+    assert elastic.kept_global_batch(ckpt, 16, global_batch_given=False) == 64
+    assert elastic.kept_global_batch(ckpt, 16, global_batch_given=True) == 16
+    assert elastic.kept_global_batch(None, 16, global_batch_given=False) == 16
     # ... and when the new world cannot keep it, the nearest valid values are named before any model loads.
     with pytest.raises(CheckpointError, match=r"checkpoint-400 was trained with global batch 64 \(micro-batch 2 x accumulation 2 x 16 "
                                               r"ranks\), which 12 ranks cannot keep with micro-batch 2; use 8 or 16 ranks, or "
