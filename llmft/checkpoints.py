@@ -85,13 +85,18 @@ def rank_report(ckpt_dir: str | Path, rank: int) -> dict[str, int]:
 
 
 def mark_complete(
-    ckpt_dir: str | Path, world_size: int, zero_stage: int | None = None, reports: list[dict[str, int]] | None = None
+    ckpt_dir: str | Path,
+    world_size: int,
+    zero_stage: int | None = None,
+    reports: list[dict[str, int]] | None = None,
+    batch=None,
 ) -> Path | None:
     """Publish the completeness marker; call on one rank after all ranks finished saving.
 
     `reports[r]` is rank r's `rank_report`; the marker lists their union. Without reports (a world of one)
     this process's own listing is the writer's view. Returns None, publishing nothing, when a rank of a
     multi-rank run reported no files: its shard is missing, and the checkpoint must not pass as complete.
+    `batch` (a llmft.batch.BatchPlan) is recorded so a resume on another world keeps the global batch.
     """
     ckpt = Path(ckpt_dir)
     if reports is None:
@@ -109,6 +114,8 @@ def mark_complete(
         "files": dict(sorted(files.items())),
         "reported_by_rank": {str(r): sorted(report) for r, report in enumerate(reports)},
     }
+    if batch is not None:
+        payload["batch"] = {"micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum, "world_size": batch.world_size}
     _write_json_atomic(marker, payload)
     return marker
 
@@ -192,22 +199,6 @@ def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None
         hint = f"resume from {earlier} instead" if earlier else "start without --resume_from_checkpoint"
         raise CheckpointError(f"cannot resume: {reason}; {hint}")
     return path
-
-
-def check_resumable(ckpt_dir: str | Path, world_size: int, zero_stage: int) -> None:
-    """DeepSpeed loads ZeRO-1/2/3 shards only onto as many ranks as wrote them, and only with the same stage."""
-    marker = json.loads((Path(ckpt_dir) / COMPLETE_MARKER).read_text())
-    saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage")
-    if saved_stage is not None and saved_stage != zero_stage:
-        raise CheckpointError(
-            f"{ckpt_dir} was written with ZeRO stage {saved_stage}, this run uses stage {zero_stage}; "
-            f"resume with --zero_stage {saved_stage}, or use a new --output_dir"
-        )
-    if zero_stage > 0 and saved_world is not None and saved_world != world_size:
-        raise CheckpointError(
-            f"{ckpt_dir} holds ZeRO shards for {saved_world} ranks, this run has {world_size}; resume on {saved_world} "
-            f"GPUs, or export the weights (python -m llmft.infer {ckpt_dir} --export DIR) and start a new run from DIR"
-        )
 
 
 def mark_done(output_dir: str | Path, global_step: int) -> Path:

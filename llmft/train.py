@@ -21,8 +21,9 @@ llmft train --config run.yaml --use_peft --lora_r 16 --lora_alpha 32 --lora_targ
 Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
 (llmft/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--global_batch_size`,
 `--data_percentage`, `--precision` and column mapping. A rerun with the same `--output_dir` resumes from
-the newest complete checkpoint of the same run (llmft_run.json); a different run there is refused.
-Started without torchrun on a machine with several GPUs, it stops and prints the torchrun command.
+the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.elastic);
+a different run there is refused. Started without torchrun on a machine with several GPUs, it stops and
+prints the torchrun command.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config, hub, run_identity
+from llmft import checkpoints, data, ds_config, elastic, hub, run_identity, saved_weights
 from llmft.flags import FlagError, TrainParser, check_flags
 from llmft.hardware import HardwareError, choose_precision, local_gpu
 from llmft.launch_env import LaunchEnvError, launch_problem, rank0, single_process_defaults
@@ -90,20 +91,28 @@ def _callbacks():
         return bool(t.item())
 
     class PublishCompleteCheckpoint(TrainerCallback):
-        """After every rank has written its shard, publish checkpoint-N/llmft_complete.json from the ranks' reports."""
+        """After every rank has written its shard and the saved weights hold the model, publish checkpoint-N/llmft_complete.json.
 
-        def __init__(self, zero_stage: int):
-            self.zero_stage = zero_stage
+        Weights that do not (empty, missing tensors, zeros): no marker, training stops, `refused` says why.
+        """
 
-        def on_save(self, args, state, control, **kwargs):
+        def __init__(self, zero_stage: int, batch):
+            self.zero_stage, self.batch = zero_stage, batch
+            self.refused: str | None = None
+
+        def on_save(self, args, state, control, model=None, **kwargs):
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             report = checkpoints.rank_report(ckpt, args.process_index)  # what this rank wrote, as its node sees it
             reports = [report]
             if dist.is_initialized():
                 reports = [None] * dist.get_world_size()
                 dist.all_gather_object(reports, report)  # also the barrier: every rank has finished saving
-            if state.is_world_process_zero:
-                if checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage, reports):
+            bad = saved_weights.check_save(ckpt, model, state.is_world_process_zero)
+            if all_ranks_max(bool(bad), args.device):
+                self.refused = f"{ckpt} not published as complete: {'; '.join(bad) or 'see rank 0'}"
+                control.should_training_stop = True
+            elif state.is_world_process_zero:
+                if checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage, reports, self.batch):
                     log(f"saved complete checkpoint {ckpt}")
                 else:
                     missing = [r for r, files in enumerate(reports) if not files]
@@ -276,18 +285,23 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         text_field=training_args.dataset_text_field,
     )
     dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
+    resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
+    given = llmft_args.global_batch_size is not None  # if not, a resume keeps the checkpoint's global batch on any world
     identity = run_identity.run_identity(
-        script_args, training_args, model_args, llmft_args, global_batch=plan.batch.global_batch, zero_stage=plan.zero_stage,
+        script_args, training_args, model_args, llmft_args, zero_stage=plan.zero_stage,
+        global_batch=elastic.kept_global_batch(resume, plan.batch.global_batch, global_batch_given=given),
         dataset_fingerprint=data.content_fingerprint(script_args.dataset_name, script_args.dataset_config),
     )
     accepted = run_identity.check_same_run(training_args.output_dir, identity, training_args.resume_from_checkpoint)
-    resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
-    if resume:
-        checkpoints.check_resumable(resume, plan.world.world_size, plan.zero_stage)
+    resuming = resume and elastic.plan_resume(
+        resume, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=given
+    )
+    if resuming:  # another world keeps the checkpoint's global batch: the accumulation follows
+        plan = dataclasses.replace(plan, batch=resuming.batch)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
     log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
-    log(f"resuming from {resume}" if resume else f"starting a new run in {training_args.output_dir}")
+    log(resuming.describe(elastic.prepare(resuming, rank0(), log)) if resuming else f"starting a new run in {training_args.output_dir}")
     if accepted:
         log(f"continuing on purpose with new settings: {'; '.join(accepted)}")
     if quantization:
@@ -321,6 +335,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         weight_decay=training_args.weight_decay,
         hidden_size=getattr(model_config, "hidden_size", None),
     )
+    if resuming and resuming.universal:
+        resolved = elastic.with_universal_load(resolved)
     if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
         run_identity.record_run(training_args.output_dir, identity)
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
@@ -343,6 +359,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
+    publish = PublishCompleteCheckpoint(plan.zero_stage, plan.batch)
     trainer = SFTTrainer(
         model=model_path,
         args=args,
@@ -350,14 +367,19 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=quantization_config,
-        callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop, StepLog()],
+        callbacks=[publish, stop, StepLog()],
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step
+    if publish.refused:
+        raise TrainError(publish.refused)
     if stop.stopped_at is not None:
         log(f"stop requested; saved checkpoint-{step}")
     else:
         trainer.save_model(args.output_dir)
+        bad = saved_weights.check_save(args.output_dir, trainer.model, rank0())
+        if bad:
+            raise TrainError(f"the final model in {args.output_dir} is not what was trained: {'; '.join(bad)}; run not marked done")
         if rank0():
             checkpoints.mark_done(args.output_dir, step)
         log(f"training complete at step {step}; model saved to {args.output_dir}")

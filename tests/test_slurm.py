@@ -163,6 +163,40 @@ def test_scontrol_requeue_resumes_from_the_newest_complete_checkpoint(cluster, j
     assert resumed >= 4, text
 
 
+def test_a_job_stopped_on_two_nodes_resumes_on_one_node(cluster, tiny_model, tiny_data, tmp_path):
+    """Trained on 2 nodes, stopped (scancel: every rank checkpoints), resubmitted with `sbatch --nodes=1` and the same
+    CHECKPOINT_DIR: the checkpoint written by 2 ranks is converted to a universal checkpoint and training continues on
+    1 rank with the same global batch, neither repeating nor skipping a step."""
+    ckpt = tmp_path / "ckpt"
+    knobs = (
+        f"--export=ALL,MAX_STEPS=8,GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,MODEL={tiny_model},"
+        f"DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
+    )
+    first = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+    log = tmp_path / f"llmft-{first}.out"
+    signal = signal_when_training(cluster, first, log, 3, ["scancel", first])
+    signal["thread"].join(timeout=600)
+    assert "error" not in signal and signal["proc"].returncode == 0, (signal, read(log))
+    assert cluster.wait(first, timeout=180)["JobState"] == "CANCELLED"
+    before = read(log)
+    assert "llmft plan: world size 2 (2 nodes x 1 processes" in before and "gradient accumulation 2" in before, before
+
+    second = cluster.sbatch(["--nodes=1", str(SCRIPT), knobs], cwd=tmp_path)
+    info = cluster.wait(second, timeout=600)
+    text = read(tmp_path / f"llmft-{second}.out")
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] in ("n1", "n2"), f"{info}\n{text}"
+    assert "run_llm.slurm: nodes 1: n" in text and "llmft plan: world size 1 (1 nodes x 1 processes" in text, text
+    m = re.search(r"llmft: resuming checkpoint-(\d+) written by 2 ranks on 1 ranks: universal checkpoint (\S+) "
+                  r"\(converted in \d+ s\), accumulation 2 -> 4, global batch 8 kept\n", text)
+    assert m, text
+    resumed = int(m.group(1))
+    assert m.group(2) == str(ckpt / f"checkpoint-{resumed}" / f"universal_step{resumed}")
+    assert step_lines(before)[-1] >= resumed >= 2
+    assert step_lines(text) == list(range(resumed + 1, 9))  # nothing trained twice, nothing skipped
+    assert json.loads((ckpt / "checkpoint-8" / "llmft_complete.json").read_text())["world_size"] == 1
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == 8
+
+
 # ---- the user's command on two nodes ------------------------------------------------------------
 
 

@@ -92,23 +92,8 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     for s, total, _, lr in before + after:  # one linear schedule across both runs
         assert lr == pytest.approx(1e-3 * (1 - s / total), rel=1e-3, abs=1e-9)
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
-
-    # The same run directory on a different number of processes: refused before the model loads.
-    third = run(train_cmd(tiny_model, tiny_data, out, *flags, nproc=1))
-    assert third.returncode == 2
-    assert "holds ZeRO shards for 2 ranks, this run has 1; resume on 2 GPUs" in third.stderr
-
-
-def test_lora_under_zero3_trains_and_saves_an_adapter(tiny_model, tiny_data, tmp_path):
-    out = tmp_path / "lora"
-    run(train_cmd(tiny_model, tiny_data, out, "--zero_stage", 3, "--max_steps", 2, "--save_steps", 2, "--global_batch_size", 4,
-                  "--per_device_train_batch_size", 2, "--use_peft", "--lora_r", 4, "--lora_alpha", 8,
-                  "--lora_target_modules", "c_attn"), check=True)
-    for where in (out, out / "checkpoint-2"):
-        config = json.loads((where / "adapter_config.json").read_text())
-        assert config["r"] == 4 and config["target_modules"] == ["c_attn"]
-        assert (where / "adapter_model.safetensors").stat().st_size > 0
-    assert (out / "checkpoint-2" / "llmft_complete.json").is_file()
+    # The same world size resumes DeepSpeed's own shards: nothing converted (another world: tests/test_elastic.py).
+    assert "universal" not in second.stdout and not list(out.glob("checkpoint-*/universal_step*"))
 
 
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
