@@ -5,6 +5,7 @@ script's first lines, so a user sees (and a bad knob fails) before GPUs are spen
 
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --nnodes 2 --nproc_per_node 4
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --zero_stage 3 --offload   # world from Slurm/torchrun env
+    llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --print_launch   # + the line slurm/run_llm.slurm launches from
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from llmft.ds_config import (
     template_path,
     zero_stage_of,
 )
-from llmft.hardware import PRECISIONS, choose_precision
-from llmft.launch_env import LaunchEnvError, World, discover_world
+from llmft.hardware import AUTO_PRECISION, PRECISIONS
+from llmft.launch_env import CpuSplit, LaunchEnvError, World, cpu_split, discover_cpus, discover_world
 
 
 
@@ -52,13 +53,6 @@ class RunPlan:
             f"llmft plan: precision {self.precision}",
             f"llmft plan: checkpoint dir {self.output_dir or '(not set)'}",
         ]
-
-
-def local_precision(requested: str) -> str:
-    """The precision this process trains in: llmft.hardware.choose_precision on the local GPU (if any)."""
-    from llmft.hardware import local_gpu
-
-    return choose_precision(requested, local_gpu())
 
 
 def make_plan(
@@ -97,6 +91,8 @@ def make_parser(subparsers=None):
     parser.add_argument("--deepspeed", default=None)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--output_dir", default="")
+    parser.add_argument("--print_launch", action="store_true",
+                        help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)")
     parser.set_defaults(func=main)
     return parser
 
@@ -105,13 +101,13 @@ def main(args) -> int:
     try:
         world = discover_world()
         if args.nnodes is not None or args.nproc_per_node is not None:
-            world = World(args.nnodes or world.nnodes, args.nproc_per_node or world.procs_per_node, "arguments")
+            nnodes = world.nnodes if args.nnodes is None else args.nnodes  # 0 is a mistake to report, not "unset"
+            procs = world.procs_per_node if args.nproc_per_node is None else args.nproc_per_node
+            world = World(nnodes, procs, "arguments")
         if world.nnodes < 1 or world.procs_per_node < 1:
             raise PlanError("--nnodes and --nproc_per_node must be positive")
-        precision = args.precision
-        if precision == "auto":
-            # Planning on a login node: say what the GPU nodes will pick.
-            precision = "bf16 on Ampere+ GPUs, fp16 on older GPUs, fp32 on CPU"
+        # Planning on a login node: say what the GPU nodes will pick (llmft.hardware.choose_precision's rule).
+        precision = AUTO_PRECISION if args.precision == "auto" else args.precision
         plan = make_plan(
             micro_batch=args.per_device_train_batch_size,
             global_batch=args.global_batch_size,
@@ -123,11 +119,26 @@ def main(args) -> int:
             output_dir=args.output_dir,
             world=world,
         )
+        cpus, source = discover_cpus()
     except (PlanError, LaunchEnvError) as e:
         print(f"llmft plan: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(plan.lines()))
+    if source == "slurm" or args.print_launch:
+        split = cpu_split(cpus, plan.world.procs_per_node, source)
+        print(f"llmft plan: {split.describe()}")
+        if split.warning():
+            print(f"llmft plan: warning: {split.warning()}")
+        if args.print_launch:
+            print(launch_line(plan.world, split))
     return 0
+
+
+def launch_line(world: World, split: CpuSplit) -> str:
+    """The launch decisions as one machine-readable line, so the Slurm script never recomputes them."""
+    return (f"llmft launch: nnodes={world.nnodes} nproc_per_node={world.procs_per_node} cpus_per_node={split.cpus_per_node} "
+            f"omp_num_threads={split.threads_per_process} dataloader_num_workers={split.dataloader_workers} "
+            f"dataset_num_proc={split.dataset_num_proc}")
 
 
 if __name__ == "__main__":
