@@ -122,6 +122,12 @@ CASES = [
     Case("train", "unknown_flag", lambda w: ["--epochs", "3"], "Some specified arguments are not used by the HfArgumentParser: ['--epochs', '3']"),
     Case("train", "zero_epochs", lambda w: ["--num_train_epochs", "0"], "--num_train_epochs 0 trains nothing"),
     Case("train", "max_length_zero", lambda w: ["--max_length", "0"], "--max_length 0 must be a positive number of tokens"),
+    Case("train", "attention_unknown", lambda w: ["--attn_implementation", "flash3"], "unknown --attn_implementation 'flash3'"),
+    Case("train", "flash_attention_without_gpu", lambda w: ["--attn_implementation", "flash_attention_2"],
+         "--attn_implementation flash_attention_2 needs a CUDA GPU and none is visible here; use sdpa (or auto)"),
+    Case("train", "liger_without_gpu", lambda w: ["--use_liger_kernel", "true"], "--use_liger_kernel needs a CUDA GPU"),
+    Case("train", "packing_wrapped_mixes_samples", lambda w: ["--packing", "--packing_strategy", "wrapped"],
+         "--packing_strategy wrapped concatenates samples so that they attend to each other"),
     Case("train", "world_size_env_garbage", lambda w: [], "WORLD_SIZE='two' is not a positive integer", env={"WORLD_SIZE": "two"}),
     # ---------------------------------------------------------------- llmft infer
     Case("infer", "checkpoint_missing", lambda w: [str(w.inputs / "nope"), "--prompt", "hi"], "nope does not exist: check the path"),
