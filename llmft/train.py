@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config
+from llmft import checkpoints, data, ds_config, prepare
 from llmft.launch_env import rank0, single_process_defaults
 from llmft.hardware import PRECISIONS, HardwareError
 from llmft.plan import PlanError, local_precision, make_plan
@@ -57,6 +57,15 @@ class LlmftArguments:
     stop_file: str | None = field(
         default=None,
         metadata={"help": "When this file appears, save a complete checkpoint and stop (default: $LLMFT_STOP_FILE)."},
+    )
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Evaluation data: a file/directory, or a hub dataset (its --dataset_test_split)."}
+    )
+    eval_split_ratio: float | None = field(
+        default=None, metadata={"help": "Hold out this fraction (0-1) of the training split for evaluation (deterministic)."}
+    )
+    prepare_timeout: float = field(
+        default=7200.0, metadata={"help": "Seconds the other ranks wait for rank 0 to prepare (tokenise) the data."}
     )
 
 
@@ -167,6 +176,8 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
 def _train(script_args, training_args, model_args, llmft_args) -> int:
     import torch
 
+    from llmft import eval as evaluation
+
     # 1. Cheap checks: batch math, DeepSpeed template, data, resume point. No model yet.
     if not model_args.model_name_or_path:
         raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
@@ -187,22 +198,13 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         precision=precision,
         output_dir=training_args.output_dir,
     )
-    data.check_percentage(llmft_args.data_percentage)
-    dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
-    dataset, shape = data.shape_for_sft(
-        dataset,
-        prompt_column=llmft_args.prompt_column,
-        completion_column=llmft_args.completion_column,
-        messages_column=llmft_args.messages_column,
-        text_field=training_args.dataset_text_field,
-    )
-    dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
+    data_options = prepare.DataOptions.from_args(script_args, training_args, llmft_args)
+    prepare.check_options(data_options, training_args.eval_strategy, training_args.dataset_kwargs)
     resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
     if resume:
         checkpoints.check_resumable(resume, plan.world.world_size, plan.zero_stage)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
-    log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
     log(f"resuming from {resume}" if resume else f"starting a new run in {training_args.output_dir}")
 
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
@@ -211,20 +213,26 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if isinstance(target, str) and target != "all-linear" and re.fullmatch(r"[\w.]+", target):
         model_args.lora_target_modules = [target]
 
-    # 2. Tokenizer and model config (small files), then the concrete DeepSpeed config.
+    # 2. Tokenizer and model config (small files).
     from transformers import AutoConfig, AutoTokenizer
     from trl import SFTTrainer, get_peft_config
 
     model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
-    if shape == "messages" and data.ensure_chat_template(tokenizer):
-        log("the tokenizer has no chat template; using llmft's default")
-    max_positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
-    max_length = training_args.max_length
-    if max_positions and max_length and max_length > max_positions:
-        log(f"max_length {max_length} exceeds the model's {max_positions} positions; using {max_positions}")
-        max_length = max_positions
+    max_length, note = prepare.resolve_max_length(model_config, training_args.max_length)
+    if note:
+        log(note)
 
+    # 3. The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache.
+    prepared = prepare.prepare(data_options, tokenizer, dataclasses.replace(training_args, max_length=max_length), log=log,
+                               timeout=llmft_args.prepare_timeout)
+    if prepared.shape == "messages":
+        data.ensure_chat_template(tokenizer)
+    records = prepared.info["records"]
+    log(f"dataset {script_args.dataset_name}: {records['train']} records ({prepared.shape}, {llmft_args.data_percentage:g}% of the split)"
+        + (f", {records['eval']} for evaluation" if prepared.eval is not None else ""))
+
+    # 4. The concrete DeepSpeed config, written where the run's checkpoints go.
     resolved = ds_config.resolve(
         ds_config.load_config(plan.ds_template),
         plan.batch,
@@ -252,6 +260,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         include_num_input_tokens_seen="all",
         max_length=max_length,
         resume_from_checkpoint=str(resume) if resume else None,
+        dataset_kwargs={**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True},  # prepared above
+        assistant_only_loss=False,  # already in the prepared labels (and TRL would check the untokenised format)
     )
     model_init_kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
     if model_args.attn_implementation:
@@ -261,7 +271,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     model_init_kwargs.update(args.model_init_kwargs or {})
     args.model_init_kwargs = model_init_kwargs
 
-    # 3. Train. ZeRO-3 partitions the model while loading it (zero.Init), which needs DeepSpeed's comm layer up;
+    # 5. Train. ZeRO-3 partitions the model while loading it (zero.Init), which needs DeepSpeed's comm layer up;
     # on GPUs HF starts it, on the CPU path it would see a world of one and reject the batch sizes.
     import deepspeed
 
@@ -272,17 +282,22 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     trainer = SFTTrainer(
         model=model_args.model_name_or_path,
         args=args,
-        train_dataset=dataset,
+        train_dataset=prepared.train,
+        eval_dataset=prepared.eval,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop, StepLog()],
     )
+    evaluation.log_perplexity(trainer)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step
     if stop.stopped_at is not None:
         log(f"stop requested; saved checkpoint-{step}")
     else:
+        if prepared.eval is not None and args.eval_strategy == "no":
+            trainer.evaluate()  # evaluation data without --eval_strategy: scored once, at the end
         trainer.save_model(args.output_dir)
+        trainer.save_state()  # trainer_state.json (log history) beside the model, for llmft report
         if rank0():
             checkpoints.mark_done(args.output_dir, step)
         log(f"training complete at step {step}; model saved to {args.output_dir}")

@@ -23,6 +23,14 @@ AWS_PLACEHOLDER_ENV = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def llmft_cache(tmp_path_factory) -> Path:
+    """Prepared data goes to a cache of this test session (inherited by every subprocess), never ~/.cache."""
+    path = tmp_path_factory.mktemp("llmft-cache")
+    os.environ["LLMFT_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny GPT-2-style model directory with a locally trained tokenizer (no hub access)."""
