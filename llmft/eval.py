@@ -405,7 +405,7 @@ def check_args(args) -> None:
 
 def output_path(args, m: Model, index: int) -> Path:
     data_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(args.dataset_name.rstrip("/")).stem or "data")
-    name = f"eval-{data_name}-step{m.step if m.step is not None else 'final'}.json"
+    name = f"eval-{data_name}" + (f"-step{m.step}" if m.step is not None else "") + ".json"
     if args.output is None:
         return m.run_dir / name
     if len(args.checkpoint) == 1:

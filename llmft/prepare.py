@@ -289,6 +289,19 @@ class Prepared:
     info: dict
 
 
+def write_run_record(output_dir: str | Path, opts: DataOptions, prepared: Prepared) -> Path:
+    """`<output_dir>/llmft_data.json`: which data the run trained and evaluated on (for `llmft report`)."""
+    info = prepared.info
+    record = {"dataset_name": opts.dataset_name, "eval_dataset_name": opts.eval_dataset_name, "eval_split_ratio": opts.eval_split_ratio,
+              "data_percentage": opts.data_percentage, "shape": prepared.shape, "fingerprint": prepared.fingerprint,
+              "prepared_dir": str(prepared.directory), "records": info.get("records"), "sequences": info.get("sequences"),
+              "tokens": info.get("tokens")}
+    path = Path(output_dir) / "llmft_data.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(path, record)
+    return path
+
+
 def read_marker(directory: Path) -> dict | None:
     """The marker of a complete preparation, or None (absent, unreadable, or a listed file missing/truncated)."""
     try:

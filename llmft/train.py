@@ -231,6 +231,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     records = prepared.info["records"]
     log(f"dataset {script_args.dataset_name}: {records['train']} records ({prepared.shape}, {llmft_args.data_percentage:g}% of the split)"
         + (f", {records['eval']} for evaluation" if prepared.eval is not None else ""))
+    if rank0():
+        prepare.write_run_record(training_args.output_dir, data_options, prepared)
 
     # 4. The concrete DeepSpeed config, written where the run's checkpoints go.
     resolved = ds_config.resolve(

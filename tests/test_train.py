@@ -126,6 +126,28 @@ def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
     assert "16 records (messages" in proc.stdout and (tmp_path / "chat_run" / "llmft_done.json").is_file()
 
 
+def test_held_out_evaluation_logs_loss_and_perplexity_and_the_data_is_prepared_once(run_with_eval):
+    import math
+
+    out, train_out, prepare_out = run_with_eval
+    evals = [(int(s), float(loss), float(ppl)) for s, loss, ppl in
+             re.findall(r"llmft: step (\d+)/6 eval loss ([\d.]+) perplexity ([\d.]+)", train_out)]
+    assert [s for s, *_ in evals] == [3, 6]
+    for _, loss, ppl in evals:
+        assert ppl == pytest.approx(math.exp(loss), rel=1e-3)
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    logged = [(h["step"], h["eval_perplexity"]) for h in history if "eval_loss" in h]
+    assert [s for s, _ in logged] == [3, 6] and all(math.isfinite(p) for _, p in logged)
+    assert "115 records (prompt_completion, 50% of the split), 26 for evaluation" in train_out
+    # Rank 0 prepared (rank 1 waited for its files); `llmft prepare` with the same flags then finds it ready.
+    prepared = re.findall(r"llmft: prepared data (\S+) \(fingerprint (\w+)\)", train_out)
+    assert len(prepared) == 1, train_out
+    directory, fingerprint = prepared[0]
+    assert f"llmft: reused prepared data {directory} (fingerprint {fingerprint})" in prepare_out
+    record = json.loads((out / "llmft_data.json").read_text())
+    assert record["fingerprint"] == fingerprint and record["records"] == {"train": 115, "eval": 26}
+
+
 def test_wandb_offline_logs_without_network_and_never_prints_the_key(tiny_model, tiny_data, tmp_path):
     secret = "wandb-secret-0123456789abcdef0123456789abcdef"
     cmd = train_cmd(tiny_model, tiny_data, tmp_path / "run", "--zero_stage", 0, "--max_steps", 2, nproc=1)
@@ -152,6 +174,9 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--global_batch_size", "7", "--per_device_train_batch_size", "2"], "global batch 7 is not divisible by micro-batch 2 x world size 1 = 2; use global batch 6 or 8"),
         (["--data_percentage", "150"], "--data_percentage must be in (0, 100], got 150"),
         (["--data_percentage", "0"], "--data_percentage must be in (0, 100], got 0"),
+        (["--eval_strategy", "steps", "--eval_steps", "5"], "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"),
+        (["--eval_split_ratio", "1"], "--eval_split_ratio must be in (0, 1)"),
+        (["--eval_dataset_name", str(tmp_path / "missing_eval.jsonl")], "missing_eval.jsonl not found"),
     ]
 
 
