@@ -285,6 +285,17 @@ def nll_per_example(model, tokenizer, scored: list[tuple[list[int], list[int]]],
     return out
 
 
+def stop_at_eos(model, tokenizer) -> list[int]:
+    """Generation stops at the tokenizer's end-of-sequence token as well as the model's own (chat models often
+    end a turn with a token the bare config does not name); returns the ids."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    model.generation_config.eos_token_id = ids
+    return ids
+
+
 def model_positions(model) -> int | None:
     config = model.config
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -299,6 +310,7 @@ def evaluate_examples(m: Model, examples: list[Example], shape: str, args, patte
     scored = tokenise_for_scoring(examples, shape, tokenizer, args.dataset_text_field, positions)
     nll = nll_per_example(m.model, tokenizer, scored, args.batch_size)
     predictions: list[str | None] = [None] * len(examples)
+    stop_at_eos(m.model, tokenizer)
     todo = [i for i, e in enumerate(examples) if e.prompt_text is not None]
     if positions:
         for i in todo:
@@ -339,15 +351,33 @@ def shard(n: int, rank: int, world: int) -> list[int]:
     return list(range(rank, n, world))
 
 
-def _wait_for_parts(parts: list[Path], timeout: float) -> list[list[dict]]:
+def ranks(env) -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun, else from srun's task variables, else a world of one."""
+    def get(names, default):
+        return int(next((env[n] for n in names if env.get(n, "").strip()), default))
+    return (get(("RANK", "SLURM_PROCID"), 0), get(("WORLD_SIZE", "SLURM_NTASKS"), 1), get(("LOCAL_RANK", "SLURM_LOCALID"), 0))
+
+
+def _fresh_part(path: Path, since: float) -> dict | None:
+    """A rank's results written by this launch (not a leftover of an earlier, failed one)."""
+    try:
+        part = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return part["results"] if part.get("time", 0) >= since - 10 else None
+
+
+def _wait_for_parts(parts: list[Path], since: float, timeout: float) -> list[dict]:
     deadline = time.time() + timeout
-    while not all(p.is_file() for p in parts):
+    while True:
+        found = [_fresh_part(p, since) for p in parts]
+        if all(f is not None for f in found):
+            return found
         if time.time() > deadline:
-            missing = [str(p) for p in parts if not p.is_file()]
-            raise EvalError(f"waited {timeout:.0f}s for the other ranks' results ({missing[0]} missing): "
+            missing = next(str(p) for p, f in zip(parts, found) if f is None)
+            raise EvalError(f"waited {timeout:.0f}s for the other ranks' results ({missing} missing): "
                             "did a rank fail, or is the output on storage every node shares?")
         time.sleep(0.5)
-    return [json.loads(p.read_text()) for p in parts]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -433,10 +463,11 @@ def run(args, env=None) -> list[dict]:
     from llmft.zero_checkpoint import CheckpointError
 
     env = os.environ if env is None else env
-    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    rank, world, local_rank = ranks(env)
+    since = time.time()
     say = (lambda msg: print(f"llmft eval: {msg}", file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     check_args(args)
-    device = infer.pick_device(args.device or (f"cuda:{env.get('LOCAL_RANK', '0')}" if _cuda() else None))
+    device = infer.pick_device(args.device or (f"cuda:{local_rank}" if _cuda() else None))
     dtype = infer.pick_dtype(args.dtype if args.dtype != "auto" else None, device, exporting=False)
     documents = []
     for index, path in enumerate(args.checkpoint):
@@ -452,16 +483,16 @@ def run(args, env=None) -> list[dict]:
         results = evaluate_examples(m, [examples[i] for i in mine], shape, args, args.answer_pattern)
         out = output_path(args, m, index)
         if world > 1:
-            tag = attempt_id(env)
+            tag = attempt_id(env) + env.get("SLURM_STEP_ID", "")
             parts = [out.with_name(f".{out.name}.{tag}.part{r}-of-{world}") for r in range(world)]
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = parts[rank].with_name(parts[rank].name + ".tmp")
-            tmp.write_text(json.dumps(dict(zip(map(str, mine), results))))
+            tmp.write_text(json.dumps({"time": time.time(), "results": dict(zip(map(str, mine), results))}))
             os.replace(tmp, parts[rank])
             if rank != 0:
                 continue
             merged = {}
-            for part in _wait_for_parts(parts, args.timeout):
+            for part in _wait_for_parts(parts, since, args.timeout):
                 merged.update(part)
             results = [merged[str(i)] for i in range(len(examples))]
             for p in parts:
@@ -495,7 +526,7 @@ def main(args) -> int:
     try:
         run(args)
     except (EvalError, CheckpointError) as e:
-        if os.environ.get("RANK", "0") == "0":
+        if ranks(os.environ)[0] == 0:
             print(f"llmft eval: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     return 0

@@ -383,9 +383,13 @@ def prepare(opts: DataOptions, tokenizer, args, *, log: Callable[[str], None] = 
     if env.get("RANK", "0") != "0":
         return _wait(final, fp, started, failed, attempt, since, timeout, root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        _write_json(started, {"attempt": attempt, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
-        return _build_once(opts, tokenizer, args, root, fp, key, log)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _write_json(started, {"attempt": attempt, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
+            return _build_once(opts, tokenizer, args, root, fp, key, log)
+        except OSError as e:  # the cache, not the data (data errors are DataErrors already)
+            raise DataError(f"cannot write prepared data under {root} ({e.strerror or e}): check its free space and "
+                            "permissions, or point LLMFT_CACHE at a writable directory every node shares") from None
     except BaseException as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         with contextlib.suppress(OSError):

@@ -261,3 +261,12 @@ def test_the_cache_defaults_under_the_hugging_face_home():
     assert prepare.cache_root({"LLMFT_CACHE": "/shared/cache"}) == Path("/shared/cache")
     assert prepare.cache_root({"HF_HOME": "/hf"}) == Path("/hf/llmft")
     assert prepare.cache_root({"XDG_CACHE_HOME": "/xdg"}) == Path("/xdg/huggingface/llmft")
+
+
+def test_an_unwritable_cache_is_one_clear_error(tiny_model, tmp_path):
+    path = write_jsonl(as_format(make_examples(8), "text"), tmp_path / "d.jsonl")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache should be")
+    with pytest.raises(DataError, match=r"cannot write prepared data under .*not-a-dir/prepared .* point LLMFT_CACHE at a writable directory"):
+        prepare.prepare(prepare.DataOptions(dataset_name=str(path)), tokenizer_of(tiny_model), sft_args(tmp_path), root=blocker,
+                        log=quiet_log([]))

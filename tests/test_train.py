@@ -51,6 +51,7 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
     assert cfg["gradient_accumulation_steps"] == 2 and cfg["zero_optimization"]["stage"] == 2
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
     assert proc.stdout.count("llmft plan: world size") == 1  # rank 0 only
+    assert len(re.findall(r"llmft: (prepared|reused prepared) data ", proc.stdout)) == 1  # one preparation, logged once
 
 
 def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_data, tmp_path):
