@@ -138,8 +138,8 @@ def test_two_processes_split_the_records_and_rank_0_writes_the_same_result(compa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two.json"]  # the ranks' partial files are gone
 
 
-def args_for(checkpoint, data, **overrides):
-    values = dict(checkpoint=[str(checkpoint)], dataset_name=str(data), dataset_config=None, dataset_split="test", prompt_column=None,
+def args_for(path, data, **overrides):
+    values = dict(checkpoint=[str(path)], dataset_name=str(data), dataset_config=None, dataset_split="test", prompt_column=None,
                   completion_column=None, messages_column=None, dataset_text_field="text", limit=None, max_new_tokens=6,
                   batch_size=3, answer_pattern=ev.STRICT_PATTERN, output=None, model_name=None, device="cpu", dtype="auto",
                   timeout=60, trust_checkpoint=False)

@@ -270,3 +270,17 @@ def test_an_unwritable_cache_is_one_clear_error(tiny_model, tmp_path):
     with pytest.raises(DataError, match=r"cannot write prepared data under .*not-a-dir/prepared .* point LLMFT_CACHE at a writable directory"):
         prepare.prepare(prepare.DataOptions(dataset_name=str(path)), tokenizer_of(tiny_model), sft_args(tmp_path), root=blocker,
                         log=quiet_log([]))
+
+
+def test_llmft_prepare_refuses_bad_input_with_one_line(tiny_model, tmp_path, capsys):
+    from llmft.cli import main
+
+    base = ["prepare", "--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path / "o")]
+    for extra, message in [
+        (["--dataset_name", str(tmp_path / "nope.jsonl")], "nope.jsonl not found"),
+        (["--dataset_name", "d.jsonl", "--eval_strategy", "steps"], "--eval_strategy steps needs evaluation data"),
+        (["--dataset_name", "d.jsonl", "--chat_template_path", "Qwen/Qwen2.5-0.5B-Instruct"], "takes a .jinja/.j2 template file"),
+    ]:
+        assert main(base + extra) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmft prepare: error: ")]
+        assert len(errors) == 1 and message in errors[0], (extra, errors)

@@ -108,18 +108,19 @@ def test_lora_under_zero3_trains_and_saves_an_adapter(tiny_model, tiny_data, tmp
 
 
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
-    """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; chat data uses the template,
-    with packing and gradient checkpointing on."""
+    """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; an eval split without
+    --eval_strategy is scored once at the end; chat data uses the template, with packing and gradient checkpointing on."""
     qa = write_jsonl(as_format(make_examples(32), "question_answer"), tmp_path / "qa.jsonl")
     config = tmp_path / "run.yaml"
     config.write_text(
         f"model_name_or_path: {tiny_model}\ndataset_name: {qa}\nprompt_column: question\ncompletion_column: answer\n"
-        f"zero_stage: 0\nmax_steps: 2\nsave_steps: 2\nper_device_train_batch_size: 2\nreport_to: none\n"
+        f"zero_stage: 0\nmax_steps: 2\nsave_steps: 2\nper_device_train_batch_size: 2\nreport_to: none\neval_split_ratio: 0.25\n"
     )
     proc = run([PYTHON, "-m", "llmft.train", "--config", str(config), "--output_dir", str(tmp_path / "qa_run"),
                 "--logging_steps", "1", "--disable_tqdm", "true"], check=True)
-    assert "32 records (prompt_completion" in proc.stdout and "ZeRO stage 0" in proc.stdout
+    assert "24 records (prompt_completion, 100% of the split), 8 for evaluation" in proc.stdout and "ZeRO stage 0" in proc.stdout
     assert [s for s, *_ in steps(proc.stdout)] == [1, 2]
+    assert re.search(r"llmft: step 2/2 eval loss [\d.]+ perplexity [\d.]+\n", proc.stdout), proc.stdout
 
     chat = write_jsonl(as_format(make_examples(16), "messages"), tmp_path / "chat.jsonl")
     proc = run(train_cmd(tiny_model, chat, tmp_path / "chat_run", "--zero_stage", 1, "--max_steps", 1,
