@@ -16,6 +16,12 @@ The batch script (slurm/run_llm.slurm) asks this module for the job's W&B settin
 
 Values already in the environment win. HF's WandbCallback logs from global rank 0 only. The API key is
 never read or printed here.
+
+W&B's service process (wandb-core) is a child of rank 0, so Slurm's SIGTERM (a requeue, a preemption)
+ends it together with the job step while the ranks finish their step and checkpoint. Two settings keep
+that from costing more than a few seconds of metrics: the offline run file is flushed every
+FLUSH_INTERVAL_S seconds (W&B's default is 15 s, and nothing reaches the file before), and
+`guard_wandb` stops a dead service from ending the run before its checkpoint is written.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import threading
 from typing import Mapping
 
 DEFAULT_BASE_URL = "https://api.wandb.ai"
+FLUSH_INTERVAL_S = "2"
 
 
 def server_url(env: Mapping[str, str]) -> str:
@@ -81,10 +88,42 @@ def slurm_wandb_env(env: Mapping[str, str], output_dir: str, online: bool | None
         "WANDB_RESUME": "allow",
         "WANDB_DIR": os.path.abspath(output_dir),
         "WANDB_JOB_TYPE": "train",
+        "WANDB__TRANSACTION_LOG_FLUSH_INTERVAL": FLUSH_INTERVAL_S,  # x_transaction_log_flush_interval
     }
     if not env.get("WANDB_MODE"):
         wanted["WANDB_MODE"] = "online" if online else "offline"
     return {k: v for k, v in wanted.items() if not env.get(k)}
+
+
+def guard_wandb(trainer, log) -> bool:
+    """Wrap the trainer's W&B callback so that a W&B service that died (SIGTERM to the job step) is reported
+    once and skipped, instead of raising out of the training loop before the stop's checkpoint is saved.
+    Returns whether there was a W&B callback to guard."""
+    try:
+        import wandb.errors
+        from transformers.integrations import WandbCallback
+    except ImportError:
+        return False
+    errors = (OSError, wandb.errors.Error)
+    callbacks = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, WandbCallback)]
+    for cb in callbacks:
+        state = {"dead": False}
+        for name in ("on_log", "on_save", "on_evaluate", "on_predict", "on_train_end"):
+            original = getattr(cb, name)
+
+            def guarded(*args, _original=original, **kwargs):
+                if state["dead"]:
+                    return None
+                try:
+                    return _original(*args, **kwargs)
+                except errors as e:
+                    state["dead"] = True
+                    log(f"W&B stopped logging ({type(e).__name__}: {e}; its service process ended, e.g. on SIGTERM); "
+                        "training goes on, and what was logged before is in the run's files")
+                    return None
+
+            setattr(cb, name, guarded)
+    return bool(callbacks)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -177,6 +177,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     import torch
 
     from llmft import eval as evaluation
+    from llmft import tracking
 
     # 1. Cheap checks: batch math, DeepSpeed template, data, resume point. No model yet.
     if not model_args.model_name_or_path:
@@ -291,6 +292,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop, StepLog()],
     )
     evaluation.log_perplexity(trainer)
+    tracking.guard_wandb(trainer, log)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step
     if stop.stopped_at is not None:

@@ -115,12 +115,25 @@ def test_not_a_run_directory_is_one_clear_line(tmp_path):
         assert str(e.value).startswith("llmft report: error: ") and message in str(e.value)
 
 
-def test_a_real_run_with_evaluation(run_with_eval, tmp_path, legends):
-    out, _, _ = run_with_eval
+def test_a_real_run_and_its_llmft_eval_result(run_with_eval, tmp_path, legends):
+    """The shared 2-process run, then `llmft eval` writing its default file into the run: the report shows both."""
+    import shutil
+
+    from llmft import eval as ev
+    from llmft.tiny import as_format, make_examples, write_jsonl
+
+    out = Path(shutil.copytree(run_with_eval[0], tmp_path / "run"))
+    data = write_jsonl(as_format(make_examples(3, seed=9), "prompt_completion"), tmp_path / "heldout.jsonl")
+    ev.run(SimpleNamespace(checkpoint=[str(out)], dataset_name=str(data), dataset_config=None, dataset_split="test", prompt_column=None,
+                           completion_column=None, messages_column=None, dataset_text_field="text", limit=None, max_new_tokens=4,
+                           batch_size=3, answer_pattern=ev.STRICT_PATTERN, output=None, model_name=None, device="cpu", dtype="auto",
+                           timeout=60, trust_checkpoint=False))
+    assert (out / "eval-heldout-step6.json").is_file()
     written = report.report([out], tmp_path / "report")
     assert {"loss", "learning_rate", "eval_metrics"} <= set(written["plots"])
     [loss] = legends["loss.png"]
     assert loss["legend"] == ["run train", "run eval"]
     md = written["summary"].read_text()
     row = next(line for line in md.splitlines() if "GPT2LMHeadModel" in line)
-    assert "GPT2LMHeadModel" in row and "ZeRO-2" in row and "| yes |" in row and "| 6 |" in row
+    assert "ZeRO-2" in row and "| yes |" in row and "| 6 |" in row and "| 2 |" in row
+    assert "| run | eval-heldout-step6.json | 6 |" in md

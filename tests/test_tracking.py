@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from types import SimpleNamespace
 
 from conftest import REPO, subprocess_env
 from llmft.tracking import reachable, server_url, slurm_wandb_env
@@ -21,6 +22,7 @@ def test_runs_are_named_by_job_grouped_and_keep_their_id_across_requeues(tmp_pat
     assert first["WANDB_NAME"] == "llmft-1234" and first["WANDB_RUN_GROUP"] == "llmft"
     assert first["WANDB_RUN_ID"].startswith("llmft-1234-") and first["WANDB_RESUME"] == "allow"
     assert first["WANDB_MODE"] == "offline" and first["WANDB_DIR"] == str(tmp_path / "ckpt")
+    assert first["WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"] == "2"  # what a SIGTERM'd service had not written is lost
     requeued = slurm_wandb_env({**JOB, "SLURM_RESTART_COUNT": "1"}, str(tmp_path / "ckpt"), online=False)
     assert requeued == first  # the requeued job resumes the same run
     assert slurm_wandb_env({**JOB, "SLURM_JOB_ID": "1235"}, str(tmp_path / "ckpt"))["WANDB_RUN_ID"] != first["WANDB_RUN_ID"]
@@ -76,3 +78,25 @@ def test_the_script_helper_prints_only_wandb_lines_and_never_the_key(tmp_path):
     assert "WANDB_MODE=offline" in lines and "WANDB_NAME=llmft-1234" in lines
     assert "http://127.0.0.1:9 did not answer" in proc.stderr
     assert secret not in proc.stdout + proc.stderr
+
+
+def test_a_dead_wandb_service_is_reported_once_and_does_not_end_training():
+    from transformers.integrations import WandbCallback
+
+    from llmft.tracking import guard_wandb
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise ConnectionResetError("Connection lost")
+
+    callback = WandbCallback()
+    callback.on_log = broken
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[object(), callback]))
+    lines = []
+    assert guard_wandb(trainer, lines.append)
+    assert callback.on_log(None, None, None, logs={"loss": 1.0}) is None
+    assert callback.on_log(None, None, None, logs={"loss": 0.9}) is None
+    assert calls == [1] and len(lines) == 1 and "W&B stopped logging (ConnectionResetError" in lines[0]
+    assert not guard_wandb(SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[])), lines.append)
