@@ -187,7 +187,10 @@ def test_wandb_offline_run_is_named_by_the_job_and_the_requeued_job_appends_to_i
     # SIGTERM ends W&B's service with the job step: the first attempt keeps what it flushed (every 2 s) before that.
     assert steps[0] and steps[0] == list(range(1, len(steps[0]) + 1)) and steps[0][-1] <= resumed, steps
     assert steps[1] == list(range(resumed + 1, TOTAL + 1))  # the metrics after the requeue continue the run
-    assert "ConnectionResetError" not in text  # the dead service did not end the run (llmft.tracking.guard_wandb)
+    # The dead service did not end the run through the training loop (llmft.tracking.guard_wandb): the stop's
+    # checkpoint was written and the run was resumed from it. (wandb's own exit hook may still print its error.)
+    assert "llmft/train.py" not in text and text.count("llmft: W&B stopped logging") <= 1
+    assert f"stop requested; saved checkpoint-{resumed}" in text
     last = text.rstrip().splitlines()[-1]
     assert last == (f"run_llm.slurm: W&B ran offline; upload from a machine with internet: wandb sync --id {run_id} "
                     f"-p llmft-test {runs[0]} {runs[1]}")
