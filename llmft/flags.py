@@ -7,7 +7,7 @@ POLICY names every one of their fields with what happens to it:
     passed   handed unchanged to TRL's SFTTrainer / HF's Trainer, which implement it
     checked  used or passed, but some values are refused with the reason (see check_flags)
     refused  llmft cannot honour it: any value other than the default stops the run with the reason
-    eval     evaluation flags: evaluation data and its checks belong to the eval work (issue 13)
+    eval     evaluation flags: HF's evaluation loop runs them on the data llmft.prepare prepared
 
 tests/test_flags.py walks the dataclass fields against this table, so a flag added by a TRL or
 transformers upgrade fails the tests until someone decides what llmft does with it.
@@ -101,20 +101,24 @@ POLICY: dict[str, tuple[str, str]] = {
     **_table(CHECKED, "use_liger_kernel liger_kernel_config", "Liger's kernels: refused without a CUDA GPU, liger-kernel "
                                                               "or a model type it supports (llmft.hardware.check_liger)"),
     "do_train": (PASSED, "a flag for HF's example scripts; llmft train always trains"),
-    **_table(PASSED, "router_aux_loss_coef chat_template_path dataset_kwargs dataset_num_proc eos_token pad_token "
+    **_table(PASSED, "router_aux_loss_coef chat_template_path dataset_num_proc eos_token pad_token "
                      "truncation_mode shuffle_dataset pad_to_multiple_of "
-                     "completion_only_loss assistant_only_loss loss_type activation_offloading",
-             "TRL's SFTTrainer (data preparation, packing, loss)"),
+                     "completion_only_loss loss_type activation_offloading",
+             "TRL's data preparation (run once by llmft.prepare, part of its cache key), packing and loss"),
+    **_table(USED, "dataset_kwargs assistant_only_loss", "applied once by llmft.prepare (the assistant mask is in the "
+                                                         "prepared labels); the Trainer gets the prepared data"),
     **_table(CHECKED, "packing packing_strategy padding_free", "packed samples must not attend to each other: "
                                                                "llmft.packing.check_packing refuses what would let them"),
-    # ---- evaluation (issue 13)
-    **_table(EVAL, "dataset_test_split eval_strategy eval_steps eval_delay per_device_eval_batch_size prediction_loss_only "
+    # ---- evaluation: llmft.prepare prepares the eval data; HF's Trainer evaluates on it
+    "dataset_test_split": (USED, "the split of --eval_dataset_name that llmft.prepare loads"),
+    **_table(EVAL, "eval_strategy eval_steps eval_delay per_device_eval_batch_size prediction_loss_only "
                    "eval_on_start eval_do_concat_batches eval_use_gather_object eval_accumulation_steps include_for_metrics "
                    "batch_eval_metrics bf16_full_eval fp16_full_eval load_best_model_at_end metric_for_best_model "
-                   "greater_is_better do_eval eval_packing", "evaluation: the eval work (issue 13) owns these"),
+                   "greater_is_better do_eval eval_packing",
+             "HF's evaluation loop on the prepared eval data; an eval strategy without eval data is refused (llmft.prepare)"),
     # ---- LlmftArguments
     **_table(USED, "zero_stage offload global_batch_size data_percentage precision prompt_column completion_column "
-                   "messages_column stop_file", "llmft's own flags"),
+                   "messages_column stop_file eval_dataset_name eval_split_ratio prepare_timeout", "llmft's own flags"),
 }
 
 LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",

@@ -64,6 +64,7 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
     assert cfg["gradient_accumulation_steps"] == 2 and cfg["zero_optimization"]["stage"] == 2
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
     assert proc.stdout.count("llmft plan: world size") == 1  # rank 0 only
+    assert len(re.findall(r"llmft: (prepared|reused prepared) data ", proc.stdout)) == 1  # one preparation, logged once
 
     # Speed, from the run itself: the step line's throughput fields and run_summary.json (CPU: no MFU, no GPU memory).
     for _, _, _, _, tps, padded, tflops, mfu, gpu_mem, data_share in STEP_RE.findall(proc.stdout):
@@ -120,18 +121,19 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
 
 
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
-    """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; chat data uses the template,
-    with packing and gradient checkpointing on."""
+    """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; an eval split without
+    --eval_strategy is scored once at the end; chat data uses the template, with packing and gradient checkpointing on."""
     qa = write_jsonl(as_format(make_examples(32), "question_answer"), tmp_path / "qa.jsonl")
     config = tmp_path / "run.yaml"
     config.write_text(
         f"model_name_or_path: {tiny_model}\ndataset_name: {qa}\nprompt_column: question\ncompletion_column: answer\n"
-        f"zero_stage: 0\nmax_steps: 2\nsave_steps: 2\nper_device_train_batch_size: 2\nreport_to: none\n"
+        f"zero_stage: 0\nmax_steps: 2\nsave_steps: 2\nper_device_train_batch_size: 2\nreport_to: none\neval_split_ratio: 0.25\n"
     )
     proc = run([PYTHON, "-m", "llmft.train", "--config", str(config), "--output_dir", str(tmp_path / "qa_run"),
                 "--logging_steps", "1", "--disable_tqdm", "true"], check=True)
-    assert "32 records (prompt_completion" in proc.stdout and "ZeRO stage 0" in proc.stdout
+    assert "24 records (prompt_completion, 100% of the split), 8 for evaluation" in proc.stdout and "ZeRO stage 0" in proc.stdout
     assert [s for s, *_ in steps(proc.stdout)] == [1, 2]
+    assert re.search(r"llmft: step 2/2 eval loss [\d.]+ perplexity [\d.]+\n", proc.stdout), proc.stdout
 
     chat = write_jsonl(as_format(make_examples(16), "messages"), tmp_path / "chat.jsonl")
     proc = run(train_cmd(tiny_model, chat, tmp_path / "chat_run", "--zero_stage", 1, "--max_steps", 1,
@@ -151,6 +153,28 @@ def test_real_tokens_counted_the_same_padded_or_packed(tiny_model, tmp_path):
     padded, packed = summary(tmp_path / "padded"), summary(tmp_path / "packed")
     assert padded["steps"] == 3 and packed["steps"] >= 1
     assert packed["tokens"] == padded["tokens"] == packed["padded_tokens"] < padded["padded_tokens"]
+
+
+def test_held_out_evaluation_logs_loss_and_perplexity_and_the_data_is_prepared_once(run_with_eval):
+    import math
+
+    out, train_out, prepare_out = run_with_eval
+    evals = [(int(s), float(loss), float(ppl)) for s, loss, ppl in
+             re.findall(r"llmft: step (\d+)/6 eval loss ([\d.]+) perplexity ([\d.]+)", train_out)]
+    assert [s for s, *_ in evals] == [3, 6]
+    for _, loss, ppl in evals:
+        assert ppl == pytest.approx(math.exp(loss), rel=1e-3)
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    logged = [(h["step"], h["eval_perplexity"]) for h in history if "eval_loss" in h]
+    assert [s for s, _ in logged] == [3, 6] and all(math.isfinite(p) for _, p in logged)
+    assert "115 records (prompt_completion, 50% of the split), 26 for evaluation" in train_out
+    # Rank 0 prepared (rank 1 waited for its files); `llmft prepare` with the same flags then finds it ready.
+    prepared = re.findall(r"llmft: prepared data (\S+) \(fingerprint (\w+)\)", train_out)
+    assert len(prepared) == 1, train_out
+    directory, fingerprint = prepared[0]
+    assert f"llmft: reused prepared data {directory} (fingerprint {fingerprint})" in prepare_out
+    record = json.loads((out / "llmft_data.json").read_text())
+    assert record["fingerprint"] == fingerprint and record["records"] == {"train": 115, "eval": 26}
 
 
 def test_wandb_offline_logs_without_network_and_never_prints_the_key(tiny_model, tiny_data, tmp_path):
@@ -184,6 +208,9 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--packing", "--packing_strategy", "wrapped"], "--packing_strategy wrapped concatenates samples"),
         (["--attn_implementation", "flash_attention_2"], "flash_attention_2 needs a CUDA GPU and none is visible here"),
         (["--use_liger_kernel", "true"], "--use_liger_kernel needs a CUDA GPU"),
+        (["--eval_strategy", "steps", "--eval_steps", "5"], "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"),
+        (["--eval_split_ratio", "1"], "--eval_split_ratio must be in (0, 1)"),
+        (["--eval_dataset_name", str(tmp_path / "missing_eval.jsonl")], "missing_eval.jsonl not found"),
     ]
 
 
