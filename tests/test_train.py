@@ -149,7 +149,7 @@ def test_real_tokens_counted_the_same_padded_or_packed(tiny_model, tmp_path):
     run(train_cmd(tiny_model, data, tmp_path / "padded", *flags, "--per_device_train_batch_size", 8, nproc=1), check=True)
     proc = run(train_cmd(tiny_model, data, tmp_path / "packed", *flags, "--per_device_train_batch_size", 4, "--packing",
                          "--max_length", 128, nproc=1), check=True)
-    assert "llmft: attention sdpa (auto)" in proc.stdout
+    assert "llmft: attention llmft_sdpa_packed (auto): SDPA on each packed sample" in proc.stdout
     padded, packed = summary(tmp_path / "padded"), summary(tmp_path / "packed")
     assert padded["steps"] == 3 and packed["steps"] >= 1
     assert packed["tokens"] == padded["tokens"] == packed["padded_tokens"] < padded["padded_tokens"]
