@@ -1,0 +1,128 @@
+"""`llmft plan --model ...`: the memory plan on the command line (in-process), its JSON, --write, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llmft import plan
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def llama_config(tmp_path_factory) -> Path:
+    """A directory holding only config.json: Llama-3.1-8B's published hyper-parameters (nothing downloaded)."""
+    from transformers import LlamaConfig
+
+    out = tmp_path_factory.mktemp("llama-3.1-8b")
+    LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                tie_word_embeddings=False).save_pretrained(out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    return out
+
+
+def llmft_plan(capsys, *argv) -> tuple[int, str, str]:
+    rc = plan.main(plan.make_parser().parse_args([str(a) for a in argv]))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_8b_on_a2_highgpu_8g_prints_the_recommendation_and_the_table(capsys, llama_config):
+    rc, out, err = llmft_plan(capsys, "--model", llama_config, "--node_type", "a2-highgpu-8g",
+                              "--global_batch_size", 64, "--max_length", 2048)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert "8.03B parameters, full fine-tuning; bf16, sequence 2048, global batch 64" in lines[0]
+    assert "1 x a2-highgpu-8g: 8 x A100-40GB (39.4 GiB) per node, 680 GiB host RAM per node; world size 8" in lines[1]
+    assert lines[2].startswith("llmft plan: recommended ZeRO-") and lines[3].startswith("llmft plan: why: ")
+    rows = [line for line in lines if line.startswith("  ") and "|" in line][1:]
+    assert rows[0].rstrip().endswith("| yes") and any("no: GPU memory: needs" in r for r in rows)
+    assert any(line.startswith("llmft plan: warning: a checkpoint") and "USR1" in line for line in lines)
+    assert "llmft plan: assumed:" in lines[-1]
+
+
+def test_8b_on_two_g2_standard_4_full_fine_tune_does_not_fit_lora_does(capsys, llama_config):
+    args = ("--model", llama_config, "--node_type", "g2-standard-4", "--nnodes", 2, "--global_batch_size", 32,
+            "--max_length", 2048)
+    rc, out, err = llmft_plan(capsys, *args)
+    assert rc == 2
+    assert err.strip().splitlines() == [next(line for line in out.splitlines() if "nothing fits" in line).replace(
+        "llmft plan: nothing fits", "llmft plan: error: nothing fits")]
+    rc, out, err = llmft_plan(capsys, *args, "--use_peft", "--lora_r", 16)
+    assert rc == 0, err
+    assert "LoRA: 6.8M trainable" in out and "llmft plan: recommended ZeRO-3" in out
+
+
+def test_json_holds_every_candidate_with_the_documented_keys(capsys, llama_config):
+    rc, out, _ = llmft_plan(capsys, "--model", llama_config, "--node_type", "g6.12xlarge", "--global_batch_size", 16,
+                            "--max_length", 2048, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["params"] == doc["trainable_params"] == 8_030_261_248
+    keys = {"zero_stage", "offload", "micro_batch", "grad_accum", "gradient_checkpointing", "model_states_gib",
+            "activations_gib", "gpu_total_gib", "host_ram_gib_per_node", "checkpoint_gib", "fits", "why"}
+    assert keys <= set(doc["recommended"]) and all(keys <= set(c) for c in doc["candidates"])
+    assert doc["candidates"][0] == doc["recommended"] and doc["recommended"]["fits"]
+    assert doc["recommended"]["gpu_total_gib"] <= 22.0 and doc["recommended"]["host_ram_gib_per_node"] <= 192
+
+
+def test_write_gives_a_resolved_config_and_an_sbatch_line_the_script_accepts(capsys, llama_config, tmp_path):
+    rc, out, _ = llmft_plan(capsys, "--model", llama_config, "--node_type", "g2-standard-4", "--nnodes", 2,
+                            "--global_batch_size", 32, "--max_length", 2048, "--use_peft", "--write", tmp_path / "w")
+    assert rc == 0
+    rec = json.loads((tmp_path / "w" / "plan.json").read_text())["recommended"]
+    cfg = json.loads((tmp_path / "w" / "ds_config.json").read_text())
+    assert cfg["zero_optimization"]["stage"] == rec["zero_stage"]
+    assert cfg["train_micro_batch_size_per_gpu"] == rec["micro_batch"] and cfg["train_batch_size"] == 32
+    assert cfg["bf16"]["enabled"] is True and "auto" not in json.dumps(cfg)
+    line = (tmp_path / "w" / "sbatch.txt").read_text().strip()
+    assert f"run it: {line}" in out
+    words = shlex.split(line)
+    assert words[:3] == ["sbatch", "--nodes=2", "--gpus-per-node=1"] and words[3] == "slurm/run_llm.slurm"
+    export = words[4]
+    assert f"MICRO_BATCH={rec['micro_batch']}" in export and "LORA=1" in export and "--max_length 2048" in export
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "run_llm.slurm"), export], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1"}, timeout=60)
+    assert proc.returncode == 0 and "knobs are valid" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "{missing}"], "no such directory"),
+        (["--model", "{empty}"], "no config.json in that directory"),
+        (["--model", "{cfg}", "--node_type", "g9.huge"], "unknown node type 'g9.huge'; known: g2-standard-4"),
+        (["--model", "{cfg}", "--gpu", "L4"], "--gpu/--gpu_memory_gb needs --host_ram_gb"),
+        (["--model", "{cfg}", "--gpu", "A100-80GB", "--node_type", "g2-standard-4"], "contradicts --node_type g2-standard-4"),
+        (["--model", "{cfg}", "--gpu", "T4", "--host_ram_gb", "64", "--precision", "bf16"], "bf16 needs a GPU with compute capability 8.0"),
+        (["--model", "{cfg}", "--node_type", "g6.xlarge", "--max_length", "200000"], "exceeds the model's 131072 positions"),
+        (["--model", "{cfg}", "--node_type", "g6.xlarge", "--load_in_4bit"], "--load_in_4bit trains LoRA adapters"),
+        (["--model", "{cfg}", "--node_type", "g6.xlarge", "--mfu", "2"], "--mfu must be in (0, 1]"),
+        (["--node_type", "g2-standard-4", "--json"], "--node_type, --json need --model"),
+        (["--max_length", "2048"], "--max_length needs --model"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, llama_config, tmp_path, argv, message):
+    (tmp_path / "empty").mkdir()
+    subs = {"{missing}": str(tmp_path / "nope"), "{empty}": str(tmp_path / "empty"), "{cfg}": str(llama_config)}
+    rc, out, err = llmft_plan(capsys, *[subs.get(a, a) for a in argv])
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("llmft plan: error: "), err
+    assert message in err
+
+
+def test_the_batch_only_plan_is_unchanged(capsys):
+    rc, out, _ = llmft_plan(capsys, "--global_batch_size", 128, "--nnodes", 2, "--nproc_per_node", 4)
+    assert rc == 0
+    assert out.splitlines()[:4] == [
+        "llmft plan: world size 8 (2 nodes x 4 processes, from arguments)",
+        "llmft plan: micro-batch 8 per process",  # HF's default, as before
+        "llmft plan: gradient accumulation 2",
+        "llmft plan: global batch 128 = micro-batch 8 x accumulation 2 x world size 8",
+    ]
