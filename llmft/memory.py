@@ -48,9 +48,11 @@ tile of 4096 tokens x 32768 vocabulary columns, an fp32 gradient of the final hi
 when the LM head trains, an fp32 gradient of the whole LM head (4 V h, with its w-byte cast): 3 GiB for Llama-3's
 128k vocabulary at hidden 4096, whatever the batch.
 
-Fixed overhead per GPU: DeepSpeed's communication buckets (read from the ZeRO config: reduce and all-gather
-buckets, doubled with overlap_comm), 1 GiB for the CUDA context, cuBLAS workspace and NCCL buffers (not in
-torch.cuda.max_memory_allocated), and 10% of the allocated total for allocator fragmentation.
+Other per GPU (`zero_buffer_bytes` and fixed): DeepSpeed's working buffers, read from the ZeRO config (reduce
+and all-gather buckets, the reduce bucket doubled with overlap_comm; under ZeRO-3 the prefetch bucket and the
+gathered parameters it keeps live, up to stage3_max_live_parameters, beyond the largest layer), 1 GiB for the
+CUDA context, cuBLAS workspace and NCCL buffers (not in torch.cuda.max_memory_allocated), and 10% of the
+allocated total for allocator fragmentation.
 
 Host RAM per node (`host_ram`): n processes' runtime (3 GiB each with CUDA: Python, torch, CUDA and NCCL host
 allocations; 1 GiB on CPU), plus the larger of
@@ -59,7 +61,8 @@ allocations; 1 GiB on CPU), plus the larger of
     training: offloaded optimizer states (16 T/N per process: fp32 master, fp32 gradient, moments), offloaded
              16-bit parameters (w P/N), and, on a CPU-only run, the processes' whole device memory;
              plus what saving a checkpoint adds: each process copies its largest optimizer tensor to the host
-             for torch.save (4 T/N; nothing when already offloaded), and under ZeRO-0/1/2 the first node also
+             for torch.save (4 T/N; under ZeRO-3 at most a sub-group, sub_group_size elements; nothing when
+             already offloaded or on a CPU run), and under ZeRO-0/1/2 the first node also
              serialises model.safetensors (P w; the adapter only with LoRA). ZeRO-3 checkpoints are the ranks'
              shards only: nothing is gathered. The optional consolidated model at the end (--save_consolidated)
              needs P w on the first node, plus the same again while safetensors serialises it.
@@ -382,10 +385,14 @@ def loss_buffer_bytes(shape: ModelShape, micro_batch: int, seq: int, precision: 
     return tile + grad_hidden + head_grad + per_token_stats
 
 
-def comm_buffer_bytes(zero_stage: int, zero_config: dict, hidden: int, precision: str) -> int:
-    """DeepSpeed's communication buckets for this stage, from its zero_optimization section (elements x w)."""
+def zero_buffer_bytes(zero_stage: int, zero_config: dict, shape: ModelShape, precision: str) -> int:
+    """DeepSpeed's working buffers beyond the model states, from its zero_optimization section (elements x w):
+    the reduce and all-gather buckets (reduce doubled with overlap_comm); under ZeRO-3 the prefetch bucket, and
+    the gathered parameters DeepSpeed keeps live between uses (up to stage3_max_live_parameters) beyond the
+    largest layer the model-states term already counts."""
     w = element_bytes(precision)["w"]
     cfg = zero_config or {}
+    hidden = shape.hidden
 
     def size(key, default):
         value = cfg.get(key, default)
@@ -398,7 +405,9 @@ def comm_buffer_bytes(zero_stage: int, zero_config: dict, hidden: int, precision
         return w * size("reduce_bucket_size", 500_000_000)
     if zero_stage == 2:
         return w * (double * size("reduce_bucket_size", 500_000_000) + size("allgather_bucket_size", 500_000_000))
-    return w * (double * size("reduce_bucket_size", hidden * hidden) + size("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)))
+    live = max(0, min(shape.total, size("stage3_max_live_parameters", 1_000_000_000)) - shape.largest_layer_params)
+    return w * (double * size("reduce_bucket_size", hidden * hidden)
+                + size("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)) + live)
 
 
 # ---- host, disk, time ---------------------------------------------------------------------------------------------
@@ -436,7 +445,11 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     # offloaded, or on a CPU run); under ZeRO-0/1/2 rank 0 also serialises model.safetensors.
     saving = 0.0
     if setting.offload == "none" and job.gpu is not None:
-        saving += n * 4 * T / (1 if setting.zero_stage == 0 else N)
+        largest = T / (1 if setting.zero_stage == 0 else N)  # one flat fp32 tensor per rank (and param group)
+        if setting.zero_stage == 3:  # ZeRO-3 splits it into sub-groups of sub_group_size elements
+            sub_group = job.zero_config.get(3, {}).get("sub_group_size", 1_000_000_000)
+            largest = min(largest, int(sub_group))
+        saving += n * 4 * largest
     if setting.zero_stage < 3:
         saving += min(b["w"] * (T if shape.lora else shape.params), HF_MAX_SHARD_BYTES)
     final = 0.0
@@ -480,7 +493,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     acts = activation_bytes(shape, setting.micro_batch, job.max_length, setting.gradient_checkpointing, job.precision,
                             job.attention)
     loss = loss_buffer_bytes(shape, setting.micro_batch, job.max_length, job.precision)
-    buckets = comm_buffer_bytes(setting.zero_stage, job.zero_config.get(setting.zero_stage, {}), shape.hidden, job.precision)
+    buckets = zero_buffer_bytes(setting.zero_stage, job.zero_config.get(setting.zero_stage, {}), shape, job.precision)
     allocated = states + acts + loss + buckets
     overhead = buckets + (int(CUDA_CONTEXT_GIB * GIB + FRAGMENTATION * allocated) if job.gpu is not None else 0)
     device = states + acts + loss + overhead
@@ -497,10 +510,11 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     if limit is not None and device > limit * GIB:
         problems.append(f"GPU memory: needs {gib(device)} GiB of {limit:g}")
     if host["peak"] > job.host_ram_gib * GIB:
-        phase = max(("loading", host["loading"]), ("training", host["peak"] - host["runtime"] - host["loading"]),
-                    key=lambda kv: kv[1])[0]
-        worst = "loading the weights" if phase == "loading" and host["loading"] >= host["peak"] - host["runtime"] else "training and saving"
-        problems.append(f"host RAM: needs {gib(host['peak'])} GiB per node of {job.host_ram_gib:g} ({worst})")
+        names = {"loading": "loading the weights", "offload": "offloaded states", "device_on_host": "the processes' tensors",
+                 "saving": "saving a checkpoint", "final_model": "the consolidated model"}
+        worst = max(names, key=lambda k: host[k])
+        problems.append(f"host RAM: needs {gib(host['peak'])} GiB per node of {job.host_ram_gib:g} "
+                        f"({names[worst]}: {gib(host[worst])} GiB)")
     fits = not problems
     why = "; ".join(problems) if problems else "fits"
     return Estimate(setting, states, acts, loss, overhead, host, ckpt, write_s, step_s, tps, fits, why)
@@ -594,20 +608,36 @@ def plan_memory(job: Job) -> MemoryPlan:
 
 
 def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
+    """Why this one: for each way it is slower than the ideal, the evidence that the faster way does not fit."""
     s = chosen.setting
+
+    def blocked(pred) -> str:
+        others = [c for c in candidates if pred(c.setting)]
+        if not others:
+            return "not tried"
+        best = min(others, key=lambda c: c.gpu_total + c.host["peak"])
+        return f"ZeRO-{best.setting.zero_stage} {best.setting.offload} offload, checkpointing " \
+               f"{'on' if best.setting.gradient_checkpointing else 'off'}: {best.why}"
+
     parts = []
     if s.offload == "none":
         parts.append("no CPU offload needed")
     else:
-        parts.append(f"offload {s.offload} is needed: nothing without it fits")
+        parts.append(f"CPU offload ({s.offload}) because nothing fits without it (closest: "
+                     f"{blocked(lambda o: o.offload == 'none')})")
     if s.gradient_checkpointing:
-        parts.append("gradient checkpointing is needed to fit the activations")
+        free = [c for c in candidates if c.setting.offload == s.offload and not c.setting.gradient_checkpointing]
+        if free:
+            parts.append(f"gradient checkpointing because without it no micro-batch fits ({blocked(lambda o: o.offload == s.offload and not o.gradient_checkpointing)})")
+        else:
+            parts.append("gradient checkpointing as asked")
     else:
         parts.append("no recomputation needed")
     if s.zero_stage == 3:
-        parts.append("ZeRO-3 partitions the parameters too")
+        lower = [c for c in candidates if c.setting.zero_stage < 3]
+        parts.append("ZeRO-3 because ZeRO-0/1/2 do not fit" if lower else "ZeRO-3")
     else:
-        parts.append(f"ZeRO-{s.zero_stage} communicates no more than plain data parallelism")
+        parts.append(f"ZeRO-{s.zero_stage} moves no more data than plain data parallelism (ZeRO-3: 1.5x)")
     parts.append(f"micro-batch {s.micro_batch} is the largest that fits")
     return "; ".join(parts)
 

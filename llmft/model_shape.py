@@ -88,9 +88,11 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
         if lora_r is None or lora_r < 1:
             raise MemoryPlanError(f"--lora_r must be a positive integer, got {lora_r!r}")
         try:
-            peft_model = get_peft_model(
-                model, LoraConfig(r=lora_r, target_modules=_lora_targets(lora_target_modules), task_type="CAUSAL_LM")
-            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                peft_model = get_peft_model(
+                    model, LoraConfig(r=lora_r, target_modules=_lora_targets(lora_target_modules), task_type="CAUSAL_LM")
+                )
         except ValueError as e:
             raise MemoryPlanError(f"LoRA: {str(e).splitlines()[0]}") from None
         lora_params, _ = peft_model.get_nb_trainable_parameters()

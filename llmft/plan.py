@@ -225,7 +225,7 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     else:
         out.append(f"llmft plan: {mplan.reason}")
     out.append("  stage offload           micro accum ckpt | states  activ   loss  other    GPU | host/node | ckpt GiB  write s | tokens/s | fits")
-    for c in mplan.candidates:
+    for c in _table_rows(mplan.candidates):
         s, d = c.setting, c.as_dict()
         tps = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}"
         out.append(
@@ -242,6 +242,18 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     out.append(f"llmft plan: assumed: {device}; {peak}; checkpoints written at {job.write_mb_s:g} MB/s; "
                f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.memory documents each term)")
     return out
+
+
+def _table_rows(candidates):
+    """One row per (stage, offload): the first that fits in llmft's order (the candidates' order), else the one
+    needing least memory. --json lists every candidate."""
+    rows = {}
+    for c in candidates:
+        key = (c.setting.zero_stage, c.setting.offload)
+        best = rows.get(key)
+        if best is None or not best.fits and (c.fits or c.gpu_total + c.host["peak"] < best.gpu_total + best.host["peak"]):
+            rows[key] = c
+    return list(rows.values())
 
 
 def memory_plan_json(mplan) -> dict:

@@ -126,3 +126,33 @@ def test_the_batch_only_plan_is_unchanged(capsys):
         "llmft plan: gradient accumulation 2",
         "llmft plan: global batch 128 = micro-batch 8 x accumulation 2 x world size 8",
     ]
+
+
+def test_every_machine_type_in_the_blueprints_is_in_the_node_catalogue():
+    """`llmft plan --node_type` knows every node the GCP and AWS blueprints create (and their GPU and provider)."""
+    import re
+
+    from llmft.hardware import NODE_TYPES, node_type_by_name
+
+    gcp = re.findall(r"machine_type: (\S+)", (REPO / "blueprints" / "gcp" / "hpc-slurm.yaml").read_text())
+    aws = re.findall(r"InstanceType: (\S+)", (REPO / "blueprints" / "aws" / "config.yaml").read_text())
+    gpu_nodes = [m for m in gcp if m.startswith(("g2-", "a2-", "a3-"))] + [m for m in aws if m.startswith(("g6.", "p4d.", "p5."))]
+    assert {"g2-standard-4", "a2-highgpu-1g", "g6.2xlarge", "g6.12xlarge", "p4d.24xlarge"} <= set(gpu_nodes)
+    for name in gpu_nodes:
+        node = node_type_by_name(name.upper())
+        assert node.provider == ("gcp" if name in gcp else "aws") and node.source.startswith("https://")
+    assert NODE_TYPES["g6.12xlarge"].gpus == 4 and NODE_TYPES["p4d.24xlarge"].efa
+
+
+def test_host_ram_of_this_node_for_auto(tmp_path):
+    from llmft.hardware import HardwareError, local_host_ram_gib
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16393216 kB\nMemFree:  1 kB\n")
+    assert local_host_ram_gib({}, str(meminfo)) == 15.6
+    assert local_host_ram_gib({"SLURM_MEM_PER_NODE": "8192"}, str(meminfo)) == 8.0  # sbatch --mem wins when smaller
+    assert local_host_ram_gib({"LLMFT_HOST_RAM_GB": "15.5"}, str(tmp_path / "none")) == 15.5  # the first node's, via run_llm.slurm
+    with pytest.raises(HardwareError, match="LLMFT_HOST_RAM_GB='lots' is not a positive number"):
+        local_host_ram_gib({"LLMFT_HOST_RAM_GB": "lots"}, str(meminfo))
+    with pytest.raises(HardwareError, match="give --host_ram_gb"):
+        local_host_ram_gib({}, str(tmp_path / "none"))
