@@ -56,8 +56,14 @@ allocated total for allocator fragmentation.
 
 Host RAM per node (`host_ram`): n processes' runtime (3 GiB each with CUDA: Python, torch, CUDA and NCCL host
 allocations; 1 GiB on CPU), plus the larger of
-    loading: ZeRO-0/1/2: each process reads a full copy in the training precision (P w); ZeRO-3: zero.Init
-             partitions while loading, so a process holds about one layer (DeepSpeed's zero_init figure, 4 L);
+    loading: ZeRO-0/1/2: transformers memory-maps the safetensors files, so a process whose checkpoint is
+             already in the training precision holds no copy of its own (measured on CPU: +11 MiB for a 475 MiB
+             model); one that converts (an fp32 checkpoint trained in bf16, or TRL's fp32 default on a bf16
+             checkpoint) reads the stored tensors and holds the converted ones (P x (stored bytes + w); measured
+             +720 MiB for 475 MiB fp32 -> bf16). ZeRO-3: zero.Init partitions while loading and rank 0 copies the
+             mapped weights layer by layer, so a process holds about one layer (DeepSpeed's zero_init figure,
+             4 L). The mapped file pages (P x the stored bytes, once per node) are page cache the kernel can
+             reclaim: shown, not counted;
     training: offloaded optimizer states (16 T/N per process: fp32 master, fp32 gradient, moments), offloaded
              16-bit parameters (w P/N), and, on a CPU-only run, the processes' whole device memory;
              plus what saving a checkpoint adds: each process copies its largest optimizer tensor to the host
@@ -66,10 +72,10 @@ allocations; 1 GiB on CPU), plus the larger of
              serialises model.safetensors (P w; the adapter only with LoRA). ZeRO-3 checkpoints are the ranks'
              shards only: nothing is gathered. The optional consolidated model at the end (--save_consolidated)
              needs P w on the first node, plus the same again while safetensors serialises it.
-  Loading and offload terms carry DeepSpeed's additional_buffer_factor 1.5 (pinned buffers, fragmentation),
-  which makes the ZeRO-3 offload figure equal DeepSpeed's zero_init estimate. DeepSpeed's ZeRO-2 host figure
-  (4 bytes x P per GPU, the optimizer not divided over nodes) assumes fp32 loading; llmft loads in the training
-  precision, so it is not used.
+  The ZeRO-3 loading and the offload terms carry DeepSpeed's additional_buffer_factor 1.5 (pinned buffers,
+  fragmentation), which makes the ZeRO-3 offload figure equal DeepSpeed's zero_init estimate. DeepSpeed's ZeRO-2
+  host figure (4 bytes x P per GPU, the optimizer not divided over nodes) assumes fp32 loading; llmft loads in
+  the training precision, so it is not used.
 
 Disk per checkpoint (`checkpoint_bytes`): the fp32 master weights and Adam moments of the trainable parameters
 (12 T, over all ranks' files), the module weights in mp_rank_00_model_states.pt (ZeRO-0/1/2: T w) and HF's
@@ -101,6 +107,7 @@ TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob.TOKE
 PREEMPT_WINDOW_S = 120  # slurm/run_llm.slurm: #SBATCH --signal=B:USR1@120
 WRITE_MB_S = {"gcp": 100.0, "aws": 240.0, None: 100.0}  # Filestore BASIC_HDD 1 TiB; FSx Lustre SCRATCH_2 1.2 TiB
 DEFAULT_MFU = 0.35
+CHECKPOINT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 HF_MAX_SHARD_BYTES = 50 * 10**9  # PreTrainedModel.save_pretrained(max_shard_size="50GB")
 
 
@@ -125,6 +132,7 @@ class ModelShape:
     gated_mlp: bool = True  # SwiGLU (gate/up/down); False: two-matrix GELU MLP (GPT-2)
     rms_norm: bool = True
     dropout: bool = False  # residual/MLP dropout > 0 (GPT-2): 1-byte masks are kept
+    checkpoint_dtype: str | None = None  # bf16 | fp16 | fp32: how the weights are stored (config.json); None unknown
     mlp_saved: int = 4  # MLP-wide tensors autograd keeps: SwiGLU 4; GELU 2 (fc output, activation); gelu_new 5
     quantizable_params: int = 0  # weights in linear layers other than the LM head (what bitsandbytes quantizes)
     lora_params: int = 0  # adapter parameters added by LoRA (0: full fine-tuning)
@@ -430,10 +438,14 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     b = element_bytes(job.precision)
     T, L = shape.trainable, shape.largest_layer_params
     runtime = n * PROCESS_HOST_GIB["cpu" if job.gpu is None else "cuda"] * GIB
+    converts = shape.checkpoint_dtype != job.precision  # unknown dtype: assume a conversion
     if setting.zero_stage == 3:
         loading = 4 * L * n * BUFFER_FACTOR  # DeepSpeed's zero_init figure: about one layer per process
+    elif converts:  # the stored tensors read, the converted ones kept (the base weights; LoRA adapters come after)
+        loading = (CHECKPOINT_BYTES.get(shape.checkpoint_dtype, 4) + b["w"]) * shape.params * n
     else:
-        loading = b["w"] * shape.params * n * BUFFER_FACTOR  # the base weights; LoRA adapters come after
+        loading = 0  # memory-mapped in place
+    file_pages = shape.params * CHECKPOINT_BYTES.get(shape.checkpoint_dtype, 4)
     per_rank_offload = 0.0
     if setting.offload in ("optimizer", "optimizer+params"):
         per_rank_offload += (b["g32"] + b["m32"] + b["opt"]) * T / N
@@ -460,6 +472,7 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     return {
         "runtime": int(runtime),
         "loading": int(loading),
+        "file_pages": int(file_pages),
         "offload": int(offload),
         "device_on_host": int(on_cpu),
         "saving": int(saving),
@@ -495,7 +508,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     loss = loss_buffer_bytes(shape, setting.micro_batch, job.max_length, job.precision)
     buckets = zero_buffer_bytes(setting.zero_stage, job.zero_config.get(setting.zero_stage, {}), shape, job.precision)
     allocated = states + acts + loss + buckets
-    overhead = buckets + (int(CUDA_CONTEXT_GIB * GIB + FRAGMENTATION * allocated) if job.gpu is not None else 0)
+    overhead = buckets + int(FRAGMENTATION * allocated) + (int(CUDA_CONTEXT_GIB * GIB) if job.gpu is not None else 0)
     device = states + acts + loss + overhead
     host = host_ram(job, setting, device)
     ckpt = checkpoint_bytes(shape, setting.zero_stage, job.precision)
@@ -626,9 +639,9 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
         parts.append(f"CPU offload ({s.offload}) because nothing fits without it (closest: "
                      f"{blocked(lambda o: o.offload == 'none')})")
     if s.gradient_checkpointing:
-        free = [c for c in candidates if c.setting.offload == s.offload and not c.setting.gradient_checkpointing]
-        if free:
-            parts.append(f"gradient checkpointing because without it no micro-batch fits ({blocked(lambda o: o.offload == s.offload and not o.gradient_checkpointing)})")
+        same = lambda o: o.offload == s.offload and o.zero_stage == s.zero_stage and not o.gradient_checkpointing  # noqa: E731
+        if any(same(c.setting) for c in candidates):
+            parts.append(f"gradient checkpointing because without it no micro-batch fits ({blocked(same)})")
         else:
             parts.append("gradient checkpointing as asked")
     else:

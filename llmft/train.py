@@ -18,9 +18,16 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
 llmft train --config run.yaml --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules q_proj v_proj --packing
 ```
 
+# Let the memory planner pick stage, offload, micro-batch and recomputation for this job's GPUs
+```bash
+torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama-3.1-8B --dataset_name data.jsonl \
+    --output_dir runs/llama --global_batch_size 64 --per_device_train_batch_size 8 --max_length 2048 --auto
+```
+
 Every `SFTConfig`/`TrainingArguments` flag works, with TRL's names. llmft adds `--zero_stage`,
-`--offload`, `--global_batch_size`, `--data_percentage`, `--precision` and column mapping. A rerun
-with the same `--output_dir` resumes from the newest complete checkpoint; it never starts over.
+`--offload`, `--auto`, `--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and
+column mapping. Weights load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise.
+A rerun with the same `--output_dir` resumes from the newest complete checkpoint; it never starts over.
 """
 
 from __future__ import annotations
@@ -34,10 +41,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config
+from llmft import checkpoints, data, ds_config, host_memory, saving
 from llmft.launch_env import rank0, single_process_defaults
 from llmft.hardware import PRECISIONS, HardwareError
-from llmft.plan import PlanError, local_precision, make_plan
+from llmft.plan import PlanError, auto_choice, local_precision, make_plan
 
 
 @dataclass
@@ -57,6 +64,17 @@ class LlmftArguments:
     stop_file: str | None = field(
         default=None,
         metadata={"help": "When this file appears, save a complete checkpoint and stop (default: $LLMFT_STOP_FILE)."},
+    )
+    auto: bool = field(
+        default=False,
+        metadata={"help": "Let llmft's memory planner pick the ZeRO stage, CPU offload, micro-batch (up to "
+                          "--per_device_train_batch_size) and gradient checkpointing (never on with "
+                          "--gradient_checkpointing false) for this job's GPUs and RAM; see `llmft plan --model`."},
+    )
+    save_consolidated: bool = field(
+        default=False,
+        metadata={"help": "ZeRO-3: gather the 16-bit model on rank 0 into --output_dir at the end (needs about twice "
+                          "its 16-bit size in host RAM there; `llmft plan --save_consolidated` counts it)."},
     )
 
 
@@ -154,6 +172,24 @@ def requested_precision(training_args, llmft_args) -> str:
     return llmft_args.precision
 
 
+def choose_automatically(script_args, training_args, model_args, llmft_args, precision: str, grad_accum):
+    """--auto: llmft.plan.auto_choice for this job's world, GPUs and RAM; refuses the flags it would override."""
+    if llmft_args.zero_stage is not None or llmft_args.offload or training_args.deepspeed:
+        raise TrainError("--auto chooses the ZeRO stage and offload itself: drop --zero_stage/--offload/--deepspeed, or --auto")
+    from llmft.launch_env import discover_world
+
+    return auto_choice(
+        model_args.model_name_or_path, discover_world(), precision=precision,
+        max_micro_batch=training_args.per_device_train_batch_size, global_batch=llmft_args.global_batch_size,
+        grad_accum=grad_accum, max_length=training_args.max_length or 1024, use_peft=model_args.use_peft,
+        lora_r=model_args.lora_r, lora_target_modules=model_args.lora_target_modules,
+        allow_gradient_checkpointing=bool(training_args.gradient_checkpointing),
+        save_total_limit=training_args.save_total_limit, output_dir=training_args.output_dir,
+        attention=model_args.attn_implementation, load_in_4bit=model_args.load_in_4bit,
+        save_consolidated=llmft_args.save_consolidated, trust_remote_code=training_args.trust_remote_code,
+    )
+
+
 def main(script_args, training_args, model_args, llmft_args) -> int:
     """Check everything cheap first, then build the trainer and train (or resume)."""
     try:
@@ -177,16 +213,26 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     cuda = torch.cuda.is_available()
     precision = local_precision(requested_precision(training_args, llmft_args))
     grad_accum = training_args.gradient_accumulation_steps if training_args.gradient_accumulation_steps != 1 else None
+    micro, zero_stage, offload, auto_line = training_args.per_device_train_batch_size, llmft_args.zero_stage, llmft_args.offload, ""
+    if llmft_args.auto:
+        setting, auto_line = choose_automatically(script_args, training_args, model_args, llmft_args, precision, grad_accum)
+        micro, zero_stage, offload = setting.micro_batch, setting.zero_stage, setting.offload
+        training_args = dataclasses.replace(training_args, gradient_checkpointing=setting.gradient_checkpointing)
     plan = make_plan(
-        micro_batch=training_args.per_device_train_batch_size,
+        micro_batch=micro,
         global_batch=llmft_args.global_batch_size,
-        grad_accum=grad_accum,
-        zero_stage=llmft_args.zero_stage,
-        offload=llmft_args.offload,
+        grad_accum=setting.grad_accum if llmft_args.auto else grad_accum,
+        zero_stage=zero_stage,
+        offload=offload,
         deepspeed=training_args.deepspeed,
         precision=precision,
         output_dir=training_args.output_dir,
+        auto=auto_line,
     )
+    if llmft_args.save_consolidated and (plan.zero_stage != 3 or model_args.use_peft):
+        raise TrainError("--save_consolidated gathers a ZeRO-3 model at the end; "
+                         + ("a LoRA run saves its adapter (llmft infer --merge --export DIR writes a merged model)"
+                            if model_args.use_peft else f"under ZeRO-{plan.zero_stage} the final model is written whole already"))
     data.check_percentage(llmft_args.data_percentage)
     dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     dataset, shape = data.shape_for_sft(
@@ -213,7 +259,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
 
     # 2. Tokenizer and model config (small files), then the concrete DeepSpeed config.
     from transformers import AutoConfig, AutoTokenizer
-    from trl import SFTTrainer, get_peft_config
+    from trl import get_peft_config
 
     model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
@@ -256,8 +302,9 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     model_init_kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
     if model_args.attn_implementation:
         model_init_kwargs["attn_implementation"] = model_args.attn_implementation
-    if model_args.dtype not in (None, "auto"):
-        model_init_kwargs["dtype"] = model_args.dtype  # else fp32 weights: DeepSpeed keeps exact fp32 masters
+    # Weights load in the precision the run trains in (llmft's parser leaves TRL's fp32 default unset), never an
+    # fp32 copy per rank on a bf16 run; an explicit --dtype wins.
+    model_init_kwargs["dtype"] = model_args.dtype or {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
     model_init_kwargs.update(args.model_init_kwargs or {})
     args.model_init_kwargs = model_init_kwargs
 
@@ -268,8 +315,9 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     _ = args.device  # accelerate creates the process group (gloo on CPU, nccl on GPUs)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
+    before_loading = host_memory.current_rss()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
-    trainer = SFTTrainer(
+    trainer = saving.trainer_class(llmft_args.save_consolidated)(
         model=model_args.model_name_or_path,
         args=args,
         train_dataset=dataset,
@@ -277,6 +325,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         peft_config=get_peft_config(model_args),
         callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop, StepLog()],
     )
+    trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step
     if stop.stopped_at is not None:
@@ -285,7 +334,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         trainer.save_model(args.output_dir)
         if rank0():
             checkpoints.mark_done(args.output_dir, step)
-        log(f"training complete at step {step}; model saved to {args.output_dir}")
+        log(f"training complete at step {step}; "
+            + saving.final_model_note(args.output_dir, step, plan.zero_stage, model_args.use_peft, llmft_args.save_consolidated))
     if hasattr(trainer, "end"):
         trainer.end()
     return 0
@@ -301,7 +351,8 @@ def make_parser(subparsers=None):
     else:
         parser = TrlParser(dataclass_types, prog="llmft train")
     # SFTConfig turns bf16 on by default, which HF rejects on a machine without CUDA unless use_cpu is set.
-    parser.set_defaults(use_cpu=not torch.cuda.is_available())
+    # dtype: unset means "the training precision" (TRL's default would load fp32 weights on every rank).
+    parser.set_defaults(use_cpu=not torch.cuda.is_available(), dtype=None)
     return parser
 
 

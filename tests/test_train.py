@@ -104,6 +104,29 @@ def test_lora_under_zero3_trains_and_saves_an_adapter(tiny_model, tiny_data, tmp
         assert config["r"] == 4 and config["target_modules"] == ["c_attn"]
         assert (where / "adapter_model.safetensors").stat().st_size > 0
     assert (out / "checkpoint-2" / "llmft_complete.json").is_file()
+    # Only the adapter was gathered, and it is the trained one: equal to the ZeRO-3 shards' weights.
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    shards = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoint-2"), exclude_frozen_parameters=True)
+    adapter = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+    assert len(adapter) == len(shards) == 4  # lora_A and lora_B of c_attn, in both layers
+    assert all(torch.equal(v, shards[k.replace(".weight", ".default.weight")]) for k, v in adapter.items())
+
+
+def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_model, tiny_data, tmp_path):
+    """On this CPU machine: the largest micro-batch up to the one given, no recomputation, ZeRO-2; the run uses it."""
+    out = tmp_path / "auto"
+    proc = run(train_cmd(tiny_model, tiny_data, out, "--auto", "--max_steps", 1, "--global_batch_size", 8,
+                         "--per_device_train_batch_size", 4, nproc=1), check=True)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("llmft plan: auto: "))
+    assert line.startswith("llmft plan: auto: ZeRO-2, micro-batch 4 x accumulation 2, gradient checkpointing off (per process")
+    assert "1 x 1 CPU process per node (no GPU)" in line and "no CPU offload needed; no recomputation needed" in line
+    cfg = json.loads((out / "ds_config.json").read_text())
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 4
+    assert cfg["gradient_accumulation_steps"] == 2
+    assert "llmft: host memory: rank 0 " in proc.stdout and "llmft: host memory peak: rank 0 " in proc.stdout
 
 
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
@@ -152,6 +175,8 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--global_batch_size", "7", "--per_device_train_batch_size", "2"], "global batch 7 is not divisible by micro-batch 2 x world size 1 = 2; use global batch 6 or 8"),
         (["--data_percentage", "150"], "--data_percentage must be in (0, 100], got 150"),
         (["--data_percentage", "0"], "--data_percentage must be in (0, 100], got 0"),
+        (["--auto", "--zero_stage", "3"], "--auto chooses the ZeRO stage and offload itself"),
+        (["--save_consolidated", "--zero_stage", "2"], "under ZeRO-2 the final model is written whole already"),
     ]
 
 
