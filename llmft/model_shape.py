@@ -81,6 +81,9 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
     mlp_saved = 4 if gated else {"gelu_new": 5, "gelu_fast": 5, "quick_gelu": 3}.get(act, 2)
     dropout = max(float(getattr(config, k, 0) or 0) for k in ("resid_pdrop", "hidden_dropout", "hidden_dropout_prob")) > 0
 
+    stored = getattr(config, "dtype", None)  # transformers 5 reads config.json's torch_dtype into it too
+    checkpoint_dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(stored).replace("torch.", ""))
+
     lora_params = 0
     if use_peft:
         from peft import LoraConfig, get_peft_model
@@ -114,6 +117,7 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
         rms_norm=rms,
         dropout=dropout,
         mlp_saved=mlp_saved,
+        checkpoint_dtype=checkpoint_dtype,
         quantizable_params=quantizable,
         lora_params=lora_params,
     )

@@ -230,7 +230,7 @@ def llama8b():
 
     config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, dtype="bfloat16")  # as published: weights stored in bf16
     return config, model_shape(config), model_shape(config, use_peft=True, lora_r=16)
 
 
@@ -249,14 +249,25 @@ def test_llama_8b_shape_is_counted_from_its_config(llama8b):
 
 def test_full_fine_tune_of_8b_does_not_fit_two_g2_nodes_but_lora_does(llama8b):
     _, full, lora = llama8b
+    assert full.checkpoint_dtype == "bf16"
     nothing = plan_memory(node_job(full, "g2-standard-4", 2, global_batch=32))
     assert nothing.recommended is None and "nothing fits" in nothing.reason
-    fits = plan_memory(node_job(lora, "g2-standard-4", 2, global_batch=32))
-    rec = fits.recommended
-    assert rec is not None and rec.setting.zero_stage == 3  # 16 GB hosts cannot hold a 16 GB copy while loading
+    rec = plan_memory(node_job(lora, "g2-standard-4", 2, global_batch=32)).recommended
+    assert rec is not None and rec.setting.offload == "none"
     assert rec.as_dict()["gpu_total_gib"] <= 22.0 and rec.as_dict()["host_ram_gib_per_node"] <= 16
-    zero2 = [c for c in fits.candidates if c.setting.zero_stage == 2 and c.setting.offload == "none"]
-    assert all("host RAM" in c.why and "loading" in c.why for c in zero2)
+
+
+def test_a_converting_load_needs_a_copy_per_rank_and_zero3_avoids_it(llama8b):
+    """Weights stored in fp32 but trained in bf16 (or TRL's fp32 default on a bf16 checkpoint): every ZeRO-0/1/2
+    rank holds a converted copy while loading, which a 16 GB g2 host cannot; ZeRO-3 loads partitioned."""
+    _, _, lora = llama8b
+    stored_fp32 = dataclasses.replace(lora, checkpoint_dtype="fp32")
+    plan = plan_memory(node_job(stored_fp32, "g2-standard-4", 2, global_batch=32))
+    assert plan.recommended.setting.zero_stage == 3
+    zero2 = [c for c in plan.candidates if c.setting.zero_stage == 2 and c.setting.offload == "none"]
+    assert zero2 and all("host RAM" in c.why and "loading the weights" in c.why for c in zero2)
+    in_place = estimate(node_job(lora, "g2-standard-4", 2), Setting(2, "none", 1, 1, True)).host
+    assert in_place["loading"] == 0 and in_place["file_pages"] == lora.params * 2  # mapped, reclaimable, not counted
 
 
 def test_8b_on_a2_highgpu_8g_fits_without_offload_and_warns_about_the_preemption_window(llama8b):
