@@ -709,6 +709,8 @@ def _check_job(job: Job) -> None:
     if job.load_in_4bit and (job.gpu is None or not job.gpu.bitsandbytes_4bit):
         where = "a CPU" if job.gpu is None else f"a {job.gpu.name}"
         raise MemoryPlanError(f"--load_in_4bit needs bitsandbytes' 4-bit kernels (compute capability 7.5+), not {where}")
+    if job.save_consolidated and job.shape.lora:
+        raise MemoryPlanError("--save_consolidated gathers a full ZeRO-3 model; a LoRA run saves its adapter instead")
     if job.attention not in ("sdpa", "flash_attention_2"):
         raise MemoryPlanError(f"unknown attention {job.attention!r}; use sdpa or flash_attention_2")
     element_bytes(job.precision)

@@ -434,7 +434,7 @@ def make_parser(subparsers=None):
     mem.add_argument("--load_in_4bit", action="store_true", help="QLoRA: frozen weights in 4-bit (needs --use_peft)")
     mem.add_argument("--attn_implementation", default=None, choices=["sdpa", "flash_attention_2"], help="default sdpa")
     mem.add_argument("--save_total_limit", type=int, default=None, help="checkpoints kept (checked against --output_dir's free space)")
-    mem.add_argument("--save_consolidated", action="store_true", help="count the 16-bit model gathered at the end of a ZeRO-3 run")
+    mem.add_argument("--save_consolidated", action="store_true", help="count the 16-bit model gathered at the end (ZeRO-3 rows)")
     mem.add_argument("--write_mb_s", type=float, default=None, help="checkpoint write bandwidth, MB/s (default: the provider's shared filesystem in llmft's blueprints)")
     mem.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the tokens/s estimate (default 0.35)")
     mem.add_argument("--auto", action="store_true", help="what `llmft train --auto` picks: micro-batches up to --per_device_train_batch_size")

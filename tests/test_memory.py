@@ -307,3 +307,12 @@ def test_impossible_numbers_are_refused_with_the_flag_named():
             plan_memory(dataclasses.replace(Job(s, GPUS["L4"], 16, 1, 1, 512, "bf16"), **bad))
     with pytest.raises(MemoryPlanError, match="not divisible by the world size 8"):
         plan_memory(Job(s, GPUS["L4"], 16, 1, 8, 512, "bf16", global_batch=12))
+
+
+def test_the_consolidated_final_model_is_counted_on_the_first_node(llama8b):
+    _, full, _ = llama8b
+    job = node_job(full, "a2-highgpu-8g", 1, global_batch=64, save_consolidated=True)
+    z3 = estimate(job, Setting(3, "none", 1, 8, True)).host
+    assert z3["final_model"] == 2 * 2 * full.params  # the 16-bit model, and its bytes while safetensors writes them
+    assert estimate(dataclasses.replace(job, save_consolidated=False), Setting(3, "none", 1, 8, True)).host["final_model"] == 0
+    assert estimate(job, Setting(2, "none", 1, 8, True)).host["final_model"] == 0  # ZeRO-2 writes it whole anyway

@@ -104,6 +104,7 @@ def test_write_gives_a_resolved_config_and_an_sbatch_line_the_script_accepts(cap
         (["--model", "{cfg}", "--node_type", "g6.xlarge", "--max_length", "200000"], "exceeds the model's 131072 positions"),
         (["--model", "{cfg}", "--node_type", "g6.xlarge", "--load_in_4bit"], "--load_in_4bit trains LoRA adapters"),
         (["--model", "{cfg}", "--node_type", "g6.xlarge", "--mfu", "2"], "--mfu must be in (0, 1]"),
+        (["--model", "{cfg}", "--node_type", "g6.xlarge", "--use_peft", "--save_consolidated"], "a LoRA run saves its adapter"),
         (["--node_type", "g2-standard-4", "--json"], "--node_type, --json need --model"),
         (["--max_length", "2048"], "--max_length needs --model"),
     ],
