@@ -629,7 +629,8 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
         if not others:
             return "not tried"
         best = min(others, key=lambda c: c.gpu_total + c.host["peak"])
-        return f"ZeRO-{best.setting.zero_stage} {best.setting.offload} offload, checkpointing " \
+        offload = "without offload" if best.setting.offload == "none" else f"offloading the {best.setting.offload}"
+        return f"ZeRO-{best.setting.zero_stage} {offload}, checkpointing " \
                f"{'on' if best.setting.gradient_checkpointing else 'off'}: {best.why}"
 
     parts = []

@@ -87,6 +87,11 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     for s, total, _, lr in before + after:  # one linear schedule across both runs
         assert lr == pytest.approx(1e-3 * (1 - s / total), rel=1e-3, abs=1e-9)
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
+    # ZeRO-3 saves shards only, once per checkpoint (HF's fallback would write them twice, and warn so);
+    # the final model is config and tokenizer beside the last checkpoint unless --save_consolidated.
+    assert not list(out.glob("**/model.safetensors")) and (out / "config.json").is_file()
+    assert "Saving the full checkpoint instead" not in first.stdout + first.stderr + second.stdout + second.stderr
+    assert f"weights are the ZeRO-3 shards in {out / 'checkpoint-10'}" in second.stdout
 
     # The same run directory on a different number of processes: refused before the model loads.
     third = run(train_cmd(tiny_model, tiny_data, out, *flags, nproc=1))
