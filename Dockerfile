@@ -8,6 +8,11 @@
 #
 # BASE_IMAGE must be a *devel* CUDA 12 image (nvcc is needed to build the ops) whose torch is
 # the version pinned in constraints.txt; with another torch, pip replaces it with the pinned one.
+#
+# AWS EFA (NCCL_PROFILE=aws-efa on p4d/p5): the image carries libfabric and the aws-ofi-nccl NCCL plugin
+# from AWS's EFA installer (user space only; the node provides the kernel driver). The build fails if
+# either is missing. WITH_EFA=0 leaves them out (GCP, or nodes without EFA):
+#   docker build --build-arg WITH_EFA=0 -t llmft:gcp .
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-devel
 FROM ${BASE_IMAGE}
 
@@ -22,6 +27,24 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/llmft
+
+# EFA user space: libfabric (/opt/amazon/efa) and the aws-ofi-nccl plugin NCCL loads from LD_LIBRARY_PATH
+# (/opt/amazon/ofi-nccl in current installers, /opt/amazon/aws-ofi-nccl in older ones). Pin a version
+# (EFA_INSTALLER_VERSION=1.x.y) for reproducible images.
+ARG WITH_EFA=1
+ARG EFA_INSTALLER_VERSION=latest
+RUN if [ "$WITH_EFA" = 1 ]; then \
+      apt-get update && apt-get install -y --no-install-recommends curl ca-certificates \
+      && mkdir /tmp/efa && cd /tmp/efa \
+      && curl -fsSL -o efa.tar.gz "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" \
+      && tar -xf efa.tar.gz && cd aws-efa-installer \
+      && ./efa_installer.sh -y --skip-kmod --skip-limit-conf --no-verify \
+      && cd / && rm -rf /tmp/efa /var/lib/apt/lists/* \
+      && ls /opt/amazon/efa/lib/libfabric.so* \
+      && ls /opt/amazon/ofi-nccl/lib/libnccl-net*.so /opt/amazon/aws-ofi-nccl/lib/libnccl-net*.so 2>/dev/null | grep -q . \
+      || { echo "EFA installer ${EFA_INSTALLER_VERSION}: libfabric or the aws-ofi-nccl plugin is missing" >&2; exit 1; }; \
+    fi
+ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/aws-ofi-nccl/lib:/opt/amazon/efa/lib:${LD_LIBRARY_PATH}
 
 # Dependencies first (cached layer): torch before deepspeed, whose build imports it.
 COPY constraints.txt ./

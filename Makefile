@@ -14,10 +14,11 @@ TEST_DEPS += .venv-pcluster/.installed
 
 venv: check-python $(VENV)/.installed
 
-# llmft needs Python 3.10+; a .venv built by another interpreter than $(PYTHON) is rebuilt, not reused.
+# llmft needs Python 3.11+ (its pinned stack does: transformers 5.21+ and trl 1.16 require 3.11);
+# a .venv built by another interpreter than $(PYTHON) is rebuilt, not reused.
 check-python:
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
-	  echo "make: $(PYTHON) is missing or older than Python 3.10; llmft needs 3.10+: make $(MAKECMDGOALS) PYTHON=python3.11" >&2; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "make: $(PYTHON) is missing or older than Python 3.11; llmft needs 3.11+: make $(MAKECMDGOALS) PYTHON=python3.11" >&2; exit 1; }
 	@want=$$($(PYTHON) -c 'import sys; print(sys.version)'); \
 	if [[ -x $(PY) ]] && [[ "$$($(PY) -c 'import sys; print(sys.version)' 2>/dev/null)" != "$$want" ]]; then \
 	  echo "make: $(VENV) was built with another Python than $(PYTHON); rebuilding it"; rm -rf $(VENV); fi
@@ -39,7 +40,7 @@ test: venv $(TEST_DEPS)
 system-deps:
 	bash tests/system_deps.sh
 
-# The interpreter-dependent tests (checkpoint reading, data) under every other Python 3.10+ found here.
+# The interpreter-dependent tests (checkpoint reading, data) under every other Python 3.11+ found here.
 test-other-pythons: venv
 	bash tests/other_pythons.sh
 

@@ -27,4 +27,4 @@ except ImportError:  # run from a checkout without `pip install -e .`
 if __name__ == "__main__":
     parser = llmft.infer.make_parser()
     parser.prog = "inference.py"
-    llmft.infer.main(parser.parse_args())
+    sys.exit(llmft.infer.main(parser.parse_args()))

@@ -4,6 +4,11 @@ HF's Trainer writes `checkpoint-N/` in place, each rank its own ZeRO shard. A jo
 saving leaves a directory that looks like a checkpoint but lacks shards. llmft therefore publishes
 `checkpoint-N/llmft_complete.json` last, after every rank has finished writing, listing each file
 and its size; only checkpoints with a matching marker are resumed from.
+
+The list comes from the ranks themselves: each rank reports the files it wrote, as its own node
+sees them (`rank_report`), and rank 0 merges the reports. Rank 0's own listing of a network
+filesystem (NFS attribute caches, Lustre) can lag behind what other nodes just wrote: a shard it
+cannot see yet would be left out of the marker, and its absence later would go unnoticed.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 
 COMPLETE_MARKER = "llmft_complete.json"
 DONE_MARKER = "llmft_done.json"
+RUN_RECORD = "llmft_run.json"  # what defines the run (llmft.run_identity): present in every run llmft started
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -38,16 +44,78 @@ def checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def mark_complete(ckpt_dir: str | Path, world_size: int, zero_stage: int | None = None) -> Path:
-    """Publish the completeness marker; call on one rank after all ranks finished saving."""
+# Files one rank writes for itself: DeepSpeed's ZeRO shards (named by data-parallel rank, which is the
+# global rank without model/pipeline parallelism) and the Trainer's per-process RNG state.
+_RANK_FILE_RES = (
+    re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$"),
+    re.compile(r"^rng_state_(\d+)\.pth$"),
+)
+
+
+def owner_rank(relpath: str) -> int:
+    """The rank that writes this checkpoint file: the rank in a per-rank file's name, else rank 0."""
+    name = Path(relpath).name
+    for pattern in _RANK_FILE_RES:
+        m = pattern.match(name)
+        if m:
+            return int(m.group(1))
+    return 0
+
+
+def _listing(ckpt: Path) -> dict[str, int]:
+    files = {}
+    for p in sorted(ckpt.rglob("*")):
+        if p.name == COMPLETE_MARKER or p.name.startswith("."):
+            continue
+        try:
+            if p.is_file():
+                files[str(p.relative_to(ckpt))] = p.stat().st_size
+        except FileNotFoundError:  # another rank's temporary file, renamed away while we listed
+            continue
+    return files
+
+
+def rank_report(ckpt_dir: str | Path, rank: int) -> dict[str, int]:
+    """The files this rank wrote into the checkpoint and their sizes, as this rank's node sees them.
+
+    A writer always sees its own closed files, so the report is exact even where other nodes' files are
+    not visible here yet.
+    """
+    return {rel: size for rel, size in _listing(Path(ckpt_dir)).items() if owner_rank(rel) == rank}
+
+
+def mark_complete(
+    ckpt_dir: str | Path,
+    world_size: int,
+    zero_stage: int | None = None,
+    reports: list[dict[str, int]] | None = None,
+    batch=None,
+) -> Path | None:
+    """Publish the completeness marker; call on one rank after all ranks finished saving.
+
+    `reports[r]` is rank r's `rank_report`; the marker lists their union. Without reports (a world of one)
+    this process's own listing is the writer's view. Returns None, publishing nothing, when a rank of a
+    multi-rank run reported no files: its shard is missing, and the checkpoint must not pass as complete.
+    `batch` (a llmft.batch.BatchPlan) is recorded so a resume on another world keeps the global batch.
+    """
     ckpt = Path(ckpt_dir)
-    files = {
-        str(p.relative_to(ckpt)): p.stat().st_size
-        for p in sorted(ckpt.rglob("*"))
-        if p.is_file() and p.name != COMPLETE_MARKER and not p.name.startswith(".")
-    }
+    if reports is None:
+        reports = [_listing(ckpt)]
+    elif len(reports) != world_size or (world_size > 1 and not all(reports)):
+        return None
+    files: dict[str, int] = {}
+    for report in reports:
+        files.update(report)
     marker = ckpt / COMPLETE_MARKER
-    payload = {"world_size": world_size, "zero_stage": zero_stage, "saved_at": time.time(), "files": files}
+    payload = {
+        "world_size": world_size,
+        "zero_stage": zero_stage,
+        "saved_at": time.time(),
+        "files": dict(sorted(files.items())),
+        "reported_by_rank": {str(r): sorted(report) for r, report in enumerate(reports)},
+    }
+    if batch is not None:
+        payload["batch"] = {"micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum, "world_size": batch.world_size}
     _write_json_atomic(marker, payload)
     return marker
 
@@ -71,12 +139,43 @@ def incomplete_reason(ckpt_dir: str | Path) -> str | None:
     return None
 
 
+def choose_checkpoint(output_dir: str | Path, *, unmarked_ok: bool = False) -> tuple[Path | None, list[str]]:
+    """The one answer to "which checkpoint of this run" (training resume, inference, the demo all ask it).
+
+    Returns the newest complete checkpoint-N (None if there is none) and one note per newer checkpoint
+    skipped, saying why. unmarked_ok: for a run written without llmft (no run record, no checkpoint with a
+    marker, e.g. a plain HF Trainer run), the newest checkpoint-N is taken as it is.
+    """
+    found = checkpoint_dirs(output_dir)
+    foreign = not (Path(output_dir) / RUN_RECORD).exists() and not any((p / COMPLETE_MARKER).exists() for _, p in found)
+    if unmarked_ok and found and foreign:
+        return found[-1][1], []
+    notes = []
+    for _, path in reversed(found):
+        reason = incomplete_reason(path)
+        if reason is None:
+            return path, notes
+        notes.append(f"skipping {reason}")
+    return None, notes
+
+
 def latest_complete(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint, skipping any a crash left half-written."""
-    for _, path in reversed(checkpoint_dirs(output_dir)):
-        if incomplete_reason(path) is None:
-            return path
-    return None
+    return choose_checkpoint(output_dir)[0]
+
+
+def tag_dir(ckpt_dir: str | Path) -> Path | None:
+    """The DeepSpeed tag directory (global_stepN) inside a checkpoint: the one its `latest` file names, else the
+    highest step; None when there is none. A `latest` naming a missing directory is an error."""
+    ckpt = Path(ckpt_dir)
+    latest = ckpt / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if not (ckpt / tag).is_dir():
+            raise CheckpointError(f"{latest} names {tag!r}, which is not in {ckpt}: pass the global_stepN directory you want")
+        return ckpt / tag
+    tags = [(int(m.group(1)), p) for p in ckpt.glob("global_step*") if p.is_dir() and (m := re.search(r"(\d+)$", p.name))]
+    return max(tags)[1] if tags else None
 
 
 def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None:
@@ -87,7 +186,7 @@ def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None
     - a path: that checkpoint, which must be complete.
     """
     if requested in (None, "", "latest"):
-        found = latest_complete(output_dir)
+        found, _ = choose_checkpoint(output_dir)
         if found is None and requested == "latest":
             raise CheckpointError(f"--resume_from_checkpoint latest: no complete checkpoint in {output_dir}")
         return found
@@ -100,22 +199,6 @@ def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None
         hint = f"resume from {earlier} instead" if earlier else "start without --resume_from_checkpoint"
         raise CheckpointError(f"cannot resume: {reason}; {hint}")
     return path
-
-
-def check_resumable(ckpt_dir: str | Path, world_size: int, zero_stage: int) -> None:
-    """DeepSpeed loads ZeRO-1/2/3 shards only onto as many ranks as wrote them, and only with the same stage."""
-    marker = json.loads((Path(ckpt_dir) / COMPLETE_MARKER).read_text())
-    saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage")
-    if saved_stage is not None and saved_stage != zero_stage:
-        raise CheckpointError(
-            f"{ckpt_dir} was written with ZeRO stage {saved_stage}, this run uses stage {zero_stage}; "
-            f"resume with --zero_stage {saved_stage}, or use a new --output_dir"
-        )
-    if zero_stage > 0 and saved_world is not None and saved_world != world_size:
-        raise CheckpointError(
-            f"{ckpt_dir} holds ZeRO shards for {saved_world} ranks, this run has {world_size}; resume on {saved_world} "
-            f"GPUs, or export the weights (python -m llmft.infer {ckpt_dir} --export DIR) and start a new run from DIR"
-        )
 
 
 def mark_done(output_dir: str | Path, global_step: int) -> Path:

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     module = importlib.import_module(COMMANDS[argv[0]][0])
     if argv[0] == "train":
-        from trl import TrlParser
+        from llmft.flags import TrainParser
 
-        subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers(parser_class=TrlParser)
+        subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers(parser_class=TrainParser)
         return module.cli(module.make_parser(subparsers), argv[1:])
     subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers()
     args = module.make_parser(subparsers).parse_args(argv[1:])

@@ -27,12 +27,14 @@ def run(cmd: list[str]) -> None:
 
 
 def newest_tag_dir(output_dir: Path) -> Path:
-    from llmft.checkpoints import latest_complete
+    """The checkpoint training would resume from (llmft.checkpoints.choose_checkpoint), as a tag directory."""
+    from llmft.checkpoints import choose_checkpoint, tag_dir
 
-    ckpt = latest_complete(output_dir)
-    if ckpt is None:
+    ckpt, _ = choose_checkpoint(output_dir)
+    tag = tag_dir(ckpt) if ckpt is not None else None
+    if tag is None:
         raise SystemExit(f"llmft demo: no complete checkpoint in {output_dir}")
-    return next(ckpt.glob("global_step*"))
+    return tag
 
 
 def make_parser(subparsers=None):

@@ -69,7 +69,9 @@ def load_config(path: Path) -> dict[str, Any]:
         raise DSConfigError(f"DeepSpeed config {path} is not valid JSON (line {e.lineno}: {e.msg}); fix the file") from None
     if not isinstance(config, dict):
         raise DSConfigError(f"DeepSpeed config {path} must hold a JSON object")
-    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if not isinstance(config.get("zero_optimization"), dict):  # HF's Trainer refuses such a config, without naming it
+        raise DSConfigError(f'DeepSpeed config {path} has no "zero_optimization" section; add e.g. "zero_optimization": {{"stage": 2}}')
+    stage = config["zero_optimization"].get("stage", 0)
     if stage not in ZERO_STAGES:
         raise DSConfigError(f"DeepSpeed config {path} has unknown ZeRO stage {stage!r}; use 0, 1, 2 or 3")
     return config
@@ -150,6 +152,50 @@ def resolve(
     if leftover:
         raise DSConfigError(f"DeepSpeed config fields llmft cannot fill: {', '.join(leftover)}; give them explicit values")
     return cfg
+
+
+# --optim values and who runs them under DeepSpeed. AdamW variants are the same algorithm: DeepSpeed's own
+# AdamW (fused on GPUs, DeepSpeedCPUAdam with offload) runs them, with the Trainer's hyper-parameters. Plain
+# PyTorch/transformers optimizers need no extra package and run as the Trainer's optimizer, which ZeRO 0-3
+# partitions (HF sets zero_allow_untested_optimizer); CPU offload needs DeepSpeed's own optimizer. Everything
+# else (bitsandbytes 8-bit/paged, GaLore, APOLLO, LOMO, schedule-free, ...) is refused: not run under
+# DeepSpeed by llmft's tests.
+DEEPSPEED_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_apex_fused")
+TRAINER_OPTIMIZERS = ("sgd", "adagrad", "rmsprop", "adafactor")
+DEFAULT_OPTIM = "adamw_torch_fused"  # TRL's SFTConfig default
+
+
+def choose_optimizer(config: dict[str, Any], optim: str, *, optim_args: str | None = None, user_config: bool = False) -> dict[str, Any]:
+    """The one decision about who runs --optim: returns `config` with its optimizer block kept, added or removed.
+
+    user_config: the config is the user's own --deepspeed file (its optimizer block is theirs, not a template's).
+    """
+    optim = str(getattr(optim, "value", optim))
+    cfg = copy.deepcopy(config)
+    block = cfg.get("optimizer")
+    block_type = str(block.get("type", "")) if isinstance(block, dict) else None
+    offload = offloads(cfg)
+    supported = f"use one of {', '.join(DEEPSPEED_ADAMW)} (DeepSpeed's AdamW) or {', '.join(TRAINER_OPTIMIZERS)}"
+    if optim in DEEPSPEED_ADAMW:
+        if optim_args:
+            raise DSConfigError(f"--optim_args {optim_args!r} is not used by DeepSpeed's AdamW: drop it (set betas, eps and weight decay with --adam_beta1/--adam_beta2/--adam_epsilon/--weight_decay)")
+        if block is None:
+            if offload:  # DeepSpeed refuses a client optimizer with offload: give it its own AdamW
+                cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+            return cfg  # no block: the Trainer's torch AdamW runs, as the user's config asks
+        if block_type.lower() not in ("adamw", "adam") and optim != DEFAULT_OPTIM:
+            raise DSConfigError(f"--optim {optim} contradicts the optimizer block ({block_type}) of your DeepSpeed config: drop --optim, or the block")
+        return cfg
+    if optim in TRAINER_OPTIMIZERS:
+        if optim_args and optim == "adafactor":
+            raise DSConfigError("--optim_args is not used by adafactor: drop it")
+        if offload:
+            raise DSConfigError(f"--optim {optim} runs as the Trainer's optimizer, and DeepSpeed's CPU offload needs its own optimizer: drop --offload, or {supported}")
+        if block is not None and user_config:
+            raise DSConfigError(f"--optim {optim} contradicts the optimizer block ({block_type}) of your DeepSpeed config: remove the block to use {optim}")
+        cfg.pop("optimizer", None)  # HF then creates the Trainer's optimizer and hands it to DeepSpeed
+        return cfg
+    raise DSConfigError(f"--optim {optim} is not supported with DeepSpeed in llmft: {supported}")
 
 
 def _auto_fields(node: Any, prefix: str = ""):

@@ -110,26 +110,52 @@ def local_gpu(index: int = 0) -> GPU | None:
     return gpu_from_device(props.name, props.total_memory / 2**30, (props.major, props.minor))
 
 
-def choose_precision(requested: str, gpu: GPU | None) -> str:
-    """The one place llmft decides the training/inference precision.
+# What "auto" means, in words (printed by `llmft plan` on a login node, where the GPU is not known yet).
+AUTO_PRECISION = "bf16 on GPUs with compute capability 8.0+ (A100, L4, H100), fp16 on older GPUs (T4, V100), fp32 on CPU"
+
+
+def choose_precision(
+    requested: str, gpu: GPU | None, *, bf16: bool | None = None, fp16: bool | None = None, inference: bool = False
+) -> str:
+    """The one place llmft decides the training/inference precision: 'bf16', 'fp16' or 'fp32'.
+
+    requested is llmft's --precision; bf16/fp16 are TRL/HF's --bf16/--fp16 as the user gave them (None: not
+    given), mapped onto the same decision: --bf16 / --fp16 ask for that precision, --bf16 false asks for
+    full precision (HF's meaning), --fp16 false rules fp16 out; flags that contradict each other or an
+    explicit --precision are refused.
 
     auto: bf16 on GPUs with native bf16 (compute capability >= 8.0: A100, L4, H100), fp16 on older GPUs
     (T4, V100: PyTorch reports bf16 "supported" there through emulation, which is slow), fp32 on CPU.
-    An explicit bf16 on a GPU without native bf16, or fp16 on CPU, is refused with the fix (explicit bf16 on
-    CPU is allowed: PyTorch and DeepSpeed run it there, slowly, which is how the bf16 path is tested).
+    An explicit bf16 on a GPU without native bf16, or fp16 training on CPU, is refused with the fix (explicit
+    bf16 on CPU is allowed: PyTorch and DeepSpeed run it there, slowly, which is how the bf16 path is tested;
+    inference=True also allows fp16 on CPU, where generation needs no loss scaling).
     """
     if requested not in PRECISIONS:
         raise HardwareError(f"unknown precision {requested!r}; use one of {', '.join(PRECISIONS)}")
+    if bf16 and fp16:
+        raise HardwareError("--bf16 and --fp16 contradict each other: give one of them, or --precision auto|bf16|fp16|fp32")
+    asked, flags = None, None
+    if bf16 or fp16:
+        asked, flags = ("bf16", "--bf16") if bf16 else ("fp16", "--fp16")
+    elif bf16 is False and requested in ("auto", "bf16"):
+        asked, flags = "fp32", "--bf16 false"  # no mixed precision unless --fp16 (HF's meaning)
+    no_fp16 = fp16 is False and asked is None
+    if asked and requested not in ("auto", asked) or no_fp16 and requested == "fp16":
+        shown = flags or "--fp16 false"
+        raise HardwareError(f"{shown} contradicts --precision {requested}: give only one of them")
+    requested = asked or requested
     if requested == "auto":
         if gpu is None:
             return "fp32"
-        return "bf16" if gpu.has_bf16 else "fp16"
+        if gpu.has_bf16:
+            return "bf16"
+        return "fp32" if no_fp16 else "fp16"
     if requested == "bf16" and gpu is not None and not gpu.has_bf16:
         raise HardwareError(
             f"bf16 needs a GPU with compute capability 8.0 or newer; this {gpu.name} has "
             f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}: use --precision fp16 (or auto)"
         )
-    if requested == "fp16" and gpu is None:
+    if requested == "fp16" and gpu is None and not inference:
         raise HardwareError("fp16 mixed precision needs a GPU and none is visible here: use --precision fp32 (or auto)")
     return requested
 

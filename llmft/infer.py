@@ -53,28 +53,28 @@ def _step_of(path: Path) -> int:
 
 
 def _tag_dir_in(path: Path) -> Path:
-    """Map a tag dir, a checkpoint dir (with `latest` or global_step*) or a run dir to one tag dir."""
+    """Map a tag dir, a checkpoint dir (with `latest` or global_step*) or a run dir to one tag dir.
+
+    Which checkpoint of a run is llmft.checkpoints.choose_checkpoint's decision (the one training resumes from)."""
+    from llmft.checkpoints import choose_checkpoint, tag_dir
+
     if path.is_file() and path.name.endswith("_states.pt"):
         path = path.parent
     if is_tag_dir(path):
         return path
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory: pass a global_stepN directory, a checkpoint-N directory or a run's output directory")
-    latest = path / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if not (path / tag).is_dir():
-            raise CheckpointError(f"{latest} names {tag!r}, which is not in {path}: pass the global_stepN directory you want")
-        return path / tag
-    tags = sorted((p for p in path.glob("global_step*") if p.is_dir()), key=_step_of)
-    if tags:
-        return tags[-1]
-    runs = sorted((p for p in path.glob("checkpoint-*") if p.is_dir()), key=_step_of)
-    complete = [p for p in runs if (p / "llmft_complete.json").is_file()]
-    if complete and complete[-1] != runs[-1]:
-        print(f"llmft infer: skipping {runs[-1]} (no llmft_complete.json: still being written or interrupted)", file=sys.stderr)
-    if complete or runs:
-        return _tag_dir_in((complete or runs)[-1])
+    tag = tag_dir(path)
+    if tag is not None:
+        return tag
+    ckpt, notes = choose_checkpoint(path, unmarked_ok=True)
+    for note in notes:
+        print(f"llmft infer: {note}", file=sys.stderr)
+    if ckpt is not None:
+        return _tag_dir_in(ckpt)
+    if notes:
+        raise CheckpointError(f"{path} holds no complete checkpoint ({notes[0].removeprefix('skipping ')}): "
+                              "pass a complete checkpoint-N directory, or resume training to write one")
     raise CheckpointError(
         f"{path} holds no DeepSpeed checkpoint (no *model_states.pt, no 'latest' file, no global_step* or checkpoint-* directories): "
         "pass a global_stepN directory, a checkpoint-N directory or a run's output directory"
@@ -150,18 +150,25 @@ def pick_device(name: str | None) -> str:
     return name
 
 
+_PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def pick_dtype(name: str | None, device: str, exporting: bool):
-    """llmft.hardware.choose_precision for the device (bf16 on Ampere+, fp16 on older GPUs); fp32 on CPU
-    and for exports (they keep the checkpoint's fp32 unless --dtype says otherwise)."""
+    """llmft.hardware.choose_precision for the device (auto: bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU;
+    bf16 asked on a GPU without it is refused). Exports keep the checkpoint's fp32 unless --dtype says otherwise:
+    there the dtype is how the weights are stored, not what a GPU computes in."""
     import torch
 
     from llmft.hardware import choose_precision, local_gpu, torch_dtype
 
-    if name not in (None, "auto"):
-        return getattr(torch, DTYPES[name])
-    if exporting or not device.startswith("cuda"):
-        return torch.float32
-    return torch_dtype(choose_precision("auto", local_gpu(torch.device(device).index or 0)))
+    requested = "auto" if name in (None, "auto") else _PRECISION_OF[DTYPES[name]]
+    if exporting:
+        return torch.float32 if requested == "auto" else torch_dtype(requested)
+    try:
+        gpu = local_gpu(torch.device(device).index or 0) if device.startswith("cuda") else None
+        return torch_dtype(choose_precision(requested, gpu, inference=True))
+    except ValueError as e:
+        raise CheckpointError(str(e).replace("--precision fp16", "--dtype float16").replace("--precision fp32", "--dtype float32")) from None
 
 
 def _hf(what: str, src: str, fn):
@@ -292,7 +299,13 @@ def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list:
         path = Path(prompt_file)
         if not path.is_file():
             raise CheckpointError(f"--prompt_file {path} does not exist: check the path")
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        from llmft.data import DataError, check_utf8
+
+        try:
+            check_utf8(path)
+        except DataError as e:
+            raise CheckpointError(str(e)) from None
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
         jsonl = path.suffix == ".jsonl" or (lines and lines[0].lstrip().startswith("{"))
         for i, line in enumerate(lines, 1):
             if not jsonl:
@@ -302,7 +315,9 @@ def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise CheckpointError(f"{path} line {i} is not valid JSON ({e.msg}): write one JSON object per line, or plain text prompts") from None
-            value = next((row[k] for k in ("messages", "prompt", "text", "question") if isinstance(row, dict) and k in row), None)
+            if not isinstance(row, dict):
+                raise CheckpointError(f"{path} line {i} is a JSON {type(row).__name__}, not an object: write one {{...}} per line, or plain text prompts")
+            value = next((row[k] for k in ("messages", "prompt", "text", "question") if k in row), None)
             if value is None:
                 raise CheckpointError(f"{path} line {i} has no prompt, text, question or messages field: add one")
             out.append(value)
@@ -397,6 +412,9 @@ def run(args) -> dict:
     prompts = read_prompts(args.prompt, args.prompt_file)
     if not prompts and args.export is None:
         raise CheckpointError("nothing to do: give --prompt, --prompt_file or --export DIR")
+    if args.export is not None and args.export.exists() and (not args.export.is_dir() or any(args.export.iterdir())):
+        what = "a file" if not args.export.is_dir() else "a directory that is not empty"
+        raise CheckpointError(f"--export {args.export} is {what}: give a new or empty directory (nothing is overwritten)")
     tag_dir, note = resolve_checkpoint(args.checkpoint)
     if note:
         print(f"llmft infer: {note}", file=sys.stderr)
@@ -432,12 +450,14 @@ def run(args) -> dict:
     return result
 
 
-def main(args) -> None:
+def main(args) -> int:
     try:
         run(args)
     except CheckpointError as e:
-        raise SystemExit(f"llmft infer: error: {e}") from None
+        print(f"llmft infer: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main(make_parser().parse_args())
+    sys.exit(main(make_parser().parse_args()))

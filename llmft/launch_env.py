@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -84,7 +85,9 @@ def discover_world(env: Mapping[str, str] | None = None, cuda_device_count: int 
             raise LaunchEnvError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local}")
         return World(world_size // local, local, "torchrun")
 
-    nnodes = _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
+    # The job's node count first: inside a one-node step (e.g. `llmft plan` run in a container by srun)
+    # SLURM_NNODES is the step's, SLURM_JOB_NUM_NODES still the job's.
+    nnodes = _int(env, "SLURM_JOB_NUM_NODES") or _int(env, "SLURM_NNODES")
     if nnodes is not None:
         gpus = slurm_gpus_on_node(env)
         if gpus:
@@ -99,6 +102,89 @@ def discover_world(env: Mapping[str, str] | None = None, cuda_device_count: int 
     if cuda_device_count:
         return World(1, cuda_device_count, "cuda")
     return World(1, 1, "local")
+
+
+@dataclass(frozen=True)
+class CpuSplit:
+    """How a node's CPUs are shared by the training processes on it (one decision: `cpu_split`)."""
+
+    cpus_per_node: int
+    procs_per_node: int
+    threads_per_process: int  # OMP_NUM_THREADS (torch CPU ops, DeepSpeed's CPU Adam with offload)
+    dataloader_workers: int  # --dataloader_num_workers per process
+    dataset_num_proc: int  # --dataset_num_proc: tokenisation runs in one process per node while the others wait
+    source: str = "local"
+
+    def warning(self) -> str | None:
+        if self.cpus_per_node < self.procs_per_node:
+            return (f"only {self.cpus_per_node} CPU(s) per node for {self.procs_per_node} processes: they will share CPUs; "
+                    f"request more (#SBATCH --cpus-per-gpu=4 or more)")
+        return None
+
+    def describe(self) -> str:
+        return (f"CPUs {self.cpus_per_node} per node (from {self.source}): {self.threads_per_process} per process "
+                f"(OMP_NUM_THREADS={self.threads_per_process}), {self.dataloader_workers} dataloader workers per process, "
+                f"{self.dataset_num_proc} tokenisation processes")
+
+
+def slurm_cpus_per_node(env: Mapping[str, str]) -> int | None:
+    """CPUs the job has on each node: SLURM_JOB_CPUS_PER_NODE ('16(x2)', '16,8'; the smallest node counts,
+    since every node runs the same number of processes), else SLURM_CPUS_ON_NODE."""
+    spec = env.get("SLURM_JOB_CPUS_PER_NODE", "").strip()
+    if spec:
+        counts = []
+        for part in spec.split(","):
+            m = re.fullmatch(r"(\d+)(?:\(x\d+\))?", part.strip())
+            if not m:
+                raise LaunchEnvError(f"cannot read a CPU count from SLURM_JOB_CPUS_PER_NODE={spec!r}")
+            counts.append(int(m.group(1)))
+        return min(counts)
+    return _int(env, "SLURM_CPUS_ON_NODE")
+
+
+def cpu_split(cpus_per_node: int, procs_per_node: int, source: str = "local") -> CpuSplit:
+    """Share a node's CPUs between its training processes so none is starved and none oversubscribes.
+
+    Each process gets an equal share for its threads; up to 2 dataloader workers where the share leaves room
+    for them beside the process itself (the data is tokenised before training, so workers only collate);
+    tokenisation uses every CPU of the node, since the other processes wait for it.
+    """
+    per_process = max(1, cpus_per_node // max(1, procs_per_node))
+    workers = min(2, per_process - 2) if per_process >= 3 else 0
+    return CpuSplit(cpus_per_node, procs_per_node, per_process, workers, max(1, cpus_per_node), source)
+
+
+def discover_cpus(env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """CPUs per node for this job: Slurm's allocation, else the CPUs this process may run on."""
+    env = os.environ if env is None else env
+    cpus = slurm_cpus_per_node(env)
+    if cpus:
+        return cpus, "slurm"
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1), "affinity"
+
+
+def launch_problem(env: Mapping[str, str], cuda_device_count: int, argv: list[str], module: str = "llmft.train") -> str | None:
+    """None when this process may train as it was started; else why not, with the exact command to run instead.
+
+    `llmft train` started directly (no torchrun) is one process. On a machine with several GPUs, or inside
+    a Slurm allocation of several GPUs or nodes, the plan would count them all while one process trains,
+    and Hugging Face's batch checks fail after the model has loaded. llmft stops before loading anything and
+    prints the torchrun command rather than launching it: torchrun's agent (not a training process) then owns
+    the workers, their signals and restarts, the command is visible in the log, and a Slurm job keeps using
+    slurm/run_llm.slurm, which starts one torchrun per node.
+    """
+    world = discover_world(env, cuda_device_count)  # also checks the launcher's variables are numbers
+    if world.source == "torchrun" or world.world_size <= 1:
+        return None  # torchrun (or another launcher setting WORLD_SIZE) has set up the world, or there is one process
+    command = " ".join(shlex.quote(a) for a in ["torchrun", "--nproc_per_node", str(world.procs_per_node), "-m", module, *argv])
+    if world.source == "slurm":
+        if world.nnodes > 1:
+            return (f"this Slurm job has {world.nnodes} nodes x {world.procs_per_node} processes, but llmft train was started "
+                    f"without torchrun and would train as one process: submit slurm/run_llm.slurm, which starts one torchrun per node")
+        return (f"this Slurm job has {world.procs_per_node} GPUs on its node, but llmft train was started without torchrun and "
+                f"would train as one process: run {command}")
+    return (f"this machine has {world.procs_per_node} GPUs, but llmft train was started without torchrun and would train "
+            f"as one process: run {command}   (or CUDA_VISIBLE_DEVICES=0 for one GPU)")
 
 
 def _cuda_device_count() -> int:

@@ -672,13 +672,13 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
         if need > job.free_disk_gib * GIB:
             out.append(
                 f"save_total_limit {job.save_total_limit} x {gib(chosen.checkpoint)} GiB per checkpoint = {gib(need)} GiB "
-                f"exceeds the {job.free_disk_gib:g} GiB free in the output directory; lower --save_total_limit or free space"
+                f"exceeds the {job.free_disk_gib:.1f} GiB free in the output directory; lower --save_total_limit or free space"
             )
     elif job.free_disk_gib is not None and chosen.checkpoint > job.free_disk_gib * GIB:
-        out.append(f"one checkpoint ({gib(chosen.checkpoint)} GiB) exceeds the {job.free_disk_gib:g} GiB free in the output directory")
+        out.append(f"one checkpoint ({gib(chosen.checkpoint)} GiB) exceeds the {job.free_disk_gib:.1f} GiB free in the output directory")
     if job.free_disk_gib is not None and not job.save_total_limit:
         out.append("--save_total_limit is not set: every checkpoint is kept "
-                   f"({gib(chosen.checkpoint)} GiB each, {job.free_disk_gib:g} GiB free)")
+                   f"({gib(chosen.checkpoint)} GiB each, {job.free_disk_gib:.1f} GiB free)")
     needed = chosen.write_s + (chosen.step_s or 0)
     if needed > job.preempt_window_s:
         out.append(
@@ -697,6 +697,16 @@ def _check_job(job: Job) -> None:
     for name, value in (("global_batch_size", job.global_batch), ("per_device_train_batch_size", job.micro_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise MemoryPlanError(f"--{name} must be a positive integer, got {value!r}")
+    if job.global_batch is not None and job.micro_batch is not None:
+        from llmft.batch import BatchError, plan_batch
+
+        try:  # the same arithmetic, and the same message with the nearest batches that work, as the batch-only plan
+            plan_batch(job.world, job.micro_batch, job.global_batch, job.grad_accum)
+        except BatchError as e:
+            raise MemoryPlanError(str(e)) from None
+    elif job.global_batch is not None and job.global_batch % job.world:
+        raise MemoryPlanError(f"global batch {job.global_batch} is not divisible by the world size {job.world}: "
+                              f"use a multiple of {job.world}")
     if job.host_ram_gib <= 0 or not math.isfinite(job.host_ram_gib):
         raise MemoryPlanError(f"host RAM must be a positive number of GiB, got {job.host_ram_gib!r}")
     if job.device_gib is not None and (job.device_gib <= 0 or not math.isfinite(job.device_gib)):

@@ -5,6 +5,7 @@ script's first lines, so a user sees (and a bad knob fails) before GPUs are spen
 
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --nnodes 2 --nproc_per_node 4
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --zero_stage 3 --offload   # world from Slurm/torchrun env
+    llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --print_launch   # + the line slurm/run_llm.slurm launches from
 
 With --model it is a memory plan (llmft.memory): will it fit, and what should it run with? The model is built
 from its config on the meta device (no weights are read); the hardware is a catalogue GPU or node type, or
@@ -31,8 +32,8 @@ from llmft.ds_config import (
     template_path,
     zero_stage_of,
 )
-from llmft.hardware import PRECISIONS, HardwareError, choose_precision
-from llmft.launch_env import LaunchEnvError, World, discover_world
+from llmft.hardware import AUTO_PRECISION, PRECISIONS, HardwareError, choose_precision
+from llmft.launch_env import CpuSplit, LaunchEnvError, World, cpu_split, discover_cpus, discover_world
 
 
 class PlanError(ValueError):
@@ -65,13 +66,6 @@ class RunPlan:
             f"llmft plan: precision {self.precision}",
             f"llmft plan: checkpoint dir {self.output_dir or '(not set)'}",
         ]
-
-
-def local_precision(requested: str) -> str:
-    """The precision this process trains in: llmft.hardware.choose_precision on the local GPU (if any)."""
-    from llmft.hardware import local_gpu
-
-    return choose_precision(requested, local_gpu())
 
 
 def make_plan(
@@ -134,16 +128,17 @@ def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None,
         node = node_type_by_name(node_type)
         if gpu and gpu_by_name(gpu) != node.gpu:
             raise PlanError(f"--gpu {gpu} contradicts --node_type {node.name}, which has {node.gpu.name}; give one of them")
-        return Hardware(node.gpu, gpu_memory_gb or node.gpu.memory_gib, host_ram_gb or node.host_ram_gib, node.gpus,
+        return Hardware(node.gpu, node.gpu.memory_gib if gpu_memory_gb is None else gpu_memory_gb,
+                        node.host_ram_gib if host_ram_gb is None else host_ram_gb, node.gpus,
                         node.provider, node.name)
-    if gpu or gpu_memory_gb:
+    if gpu or gpu_memory_gb is not None:
         if host_ram_gb is None:
             raise PlanError("--gpu/--gpu_memory_gb needs --host_ram_gb (the node's RAM), or use --node_type")
         if gpu:
             g = gpu_by_name(gpu)
         else:  # an unlisted GPU: assume bf16 tensor cores (Ampere+), peak unknown
             g = GPU(f"GPU-{gpu_memory_gb:g}GiB", gpu_memory_gb, (8, 0), None)
-        return Hardware(g, gpu_memory_gb or g.memory_gib, host_ram_gb, None, None, None)
+        return Hardware(g, g.memory_gib if gpu_memory_gb is None else gpu_memory_gb, host_ram_gb, None, None, None)
     g = local_gpu()
     host = host_ram_gb if host_ram_gb is not None else local_host_ram_gib()
     count = None
@@ -199,8 +194,8 @@ def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, prec
         gpu_memory_gib=hardware.gpu_memory_gib, gradient_checkpointing=gradient_checkpointing, zero_stages=stages,
         offloads=offload_modes, load_in_4bit=load_in_4bit, attention=attention, zero_config=zero_config,
         save_total_limit=save_total_limit, free_disk_gib=free,
-        write_mb_s=write_mb_s or memory.WRITE_MB_S.get(hardware.provider, memory.WRITE_MB_S[None]),
-        mfu=mfu or memory.DEFAULT_MFU, save_consolidated=save_consolidated,
+        write_mb_s=memory.WRITE_MB_S.get(hardware.provider, memory.WRITE_MB_S[None]) if write_mb_s is None else write_mb_s,
+        mfu=memory.DEFAULT_MFU if mfu is None else mfu, save_consolidated=save_consolidated,
     )
 
 
@@ -318,8 +313,9 @@ def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
     return written
 
 
-def memory_main(args, world: World) -> int:
-    """`llmft plan --model ...`: the candidate table and the recommendation (or --json)."""
+def memory_main(args, world: World) -> tuple[int, World]:
+    """`llmft plan --model ...`: the candidate table and the recommendation (or --json); the exit code and the
+    world it planned for."""
     import json
 
     from llmft.memory import MemoryPlanError, plan_memory
@@ -330,11 +326,18 @@ def memory_main(args, world: World) -> int:
         world = World(world.nnodes, hardware.gpus_per_node, world.source)
     precision = choose_precision(args.precision, hardware.gpu)
     config = load_model_config(args.model, args.trust_remote_code)
-    args.max_length = max_length = args.max_length or TRAIN_DEFAULTS["max_length"]
-    args.lora_r = args.lora_r or 16
+    if args.max_length is None:
+        args.max_length = TRAIN_DEFAULTS["max_length"]
+    max_length = args.max_length
+    if max_length < 1:
+        raise PlanError(f"--max_length must be a positive integer, got {max_length}")
+    if args.lora_r is None:
+        args.lora_r = 16  # TRL's default
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions and max_length > positions:
-        raise PlanError(f"--max_length {max_length} exceeds the model's {positions} positions")
+    if positions and max_length > positions:  # llmft train clips it the same way
+        if not args.json:
+            print(f"llmft plan: max_length {max_length} exceeds the model's {positions} positions; using {positions}")
+        args.max_length = max_length = positions
     shape = model_shape(config, use_peft=args.use_peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
     micro = None if args.auto else args.per_device_train_batch_size
     job = memory_job(
@@ -363,8 +366,8 @@ def memory_main(args, world: World) -> int:
             print(f"llmft plan: run it: {(Path(args.write) / 'sbatch.txt').read_text().strip()}")
     if mplan.recommended is None:
         print(f"llmft plan: error: {mplan.reason}", file=sys.stderr)
-        return 2
-    return 0
+        return 2, world
+    return 0, world
 
 
 def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: int, global_batch: int | None,
@@ -419,6 +422,8 @@ def make_parser(subparsers=None):
     parser.add_argument("--deepspeed", default=None)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--output_dir", default="")
+    parser.add_argument("--print_launch", action="store_true",
+                        help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)")
     mem = parser.add_argument_group("memory plan (--model)")
     mem.add_argument("--model", default=None, help="model directory, a directory holding only config.json, or a hub id")
     mem.add_argument("--gpu", default=None, help="L4, A100-40GB, A100-80GB, H100-80GB, H200, ... (llmft.hardware.GPUS)")
@@ -467,23 +472,28 @@ def main(args) -> int:
     try:
         world = discover_world()
         if args.nnodes is not None or args.nproc_per_node is not None:
-            world = World(args.nnodes or world.nnodes, args.nproc_per_node or world.procs_per_node, "arguments")
+            nnodes = world.nnodes if args.nnodes is None else args.nnodes  # 0 is a mistake to report, not "unset"
+            procs = world.procs_per_node if args.nproc_per_node is None else args.nproc_per_node
+            world = World(nnodes, procs, "arguments")
         if world.nnodes < 1 or world.procs_per_node < 1:
             raise PlanError("--nnodes and --nproc_per_node must be positive")
         if args.model:
             if args.deepspeed and (args.zero_stage is not None or args.offload):
                 raise PlanError("give either --zero_stage/--offload or --deepspeed, not both")
-            return memory_main(args, world)
+            if args.json and args.print_launch:
+                raise PlanError("--print_launch adds a text line that --json output cannot hold: give one of them")
+            rc, world = memory_main(args, world)
+            if rc == 0 and not args.json:
+                print_launch_lines(world, args.print_launch)
+            return rc
         given = [f"--{name}" for name in MEMORY_ONLY if getattr(args, name) is not None and getattr(args, name) is not False
                  or name == "gradient_checkpointing" and args.gradient_checkpointing is False]
         if given:
             raise PlanError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --model (a memory plan)")
-        precision = args.precision
-        if precision == "auto":
-            # Planning on a login node: say what the GPU nodes will pick.
-            precision = "bf16 on Ampere+ GPUs, fp16 on older GPUs, fp32 on CPU"
+        # Planning on a login node: say what the GPU nodes will pick (llmft.hardware.choose_precision's rule).
+        precision = AUTO_PRECISION if args.precision == "auto" else args.precision
         plan = make_plan(
-            micro_batch=args.per_device_train_batch_size or 8,
+            micro_batch=8 if args.per_device_train_batch_size is None else args.per_device_train_batch_size,  # HF default
             global_batch=args.global_batch_size,
             grad_accum=args.gradient_accumulation_steps,
             zero_stage=args.zero_stage,
@@ -493,11 +503,31 @@ def main(args) -> int:
             output_dir=args.output_dir,
             world=world,
         )
+        print("\n".join(plan.lines()))
+        print_launch_lines(plan.world, args.print_launch)
     except (PlanError, LaunchEnvError, HardwareError, MemoryPlanError) as e:
         print(f"llmft plan: error: {e}", file=sys.stderr)
         return 2
-    print("\n".join(plan.lines()))
     return 0
+
+
+def print_launch_lines(world: World, print_launch: bool) -> None:
+    """Inside Slurm (or with --print_launch): the CPU split, and the line slurm/run_llm.slurm launches from."""
+    cpus, source = discover_cpus()
+    if source == "slurm" or print_launch:
+        split = cpu_split(cpus, world.procs_per_node, source)
+        print(f"llmft plan: {split.describe()}")
+        if split.warning():
+            print(f"llmft plan: warning: {split.warning()}")
+        if print_launch:
+            print(launch_line(world, split))
+
+
+def launch_line(world: World, split: CpuSplit) -> str:
+    """The launch decisions as one machine-readable line, so the Slurm script never recomputes them."""
+    return (f"llmft launch: nnodes={world.nnodes} nproc_per_node={world.procs_per_node} cpus_per_node={split.cpus_per_node} "
+            f"omp_num_threads={split.threads_per_process} dataloader_num_workers={split.dataloader_workers} "
+            f"dataset_num_proc={split.dataset_num_proc}")
 
 
 if __name__ == "__main__":

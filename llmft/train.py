@@ -24,10 +24,13 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
     --output_dir runs/llama --global_batch_size 64 --per_device_train_batch_size 8 --max_length 2048 --auto
 ```
 
-Every `SFTConfig`/`TrainingArguments` flag works, with TRL's names. llmft adds `--zero_stage`,
-`--offload`, `--auto`, `--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and
-column mapping. Weights load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise.
-A rerun with the same `--output_dir` resumes from the newest complete checkpoint; it never starts over.
+Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
+(llmft/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
+`--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and column mapping. Weights
+load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise. A rerun with the same `--output_dir` resumes from
+the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.elastic);
+a different run there is refused. Started without torchrun on a machine with several GPUs, it stops and
+prints the torchrun command.
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config, host_memory, saving
-from llmft.launch_env import rank0, single_process_defaults
-from llmft.hardware import PRECISIONS, HardwareError
-from llmft.plan import PlanError, auto_choice, local_precision, make_plan
+from llmft import checkpoints, data, ds_config, elastic, host_memory, hub, run_identity, saved_weights, saving
+from llmft.flags import FlagError, TrainParser, check_flags
+from llmft.hardware import HardwareError, choose_precision, local_gpu
+from llmft.launch_env import LaunchEnvError, launch_problem, rank0, single_process_defaults
+from llmft.plan import PlanError, auto_choice, make_plan
+from llmft.qlora import QuantizationError, QuantRequest, bitsandbytes_version, choose_quantization
 
 
 @dataclass
@@ -76,6 +81,9 @@ class LlmftArguments:
         metadata={"help": "ZeRO-3: gather the 16-bit model on rank 0 into --output_dir at the end (needs about twice "
                           "its 16-bit size in host RAM there; `llmft plan --save_consolidated` counts it)."},
     )
+    # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.flags.TrainParser; not flags themselves.
+    bf16_flag: bool | None = field(default=None, init=False, repr=False)
+    fp16_flag: bool | None = field(default=None, init=False, repr=False)
 
 
 class TrainError(RuntimeError):
@@ -101,18 +109,32 @@ def _callbacks():
         return bool(t.item())
 
     class PublishCompleteCheckpoint(TrainerCallback):
-        """After every rank has written its shard, publish checkpoint-N/llmft_complete.json."""
+        """After every rank has written its shard and the saved weights hold the model, publish checkpoint-N/llmft_complete.json.
 
-        def __init__(self, zero_stage: int):
-            self.zero_stage = zero_stage
+        Weights that do not (empty, missing tensors, zeros): no marker, training stops, `refused` says why.
+        """
 
-        def on_save(self, args, state, control, **kwargs):
+        def __init__(self, zero_stage: int, batch):
+            self.zero_stage, self.batch = zero_stage, batch
+            self.refused: str | None = None
+
+        def on_save(self, args, state, control, model=None, **kwargs):
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            report = checkpoints.rank_report(ckpt, args.process_index)  # what this rank wrote, as its node sees it
+            reports = [report]
             if dist.is_initialized():
-                dist.barrier()
-            if state.is_world_process_zero:
-                ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage)
-                log(f"saved complete checkpoint {ckpt}")
+                reports = [None] * dist.get_world_size()
+                dist.all_gather_object(reports, report)  # also the barrier: every rank has finished saving
+            bad = saved_weights.check_save(ckpt, model, state.is_world_process_zero)
+            if all_ranks_max(bool(bad), args.device):
+                self.refused = f"{ckpt} not published as complete: {'; '.join(bad) or 'see rank 0'}"
+                control.should_training_stop = True
+            elif state.is_world_process_zero:
+                if checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage, reports, self.batch):
+                    log(f"saved complete checkpoint {ckpt}")
+                else:
+                    missing = [r for r, files in enumerate(reports) if not files]
+                    log(f"warning: not marking {ckpt} complete: rank(s) {missing} reported no files")
             if dist.is_initialized():
                 dist.barrier()
 
@@ -163,13 +185,74 @@ def _callbacks():
     return PublishCompleteCheckpoint, GracefulStop, StepLog
 
 
-def requested_precision(training_args, llmft_args) -> str:
-    """--precision, or an explicit --fp16 (TRL's SFTConfig turns bf16 on by default, so only fp16 is a choice)."""
-    if llmft_args.precision not in PRECISIONS:
-        raise TrainError(f"unknown --precision {llmft_args.precision!r}; use one of {', '.join(PRECISIONS)}")
-    if llmft_args.precision == "auto" and training_args.fp16:
-        return "fp16"
-    return llmft_args.precision
+def train_precision(training_args, llmft_args, gpu) -> str:
+    """llmft.hardware.choose_precision with --precision and the --bf16/--fp16 flags as given.
+
+    Called without llmft's parser (main() from Python), only an fp16=True is a choice: SFTConfig sets bf16 on
+    by default, so its bf16 says nothing about what the user asked."""
+    bf16, fp16 = llmft_args.bf16_flag, llmft_args.fp16_flag
+    if bf16 is None and fp16 is None and training_args.fp16:
+        fp16 = True
+    return choose_precision(llmft_args.precision, gpu, bf16=bf16, fp16=fp16)
+
+
+def load_model_files(model_args, training_args):
+    """The model's config and tokenizer (small files), at the asked revision, and the path to load the weights
+    from; a missing model is one line. A hub model is downloaded once per job first (llmft.hub: one process,
+    the others wait), then every process loads the local snapshot."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = model_args.model_name_or_path
+    path = Path(name).expanduser()
+    if name.startswith(("/", "./", "../", "~")) or path.exists():
+        if not path.exists():
+            raise TrainError(f"model directory {name} not found: pass an existing local model directory or a hub model name")
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise TrainError(f"{name} is not a model directory (no config.json in it): pass a directory saved with "
+                             "save_pretrained, or a hub model name")
+    name = hub.resolve_model(name, model_args.model_revision)
+    kwargs = {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code}
+    loaded = []
+    for what, cls in (("config", AutoConfig), ("tokenizer", AutoTokenizer)):
+        try:
+            loaded.append(cls.from_pretrained(name, **kwargs))
+        except (OSError, ValueError) as e:
+            reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise TrainError(f"cannot load the {what} of {name} (revision {model_args.model_revision}): {reason}") from None
+    return loaded[0], loaded[1], name
+
+
+def model_init_kwargs(model_args, training_args, quantization: dict | None, precision: str = "fp32") -> dict:
+    """How SFTTrainer loads the weights: the same revision as the config and tokenizer, llmft's QLoRA dtype.
+
+    Weights load in the precision the run trains in (an explicit --dtype wins), never an fp32 copy per rank on a
+    bf16 run (issue 9: 32 GB of host RAM per rank for an 8B model). On CPU that is fp32, as before."""
+    kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    kwargs["dtype"] = model_args.dtype or {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
+    if quantization:
+        kwargs["dtype"] = quantization["model_dtype"]
+    kwargs.update(training_args.model_init_kwargs or {})
+    return kwargs
+
+
+def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cuda: bool, max_length, resume):
+    """The SFTConfig the Trainer runs with: the user's, with what llmft decided (flags.POLICY names each field)."""
+    tokens = training_args.include_num_input_tokens_seen
+    return dataclasses.replace(
+        training_args,
+        deepspeed=resolved_ds_config,
+        per_device_train_batch_size=plan.batch.micro_batch,
+        gradient_accumulation_steps=plan.batch.grad_accum,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
+        dataloader_pin_memory=training_args.dataloader_pin_memory and cuda,
+        include_num_input_tokens_seen=tokens if tokens not in ("no", False) else "all",  # for tokens/s
+        max_length=max_length,
+        resume_from_checkpoint=str(resume) if resume else None,
+    )
 
 
 def choose_automatically(script_args, training_args, model_args, llmft_args, precision: str, grad_accum):
@@ -194,7 +277,8 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
     """Check everything cheap first, then build the trainer and train (or resume)."""
     try:
         return _train(script_args, training_args, model_args, llmft_args)
-    except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError) as e:
+    except (TrainError, PlanError, HardwareError, data.DataError, ds_config.DSConfigError, checkpoints.CheckpointError,
+            FlagError, QuantizationError, run_identity.RunMismatch, LaunchEnvError, hub.HubError) as e:
         if rank0():
             print(f"llmft train: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -203,15 +287,15 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
 def _train(script_args, training_args, model_args, llmft_args) -> int:
     import torch
 
-    # 1. Cheap checks: batch math, DeepSpeed template, data, resume point. No model yet.
+    # 1. Cheap checks: flags, batch math, DeepSpeed template, optimizer, QLoRA, model files, data, resume point.
     if not model_args.model_name_or_path:
         raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
     if not script_args.dataset_name:
         raise TrainError("--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
-    if training_args.save_total_limit == 1:
-        raise TrainError("--save_total_limit 1 can leave no complete checkpoint if a job dies while saving; use 2 or more")
     cuda = torch.cuda.is_available()
-    precision = local_precision(requested_precision(training_args, llmft_args))
+    check_flags(script_args, training_args, model_args, cuda=cuda)
+    gpu = local_gpu()
+    precision = train_precision(training_args, llmft_args, gpu)
     grad_accum = training_args.gradient_accumulation_steps if training_args.gradient_accumulation_steps != 1 else None
     micro, zero_stage, offload, auto_line = training_args.per_device_train_batch_size, llmft_args.zero_stage, llmft_args.offload, ""
     if llmft_args.auto:
@@ -233,7 +317,13 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         raise TrainError("--save_consolidated gathers a ZeRO-3 model at the end; "
                          + ("a LoRA run saves its adapter (llmft infer --merge --export DIR writes a merged model)"
                             if model_args.use_peft else f"under ZeRO-{plan.zero_stage} the final model is written whole already"))
+    template = ds_config.choose_optimizer(ds_config.load_config(plan.ds_template), training_args.optim,
+                                          optim_args=training_args.optim_args, user_config=training_args.deepspeed is not None)
+    quantization = choose_quantization(QuantRequest.from_model_args(model_args), gpu=gpu, zero_stage=plan.zero_stage,
+                                       offload=plan.offload, use_peft=model_args.use_peft, precision=precision,
+                                       bitsandbytes=bitsandbytes_version())
     data.check_percentage(llmft_args.data_percentage)
+    model_config, tokenizer, model_path = load_model_files(model_args, training_args)
     dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
     dataset, shape = data.shape_for_sft(
         dataset,
@@ -244,12 +334,26 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     )
     dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
     resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
-    if resume:
-        checkpoints.check_resumable(resume, plan.world.world_size, plan.zero_stage)
+    given = llmft_args.global_batch_size is not None  # if not, a resume keeps the checkpoint's global batch on any world
+    identity = run_identity.run_identity(
+        script_args, training_args, model_args, llmft_args, zero_stage=plan.zero_stage,
+        global_batch=elastic.kept_global_batch(resume, plan.batch.global_batch, global_batch_given=given),
+        dataset_fingerprint=data.content_fingerprint(script_args.dataset_name, script_args.dataset_config),
+    )
+    accepted = run_identity.check_same_run(training_args.output_dir, identity, training_args.resume_from_checkpoint)
+    resuming = resume and elastic.plan_resume(
+        resume, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=given
+    )
+    if resuming:  # another world keeps the checkpoint's global batch: the accumulation follows
+        plan = dataclasses.replace(plan, batch=resuming.batch)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
     log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
-    log(f"resuming from {resume}" if resume else f"starting a new run in {training_args.output_dir}")
+    log(resuming.describe(elastic.prepare(resuming, rank0(), log)) if resuming else f"starting a new run in {training_args.output_dir}")
+    if accepted:
+        log(f"continuing on purpose with new settings: {'; '.join(accepted)}")
+    if quantization:
+        log(f"QLoRA: base model loaded in {'4' if quantization.get('load_in_4bit') else '8'}-bit (bitsandbytes)")
 
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
@@ -257,13 +361,10 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if isinstance(target, str) and target != "all-linear" and re.fullmatch(r"[\w.]+", target):
         model_args.lora_target_modules = [target]
 
-    # 2. Tokenizer and model config (small files), then the concrete DeepSpeed config.
-    from transformers import AutoConfig, AutoTokenizer
+    # 2. The concrete DeepSpeed config (the tokenizer and model config are loaded above).
     from trl import get_peft_config
 
-    model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=training_args.trust_remote_code)
-    if shape == "messages" and data.ensure_chat_template(tokenizer):
+    if shape == "messages" and not training_args.chat_template_path and data.ensure_chat_template(tokenizer):
         log("the tokenizer has no chat template; using llmft's default")
     max_positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     max_length = training_args.max_length
@@ -272,7 +373,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         max_length = max_positions
 
     resolved = ds_config.resolve(
-        ds_config.load_config(plan.ds_template),
+        template,
         plan.batch,
         precision,
         gradient_clipping=training_args.max_grad_norm,
@@ -282,31 +383,21 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         weight_decay=training_args.weight_decay,
         hidden_size=getattr(model_config, "hidden_size", None),
     )
-    if rank0():
+    if resuming and resuming.universal:
+        resolved = elastic.with_universal_load(resolved)
+    if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
+        run_identity.record_run(training_args.output_dir, identity)
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
 
     single_process_defaults()  # outside torchrun: a world of one, before DeepSpeed reads the environment
-    args = dataclasses.replace(
-        training_args,
-        deepspeed=resolved,
-        per_device_train_batch_size=plan.batch.micro_batch,
-        gradient_accumulation_steps=plan.batch.grad_accum,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
-        dataloader_pin_memory=cuda,
-        include_num_input_tokens_seen="all",
-        max_length=max_length,
-        resume_from_checkpoint=str(resume) if resume else None,
-    )
-    model_init_kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
-    if model_args.attn_implementation:
-        model_init_kwargs["attn_implementation"] = model_args.attn_implementation
-    # Weights load in the precision the run trains in (llmft's parser leaves TRL's fp32 default unset), never an
-    # fp32 copy per rank on a bf16 run; an explicit --dtype wins.
-    model_init_kwargs["dtype"] = model_args.dtype or {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
-    model_init_kwargs.update(args.model_init_kwargs or {})
-    args.model_init_kwargs = model_init_kwargs
+    args = trainer_arguments(training_args, plan=plan, precision=precision, resolved_ds_config=resolved, cuda=cuda,
+                             max_length=max_length, resume=resume)
+    args.model_init_kwargs = model_init_kwargs(model_args, training_args, quantization, precision)
+    quantization_config = None
+    if quantization:
+        from transformers import BitsAndBytesConfig
+
+        quantization_config = BitsAndBytesConfig(**{k: v for k, v in quantization.items() if k != "model_dtype"})
 
     # 3. Train. ZeRO-3 partitions the model while loading it (zero.Init), which needs DeepSpeed's comm layer up;
     # on GPUs HF starts it, on the CPU path it would see a world of one and reject the batch sizes.
@@ -317,21 +408,28 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     PublishCompleteCheckpoint, GracefulStop, StepLog = _callbacks()
     before_loading = host_memory.current_rss()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
+    publish = PublishCompleteCheckpoint(plan.zero_stage, plan.batch)
     trainer = saving.trainer_class(llmft_args.save_consolidated)(
-        model=model_args.model_name_or_path,
+        model=model_path,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
-        callbacks=[PublishCompleteCheckpoint(plan.zero_stage), stop, StepLog()],
+        quantization_config=quantization_config,
+        callbacks=[publish, stop, StepLog()],
     )
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step
+    if publish.refused:
+        raise TrainError(publish.refused)
     if stop.stopped_at is not None:
         log(f"stop requested; saved checkpoint-{step}")
     else:
         trainer.save_model(args.output_dir)
+        bad = saved_weights.check_save(args.output_dir, trainer.model, rank0())
+        if bad:
+            raise TrainError(f"the final model in {args.output_dir} is not what was trained: {'; '.join(bad)}; run not marked done")
         if rank0():
             checkpoints.mark_done(args.output_dir, step)
         log(f"training complete at step {step}; "
@@ -342,26 +440,49 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
 
 
 def make_parser(subparsers=None):
+    """llmft.flags.TrainParser (TRL's parser, with llmft's precision and DeepSpeed-file handling) for the four dataclasses.
+
+    As a subcommand, `subparsers` must have been made with parser_class=TrainParser (llmft.cli does)."""
     import torch
-    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+    from trl import ModelConfig, ScriptArguments, SFTConfig
 
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
     if subparsers is not None:
         parser = subparsers.add_parser("train", help="Fine-tune with SFTTrainer on DeepSpeed ZeRO", dataclass_types=dataclass_types)
     else:
-        parser = TrlParser(dataclass_types, prog="llmft train")
-    # SFTConfig turns bf16 on by default, which HF rejects on a machine without CUDA unless use_cpu is set.
-    # dtype: unset means "the training precision" (TRL's default would load fp32 weights on every rank).
+        parser = TrainParser(dataclass_types, prog="llmft train")
+    # llmft trains on CPU exactly when no GPU is visible. dtype: unset means "the training precision" (TRL's default
+    # would load fp32 weights on every rank of a bf16 run).
     parser.set_defaults(use_cpu=not torch.cuda.is_available(), dtype=None)
     return parser
 
 
 def cli(parser, argv: list[str] | None = None) -> int:
+    import yaml
+
+    from llmft.launch_env import _cuda_device_count
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not {"-h", "--help"} & set(argv):
+        try:
+            problem = launch_problem(os.environ, _cuda_device_count(), argv)
+        except LaunchEnvError as e:
+            problem = str(e)
+        if problem:  # before anything loads (HF reads these variables while parsing): several GPUs but one process
+            if rank0():
+                print(f"llmft train: error: {problem}", file=sys.stderr, flush=True)
+            return 2
     try:
         script_args, training_args, model_args, llmft_args = parser.parse_args_and_config(args=argv)
-    except ValueError as e:  # HF/TRL validate flags in __post_init__ (e.g. a --deepspeed file that does not exist)
+    except (ValueError, OSError, yaml.YAMLError) as e:  # HF/TRL validate flags in __post_init__; --config file problems
+        if isinstance(e, OSError):
+            message = f"cannot read {e.filename or 'the --config file'}: {e.strerror or e}"
+        elif isinstance(e, yaml.YAMLError):
+            message = f"the --config file is not valid YAML: {str(e).strip().splitlines()[0]}"
+        else:
+            message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if rank0():
-            print(f"llmft train: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr, flush=True)
+            print(f"llmft train: error: {message}", file=sys.stderr, flush=True)
         return 2
     return main(script_args, training_args, model_args, llmft_args)
 

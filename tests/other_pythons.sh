@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The interpreter-dependent tests under every other Python 3.10+ this machine has.
+# The interpreter-dependent tests under every other Python 3.11+ this machine has.
 #
 # What a checkpoint holds depends on the Python that pickled it (Python 3.11.0-3.11.4 pickle enums by
 # name, the others by value), and users train on one Python and read on another. `make test` covers
 # the Python of .venv; this runs the checkpoint-reader and data tests once per other interpreter,
 # each in its own virtual environment (.venv-pyX.Y.Z, built like .venv from constraints.txt).
 # Interpreters are looked for on PATH (python3.N), under pyenv and uv, and in /usr/bin and /usr/local/bin.
-# One that is absent or older than 3.10 is skipped with a printed line, never a failure.
+# One that is absent or older than 3.11 (llmft's pinned stack needs 3.11: transformers 5.21+, trl 1.16) is
+# skipped with a printed line, never a failure. Pickles written by 3.10 are covered by tests/test_safe_load.py.
 #
 #   bash tests/other_pythons.sh            # or: make test-other-pythons
 set -euo pipefail
@@ -43,8 +44,8 @@ for exe in "${candidates[@]}"; do
   fi
   [[ -z "${seen[$version]:-}" ]] || continue
   seen[$version]=$exe
-  if [[ "$(printf '%s\n' "$version" 3.10.0 | sort -V | head -n 1)" != 3.10.0 ]]; then
-    echo "$me: skipping $exe (Python $version): llmft needs Python 3.10 or newer"
+  if [[ "$(printf '%s\n' "$version" 3.11.0 | sort -V | head -n 1)" != 3.11.0 ]]; then
+    echo "$me: skipping $exe (Python $version): llmft needs Python 3.11 or newer (transformers 5.21+ and trl 1.16 do)"
     continue
   fi
   venv=".venv-py$version"
@@ -61,7 +62,7 @@ for exe in "${candidates[@]}"; do
   fi
 done
 
-echo "$me: main suite ran on Python $main_version; checkpoint and data tests passed on: ${tested[*]:-(no other Python 3.10+ found)}"
+echo "$me: main suite ran on Python $main_version; checkpoint and data tests passed on: ${tested[*]:-(no other Python 3.11+ found)}"
 if (( ${#failed[@]} )); then
   echo "$me: FAILED on: ${failed[*]}" >&2
   exit 1

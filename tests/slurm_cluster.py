@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import require_tool, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "run_llm.slurm"
 LOCAL = REPO / "slurm" / "local"
+PYXIS_STANDIN = REPO / "tests" / "pyxis_standin.c"
 SBIN_PATH = os.pathsep.join(["/usr/sbin", "/sbin"])
 
 
@@ -78,10 +79,26 @@ class SlurmCluster:
         return "\n".join(out)
 
 
+def build_pyxis_standin(state: Path) -> Path:
+    """Compile tests/pyxis_standin.c and list it in a plugstack.conf; srun offers pyxis's options where
+    LLMFT_TEST_PYXIS=1 is set and logs what it received to STATE/container-options.log."""
+    state.mkdir(parents=True, exist_ok=True)
+    plugin = state / "pyxis_standin.so"
+    proc = subprocess.run([require_tool("gcc"), "-shared", "-fPIC", "-Wall", "-o", str(plugin), str(PYXIS_STANDIN)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"could not build the pyxis stand-in (tests/system_deps.sh installs gcc and libslurm-dev):\n{proc.stderr}",
+                    pytrace=False)
+    plugstack = state / "plugstack.conf"
+    plugstack.write_text(f"optional {plugin} log={state / 'container-options.log'}\n")
+    return plugstack
+
+
 def start_cluster(state: Path) -> SlurmCluster:
     """Start munge, slurmctld and slurmd n1/n2 (installed by `make test`'s set-up step, tests/system_deps.sh)."""
+    plugstack = build_pyxis_standin(state)
     proc = subprocess.run(
-        ["bash", str(LOCAL / "start.sh"), str(state)],
+        ["bash", str(LOCAL / "start.sh"), "--plugstack", str(plugstack), str(state)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "PATH": os.environ.get("PATH", "") + os.pathsep + SBIN_PATH},
     )
     if proc.returncode != 0:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The system tools llmft's tests need, installed in one step before pytest starts (`make test` runs this):
-#   shellcheck                              the shell-script checks
-#   slurmctld slurmd slurm-client munge     the real two-node Slurm cluster of slurm/local/
+#   - the shell-script checks: the shellcheck package
+#   - the real two-node Slurm cluster of slurm/local/: slurmctld, slurmd, slurm-client, munge
+#   - the tests' pyxis stand-in SPANK plugin (tests/pyxis_standin.c): gcc, libslurm-dev
 # Present tools are left alone. Missing ones are installed with apt-get (as root, or through sudo -n);
 # where that is impossible the script says what to install and exits 1, so the tests never start half-equipped.
 set -euo pipefail
@@ -13,19 +14,27 @@ export PATH="$PATH:/usr/sbin:/sbin"
 declare -A package_of=(
   [shellcheck]=shellcheck [slurmctld]=slurmctld [slurmd]=slurmd
   [sbatch]=slurm-client [srun]=slurm-client [scontrol]=slurm-client [sinfo]=slurm-client
-  [munged]=munge [mungekey]=munge
+  [munged]=munge [mungekey]=munge [gcc]=gcc
 )
+# files (not commands) -> the package that provides them
+declare -A package_of_file=([/usr/include/slurm/spank.h]=libslurm-dev)
 
 missing_packages() {
   local cmd
-  for cmd in "${!package_of[@]}"; do
-    command -v "$cmd" >/dev/null 2>&1 || echo "${package_of[$cmd]}"
-  done | sort -u
+  local cmd file
+  {
+    for cmd in "${!package_of[@]}"; do
+      command -v "$cmd" >/dev/null 2>&1 || echo "${package_of[$cmd]}"
+    done
+    for file in "${!package_of_file[@]}"; do
+      [[ -f "$file" ]] || echo "${package_of_file[$file]}"
+    done
+  } | sort -u
 }
 
 mapfile -t missing < <(missing_packages)
 if (( ${#missing[@]} == 0 )); then
-  echo "$me: shellcheck, Slurm and munge are installed"
+  echo "$me: shellcheck, Slurm, munge, gcc and Slurm's SPANK header are installed"
   exit 0
 fi
 

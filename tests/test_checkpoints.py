@@ -1,17 +1,22 @@
 """Checkpoint bookkeeping: half-written checkpoints are never resumed from or passed off as complete."""
 
 import json
+import shutil
 
 import pytest
 
 from llmft.checkpoints import (
     DONE_MARKER,
     CheckpointError,
-    check_resumable,
+    choose_checkpoint,
+    incomplete_reason,
     latest_complete,
     mark_complete,
     mark_done,
+    owner_rank,
+    rank_report,
     resolve_resume,
+    tag_dir,
 )
 
 
@@ -21,6 +26,7 @@ def fake_checkpoint(root, step, ranks=2, complete=True, zero_stage=2):
     tag.mkdir(parents=True)
     for r in range(ranks):
         (tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"x" * (100 + r))
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"m" * 50)
     (ckpt / "latest").write_text(f"global_step{step}")
     if complete:
         mark_complete(ckpt, ranks, zero_stage)
@@ -63,12 +69,83 @@ def test_done_marker(tmp_path):
     assert json.loads((tmp_path / DONE_MARKER).read_text())["global_step"] == 42
 
 
-def test_resuming_on_another_world_size_or_stage_is_refused_with_the_way_out(tmp_path):
-    ckpt = fake_checkpoint(tmp_path, 10, ranks=2, zero_stage=2)
-    check_resumable(ckpt, world_size=2, zero_stage=2)  # the same world: fine
-    with pytest.raises(CheckpointError, match=r"holds ZeRO shards for 2 ranks, this run has 4; resume on 2 GPUs, or export"):
-        check_resumable(ckpt, world_size=4, zero_stage=2)
-    with pytest.raises(CheckpointError, match=r"written with ZeRO stage 2, this run uses stage 3; resume with --zero_stage 2"):
-        check_resumable(ckpt, world_size=2, zero_stage=3)
-    stage0 = fake_checkpoint(tmp_path, 20, ranks=2, zero_stage=0)
-    check_resumable(stage0, world_size=1, zero_stage=0)  # nothing partitioned: any world
+def test_each_checkpoint_file_belongs_to_the_rank_that_writes_it():
+    assert owner_rank("global_step5/zero_pp_rank_3_mp_rank_00_optim_states.pt") == 3
+    assert owner_rank("global_step5/bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt") == 12
+    assert owner_rank("global_step5/zero_pp_rank_1_mp_rank_00_model_states.pt") == 1  # ZeRO-3 parameters
+    assert owner_rank("rng_state_7.pth") == 7
+    for shared in ("global_step5/mp_rank_00_model_states.pt", "rng_state.pth", "model.safetensors", "latest",
+                   "trainer_state.json", "scheduler.pt", "adapter_model.safetensors"):
+        assert owner_rank(shared) == 0, shared
+
+
+def test_the_marker_lists_what_each_rank_wrote_even_where_rank_0_cannot_see_it_yet(tmp_path):
+    """Two nodes' views of one checkpoint on a network filesystem: rank 1's node sees the shard it just wrote,
+    rank 0's node does not yet. A marker from rank 0's own listing would leave the shard out (and a checkpoint
+    that never got it would pass as complete); the marker from the ranks' reports lists it with its size."""
+    node0 = fake_checkpoint(tmp_path / "node0", 10, ranks=1, complete=False)
+    (node0 / "rng_state_0.pth").write_bytes(b"r" * 30)
+    node1 = tmp_path / "node1" / "checkpoint-10"
+    shutil.copytree(node0, node1)
+    shard = "global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (node1 / shard).write_bytes(b"x" * 101)
+    (node1 / "rng_state_1.pth").write_bytes(b"r" * 31)
+
+    reports = [rank_report(node0, 0), rank_report(node1, 1)]
+    assert sorted(reports[1]) == [shard, "rng_state_1.pth"]
+    marker = json.loads(mark_complete(node0, 2, 2, reports).read_text())
+    assert marker["files"][shard] == 101 and marker["files"]["rng_state_1.pth"] == 31
+    assert marker["files"]["global_step10/zero_pp_rank_0_mp_rank_00_optim_states.pt"] == 100
+    assert marker["reported_by_rank"]["1"] == [shard, "rng_state_1.pth"]
+    # Until rank 1's files reach rank 0's view the checkpoint is incomplete there, never silently "complete".
+    assert f"is missing {shard}" in incomplete_reason(node0)
+    shutil.copy(node1 / shard, node0 / shard)
+    shutil.copy(node1 / "rng_state_1.pth", node0 / "rng_state_1.pth")
+    assert incomplete_reason(node0) is None
+    assert latest_complete(node0.parent) == node0
+
+
+def test_no_marker_when_a_rank_reports_nothing(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 10, ranks=1, complete=False)
+    assert mark_complete(ckpt, 2, 2, [rank_report(ckpt, 0), rank_report(ckpt, 1)]) is None
+    assert mark_complete(ckpt, 2, 2, [rank_report(ckpt, 0)]) is None  # a report short
+    assert incomplete_reason(ckpt) is not None and latest_complete(tmp_path) is None
+
+
+def test_training_inference_and_the_demo_pick_the_same_checkpoint(tmp_path, capsys):
+    """One decision (checkpoints.choose_checkpoint): resume, `llmft infer RUN_DIR` and the demo agree."""
+    from llmft.demo import newest_tag_dir
+    from llmft.infer import resolve_checkpoint
+
+    fake_checkpoint(tmp_path, 10)
+    good = fake_checkpoint(tmp_path, 20)
+    fake_checkpoint(tmp_path, 30, complete=False)  # a job killed while saving
+    assert resolve_resume(tmp_path, None) == good
+    assert resolve_checkpoint([str(tmp_path)]) == (good / "global_step20", None)
+    assert capsys.readouterr().err == f"llmft infer: skipping {tmp_path / 'checkpoint-30'} has no llmft_complete.json: it was interrupted while saving\n"
+    assert newest_tag_dir(tmp_path) == good / "global_step20"
+    assert choose_checkpoint(tmp_path) == (good, [f"skipping {tmp_path / 'checkpoint-30'} has no llmft_complete.json: it was interrupted while saving"])
+
+
+def test_inference_refuses_a_run_whose_checkpoints_are_all_incomplete_and_reads_foreign_runs(tmp_path):
+    from llmft.infer import resolve_checkpoint
+
+    fake_checkpoint(tmp_path / "a", 10, complete=False)
+    (tmp_path / "a" / "llmft_run.json").write_text("{}")  # llmft started this run: its unmarked checkpoint is half-written
+    with pytest.raises(CheckpointError, match=r"holds no complete checkpoint \(.*checkpoint-10 has no llmft_complete.json"):
+        resolve_checkpoint([str(tmp_path / "a")])
+    fake_checkpoint(tmp_path / "hf", 10, complete=False)
+    fake_checkpoint(tmp_path / "hf", 20, complete=False)  # written by a plain HF Trainer: nobody marks anything
+    assert choose_checkpoint(tmp_path / "hf", unmarked_ok=True)[0] == tmp_path / "hf" / "checkpoint-20"
+    assert choose_checkpoint(tmp_path / "hf")[0] is None  # training never resumes from unverified state
+
+
+def test_tag_dir_follows_latest_and_refuses_a_dangling_one(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 10)
+    assert tag_dir(ckpt) == ckpt / "global_step10"
+    (ckpt / "latest").write_text("global_step99")
+    with pytest.raises(CheckpointError, match="names 'global_step99', which is not in"):
+        tag_dir(ckpt)
+    (ckpt / "latest").unlink()
+    (ckpt / "global_step9").mkdir()
+    assert tag_dir(ckpt) == ckpt / "global_step10"  # the highest step, not the last in name order

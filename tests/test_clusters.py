@@ -482,6 +482,11 @@ def test_dockerfile_installs_pinned_llmft_with_prebuilt_ops_for_l4_and_a100():
     assert re.search(r"DS_ACCELERATOR=cuda\b.*DS_BUILD_", instructions)
     # The prebuilt ops are checked at build time, not discovered missing in a job.
     assert "ds_report" in instructions
+    # EFA (NCCL_PROFILE=aws-efa): libfabric and the aws-ofi-nccl plugin from AWS's installer (user space only),
+    # on NCCL's library path, and the build fails when either is missing.
+    assert re.search(r"efa_installer\.sh\b.*--skip-kmod", instructions)
+    assert re.search(r"libfabric\.so.*libnccl-net.*exit 1", instructions)
+    assert re.search(r"^ENV LD_LIBRARY_PATH=.*ofi-nccl/lib.*/opt/amazon/efa/lib", instructions, re.M)
     ignore = (REPO / ".dockerignore").read_text().split()
     for path in (".venv", ".venv-pcluster", "deployments", "my_llm_checkpoint", ".git"):
         assert any(entry.strip("/") == path for entry in ignore), path

@@ -111,3 +111,30 @@ def test_content_fingerprint_follows_the_bytes_not_the_path(tmp_path):
     assert content_fingerprint(str(a)) != content_fingerprint(str(b))  # one byte changes it
     assert content_fingerprint(str(a.parent)) != content_fingerprint(str(b.parent))
     assert content_fingerprint("trl-lib/Capybara") != content_fingerprint("trl-lib/Capybara", revision="abc123")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".txt"])
+def test_text_that_is_not_utf8_is_named_by_line_and_byte_before_loading(tmp_path, suffix):
+    """pyarrow loads Latin-1 bytes into string columns without a word (JSON) or fails without naming them (CSV, text)."""
+    rows = {".jsonl": b'{"text": "ok"}\n{"text": "caf\xe9"}\n', ".csv": b"text\nok\ncaf\xe9\n", ".txt": b"ok\nfine\ncaf\xe9\n"}
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(rows[suffix])
+    line = 2 if suffix == ".jsonl" else 3
+    with pytest.raises(DataError, match=rf"latin1{suffix}: line {line} is not UTF-8 \(byte 0xe9 at offset \d+\); re-save the file as UTF-8"):
+        load_train_split(str(path))
+
+
+def test_utf8_check_finds_the_byte_across_its_read_blocks(tmp_path):
+    from llmft.data import check_utf8
+
+    path = tmp_path / "big.txt"
+    block = 1 << 20
+    head = b"ok\n" + b"a" * (block - 4)  # a two-byte character split across the first two 1 MiB blocks is fine ...
+    path.write_bytes(head + "é".encode() + b"\nx\xff\n")  # ... the 0xff after it is not
+    with pytest.raises(DataError, match=rf"line 3 is not UTF-8 \(byte 0xff at offset {block + 3}\)"):
+        check_utf8(path)
+    path.write_bytes(head + b"\xc3")  # the file ends inside a character
+    with pytest.raises(DataError, match="line 2 ends in the middle of a UTF-8 sequence"):
+        check_utf8(path)
+    path.write_bytes(head + "é\n".encode() * 3)
+    check_utf8(path)

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmft.launch_env import LaunchEnvError, World, discover_world, expand_hostlist, parse_gpu_count
+from llmft.launch_env import (
+    LaunchEnvError,
+    World,
+    cpu_split,
+    discover_world,
+    expand_hostlist,
+    parse_gpu_count,
+    slurm_cpus_per_node,
+)
 
 
 @pytest.mark.parametrize(
@@ -61,6 +69,8 @@ def test_gpu_count_from_slurm_gpu_specs(spec, count):
         # A CPU node (the local test cluster without --gpus): one process per node.
         ({"SLURM_NNODES": "2", "SLURM_NTASKS": "2"}, (2, 1)),
         ({"SLURM_NNODES": "2"}, (2, 1)),
+        # Inside a one-node step of a two-node job (llmft plan run by srun in a container): the job's nodes.
+        ({"SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4"}, (2, 4)),
         # Inside torchrun its variables win over Slurm's.
         ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "1"}, (2, 4)),
         ({"WORLD_SIZE": "2"}, (1, 2)),
@@ -89,3 +99,57 @@ def test_outside_slurm_the_world_is_the_local_gpus_or_one_cpu_process():
 def test_unreadable_variables_fail_naming_the_variable(env, name):
     with pytest.raises(LaunchEnvError, match=name.replace("?", r"\?")):
         discover_world(env, cuda_device_count=0)
+
+
+@pytest.mark.parametrize(
+    "env, cpus",
+    [
+        ({"SLURM_JOB_CPUS_PER_NODE": "16(x2)", "SLURM_CPUS_ON_NODE": "16"}, 16),
+        ({"SLURM_JOB_CPUS_PER_NODE": "48,12(x3)"}, 12),  # nodes differ: every node runs as many processes
+        ({"SLURM_JOB_CPUS_PER_NODE": "8(x2)", "SLURM_CPUS_ON_NODE": "1"}, 8),  # a 1-CPU step inside an 8-CPU job
+        ({"SLURM_CPUS_ON_NODE": "6"}, 6),
+        ({}, None),
+    ],
+)
+def test_cpus_per_node_from_the_jobs_allocation(env, cpus):
+    assert slurm_cpus_per_node(env) == cpus
+
+
+def test_unreadable_cpu_count_names_the_variable():
+    with pytest.raises(LaunchEnvError, match="SLURM_JOB_CPUS_PER_NODE"):
+        slurm_cpus_per_node({"SLURM_JOB_CPUS_PER_NODE": "lots"})
+
+
+@pytest.mark.parametrize(
+    "cpus, procs, threads, workers, tokenisers",
+    [
+        (4, 1, 4, 2, 4),     # g2-standard-4: one L4, 4 vCPUs (--cpus-per-gpu=4)
+        (16, 4, 4, 2, 16),   # 4 GPUs x 4 CPUs
+        (96, 8, 12, 2, 96),  # p4d.24xlarge: 8 A100s, 96 vCPUs
+        (2, 1, 2, 0, 2),     # too few CPUs for workers beside the process
+        (3, 1, 3, 1, 3),
+        (2, 4, 1, 0, 2),     # fewer CPUs than processes: one thread each, and a warning
+    ],
+)
+def test_a_nodes_cpus_are_split_between_its_processes(cpus, procs, threads, workers, tokenisers):
+    split = cpu_split(cpus, procs)
+    assert (split.threads_per_process, split.dataloader_workers, split.dataset_num_proc) == (threads, workers, tokenisers)
+    # Never more busy threads per process than its share (the process itself plus its workers count too).
+    assert split.threads_per_process * procs <= max(cpus, procs)
+    assert (split.warning() is not None) == (cpus < procs)
+
+
+def test_llmft_plan_prints_the_launch_line_the_slurm_script_reads(monkeypatch, capsys):
+    from llmft import plan
+
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NNODES", "SLURM_GPUS_PER_NODE", "SLURM_NTASKS", "SLURM_GPUS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "48(x2)")
+    args = plan.make_parser().parse_args(["--global_batch_size", "64", "--per_device_train_batch_size", "2", "--print_launch"])
+    assert plan.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "llmft plan: world size 8 (2 nodes x 4 processes, from slurm)" in out
+    assert out[-1] == ("llmft launch: nnodes=2 nproc_per_node=4 cpus_per_node=48 omp_num_threads=12 "
+                       "dataloader_num_workers=2 dataset_num_proc=48")

@@ -282,7 +282,7 @@ def test_save_total_limit_beyond_free_disk_is_warned(llama8b):
     _, full, _ = llama8b
     job = node_job(full, "g6.12xlarge", 1, global_batch=16, save_total_limit=3, free_disk_gib=150)
     plan = plan_memory(job)
-    assert any("save_total_limit 3" in w and "150 GiB free" in w for w in plan.warnings)
+    assert any("save_total_limit 3" in w and "150.0 GiB free in the output directory" in w for w in plan.warnings)
     roomy = plan_memory(dataclasses.replace(job, free_disk_gib=10_000))
     assert not any("save_total_limit" in w for w in roomy.warnings)
 

@@ -101,7 +101,6 @@ def test_write_gives_a_resolved_config_and_an_sbatch_line_the_script_accepts(cap
         (["--model", "{cfg}", "--gpu", "L4"], "--gpu/--gpu_memory_gb needs --host_ram_gb"),
         (["--model", "{cfg}", "--gpu", "A100-80GB", "--node_type", "g2-standard-4"], "contradicts --node_type g2-standard-4"),
         (["--model", "{cfg}", "--gpu", "T4", "--host_ram_gb", "64", "--precision", "bf16"], "bf16 needs a GPU with compute capability 8.0"),
-        (["--model", "{cfg}", "--node_type", "g6.xlarge", "--max_length", "200000"], "exceeds the model's 131072 positions"),
         (["--model", "{cfg}", "--node_type", "g6.xlarge", "--load_in_4bit"], "--load_in_4bit trains LoRA adapters"),
         (["--model", "{cfg}", "--node_type", "g6.xlarge", "--mfu", "2"], "--mfu must be in (0, 1]"),
         (["--model", "{cfg}", "--node_type", "g6.xlarge", "--use_peft", "--save_consolidated"], "a LoRA run saves its adapter"),
@@ -116,6 +115,24 @@ def test_bad_input_is_one_line_and_exit_2(capsys, llama_config, tmp_path, argv, 
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("llmft plan: error: "), err
     assert message in err
+
+
+def test_auto_plan_as_run_llm_slurm_asks_for_it_prints_the_launch_line(capsys, llama_config, monkeypatch):
+    """ZERO_STAGE=auto: the script runs `llmft plan --model M --auto --print_launch` and launches from its last line;
+    a --max_length beyond the model's positions is clipped as llmft train clips it, and said."""
+    monkeypatch.setenv("LLMFT_HOST_RAM_GB", "192")
+    args = ("--model", llama_config, "--auto", "--gpu", "L4", "--host_ram_gb", 192, "--nproc_per_node", 4,
+            "--global_batch_size", 16, "--per_device_train_batch_size", 2, "--use_peft", "--print_launch")
+    rc, out, err = llmft_plan(capsys, *args, "--max_length", 2048)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert "llmft plan: recommended ZeRO-" in out and "micro-batch 2 x accumulation 2" in out
+    assert lines[-1].startswith("llmft launch: nnodes=1 nproc_per_node=4 cpus_per_node=")
+    rc, out, err = llmft_plan(capsys, *args, "--max_length", 200000)
+    assert out.splitlines()[0] == "llmft plan: max_length 200000 exceeds the model's 131072 positions; using 131072"
+    rc, out, err = llmft_plan(capsys, "--model", llama_config, "--node_type", "g6.xlarge", "--json", "--use_peft",
+                              "--per_device_train_batch_size", 1)
+    assert rc == 0 and json.loads(out)["recommended"]["micro_batch"] == 1  # --json stays one JSON document
 
 
 def test_the_batch_only_plan_is_unchanged(capsys):

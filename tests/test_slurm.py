@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -162,16 +163,52 @@ def test_scontrol_requeue_resumes_from_the_newest_complete_checkpoint(cluster, j
     assert resumed >= 4, text
 
 
+def test_a_job_stopped_on_two_nodes_resumes_on_one_node(cluster, tiny_model, tiny_data, tmp_path):
+    """Trained on 2 nodes, stopped (scancel: every rank checkpoints), resubmitted with `sbatch --nodes=1` and the same
+    CHECKPOINT_DIR: the checkpoint written by 2 ranks is converted to a universal checkpoint and training continues on
+    1 rank with the same global batch, neither repeating nor skipping a step."""
+    ckpt = tmp_path / "ckpt"
+    knobs = (
+        f"--export=ALL,MAX_STEPS=8,GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,MODEL={tiny_model},"
+        f"DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
+    )
+    first = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+    log = tmp_path / f"llmft-{first}.out"
+    signal = signal_when_training(cluster, first, log, 3, ["scancel", first])
+    signal["thread"].join(timeout=600)
+    assert "error" not in signal and signal["proc"].returncode == 0, (signal, read(log))
+    assert cluster.wait(first, timeout=180)["JobState"] == "CANCELLED"
+    before = read(log)
+    assert "llmft plan: world size 2 (2 nodes x 1 processes" in before and "gradient accumulation 2" in before, before
+
+    second = cluster.sbatch(["--nodes=1", str(SCRIPT), knobs], cwd=tmp_path)
+    info = cluster.wait(second, timeout=600)
+    text = read(tmp_path / f"llmft-{second}.out")
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] in ("n1", "n2"), f"{info}\n{text}"
+    assert "run_llm.slurm: nodes 1: n" in text and "llmft plan: world size 1 (1 nodes x 1 processes" in text, text
+    m = re.search(r"llmft: resuming checkpoint-(\d+) written by 2 ranks on 1 ranks: universal checkpoint (\S+) "
+                  r"\(converted in \d+ s\), accumulation 2 -> 4, global batch 8 kept\n", text)
+    assert m, text
+    resumed = int(m.group(1))
+    assert m.group(2) == str(ckpt / f"checkpoint-{resumed}" / f"universal_step{resumed}")
+    assert step_lines(before)[-1] >= resumed >= 2
+    assert step_lines(text) == list(range(resumed + 1, 9))  # nothing trained twice, nothing skipped
+    assert json.loads((ckpt / "checkpoint-8" / "llmft_complete.json").read_text())["world_size"] == 1
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == 8
+
+
 # ---- the user's command on two nodes ------------------------------------------------------------
 
 
 def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_inference(cluster, jobs):
     job, cwd, _ = jobs["users"]
-    ckpt = cwd / "my_llm_checkpoint"  # the default CHECKPOINT_DIR, relative to the submit directory
     info = cluster.wait(job, timeout=400)
     log = cwd / f"llmft-{job}.out"  # %x-%j.out in the submit directory
     text = read(log)
     assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
+    # The default CHECKPOINT_DIR: runs/<job name>-<run key> under the submit directory.
+    [ckpt] = (cwd / "runs").iterdir()
+    assert re.fullmatch(r"llmft-[0-9a-f]{8}", ckpt.name), ckpt
     assert info["ExitCode"] == "0:0"
     assert info["NodeList"] == "n[1-2]"
 
@@ -181,7 +218,8 @@ def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_infe
     head = "\n".join(lines[:launch])
     assert lines[0].startswith(f"run_llm.slurm: job {job} (llmft) restart 0")
     for expected in (
-        "run_llm.slurm: nodes 2: n1 n2; GPUs per node 1; processes per node 1",
+        "run_llm.slurm: nodes 2: n1 n2; processes per node 1; CPUs per node 4",
+        "llmft launch: nnodes=2 nproc_per_node=1 cpus_per_node=4 ",
         f"python {sys.prefix}/bin/python",  # the environment it was submitted from
         "llmft plan: world size 2 (2 nodes x 1 processes",
         "llmft plan: micro-batch 2 per process",
@@ -193,9 +231,11 @@ def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_infe
     ):
         assert expected in head, f"{expected!r} not in the job's first lines:\n{head}"
     assert "--nnodes 2 --nproc_per_node 1 --rdzv_backend c10d" in lines[launch]
-    # One torchrun per Slurm node, and the run's world spans both.
-    assert "run_llm.slurm: node n1 (node rank 0): torchrun with 1 GPU(s)" in text
-    assert "run_llm.slurm: node n2 (node rank 1): torchrun with 1 GPU(s)" in text
+    assert "srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=4 " in lines[launch]  # #SBATCH --cpus-per-gpu=4 x 1 GPU
+    # One torchrun per Slurm node with the job's CPUs there (as Slurm reports them inside the step), and the
+    # run's world spans both.
+    assert "run_llm.slurm: node n1 (node rank 0): torchrun with 1 GPU(s) and 4 CPU(s)" in text
+    assert "run_llm.slurm: node n2 (node rank 1): torchrun with 1 GPU(s) and 4 CPU(s)" in text
     assert "llmft plan: world size 2 (2 nodes x 1 processes, from torchrun)" in text
 
     # One shard per rank in a complete checkpoint; the run is marked done.
@@ -242,6 +282,11 @@ BAD = [
     (["{script}", "--export=ALL,EPOCHS=1,EPOCH=3"], "run_llm.slurm: error: unknown knob 'EPOCH' in '--export=ALL,EPOCHS=1,EPOCH=3'; known knobs: EPOCHS CHECKPOINT_DIR"),
     (["{script}", "--export=ALL,ZERO_STAGE=7"], "run_llm.slurm: error: ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3"),
     (["{script}", "--export=ALL,CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3"], "needs the pyxis SPANK plugin"),
+    # sbatch's own --export splits a value at its commas and drops the rest; the job names what was lost.
+    (["--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models", "{script}"],
+     "'/models:/models' in 'sbatch --export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models' is not KEY=VALUE"),
+    # The EFA profile on a node without EFA (like a g6): refused, not silently slow.
+    (["{script}", "--export=ALL,NCCL_PROFILE=aws-efa"], "NCCL_PROFILE=aws-efa, but node"),
     # Knobs that look fine alone but make an impossible plan: llmft plan says so before torchrun starts.
     (["{script}", "--export=ALL,GLOBAL_BATCH=3,MICRO_BATCH=2"], "llmft plan: error:"),
 ]
@@ -252,7 +297,9 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
     for i, (args, message) in enumerate(BAD):
         cwd = tmp_path / str(i)
         cwd.mkdir()
-        jobs.append((cluster.sbatch([a.replace("{script}", str(SCRIPT)) for a in args], cwd=cwd), cwd, args, message))
+        # A /sys without EFA, whatever the machine running the tests has.
+        jobs.append((cluster.sbatch([a.replace("{script}", str(SCRIPT)) for a in args], cwd=cwd, LLMFT_SYSFS_ROOT=str(tmp_path)),
+                     cwd, args, message))
     for job, cwd, args, message in jobs:
         info = cluster.wait(job, timeout=120)
         text = read(cwd / f"llmft-{job}.out")
@@ -270,25 +317,43 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
 # ---- resources: change #SBATCH --gpus-per-node only ---------------------------------------------
 
 
+def fake_sysfs_with_efa(root: Path) -> Path:
+    """/sys as an EFA instance (p4d, p5) shows it: an RDMA device bound to the efa driver."""
+    device = root / "class" / "infiniband" / "rdmap16s27" / "device"
+    device.mkdir(parents=True)
+    driver = root / "bus" / "pci" / "drivers" / "efa"
+    driver.mkdir(parents=True)
+    (device / "driver").symlink_to(driver)
+    return root
+
+
 def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(cluster, tmp_path):
     edited = tmp_path / "run_llm_4gpu.slurm"
     original = SCRIPT.read_text()
-    assert "#SBATCH --gpus-per-node=1\n" in original
+    assert "#SBATCH --gpus-per-node=1\n" in original and "#SBATCH --cpus-per-gpu=4\n" in original
     edited.write_text(original.replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus-per-node=4\n"))
     knobs = "--export=ALL,DRY_RUN=1,GLOBAL_BATCH=32,MICRO_BATCH=4,NCCL_PROFILE=aws-efa"
-    one = cluster.sbatch([knobs, str(SCRIPT)], cwd=tmp_path)  # sbatch's own --export: knobs in the environment
+    efa = str(fake_sysfs_with_efa(tmp_path / "sys"))
+    # sbatch's own --export: knobs in the environment; no OMP_NUM_THREADS of the user's, so llmft's split decides.
+    one = cluster.sbatch([knobs, str(SCRIPT)], cwd=tmp_path, LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="")
     two = cluster.sbatch(
-        [str(edited), knobs + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5"],
-        cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9",
+        [str(edited), knobs + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5 --dataloader_num_workers 0"],
+        cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9", LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="3",
     )
     for job in (one, two):
         assert cluster.wait(job, timeout=120)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
     a, b = read(tmp_path / f"llmft-{one}.out"), read(tmp_path / f"llmft-{two}.out")
 
-    assert "world size 2 (2 nodes x 1 processes" in a and "gradient accumulation 4" in a
-    assert "GPUs per node 4; processes per node 4" in b
-    assert "world size 8 (2 nodes x 4 processes" in b and "gradient accumulation 1" in b
+    # The world and the CPU split come from llmft plan (one decision), read off the job's allocation.
+    assert "world size 2 (2 nodes x 1 processes, from slurm)" in a and "gradient accumulation 4" in a
+    assert "processes per node 1; CPUs per node 4; OMP_NUM_THREADS=4" in a
+    assert "--cpus-per-task=4 " in a and "--dataloader_num_workers 2 --dataset_num_proc 4" in a
+    assert "world size 8 (2 nodes x 4 processes, from slurm)" in b and "gradient accumulation 1" in b
     assert "--nnodes 2 --nproc_per_node 4 " in b
+    # --cpus-per-gpu=4 x 4 GPUs: the step gets all 16 CPUs; the user's OMP_NUM_THREADS and workers flag win.
+    assert "processes per node 4; CPUs per node 16; OMP_NUM_THREADS=3" in b and "--cpus-per-task=16 " in b
+    assert "4 per process (OMP_NUM_THREADS=4), 2 dataloader workers per process, 16 tokenisation processes" in b
+    assert "--dataset_num_proc 16 " in b and b.count("--dataloader_num_workers") == 1 and "--dataloader_num_workers 0" in b
     for text in (a, b):
         assert "global batch 32 = " in text
         assert "DRY_RUN=1: not launching" in text
@@ -300,6 +365,106 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     # Rendezvous ports derive from the job id: two jobs sharing a node do not collide.
     ports = [re.search(r"rendezvous c10d at [^:]+:(\d+)", t).group(1) for t in (a, b)]
     assert ports == [str(20000 + int(one) % 10000), str(20000 + int(two) % 10000)] and ports[0] != ports[1]
+
+
+def test_a_busy_rendezvous_port_moves_to_the_next_one_in_range(cluster, tmp_path):
+    """The job id's port and the next ones are taken on the first host: the script takes the next free port
+    in 20000-29999 (it used to add 10000 per try, past 65535 after five)."""
+    job = cluster.sbatch(["--hold", str(SCRIPT), "--export=ALL,DRY_RUN=1"], cwd=tmp_path)
+    taken = [20000 + (int(job) + i) % 10000 for i in range(6)]
+    listeners = []
+    try:
+        for port in taken:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+            listeners.append(sock)
+        cluster.cmd(["scontrol", "release", job])
+        info = cluster.wait(job, timeout=120)
+    finally:
+        for sock in listeners:
+            sock.close()
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert info["JobState"] == "COMPLETED", text
+    port = int(re.search(r"rendezvous c10d at 127.0.0.1:(\d+)", text).group(1))
+    assert port == 20000 + (int(job) + 6) % 10000 and 20000 <= port <= 29999, text
+
+
+def test_the_default_checkpoint_dir_is_one_per_experiment(cluster, tmp_path):
+    """runs/<job name>-<key of the knobs that define the run>: a rerun of the same experiment finds its
+    checkpoints; another model, dataset or job name never resumes them."""
+    base = "--export=ALL,DRY_RUN=1,DATASET=data.jsonl,MODEL="
+    submitted = {
+        "exp": cluster.sbatch(["-J", "exp", str(SCRIPT), base + "org/a"], cwd=tmp_path),
+        "other model": cluster.sbatch(["-J", "exp", str(SCRIPT), base + "org/b"], cwd=tmp_path),
+        "other name": cluster.sbatch(["-J", "exp2", str(SCRIPT), base + "org/a"], cwd=tmp_path),
+        "rerun": cluster.sbatch(["-J", "exp", str(SCRIPT), base + "org/a", "EPOCHS=3"], cwd=tmp_path),  # more epochs: same run
+    }
+    dirs = {}
+    for what, job in submitted.items():
+        info = cluster.wait(job, timeout=120)
+        text = read(tmp_path / f"{'exp2' if what == 'other name' else 'exp'}-{job}.out")  # %x-%j.out
+        assert info["JobState"] == "COMPLETED", text
+        dirs[what] = Path(re.search(r"llmft plan: checkpoint dir (\S+)", text).group(1))
+    assert dirs["exp"].parent == tmp_path / "runs" and re.fullmatch(r"exp-[0-9a-f]{8}", dirs["exp"].name), dirs
+    assert dirs["rerun"] == dirs["exp"]
+    assert len({dirs["exp"], dirs["other model"], dirs["other name"]}) == 3, dirs
+    assert dirs["other name"].name.startswith("exp2-")
+
+
+def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    holder = cluster.cmd(["sbatch", "--parsable", "--wrap", "sleep 120"], cwd=tmp_path).stdout.strip()
+    (ckpt / ".llmft-job").write_text(f"{holder}\n")  # as a run_llm.slurm job that took the directory leaves it
+    try:
+        deadline = time.time() + 60
+        while cluster.job(holder)["JobState"] != "RUNNING" and time.time() < deadline:
+            time.sleep(0.5)
+        # GLOBAL_BATCH=3 makes an impossible plan: a job that gets past the directory stops there, cheaply.
+        knobs = f"--export=ALL,CHECKPOINT_DIR={ckpt},GLOBAL_BATCH=3,MICRO_BATCH=2"
+        job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+        assert cluster.wait(job, timeout=120)["ExitCode"] == "2:0"
+        text = read(tmp_path / f"llmft-{job}.out")
+        assert f"run_llm.slurm: error: CHECKPOINT_DIR={ckpt} is in use by job {holder} (RUNNING)" in text, text
+        assert (ckpt / ".llmft-job").read_text().strip() == holder
+    finally:
+        cluster.cmd(["scancel", holder])
+    cluster.wait(holder, timeout=60)
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)  # the holder has ended: the directory is free
+    cluster.wait(job, timeout=120)
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert "is in use" not in text and "llmft plan: error:" in text, text
+    assert (ckpt / ".llmft-job").read_text().strip() == job
+
+
+def test_container_mounts_reach_pyxis_intact(cluster, tmp_path):
+    """With the pyxis stand-in (tests/pyxis_standin.c) srun takes pyxis's options and records what it got:
+    several mounts separated by ';' in sbatch's own --export=... arrive as pyxis's comma list; the default
+    mounts are the submit directory, CHECKPOINT_DIR and HF_HOME. The plan runs inside the "container" step."""
+    log = cluster.state / "container-options.log"
+    before = read(log)
+    image = "nvcr.io#nvidia/pytorch:24.05-py3"
+    hf_home = tmp_path / "hf"
+    given = cluster.sbatch([f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CONTAINER_MOUNTS=/data:/data;/models:/models:ro",
+                            str(SCRIPT)], cwd=tmp_path, LLMFT_TEST_PYXIS="1")
+    default = cluster.sbatch([str(SCRIPT), f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CHECKPOINT_DIR={tmp_path / 'ck'}"],
+                             cwd=tmp_path, LLMFT_TEST_PYXIS="1", HF_HOME=str(hf_home))
+    texts = {}
+    for job in (given, default):
+        info = cluster.wait(job, timeout=120)
+        texts[job] = read(tmp_path / f"llmft-{job}.out")
+        assert info["JobState"] == "COMPLETED", texts[job]
+        assert "llmft plan: world size 2 (2 nodes x 1 processes, from slurm)" in texts[job]  # planned inside the step
+    recorded = read(log)[len(before):].splitlines()
+    assert recorded.count("container-mounts=/data:/data,/models:/models:ro") == 1, recorded
+    defaults = f"{tmp_path}:{tmp_path},{tmp_path / 'ck'}:{tmp_path / 'ck'},{hf_home}:{hf_home}"
+    assert recorded.count(f"container-mounts={defaults}") == 1, recorded
+    assert recorded.count(f"container-image={image}") == 2 and recorded.count(f"container-workdir={tmp_path}") == 2
+    # The training launch carries the same container arguments.
+    assert "--container-mounts=/data:/data,/models:/models:ro " in texts[given]
+    assert f"--container-mounts={defaults} " in texts[default]
 
 
 # ---- the local cluster itself -------------------------------------------------------------------

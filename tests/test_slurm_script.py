@@ -12,7 +12,7 @@ from conftest import require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "run_llm.slurm"
-SHELL_SCRIPTS = [SCRIPT, REPO / "slurm" / "local" / "start.sh", REPO / "slurm" / "local" / "stop.sh"]
+SHELL_SCRIPTS = [SCRIPT, REPO / "slurm" / "local" / "start.sh", REPO / "slurm" / "local" / "stop.sh", REPO / "tests" / "system_deps.sh"]
 
 
 def test_shell_scripts_are_shellcheck_clean():
@@ -54,6 +54,13 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         (["--export=ALL,WANDB_MODE=loud"], "WANDB_MODE=loud: use online, offline or disabled"),
         (["--export=ALL,VENV=/nonexistent/venv"], "VENV=/nonexistent/venv is not a virtual environment"),
         (["--epochs", "3"], "cannot read argument '--epochs'"),
+        # A comma inside an --export=... value splits it: the rest is named, not silently dropped.
+        (["--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models"],
+         "'/models:/models' in '--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models' is not KEY=VALUE: "
+         "a value was cut at a comma, which separates items in --export=...; separate CONTAINER_MOUNTS with ';'"),
+        (["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data /models"], "'/data /models' is not a mount SRC[:DST[:FLAGS]]; separate mounts with ';'"),
+        (["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data:/data;;/x"], "'' is not a mount"),
+        (["CONTAINER_MOUNTS=/data:/data"], "CONTAINER_MOUNTS=/data:/data needs CONTAINER_IMAGE"),
     ],
 )
 def test_a_bad_knob_is_one_clear_message_and_exit_2(args, message):
@@ -75,6 +82,16 @@ def test_valid_knobs_outside_slurm_say_to_submit_with_sbatch():
     assert proc.returncode == 0, proc.stderr
     assert run_script("--export=ALL,ZERO_STAGE=auto,LORA=1", DRY_RUN="1").returncode == 0
     assert "knobs are valid" in proc.stdout
+    # Several container mounts in every form a user can pass them: ';' inside --export=..., ',' in a plain
+    # argument or the environment, and a quoted value (sbatch keeps the quotes and does not split inside them).
+    for args, env in (
+        (["--export=ALL,CONTAINER_MOUNTS=/data:/data;/models:/models:ro"], {}),
+        (["CONTAINER_MOUNTS=/data:/data,/models:/models:ro"], {}),
+        (["--export=ALL,CONTAINER_MOUNTS='/data:/data,/models:/models:ro'"], {}),
+        ([], {"CONTAINER_MOUNTS": "'/data:/data,/models:/models:ro'"}),
+    ):
+        proc = run_script(*args, DRY_RUN="1", CONTAINER_IMAGE="img", **env)
+        assert proc.returncode == 0 and "knobs are valid" in proc.stdout, (args, env, proc.stderr)
     proc = run_script("--export=ALL,EPOCHS=3")
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr and "sbatch" in proc.stderr
 
@@ -95,7 +112,7 @@ def test_values_are_data_never_code(tmp_path):
 def test_help_documents_every_knob_with_its_default():
     proc = run_script("--help")
     assert proc.returncode == 0
-    for line in ("EPOCHS=10", "CHECKPOINT_DIR=./my_llm_checkpoint", "DATA_PERCENTAGE=10", "ZERO_STAGE=2", "GLOBAL_BATCH=32",
+    for line in ("EPOCHS=10", "CHECKPOINT_DIR=runs/<job name>-<run key>", "sbatch -J NAME", "DATA_PERCENTAGE=10", "ZERO_STAGE=2", "GLOBAL_BATCH=32",
                  "MICRO_BATCH=4", "NCCL_PROFILE=", "CONTAINER_IMAGE=", "VENV=", "EXTRA_ARGS=", "WANDB_PROJECT="):
         assert line in proc.stdout, line
     knobs = SCRIPT.read_text().split("KNOBS=(")[1].split(")")[0].split()
@@ -108,3 +125,35 @@ def test_sbatch_directives_for_multinode_preemption_safe_runs():
     for expected in ("--output=%x-%j.out", "--requeue", "--signal=B:USR1@120", "--ntasks-per-node=1", "--gpus-per-node=1",
                      "--open-mode=append"):
         assert any(expected in d for d in directives), expected
+
+
+def fake_job_env(tmp_path: Path, **env: str) -> dict[str, str]:
+    """Variables of a job whose Slurm cannot be reached (no slurm.conf): the script gets past the knobs."""
+    conf = tmp_path / "empty-slurm.conf"
+    conf.touch()
+    return dict(SLURM_JOB_ID="123", SLURM_JOB_NAME="t", SLURM_JOB_NODELIST="n[1-2]", SLURM_CONF=str(conf),
+                CHECKPOINT_DIR=str(tmp_path / "ckpt"), **env)
+
+
+def test_a_failing_scontrol_show_hostnames_is_one_clear_message(tmp_path):
+    proc = run_script(**fake_job_env(tmp_path))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "unbound variable" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("run_llm.slurm: error: cannot list the job's nodes: 'scontrol show hostnames n[1-2]' failed: ")
+
+
+def test_pyxis_is_found_in_a_long_srun_help_under_pipefail(tmp_path):
+    """`srun --help | grep -q --container-image` under pipefail fails when grep exits at the match while srun still
+    writes (SIGPIPE, status 141) and reported "no pyxis". pyxis cannot be installed here, so this srun stands in for
+    one whose help (with pyxis's options first) is longer than a pipe buffer."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "help.txt").write_text("      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH\n" + "      --padding\n" * 100_000)
+    srun = bin_dir / "srun"
+    srun.write_text(f"#!/bin/bash\n[[ $1 == --help ]] && exec cat {tmp_path / 'help.txt'}\nexit 99\n")
+    srun.chmod(0o755)
+    env = fake_job_env(tmp_path, CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:24.05-py3", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    for _ in range(3):
+        proc = run_script(**env)
+        assert "pyxis" not in proc.stderr, proc.stderr
+        assert "cannot list the job's nodes" in proc.stderr, proc.stderr  # the next step: the pyxis check passed

@@ -42,9 +42,14 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
     assert sorted(p.name for p in tag.iterdir()) == [
         "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
-    for ckpt in ("checkpoint-5", "checkpoint-10"):
+    for step in (5, 10):
+        ckpt = f"checkpoint-{step}"
         marker = json.loads((out / ckpt / "llmft_complete.json").read_text())
         assert marker["world_size"] == 2
+        # Rank 1 itself reported the files it wrote; rank 0 merged the reports into the marker.
+        own = [f"global_step{step}/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"]
+        assert marker["reported_by_rank"]["1"] == own and all(f in marker["files"] for f in own)
+        assert f"global_step{step}/mp_rank_00_model_states.pt" in marker["reported_by_rank"]["0"]
         assert (out / ckpt / "config.json").is_file() and (out / ckpt / "tokenizer.json").is_file()
     cfg = json.loads((out / "ds_config.json").read_text())
     assert cfg["train_batch_size"] == 8 == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
@@ -92,32 +97,8 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     assert not list(out.glob("**/model.safetensors")) and (out / "config.json").is_file()
     assert "Saving the full checkpoint instead" not in first.stdout + first.stderr + second.stdout + second.stderr
     assert f"weights are the ZeRO-3 shards in {out / 'checkpoint-10'}" in second.stdout
-
-    # The same run directory on a different number of processes: refused before the model loads.
-    third = run(train_cmd(tiny_model, tiny_data, out, *flags, nproc=1))
-    assert third.returncode == 2
-    assert "holds ZeRO shards for 2 ranks, this run has 1; resume on 2 GPUs" in third.stderr
-
-
-def test_lora_under_zero3_trains_and_saves_an_adapter(tiny_model, tiny_data, tmp_path):
-    out = tmp_path / "lora"
-    run(train_cmd(tiny_model, tiny_data, out, "--zero_stage", 3, "--max_steps", 2, "--save_steps", 2, "--global_batch_size", 4,
-                  "--per_device_train_batch_size", 2, "--use_peft", "--lora_r", 4, "--lora_alpha", 8,
-                  "--lora_target_modules", "c_attn"), check=True)
-    for where in (out, out / "checkpoint-2"):
-        config = json.loads((where / "adapter_config.json").read_text())
-        assert config["r"] == 4 and config["target_modules"] == ["c_attn"]
-        assert (where / "adapter_model.safetensors").stat().st_size > 0
-    assert (out / "checkpoint-2" / "llmft_complete.json").is_file()
-    # Only the adapter was gathered, and it is the trained one: equal to the ZeRO-3 shards' weights.
-    import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from safetensors.torch import load_file
-
-    shards = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoint-2"), exclude_frozen_parameters=True)
-    adapter = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
-    assert len(adapter) == len(shards) == 4  # lora_A and lora_B of c_attn, in both layers
-    assert all(torch.equal(v, shards[k.replace(".weight", ".default.weight")]) for k, v in adapter.items())
+    # The same world size resumes DeepSpeed's own shards: nothing converted (another world: tests/test_elastic.py).
+    assert "universal" not in second.stdout and not list(out.glob("checkpoint-*/universal_step*"))
 
 
 def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_model, tiny_data, tmp_path):
@@ -176,7 +157,7 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--dataset_name", str(empty)], "empty.jsonl is empty"),
         (["--dataset_name", str(qa)], "dataset has columns answer, question but llmft needs"),
         (["--zero_stage", "7"], "unknown ZeRO stage 7"),
-        (["--deepspeed", str(tmp_path / "nope.json")], f"existing deepspeed config, or a dictionary, or a base64 encoded string. Received: {tmp_path / 'nope.json'}"),
+        (["--deepspeed", str(tmp_path / "nope.json")], f"DeepSpeed config {tmp_path / 'nope.json'} not found"),
         (["--global_batch_size", "7", "--per_device_train_batch_size", "2"], "global batch 7 is not divisible by micro-batch 2 x world size 1 = 2; use global batch 6 or 8"),
         (["--data_percentage", "150"], "--data_percentage must be in (0, 100], got 150"),
         (["--data_percentage", "0"], "--data_percentage must be in (0, 100], got 0"),

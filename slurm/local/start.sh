@@ -2,7 +2,7 @@
 # Start a real Slurm cluster on this one machine: munge, slurmctld and two slurmd (nodes n1, n2),
 # each node with four GPUs as Slurm sees them (empty device files; torch sees no CUDA).
 #
-#   slurm/local/start.sh [--install] [STATE_DIR]
+#   slurm/local/start.sh [--install] [--plugstack FILE] [STATE_DIR]
 #   export SLURM_CONF=STATE_DIR/slurm.conf      # then: sinfo, sbatch, squeue, scontrol ...
 #   slurm/local/stop.sh [STATE_DIR]
 #
@@ -10,6 +10,7 @@
 # writes (configs, munge key and socket, logs, spool, pid files) lives there. --install first
 # installs the Debian packages (slurmctld slurmd slurm-client munge) when they are missing
 # (needs root and apt-get). Ports are picked free from $LLMFT_SLURM_PORT_BASE (default 16817) up.
+# --plugstack FILE loads the SPANK plugins FILE lists (PlugStackConfig; the tests load a pyxis stand-in).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -17,11 +18,16 @@ die() { echo "slurm/local/start.sh: $*" >&2; exit 1; }
 
 install=0
 state=""
-for arg in "$@"; do
+plugstack=""
+while (( $# > 0 )); do
+  arg=$1; shift
   case "$arg" in
     --install) install=1 ;;
-    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    -*) die "unknown option '$arg' (known: --install, --help)" ;;
+    --plugstack) (( $# > 0 )) || die "--plugstack needs a file"; plugstack=$1; shift
+                 [[ -f "$plugstack" ]] || die "--plugstack $plugstack: no such file"
+                 plugstack=$(cd "$(dirname "$plugstack")" && pwd)/$(basename "$plugstack") ;;
+    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown option '$arg' (known: --install, --plugstack FILE, --help)" ;;
     *) [[ -z "$state" ]] || die "only one STATE_DIR may be given"; state=$arg ;;
   esac
 done
@@ -77,11 +83,14 @@ done
 
 host=$(hostname -s)
 user=$(id -un)
-# At least 4 CPUs per node as Slurm sees them (config_overrides), so a few small test jobs run side by side.
+# At least 16 CPUs per node as Slurm sees them (config_overrides): run_llm.slurm asks 4 per GPU, so a job
+# with all 4 GPUs of a node fits, and 1-GPU test jobs run side by side.
 cpus=$(nproc)
-if (( cpus < 4 )); then cpus=4; fi
+if (( cpus < 16 )); then cpus=16; fi
+plugstack_line="# PlugStackConfig: none (start.sh --plugstack FILE)"
+if [[ -n "$plugstack" ]]; then plugstack_line="PlugStackConfig=$plugstack"; fi
 render() {
-  sed -e "s|@STATE@|$state|g" -e "s|@HOST@|$host|g" -e "s|@USER@|$user|g" -e "s|@CPUS@|$cpus|g" \
+  sed -e "s|@STATE@|$state|g" -e "s|@HOST@|$host|g" -e "s|@USER@|$user|g" -e "s|@CPUS@|$cpus|g" -e "s|@PLUGSTACK@|$plugstack_line|g" \
       -e "s|@CTLD_PORT@|${ports[0]}|g" -e "s|@N1_PORT@|${ports[1]}|g" -e "s|@N2_PORT@|${ports[2]}|g" "$1" > "$2"
 }
 render "$here/slurm.conf.in" "$state/slurm.conf"

@@ -1,0 +1,206 @@
+"""Every flag `llmft train` accepts, and what llmft does with it: no flag is accepted and silently ignored.
+
+`llmft train` takes TRL's ScriptArguments, SFTConfig and ModelConfig plus llmft's own LlmftArguments.
+POLICY names every one of their fields with what happens to it:
+
+    used     llmft reads it itself (batch math, DeepSpeed config, data, checkpoints, model loading)
+    passed   handed unchanged to TRL's SFTTrainer / HF's Trainer, which implement it
+    checked  used or passed, but some values are refused with the reason (see check_flags)
+    refused  llmft cannot honour it: any value other than the default stops the run with the reason
+    eval     evaluation flags: evaluation data and its checks belong to the eval work (issue 13)
+
+tests/test_flags.py walks the dataclass fields against this table, so a flag added by a TRL or
+transformers upgrade fails the tests until someone decides what llmft does with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from trl import TrlParser
+
+USED, PASSED, CHECKED, REFUSED, EVAL = "used", "passed", "checked", "refused", "eval"
+
+
+class FlagError(ValueError):
+    """A flag llmft cannot honour with this value; the message says why and what to do instead."""
+
+
+def _table(kind: str, names: str, why: str) -> dict[str, tuple[str, str]]:
+    return {name: (kind, why) for name in names.split()}
+
+
+POLICY: dict[str, tuple[str, str]] = {
+    # ---- ScriptArguments
+    **_table(USED, "dataset_name dataset_config dataset_train_split", "llmft.data loads the training split"),
+    "dataset_streaming": (REFUSED, "llmft reads the whole split to check it, fingerprint it and take --data_percentage; "
+                                   "streaming is not supported"),
+    "ignore_bias_buffers": (REFUSED, "it tells PyTorch DDP which buffers to skip; DeepSpeed ZeRO has no such setting"),
+    # ---- ModelConfig
+    **_table(USED, "model_name_or_path model_revision", "config, tokenizer and weights load from this model and revision"),
+    **_table(USED, "dtype attn_implementation", "passed to the model load (model_init_kwargs)"),
+    "use_peft": (USED, "LoRA adapters through PEFT (trl.get_peft_config)"),
+    **_table(CHECKED, "lora_r lora_alpha lora_dropout lora_target_modules lora_target_parameters lora_modules_to_save "
+                      "lora_task_type use_rslora use_dora", "PEFT LoraConfig settings; refused without --use_peft"),
+    **_table(CHECKED, "load_in_4bit load_in_8bit bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage",
+             "QLoRA through bitsandbytes; llmft.qlora.choose_quantization decides"),
+    # ---- SFTConfig / TrainingArguments: what llmft reads or computes
+    "output_dir": (CHECKED, "checkpoints, the resolved DeepSpeed config and the run record live here; a file is refused"),
+    **_table(USED, "per_device_train_batch_size gradient_accumulation_steps", "llmft.batch derives the accumulation"),
+    **_table(USED, "weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm",
+             "written into the resolved DeepSpeed config (optimizer block, gradient_clipping)"),
+    "learning_rate": (CHECKED, "written into the DeepSpeed optimizer block; a negative rate is refused"),
+    **_table(CHECKED, "optim optim_args", "llmft.ds_config.choose_optimizer maps it onto DeepSpeed's optimizer, "
+                                          "lets the Trainer's optimizer run, or refuses it"),
+    "optim_target_modules": (REFUSED, "it configures GaLore/APOLLO optimizers, which llmft does not run under DeepSpeed"),
+    **_table(USED, "bf16 fp16", "mapped onto llmft's precision decision (llmft.hardware.choose_precision)"),
+    "deepspeed": (USED, "the DeepSpeed template llmft resolves (instead of --zero_stage)"),
+    "resume_from_checkpoint": (USED, "llmft.checkpoints.resolve_resume; an explicit path also continues a run on purpose"),
+    **_table(USED, "model_init_kwargs trust_remote_code", "merged into the model load"),
+    **_table(USED, "dataset_text_field", "the text column (llmft.data.shape_for_sft)"),
+    "max_length": (CHECKED, "capped at the model's positions (logged); must be positive"),
+    "seed": (USED, "also picks the --data_percentage subset"),
+    "num_train_epochs": (CHECKED, "must be positive unless --max_steps is"),
+    "save_total_limit": (CHECKED, "1 could leave no complete checkpoint; refused"),
+    "use_cpu": (CHECKED, "llmft trains on the GPUs when CUDA is visible and on CPU otherwise; a contradiction is refused"),
+    "dataloader_pin_memory": (USED, "kept on GPUs, off without CUDA (nothing to pin for)"),
+    "include_num_input_tokens_seen": (USED, "llmft counts tokens for tokens/s: 'no' (the default) becomes 'all', "
+                                            "'non_padding' is kept"),
+    # ---- refused: settings that have no effect under DeepSpeed ZeRO, or undo llmft's guarantees
+    "auto_find_batch_size": (REFUSED, "it changes the micro-batch after DeepSpeed's config is fixed; "
+                                      "choose --per_device_train_batch_size (llmft keeps the global batch)"),
+    "save_only_model": (REFUSED, "checkpoints without optimizer state and ZeRO shards cannot be resumed or read by llmft infer"),
+    "save_on_each_node": (REFUSED, "llmft's checkpoints live on storage every node shares; "
+                                   "saving on each node would have every node write the same files"),
+    "enable_jit_checkpoint": (REFUSED, "llmft already checkpoints on SIGTERM/SIGUSR1 (--stop_file); "
+                                       "a second checkpoint on the same signal would race it"),
+    **_table(REFUSED, "ddp_find_unused_parameters ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph",
+             "a PyTorch DDP setting; DeepSpeed ZeRO replaces DDP"),
+    **_table(REFUSED, "fsdp fsdp_config parallelism_config", "llmft parallelises with DeepSpeed ZeRO (--zero_stage)"),
+    "do_predict": (REFUSED, "llmft train does not predict; use llmft infer"),
+    # ---- passed to TRL / HF unchanged
+    **_table(PASSED, "max_steps lr_scheduler_type lr_scheduler_kwargs warmup_steps average_tokens_across_devices "
+                     "label_smoothing_factor tf32 activation_checkpointing activation_checkpointing_kwargs "
+                     "gradient_checkpointing gradient_checkpointing_kwargs torch_compile torch_compile_backend "
+                     "torch_compile_mode use_liger_kernel liger_kernel_config use_cache neftune_noise_alpha "
+                     "torch_empty_cache_steps", "the Trainer's training loop and model set-up"),
+    **_table(PASSED, "logging_strategy logging_steps logging_first_step log_on_each_node logging_nan_inf_filter "
+                     "log_level log_level_replica disable_tqdm report_to run_name project trackio_space_id "
+                     "trackio_bucket_id trackio_static_space_id skip_memory_metrics debug", "the Trainer's logging"),
+    **_table(PASSED, "save_strategy save_steps push_to_hub hub_token hub_private_repo hub_model_id hub_strategy "
+                     "hub_always_push hub_revision ignore_data_skip restore_callback_states_from_checkpoint",
+             "the Trainer's saving, pushing and resuming"),
+    **_table(PASSED, "full_determinism data_seed accelerator_config ddp_backend ddp_timeout local_rank",
+             "the Trainer's and accelerate's set-up (local_rank is set by launchers)"),
+    **_table(PASSED, "dataloader_drop_last dataloader_num_workers dataloader_persistent_workers dataloader_prefetch_factor "
+                     "dataloader_multiprocessing_context dataloader_in_order remove_unused_columns label_names "
+                     "train_sampling_strategy length_column_name", "the Trainer's data loader"),
+    "do_train": (PASSED, "a flag for HF's example scripts; llmft train always trains"),
+    **_table(PASSED, "router_aux_loss_coef chat_template_path dataset_kwargs dataset_num_proc eos_token pad_token "
+                     "truncation_mode shuffle_dataset packing packing_strategy padding_free pad_to_multiple_of "
+                     "completion_only_loss assistant_only_loss loss_type activation_offloading",
+             "TRL's SFTTrainer (data preparation, packing, loss)"),
+    # ---- evaluation (issue 13)
+    **_table(EVAL, "dataset_test_split eval_strategy eval_steps eval_delay per_device_eval_batch_size prediction_loss_only "
+                   "eval_on_start eval_do_concat_batches eval_use_gather_object eval_accumulation_steps include_for_metrics "
+                   "batch_eval_metrics bf16_full_eval fp16_full_eval load_best_model_at_end metric_for_best_model "
+                   "greater_is_better do_eval eval_packing", "evaluation: the eval work (issue 13) owns these"),
+    # ---- LlmftArguments
+    **_table(USED, "zero_stage offload global_batch_size data_percentage precision prompt_column completion_column "
+                   "messages_column stop_file", "llmft's own flags"),
+    "auto": (CHECKED, "llmft.plan.auto_choice picks ZeRO stage, offload, micro-batch and gradient checkpointing; "
+                      "refused with --zero_stage/--offload/--deepspeed"),
+    "save_consolidated": (CHECKED, "ZeRO-3: the gathered 16-bit model at the end (llmft.saving); refused on other "
+                                   "stages and with LoRA"),
+}
+
+LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+              "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora")
+
+
+def default_of(obj, name: str):
+    """The dataclass default of a field (what the value is when the flag is not given)."""
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _given(obj, name: str) -> bool:
+    value, default = getattr(obj, name), default_of(obj, name)
+    if value in (None, "", [], {}) and default in (None, "", [], {}):
+        return False
+    return value != default
+
+
+def _show(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(getattr(value, "value", value))
+
+
+def check_flags(script_args, training_args, model_args, *, cuda: bool) -> None:
+    """Refuse every flag value llmft cannot honour, before anything loads; the message names the flag and why."""
+    for obj in (script_args, training_args, model_args):
+        for f in dataclasses.fields(obj):
+            kind, why = POLICY.get(f.name, (None, ""))
+            if kind == REFUSED and f.init and _given(obj, f.name):
+                raise FlagError(f"--{f.name} {_show(getattr(obj, f.name))} is not supported: {why}")
+    if not model_args.use_peft:
+        lora = [name for name in LORA_FLAGS if _given(model_args, name)]
+        if lora:
+            raise FlagError(f"--{lora[0]} is a LoRA setting but --use_peft is not given: add --use_peft, or drop the LoRA flags")
+    out = training_args.output_dir
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise FlagError(f"--output_dir {out} is a file, not a directory: choose another --output_dir")
+    if training_args.save_total_limit == 1:
+        raise FlagError("--save_total_limit 1 can leave no complete checkpoint if a job dies while saving; use 2 or more")
+    if training_args.use_cpu == cuda:
+        raise FlagError(
+            "--use_cpu true, but CUDA GPUs are visible: llmft trains on them; to train on CPU hide them (CUDA_VISIBLE_DEVICES=)"
+            if cuda else "--use_cpu false, but no CUDA GPU is visible here: drop --use_cpu (llmft trains on CPU without GPUs)"
+        )
+    if training_args.learning_rate < 0:
+        raise FlagError(f"--learning_rate {training_args.learning_rate} is negative: give a positive learning rate")
+    if training_args.max_length is not None and training_args.max_length < 1:
+        raise FlagError(f"--max_length {training_args.max_length} must be a positive number of tokens")
+    if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+        raise FlagError(f"--num_train_epochs {training_args.num_train_epochs:g} trains nothing: give a positive number "
+                        "of epochs or --max_steps")
+
+
+class TrainParser(TrlParser):
+    """TRL's parser for `llmft train`, with two differences that keep parsing from deciding what llmft decides.
+
+    - --bf16/--fp16 are recorded as given (from the command line or --config YAML) and handed to SFTConfig as
+      False: TRL turns bf16 on by default and HF then checks, while parsing, whether the GPU has bf16 (on a T4
+      it fails, or passes through emulation, depending on the PyTorch version). llmft maps the flags onto its
+      own decision (llmft.hardware.choose_precision) and sets them on the Trainer's arguments afterwards.
+    - a --deepspeed file is read with llmft's checks first, so a missing or malformed JSON is named.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.set_defaults(fp16=None)  # None: not given (SFTConfig's default False cannot tell "not given" from "false")
+        self.precision_flags: dict[str, bool | None] = {"bf16": None, "fp16": None}
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        if hasattr(ns, "bf16") and hasattr(ns, "fp16"):
+            self.precision_flags = {"bf16": ns.bf16, "fp16": ns.fp16}
+            ns.bf16, ns.fp16 = False, False
+        if isinstance(getattr(ns, "deepspeed", None), str) and not ns.deepspeed.lstrip().startswith("{"):
+            from llmft.ds_config import load_config, template_path
+
+            load_config(template_path(None, deepspeed=ns.deepspeed))
+        return ns, rest
+
+    def parse_args_into_dataclasses(self, *args, **kwargs):
+        out = super().parse_args_into_dataclasses(*args, **kwargs)
+        for obj in out:
+            if hasattr(obj, "bf16_flag"):
+                obj.bf16_flag, obj.fp16_flag = self.precision_flags["bf16"], self.precision_flags["fp16"]
+        return out

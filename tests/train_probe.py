@@ -1,0 +1,89 @@
+"""`llmft train` with a probe: what the optimizer held when it saved and right after a resume, and the final logits.
+
+Run it exactly like `python -m llmft.train` (under torchrun too). Rank 0 writes to $LLMFT_PROBE_DIR:
+  moments-saved-N.pt    every trainable tensor's full Adam exp_avg / exp_avg_sq when checkpoint-N was saved
+  moments-resumed-N.pt  the same, read from the engine right after it resumed from checkpoint-N
+  logits-N.pt           the trained model's logits for PROBE_IDS at the end of training (step N)
+The tensors are gathered with DeepSpeed's own accessors (collective: every rank runs the callback).
+$LLMFT_PROBE_SABOTAGE=zero_lora_b breaks every checkpoint's adapter file, to test the save-time check.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import trl
+from transformers import TrainerCallback
+
+PROBE_IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 120, 33]])
+
+
+def full_moments(model) -> dict[str, dict[str, torch.Tensor]]:
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    return {
+        name: {key: safe_get_full_optimizer_state(p, key).detach().cpu().clone() for key in ("exp_avg", "exp_avg_sq")}
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+class Probe(TrainerCallback):
+    def __init__(self, out: Path):
+        self.out = out
+
+    def _write(self, state, name: str, value) -> None:
+        if state.is_world_process_zero:
+            self.out.mkdir(parents=True, exist_ok=True)
+            torch.save(value, self.out / f"{name}.pt")
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step > 0:
+            self._write(state, f"moments-resumed-{state.global_step}", full_moments(model))
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        self._write(state, f"moments-saved-{state.global_step}", full_moments(model))
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=PROBE_IDS.to(args.device)).logits.float().cpu()
+        model.train(was_training)
+        self._write(state, f"logits-{state.global_step}", logits)
+
+
+class ProbedTrainer(trl.SFTTrainer):
+    def __init__(self, *args, callbacks=None, **kwargs):
+        super().__init__(*args, callbacks=[*(callbacks or []), Probe(Path(os.environ["LLMFT_PROBE_DIR"]))], **kwargs)
+
+
+def _zero_lora_b_after_save(original):
+    """$LLMFT_PROBE_SABOTAGE=zero_lora_b: after each checkpoint save, rank 0 overwrites the adapter's lora_B with zeros
+    (what an ungathered ZeRO-3 save looks like), before llmft's on_save callback checks the files."""
+
+    def save(self, model, trial):
+        original(self, model, trial)
+        if self.args.process_index == 0:
+            from safetensors.torch import load_file, save_file
+
+            path = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}" / "adapter_model.safetensors"
+            tensors = load_file(path)
+            save_file({k: torch.zeros_like(v) if "lora_B" in k else v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+
+    return save
+
+
+if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
+    from llmft.train import cli, make_parser
+
+    trl.SFTTrainer = ProbedTrainer  # llmft.train does `from trl import SFTTrainer` when it builds the trainer
+    if os.environ.get("LLMFT_PROBE_SABOTAGE") == "zero_lora_b":
+        import transformers
+
+        transformers.Trainer._save_checkpoint = _zero_lora_b_after_save(transformers.Trainer._save_checkpoint)
+
+    sys.exit(cli(make_parser()))
