@@ -174,3 +174,26 @@ def test_host_ram_of_this_node_for_auto(tmp_path):
         local_host_ram_gib({"LLMFT_HOST_RAM_GB": "lots"}, str(meminfo))
     with pytest.raises(HardwareError, match="give --host_ram_gb"):
         local_host_ram_gib({}, str(tmp_path / "none"))
+
+
+def test_readme_plan_examples_are_this_codes_output(capsys, llama_config, monkeypatch, tmp_path):
+    """Every `$ llmft plan ...` in README.md's plan examples prints exactly what the README shows (run from a
+    directory holding the README's llama-3.1-8b config), so the documented numbers cannot drift from the code."""
+    import re
+    import shutil
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("<!-- PLAN_EXAMPLES -->"):text.index("<!-- /PLAN_EXAMPLES -->")]
+    shutil.copytree(llama_config, tmp_path / "llama-3.1-8b")
+    monkeypatch.chdir(tmp_path)
+    examples = [block.strip("\n").split("\n") for block in re.findall(r"```text\n(.*?)```", section, re.S)]
+    commands = 0
+    for block in examples:
+        starts = [i for i, line in enumerate(block) if line.startswith("$ llmft plan ")] + [len(block)]
+        for a, b in zip(starts, starts[1:]):
+            shown = [line for line in block[a + 1:b] if line]
+            rc, out, err = llmft_plan(capsys, *shlex.split(block[a])[3:])
+            assert (out + err).splitlines() == shown, block[a]
+            assert rc == (2 if "llmft plan: error:" in err else 0)
+            commands += 1
+    assert commands == 4  # a2-highgpu-8g; 2 x g2-standard-4 full and LoRA; g6.12xlarge
