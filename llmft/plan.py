@@ -373,10 +373,14 @@ def memory_main(args, world: World) -> tuple[int, World]:
 def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: int, global_batch: int | None,
                 grad_accum: int | None, max_length: int, use_peft: bool, lora_r: int, lora_target_modules,
                 allow_gradient_checkpointing: bool, save_total_limit: int | None, output_dir: str,
-                attention: str | None, load_in_4bit: bool, save_consolidated: bool, trust_remote_code: bool = False):
+                attention: str | None, load_in_4bit: bool, save_consolidated: bool, trust_remote_code: bool = False,
+                keep_zero_stage: int | None = None):
     """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
     computes the same answer: run_llm.slurm exports the first node's RAM as LLMFT_HOST_RAM_GB).
+    keep_zero_stage: a resumed run's stage (its checkpoints load only under it); offload and batch stay free.
     Returns (Setting, one line saying what was chosen and why); PlanError when nothing fits."""
+    import dataclasses
+
     from llmft.memory import MemoryPlanError, plan_memory
     from llmft.model_shape import load_model_config, model_shape
 
@@ -394,6 +398,8 @@ def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: in
             load_in_4bit=load_in_4bit, attention=attention or "sdpa", save_total_limit=save_total_limit,
             output_dir=output_dir, save_consolidated=save_consolidated,
         )
+        if keep_zero_stage is not None:
+            job = dataclasses.replace(job, zero_stages=(keep_zero_stage,))
         mplan = plan_memory(job)
     except MemoryPlanError as e:
         raise PlanError(f"--auto: {e}") from None
@@ -404,6 +410,8 @@ def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: in
     device = "GPU" if hardware.gpu is not None else "per process"
     line = (f"{est.setting.describe()} ({device} {est.as_dict()['gpu_total_gib']} GiB, host "
             f"{est.as_dict()['host_ram_gib_per_node']} GiB per node) on {where}: {mplan.reason}")
+    if keep_zero_stage is not None:
+        line += f"; ZeRO-{keep_zero_stage} kept: the run being resumed was trained with it"
     return est.setting, line
 
 

@@ -261,6 +261,9 @@ def choose_automatically(script_args, training_args, model_args, llmft_args, pre
         raise TrainError("--auto chooses the ZeRO stage and offload itself: drop --zero_stage/--offload/--deepspeed, or --auto")
     from llmft.launch_env import discover_world
 
+    # A rerun continues the run in --output_dir: its checkpoints load only under the stage they were written with.
+    record = run_identity.read_record(training_args.output_dir) if run_identity.has_training_state(training_args.output_dir) else None
+    keep = record.get("zero_stage") if record else None
     return auto_choice(
         model_args.model_name_or_path, discover_world(), precision=precision,
         max_micro_batch=training_args.per_device_train_batch_size, global_batch=llmft_args.global_batch_size,
@@ -270,6 +273,7 @@ def choose_automatically(script_args, training_args, model_args, llmft_args, pre
         save_total_limit=training_args.save_total_limit, output_dir=training_args.output_dir,
         attention=model_args.attn_implementation, load_in_4bit=model_args.load_in_4bit,
         save_consolidated=llmft_args.save_consolidated, trust_remote_code=training_args.trust_remote_code,
+        keep_zero_stage=keep if isinstance(keep, int) else None,
     )
 
 

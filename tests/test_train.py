@@ -115,6 +115,25 @@ def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_mode
     assert "llmft: host memory: rank 0 " in proc.stdout and "llmft: host memory peak: rank 0 " in proc.stdout
 
 
+def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_with(tiny_model, tmp_path, monkeypatch):
+    """In-process, no training: --auto picks ZeRO-2 on this CPU machine for a new run, but a rerun into a directory
+    whose run was ZeRO-3 keeps ZeRO-3 (DeepSpeed loads those shards only under it) and says so."""
+    from llmft.train import choose_automatically, make_parser
+
+    monkeypatch.setenv("LLMFT_HOST_RAM_GB", "16")
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", "d.jsonl", "--output_dir", str(out), "--auto",
+            "--global_batch_size", "4", "--per_device_train_batch_size", "2"]
+    script_args, training_args, model_args, llmft_args = make_parser().parse_args_and_config(args=argv)
+    choose = lambda: choose_automatically(script_args, training_args, model_args, llmft_args, "fp32", None)  # noqa: E731
+    setting, line = choose()
+    assert setting.zero_stage == 2 and "kept" not in line
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "llmft_run.json").write_text(json.dumps({"zero_stage": 3}))
+    setting, line = choose()
+    assert setting.zero_stage == 3 and line.endswith("; ZeRO-3 kept: the run being resumed was trained with it")
+
+
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
     """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; chat data uses the template,
     with packing and gradient checkpointing on."""
