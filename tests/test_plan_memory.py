@@ -197,3 +197,14 @@ def test_readme_plan_examples_are_this_codes_output(capsys, llama_config, monkey
             assert rc == (2 if "llmft plan: error:" in err else 0)
             commands += 1
     assert commands == 4  # a2-highgpu-8g; 2 x g2-standard-4 full and LoRA; g6.12xlarge
+
+
+def test_save_total_limit_is_checked_against_the_output_dirs_free_space(capsys, llama_config, tmp_path):
+    args = ("--model", llama_config, "--node_type", "a2-highgpu-8g", "--global_batch_size", 64, "--max_length", 2048,
+            "--output_dir", tmp_path / "not" / "yet" / "there")  # the nearest existing parent's filesystem
+    rc, out, _ = llmft_plan(capsys, *args, "--save_total_limit", 100_000)
+    assert rc == 0
+    assert "llmft plan: warning: save_total_limit 100000 x 89.75 GiB per checkpoint = 897" in out
+    assert "GiB free in the output directory; lower --save_total_limit or free space" in out
+    rc, out, _ = llmft_plan(capsys, *args)
+    assert "llmft plan: warning: --save_total_limit is not set: every checkpoint is kept (89.75 GiB each" in out
