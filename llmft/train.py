@@ -277,6 +277,12 @@ def choose_automatically(script_args, training_args, model_args, llmft_args, pre
     )
 
 
+def with_checkpointing(training_args, on: bool):
+    """training_args with gradient checkpointing on or off. transformers 5 resolves `gradient_checkpointing` into
+    `activation_checkpointing` and a copy keeps the resolved name, so both are set (one alone is silently undone)."""
+    return dataclasses.replace(training_args, activation_checkpointing=on, gradient_checkpointing=on)
+
+
 def main(script_args, training_args, model_args, llmft_args) -> int:
     """Check everything cheap first, then build the trainer and train (or resume)."""
     try:
@@ -305,7 +311,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if llmft_args.auto:
         setting, auto_line = choose_automatically(script_args, training_args, model_args, llmft_args, precision, grad_accum)
         micro, zero_stage, offload = setting.micro_batch, setting.zero_stage, setting.offload
-        training_args = dataclasses.replace(training_args, gradient_checkpointing=setting.gradient_checkpointing)
+        training_args = with_checkpointing(training_args, setting.gradient_checkpointing)
     plan = make_plan(
         micro_batch=micro,
         global_batch=llmft_args.global_batch_size,

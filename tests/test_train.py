@@ -134,6 +134,19 @@ def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_
     assert setting.zero_stage == 3 and line.endswith("; ZeRO-3 kept: the run being resumed was trained with it")
 
 
+def test_the_checkpointing_auto_chooses_takes_effect_in_the_trainer_arguments(tmp_path):
+    """TRL turns gradient checkpointing on by default; --auto's choice must win either way (transformers 5 keeps a
+    copy's resolved `activation_checkpointing`, which once silently undid a changed `gradient_checkpointing`)."""
+    from llmft.train import make_parser, with_checkpointing
+
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "o")]
+    training_args = make_parser().parse_args_and_config(args=argv)[1]
+    assert training_args.gradient_checkpointing is True  # TRL's default
+    for on in (False, True, False):
+        training_args = with_checkpointing(training_args, on)
+        assert training_args.gradient_checkpointing is on and training_args.activation_checkpointing is on
+
+
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
     """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; chat data uses the template,
     with packing and gradient checkpointing on."""
