@@ -16,10 +16,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 from pathlib import Path
 
 # Suffix -> datasets builder for local files.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+# The held-out evaluation split (--eval_split_ratio) uses its own fixed seed, so it stays the same
+# across --seed and --data_percentage sweeps: runs that differ only in those are scored on the same records.
+EVAL_SPLIT_SEED = 1234
 
 # A minimal chat template for tokenizers that ship none (tiny ones, most base models).
 DEFAULT_CHAT_TEMPLATE = (
@@ -212,6 +217,25 @@ def take_percentage(ds, percentage: float, seed: int = 42):
         return ds
     k = max(1, round(len(ds) * percentage / 100))
     return ds.shuffle(seed=seed).select(range(k))
+
+
+def check_eval_split_ratio(ratio: float) -> None:
+    """--eval_split_ratio must be in (0, 1); checked before any data is read."""
+    if not (0 < ratio < 1) or math.isnan(ratio):
+        raise DataError(f"--eval_split_ratio must be in (0, 1), e.g. 0.05 for 5% of the training split; got {ratio}")
+
+
+def held_out_split(ds, ratio: float, seed: int = EVAL_SPLIT_SEED):
+    """(train, eval): a deterministic `ratio` of the records held out for evaluation (at least one), the rest
+    kept for training in their original order. The same on every rank, rerun and --seed."""
+    check_eval_split_ratio(ratio)
+    n = len(ds)
+    k = max(1, round(n * ratio))
+    if k >= n:
+        raise DataError(f"--eval_split_ratio {ratio} of {n} record(s) leaves nothing to train on; use a smaller ratio or more data")
+    held = sorted(random.Random(seed).sample(range(n), k))
+    held_set = set(held)
+    return ds.select([i for i in range(n) if i not in held_set]), ds.select(held)
 
 
 def ensure_chat_template(tokenizer) -> bool:

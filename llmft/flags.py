@@ -7,7 +7,7 @@ POLICY names every one of their fields with what happens to it:
     passed   handed unchanged to TRL's SFTTrainer / HF's Trainer, which implement it
     checked  used or passed, but some values are refused with the reason (see check_flags)
     refused  llmft cannot honour it: any value other than the default stops the run with the reason
-    eval     evaluation flags: evaluation data and its checks belong to the eval work (issue 13)
+    eval     evaluation flags: HF's evaluation loop runs them on the data llmft.prepare prepared
 
 tests/test_flags.py walks the dataclass fields against this table, so a flag added by a TRL or
 transformers upgrade fails the tests until someone decides what llmft does with it.
@@ -97,18 +97,22 @@ POLICY: dict[str, tuple[str, str]] = {
                      "dataloader_multiprocessing_context dataloader_in_order remove_unused_columns label_names "
                      "train_sampling_strategy length_column_name", "the Trainer's data loader"),
     "do_train": (PASSED, "a flag for HF's example scripts; llmft train always trains"),
-    **_table(PASSED, "router_aux_loss_coef chat_template_path dataset_kwargs dataset_num_proc eos_token pad_token "
+    **_table(PASSED, "router_aux_loss_coef chat_template_path dataset_num_proc eos_token pad_token "
                      "truncation_mode shuffle_dataset packing packing_strategy padding_free pad_to_multiple_of "
-                     "completion_only_loss assistant_only_loss loss_type activation_offloading",
-             "TRL's SFTTrainer (data preparation, packing, loss)"),
-    # ---- evaluation (issue 13)
-    **_table(EVAL, "dataset_test_split eval_strategy eval_steps eval_delay per_device_eval_batch_size prediction_loss_only "
+                     "completion_only_loss loss_type activation_offloading",
+             "TRL's data preparation (run once by llmft.prepare, part of its cache key), packing and loss"),
+    **_table(USED, "dataset_kwargs assistant_only_loss", "applied once by llmft.prepare (the assistant mask is in the "
+                                                         "prepared labels); the Trainer gets the prepared data"),
+    # ---- evaluation: llmft.prepare prepares the eval data; HF's Trainer evaluates on it
+    "dataset_test_split": (USED, "the split of --eval_dataset_name that llmft.prepare loads"),
+    **_table(EVAL, "eval_strategy eval_steps eval_delay per_device_eval_batch_size prediction_loss_only "
                    "eval_on_start eval_do_concat_batches eval_use_gather_object eval_accumulation_steps include_for_metrics "
                    "batch_eval_metrics bf16_full_eval fp16_full_eval load_best_model_at_end metric_for_best_model "
-                   "greater_is_better do_eval eval_packing", "evaluation: the eval work (issue 13) owns these"),
+                   "greater_is_better do_eval eval_packing",
+             "HF's evaluation loop on the prepared eval data; an eval strategy without eval data is refused (llmft.prepare)"),
     # ---- LlmftArguments
     **_table(USED, "zero_stage offload global_batch_size data_percentage precision prompt_column completion_column "
-                   "messages_column stop_file", "llmft's own flags"),
+                   "messages_column stop_file eval_dataset_name eval_split_ratio prepare_timeout", "llmft's own flags"),
     "auto": (CHECKED, "llmft.plan.auto_choice picks ZeRO stage, offload, micro-batch and gradient checkpointing; "
                       "refused with --zero_stage/--offload/--deepspeed"),
     "save_consolidated": (CHECKED, "ZeRO-3: the gathered 16-bit model at the end (llmft.saving); refused on other "

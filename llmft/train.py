@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config, elastic, host_memory, hub, run_identity, saved_weights, saving
+from llmft import checkpoints, data, ds_config, elastic, host_memory, hub, prepare, run_identity, saved_weights, saving
 from llmft.flags import FlagError, TrainParser, check_flags
 from llmft.hardware import HardwareError, choose_precision, local_gpu
 from llmft.launch_env import LaunchEnvError, launch_problem, rank0, single_process_defaults
@@ -84,6 +84,15 @@ class LlmftArguments:
     # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
     fp16_flag: bool | None = field(default=None, init=False, repr=False)
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Evaluation data: a file/directory, or a hub dataset (its --dataset_test_split)."}
+    )
+    eval_split_ratio: float | None = field(
+        default=None, metadata={"help": "Hold out this fraction (0-1) of the training split for evaluation (deterministic)."}
+    )
+    prepare_timeout: float = field(
+        default=7200.0, metadata={"help": "Seconds the other ranks wait for rank 0 to prepare (tokenise) the data."}
+    )
 
 
 class TrainError(RuntimeError):
@@ -252,6 +261,8 @@ def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cud
         include_num_input_tokens_seen=tokens if tokens not in ("no", False) else "all",  # for tokens/s
         max_length=max_length,
         resume_from_checkpoint=str(resume) if resume else None,
+        dataset_kwargs={**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True},  # llmft.prepare did it
+        assistant_only_loss=False,  # already in the prepared labels (and TRL would check the untokenised format)
     )
 
 
@@ -297,7 +308,10 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
 def _train(script_args, training_args, model_args, llmft_args) -> int:
     import torch
 
-    # 1. Cheap checks: flags, batch math, DeepSpeed template, optimizer, QLoRA, model files, data, resume point.
+    from llmft import eval as evaluation
+    from llmft import tracking
+
+    # 1. Cheap checks: flags, batch math, DeepSpeed template, optimizer, QLoRA, model files, data options, resume point.
     if not model_args.model_name_or_path:
         raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
     if not script_args.dataset_name:
@@ -332,17 +346,9 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     quantization = choose_quantization(QuantRequest.from_model_args(model_args), gpu=gpu, zero_stage=plan.zero_stage,
                                        offload=plan.offload, use_peft=model_args.use_peft, precision=precision,
                                        bitsandbytes=bitsandbytes_version())
-    data.check_percentage(llmft_args.data_percentage)
+    data_options = prepare.DataOptions.from_args(script_args, training_args, llmft_args)
+    prepare.check_options(data_options, training_args.eval_strategy, training_args.dataset_kwargs)
     model_config, tokenizer, model_path = load_model_files(model_args, training_args)
-    dataset = data.load_train_split(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
-    dataset, shape = data.shape_for_sft(
-        dataset,
-        prompt_column=llmft_args.prompt_column,
-        completion_column=llmft_args.completion_column,
-        messages_column=llmft_args.messages_column,
-        text_field=training_args.dataset_text_field,
-    )
-    dataset = data.take_percentage(dataset, llmft_args.data_percentage, seed=training_args.seed)
     resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
     given = llmft_args.global_batch_size is not None  # if not, a resume keeps the checkpoint's global batch on any world
     identity = run_identity.run_identity(
@@ -358,7 +364,6 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         plan = dataclasses.replace(plan, batch=resuming.batch)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
-    log(f"dataset {script_args.dataset_name}: {len(dataset)} records ({shape}, {llmft_args.data_percentage:g}% of the split)")
     log(resuming.describe(elastic.prepare(resuming, rank0(), log)) if resuming else f"starting a new run in {training_args.output_dir}")
     if accepted:
         log(f"continuing on purpose with new settings: {'; '.join(accepted)}")
@@ -371,17 +376,25 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if isinstance(target, str) and target != "all-linear" and re.fullmatch(r"[\w.]+", target):
         model_args.lora_target_modules = [target]
 
-    # 2. The concrete DeepSpeed config (the tokenizer and model config are loaded above).
+    # 2. The run's max_length (the tokenizer and model config are loaded above).
     from trl import get_peft_config
 
-    if shape == "messages" and not training_args.chat_template_path and data.ensure_chat_template(tokenizer):
-        log("the tokenizer has no chat template; using llmft's default")
-    max_positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
-    max_length = training_args.max_length
-    if max_positions and max_length and max_length > max_positions:
-        log(f"max_length {max_length} exceeds the model's {max_positions} positions; using {max_positions}")
-        max_length = max_positions
+    max_length, note = prepare.resolve_max_length(model_config, training_args.max_length)
+    if note:
+        log(note)
 
+    # 3. The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache.
+    prepared = prepare.prepare(data_options, tokenizer, dataclasses.replace(training_args, max_length=max_length), log=log,
+                               timeout=llmft_args.prepare_timeout)
+    if prepared.shape == "messages":
+        data.ensure_chat_template(tokenizer)
+    records = prepared.info["records"]
+    log(f"dataset {script_args.dataset_name}: {records['train']} records ({prepared.shape}, {llmft_args.data_percentage:g}% of the split)"
+        + (f", {records['eval']} for evaluation" if prepared.eval is not None else ""))
+    if rank0():
+        prepare.write_run_record(training_args.output_dir, data_options, prepared)
+
+    # 4. The concrete DeepSpeed config, written where the run's checkpoints go.
     resolved = ds_config.resolve(
         template,
         plan.batch,
@@ -409,7 +422,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
 
         quantization_config = BitsAndBytesConfig(**{k: v for k, v in quantization.items() if k != "model_dtype"})
 
-    # 3. Train. ZeRO-3 partitions the model while loading it (zero.Init), which needs DeepSpeed's comm layer up;
+    # 5. Train. ZeRO-3 partitions the model while loading it (zero.Init), which needs DeepSpeed's comm layer up;
     # on GPUs HF starts it, on the CPU path it would see a world of one and reject the batch sizes.
     import deepspeed
 
@@ -422,13 +435,16 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     trainer = saving.trainer_class(llmft_args.save_consolidated)(
         model=model_path,
         args=args,
-        train_dataset=dataset,
+        train_dataset=prepared.train,
+        eval_dataset=prepared.eval,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=quantization_config,
         callbacks=[publish, stop, StepLog()],
     )
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
+    evaluation.log_perplexity(trainer)
+    tracking.guard_wandb(trainer, log)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     step = trainer.state.global_step
     if publish.refused:
@@ -436,10 +452,13 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if stop.stopped_at is not None:
         log(f"stop requested; saved checkpoint-{step}")
     else:
+        if prepared.eval is not None and args.eval_strategy == "no":
+            trainer.evaluate()  # evaluation data without --eval_strategy: scored once, at the end
         trainer.save_model(args.output_dir)
         bad = saved_weights.check_save(args.output_dir, trainer.model, rank0())
         if bad:
             raise TrainError(f"the final model in {args.output_dir} is not what was trained: {'; '.join(bad)}; run not marked done")
+        trainer.save_state()  # trainer_state.json (log history) beside the model, for llmft report
         if rank0():
             checkpoints.mark_done(args.output_dir, step)
         log(f"training complete at step {step}; "

@@ -23,6 +23,14 @@ AWS_PLACEHOLDER_ENV = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def llmft_cache(tmp_path_factory) -> Path:
+    """Prepared data goes to a cache of this test session (inherited by every subprocess), never ~/.cache."""
+    path = tmp_path_factory.mktemp("llmft-cache")
+    os.environ["LLMFT_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny GPT-2-style model directory with a locally trained tokenizer (no hub access)."""
@@ -37,6 +45,28 @@ def tiny_data(tmp_path_factory) -> Path:
     from llmft.tiny import as_format, make_examples, write_jsonl
 
     return write_jsonl(as_format(make_examples(256), "prompt_completion"), tmp_path_factory.mktemp("data") / "train.jsonl")
+
+
+@pytest.fixture(scope="session")
+def run_with_eval(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, str, str]:
+    """(output dir, train stdout, prepare stdout): one real 2-process ZeRO-2 `llmft train` run with a held-out eval
+    split evaluated every 3 steps (rank 0 prepares the data, rank 1 waits for it), then `llmft prepare` with the
+    same flags (which finds it prepared); shared by the eval, report and training tests."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path_factory.mktemp("eval_run") / "run"
+    flags = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out),
+             "--eval_strategy", "steps", "--eval_steps", "3", "--max_steps", "6",
+             "--save_steps", "3", "--global_batch_size", "8", "--per_device_train_batch_size", "2", "--learning_rate", "5e-3",
+             "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", "2"]
+    flags += ["--eval_split_ratio", "0.1", "--data_percentage", "50"]  # a fingerprint of its own: prepared here
+    trained = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), "-m", "llmft.train", *flags],
+                  check=True, timeout=600)
+    prepared = run([str(Path(PYTHON).parent / "llmft"), "prepare", *flags], check=True, timeout=300)
+    return out, trained.stdout, prepared.stdout
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -154,6 +154,17 @@ CASES = [
     Case("infer", "export_onto_a_file", lambda w: [w.run_dir(), "--export", w.file("model.safetensors", "x")],
          "--export " + "{inputs}/model.safetensors is a file: give a new or empty directory"),
     Case("infer", "dtype_unknown", lambda w: [w.run_dir(), "--prompt", "hi", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+    # ---------------------------------------------------------------- llmft eval
+    Case("eval", "checkpoint_missing", lambda w: [str(w.inputs / "nope"), "--dataset_name", str(w.data)], "nope does not exist: check the path"),
+    Case("eval", "answer_pattern_not_a_regex", lambda w: [w.run_dir(), "--dataset_name", str(w.data), "--answer_pattern", "(unclosed"],
+         "--answer_pattern '(unclosed' is not a valid regular expression"),
+    Case("eval", "limit_zero", lambda w: [w.run_dir(), "--dataset_name", str(w.data), "--limit", "0"], "--limit must be at least 1"),
+    Case("eval", "dtype_unknown", lambda w: [w.run_dir(), "--dataset_name", str(w.data), "--dtype", "int4"],
+         "--dtype int4: use auto, float32, bfloat16 or float16"),
+    Case("eval", "corrupt_shard", lambda w: [w.run_dir(), "--dataset_name", str(w.data)], "is truncated or corrupt"),
+    Case("eval", "half_written_checkpoint", lambda w: [w.run_dir(complete=False), "--dataset_name", str(w.data)],
+         "holds no complete checkpoint"),
+    Case("eval", "dataset_name_missing", lambda w: [w.run_dir()], "the following arguments are required: --dataset_name"),
     # ---------------------------------------------------------------- llmft plan
     Case("plan", "global_batch_not_divisible", lambda w: ["--global_batch_size", "30", "--per_device_train_batch_size", "2", "--nnodes", "1",
                                                          "--nproc_per_node", "4"],
@@ -240,6 +251,12 @@ def run_infer(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
     return _in_process(lambda: main(make_parser().parse_args(args)))
 
 
+def run_eval(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
+    from llmft.eval import main, make_parser
+
+    return _in_process(lambda: main(make_parser().parse_args(args)))
+
+
 def run_plan(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
     from llmft.plan import main, make_parser
 
@@ -272,6 +289,7 @@ class Runner:
 RUNNERS = {
     "train": Runner(run_train, "llmft train", True),
     "infer": Runner(run_infer, "llmft infer", True),
+    "eval": Runner(run_eval, "llmft eval", True),
     "plan": Runner(run_plan, "llmft plan", True),
     "slurm": Runner(run_slurm, "run_llm.slurm", False),
     "manage_cluster": Runner(run_manage_cluster, "manage_cluster.sh", False, exit_code=None),

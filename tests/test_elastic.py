@@ -207,7 +207,7 @@ def fake_checkpoint(root: Path, step: int, world: int, stage: int, micro: int = 
     ckpt = root / f"checkpoint-{step}"
     (ckpt / f"global_step{step}").mkdir(parents=True)
     (ckpt / "latest").write_text(f"global_step{step}")
-    mark_complete(ckpt, world, stage, BatchPlan(micro, accum, world))
+    mark_complete(ckpt, world, stage, batch=BatchPlan(micro, accum, world))
     return ckpt
 
 

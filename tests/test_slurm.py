@@ -82,16 +82,18 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
     # Preemption twice over: Slurm's time-limit signal (USR1 to the batch shell, as --signal=B:USR1@120 sends it,
     # with no periodic checkpoints, so the only one before the end is the one the signal asks for), and an
     # outside `scontrol requeue` (SIGTERM to every process of the job, checkpoints every 2 steps).
-    for name, save_steps, min_step, command in (
-        ("usr1", 1000, 2, ["scancel", "--signal=USR1", "--batch"]),
-        ("requeue", 2, 5, ["scontrol", "requeue"]),
+    # The requeued job also logs to W&B, with the mode left to the job: the server (a closed local port) does not answer.
+    wandb = {"WANDB_MODE": "", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": WANDB_SECRET}
+    for name, save_steps, min_step, command, extra, env in (
+        ("usr1", 1000, 2, ["scancel", "--signal=USR1", "--batch"], "", {}),
+        ("requeue", 2, 5, ["scontrol", "requeue"], ",WANDB_PROJECT=llmft-test", wandb),
     ):
         cwd = tmp_path_factory.mktemp(name)
         knobs = (
             f"--export=ALL,MAX_STEPS={TOTAL},GLOBAL_BATCH=16,MICRO_BATCH=2,SAVE_STEPS={save_steps},DATA_PERCENTAGE=100,"
-            f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
+            f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1{extra}"
         )
-        job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd)
+        job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, **env)
         submitted[name] = (job, cwd, signal_when_training(cluster, job, cwd / f"llmft-{job}.out", min_step, [*command, job]))
 
     # A user's plain `scancel`: the job must end, not requeue itself.
@@ -103,6 +105,7 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
 
 
 TOTAL = 20
+WANDB_SECRET = "wandb-secret-0123456789abcdef0123456789abcdef"
 
 
 def finished_preempted_job(cluster, job, cwd, signal) -> tuple[str, Path]:
@@ -195,6 +198,38 @@ def test_a_job_stopped_on_two_nodes_resumes_on_one_node(cluster, tiny_model, tin
     assert step_lines(text) == list(range(resumed + 1, 9))  # nothing trained twice, nothing skipped
     assert json.loads((ckpt / "checkpoint-8" / "llmft_complete.json").read_text())["world_size"] == 1
     assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == 8
+
+
+def test_wandb_offline_run_is_named_by_the_job_and_the_requeued_job_appends_to_it(cluster, jobs):
+    from wandb_file import run_info
+
+    job, cwd, _ = jobs["requeue"]
+    info = cluster.wait(job, timeout=600)
+    text = read(cwd / f"llmft-{job}.out")
+    assert info["JobState"] == "COMPLETED", text
+    m = re.search(rf"W&B run llmft-{job} \(id (\S+), group llmft\) in project llmft-test, mode offline\n", text)
+    assert m, text
+    run_id = m.group(1)
+    assert text.count(f"W&B run llmft-{job} (id {run_id}, group llmft)") == 2  # the requeued attempt: the same run
+    runs = sorted((cwd / "ckpt" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 2, list((cwd / "ckpt" / "wandb").iterdir())
+    attempts = [run_info(next(r.glob("*.wandb"))) for r in runs]
+    resumed = int(re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", text).group(1))
+    steps = []
+    for attempt in attempts:
+        assert (attempt["run_id"], attempt["name"], attempt["group"]) == (run_id, f"llmft-{job}", "llmft")
+        steps.append(sorted({int(h["train/global_step"]) for h in attempt["history"] if "train/loss" in h}))
+    # SIGTERM ends W&B's service with the job step: the first attempt keeps what it flushed (every 2 s) before that.
+    assert steps[0] and steps[0] == list(range(1, len(steps[0]) + 1)) and steps[0][-1] <= resumed, steps
+    assert steps[1] == list(range(resumed + 1, TOTAL + 1))  # the metrics after the requeue continue the run
+    # The dead service did not end the run through the training loop (llmft.tracking.guard_wandb): the stop's
+    # checkpoint was written and the run was resumed from it. (wandb's own exit hook may still print its error.)
+    assert "llmft/train.py" not in text and text.count("llmft: W&B stopped logging") <= 1
+    assert f"stop requested; saved checkpoint-{resumed}" in text
+    last = text.rstrip().splitlines()[-1]
+    assert last == (f"run_llm.slurm: W&B ran offline; upload from a machine with internet: wandb sync --id {run_id} "
+                    f"-p llmft-test {runs[0]} {runs[1]}")
+    assert WANDB_SECRET not in text
 
 
 # ---- the user's command on two nodes ------------------------------------------------------------

@@ -56,6 +56,7 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
     assert cfg["gradient_accumulation_steps"] == 2 and cfg["zero_optimization"]["stage"] == 2
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
     assert proc.stdout.count("llmft plan: world size") == 1  # rank 0 only
+    assert len(re.findall(r"llmft: (prepared|reused prepared) data ", proc.stdout)) == 1  # one preparation, logged once
 
 
 def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_data, tmp_path):
@@ -148,23 +149,46 @@ def test_the_checkpointing_auto_chooses_takes_effect_in_the_trainer_arguments(tm
 
 
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
-    """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; chat data uses the template,
-    with packing and gradient checkpointing on."""
+    """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; an eval split without
+    --eval_strategy is scored once at the end; chat data uses the template, with packing and gradient checkpointing on."""
     qa = write_jsonl(as_format(make_examples(32), "question_answer"), tmp_path / "qa.jsonl")
     config = tmp_path / "run.yaml"
     config.write_text(
         f"model_name_or_path: {tiny_model}\ndataset_name: {qa}\nprompt_column: question\ncompletion_column: answer\n"
-        f"zero_stage: 0\nmax_steps: 2\nsave_steps: 2\nper_device_train_batch_size: 2\nreport_to: none\n"
+        f"zero_stage: 0\nmax_steps: 2\nsave_steps: 2\nper_device_train_batch_size: 2\nreport_to: none\neval_split_ratio: 0.25\n"
     )
     proc = run([PYTHON, "-m", "llmft.train", "--config", str(config), "--output_dir", str(tmp_path / "qa_run"),
                 "--logging_steps", "1", "--disable_tqdm", "true"], check=True)
-    assert "32 records (prompt_completion" in proc.stdout and "ZeRO stage 0" in proc.stdout
+    assert "24 records (prompt_completion, 100% of the split), 8 for evaluation" in proc.stdout and "ZeRO stage 0" in proc.stdout
     assert [s for s, *_ in steps(proc.stdout)] == [1, 2]
+    assert re.search(r"llmft: step 2/2 eval loss [\d.]+ perplexity [\d.]+\n", proc.stdout), proc.stdout
 
     chat = write_jsonl(as_format(make_examples(16), "messages"), tmp_path / "chat.jsonl")
     proc = run(train_cmd(tiny_model, chat, tmp_path / "chat_run", "--zero_stage", 1, "--max_steps", 1,
                          "--per_device_train_batch_size", 2, "--packing", "--gradient_checkpointing", nproc=1), check=True)
     assert "16 records (messages" in proc.stdout and (tmp_path / "chat_run" / "llmft_done.json").is_file()
+
+
+def test_held_out_evaluation_logs_loss_and_perplexity_and_the_data_is_prepared_once(run_with_eval):
+    import math
+
+    out, train_out, prepare_out = run_with_eval
+    evals = [(int(s), float(loss), float(ppl)) for s, loss, ppl in
+             re.findall(r"llmft: step (\d+)/6 eval loss ([\d.]+) perplexity ([\d.]+)", train_out)]
+    assert [s for s, *_ in evals] == [3, 6]
+    for _, loss, ppl in evals:
+        assert ppl == pytest.approx(math.exp(loss), rel=1e-3)
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    logged = [(h["step"], h["eval_perplexity"]) for h in history if "eval_loss" in h]
+    assert [s for s, _ in logged] == [3, 6] and all(math.isfinite(p) for _, p in logged)
+    assert "115 records (prompt_completion, 50% of the split), 26 for evaluation" in train_out
+    # Rank 0 prepared (rank 1 waited for its files); `llmft prepare` with the same flags then finds it ready.
+    prepared = re.findall(r"llmft: prepared data (\S+) \(fingerprint (\w+)\)", train_out)
+    assert len(prepared) == 1, train_out
+    directory, fingerprint = prepared[0]
+    assert f"llmft: reused prepared data {directory} (fingerprint {fingerprint})" in prepare_out
+    record = json.loads((out / "llmft_data.json").read_text())
+    assert record["fingerprint"] == fingerprint and record["records"] == {"train": 115, "eval": 26}
 
 
 def test_wandb_offline_logs_without_network_and_never_prints_the_key(tiny_model, tiny_data, tmp_path):
@@ -195,6 +219,9 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--data_percentage", "0"], "--data_percentage must be in (0, 100], got 0"),
         (["--auto", "--zero_stage", "3"], "--auto chooses the ZeRO stage and offload itself"),
         (["--save_consolidated", "--zero_stage", "2"], "under ZeRO-2 the final model is written whole already"),
+        (["--eval_strategy", "steps", "--eval_steps", "5"], "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"),
+        (["--eval_split_ratio", "1"], "--eval_split_ratio must be in (0, 1)"),
+        (["--eval_dataset_name", str(tmp_path / "missing_eval.jsonl")], "missing_eval.jsonl not found"),
     ]
 
 

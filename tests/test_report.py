@@ -1,0 +1,139 @@
+"""`llmft report`: PNG plots and a Markdown summary from run directories, with what older runs lack left out."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from llmft import report
+
+
+def fake_run(path: Path, lr: float, steps: int = 30, speed: bool = True, eval_json: dict | None = None) -> Path:
+    """A run directory as llmft train + llmft eval leave it (numbers generated in code)."""
+    (path / f"checkpoint-{steps}").mkdir(parents=True)
+    history = []
+    for s in range(1, steps + 1):
+        entry = {"loss": 3 * math.exp(-s * lr) + 0.5, "learning_rate": lr * 1e-3 * (1 - s / steps), "step": s}
+        if speed:
+            entry.update(tokens_per_second=3000.0 + s, peak_gpu_memory_gib=10.5)
+        history.append(entry)
+        if s % 10 == 0:
+            history.append({"eval_loss": 3 * math.exp(-s * lr) + 0.7, "eval_perplexity": math.exp(3 * math.exp(-s * lr) + 0.7), "step": s})
+    (path / f"checkpoint-{steps}" / "trainer_state.json").write_text(json.dumps({"global_step": steps, "log_history": history}))
+    (path / f"checkpoint-{steps}" / "llmft_complete.json").write_text(json.dumps({"world_size": 2, "zero_stage": 2, "files": {}}))
+    (path / "ds_config.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    (path / "llmft_data.json").write_text(json.dumps({"dataset_name": "gsm8k.jsonl"}))
+    if speed:
+        (path / "run_summary.json").write_text(json.dumps({"world_size": 8, "gpu": "NVIDIA A100-SXM4-40GB", "wall_seconds": 3725,
+                                                           "tokens_per_second": 24000.0, "peak_gpu_memory_gib": 31.2, "steps": steps}))
+    if eval_json:
+        (path / f"eval-gsm8k_test-step{steps}.json").write_text(json.dumps(eval_json))
+    return path
+
+
+def eval_doc(step, strict, flexible, ppl):
+    return {"checkpoint": "x", "step": step, "metrics": {"perplexity": ppl, "exact_match_strict": strict,
+                                                         "exact_match_flexible": flexible, "n": 50}, "examples": []}
+
+
+@pytest.fixture
+def legends(monkeypatch):
+    """What each saved figure shows: title, axis labels and legend entries, captured as it is saved."""
+    from matplotlib.figure import Figure
+
+    seen = {}
+    original = Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        seen[Path(path).name] = [
+            {"title": ax.get_title(), "x": ax.get_xlabel(), "y": ax.get_ylabel(),
+             "legend": [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else [],
+             "ticks": [t.get_text() for t in ax.get_xticklabels()]}
+            for ax in fig.axes
+        ]
+        return original(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return seen
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+        return im.size
+
+
+def test_several_runs_give_labelled_plots_a_bar_chart_and_a_summary(tmp_path, legends):
+    a = fake_run(tmp_path / "lr-1e-4", 0.05, eval_json=eval_doc(30, 0.30, 0.42, 2.4))
+    b = fake_run(tmp_path / "lr-3e-4", 0.15, eval_json=eval_doc(30, 0.36, 0.50, 2.1))
+    old = fake_run(tmp_path / "older", 0.1, speed=False)  # no summary, no tokens/s, no llmft eval
+    written = report.report([a, b, old], tmp_path / "out")
+
+    assert set(written["plots"]) == {"loss", "learning_rate", "tokens_per_second", "gpu_memory", "eval_metrics"}
+    for path in written["plots"].values():
+        width, height = png_size(path)
+        assert width >= 800 and height >= 500  # readable at default size
+    [loss] = legends["loss.png"]
+    assert loss["x"] == "optimizer step" and "loss" in loss["y"]
+    assert loss["legend"] == ["lr-1e-4 train", "lr-1e-4 eval", "lr-3e-4 train", "lr-3e-4 eval", "older train", "older eval"]
+    assert legends["tokens_per_second.png"][0]["legend"] == ["lr-1e-4", "lr-3e-4"]  # the older run has none: left out
+    assert legends["gpu_memory.png"][0]["y"] == "peak GPU memory (GiB)"
+    em, ppl = legends["eval_metrics.png"]
+    assert em["ticks"] == ppl["ticks"] == ["lr-1e-4", "lr-3e-4", "older"] and em["y"] == "exact match (%)"
+    assert ppl["legend"] == ["from the training run's last eval loss"]  # the older run's bar is a different measurement
+
+    md = written["summary"].read_text()
+    rows = {}
+    for line in md.splitlines():  # the first table: one row per run
+        if line.startswith(("| lr-", "| older")):
+            rows.setdefault(line.split("|")[1].strip(), line)
+    assert "8 x NVIDIA A100-SXM4-40GB" in rows["lr-1e-4"] and "1h02m" in rows["lr-1e-4"] and "ZeRO-2" in rows["lr-1e-4"]
+    assert "| 2 |" in rows["older"]  # GPUs from the checkpoint marker when there is no run summary
+    assert "| lr-3e-4 | eval-gsm8k_test-step30.json | 30 | 2.1 | 36.0% | 50.0% | 50 |" in md
+    for path in written["plots"].values():
+        assert f"]({path.name})" in md
+
+
+def test_an_older_run_alone_degrades_and_says_what_is_missing(tmp_path):
+    old = fake_run(tmp_path / "old", 0.1, speed=False)
+    written = report.report([old], tmp_path / "out")
+    assert set(written["plots"]) == {"loss", "learning_rate"}  # one run, no llmft eval: nothing to compare in bars
+    assert "Not plotted (not in these runs' logs): throughput, gpu memory, eval metrics across runs." in written["summary"].read_text()
+
+
+def test_not_a_run_directory_is_one_clear_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for path, message in ((tmp_path / "missing", "is not a directory"), (tmp_path / "empty", "holds no trainer_state.json")):
+        with pytest.raises(SystemExit) as e:
+            report.main(SimpleNamespace(run_dir=[path], output=tmp_path / "out"))
+        assert str(e.value).startswith("llmft report: error: ") and message in str(e.value)
+
+
+def test_a_real_run_and_its_llmft_eval_result(run_with_eval, tmp_path, legends):
+    """The shared 2-process run, then `llmft eval` writing its default file into the run: the report shows both."""
+    import shutil
+
+    from llmft import eval as ev
+    from llmft.tiny import as_format, make_examples, write_jsonl
+
+    out = Path(shutil.copytree(run_with_eval[0], tmp_path / "run"))
+    data = write_jsonl(as_format(make_examples(3, seed=9), "prompt_completion"), tmp_path / "heldout.jsonl")
+    ev.run(SimpleNamespace(checkpoint=[str(out)], dataset_name=str(data), dataset_config=None, dataset_split="test", prompt_column=None,
+                           completion_column=None, messages_column=None, dataset_text_field="text", limit=None, max_new_tokens=4,
+                           batch_size=3, answer_pattern=ev.STRICT_PATTERN, output=None, model_name=None, device="cpu", dtype="auto",
+                           timeout=60, trust_checkpoint=False))
+    assert (out / "eval-heldout-step6.json").is_file()
+    written = report.report([out], tmp_path / "report")
+    assert {"loss", "learning_rate", "eval_metrics"} <= set(written["plots"])
+    [loss] = legends["loss.png"]
+    assert loss["legend"] == ["run train", "run eval"]
+    md = written["summary"].read_text()
+    row = next(line for line in md.splitlines() if "GPT2LMHeadModel" in line)
+    assert "ZeRO-2" in row and "| yes |" in row and "| 6 |" in row and "| 2 |" in row
+    assert "| run | eval-heldout-step6.json | 6 |" in md
