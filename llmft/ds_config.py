@@ -31,8 +31,12 @@ def templates_dir() -> Path:
     raise DSConfigError("cannot find llmft's ds_configs/ templates; reinstall llmft or pass --deepspeed PATH")
 
 
-def template_path(zero_stage: int | None, offload: bool = False, deepspeed: str | Path | None = None) -> Path:
-    """The config file to start from: the user's --deepspeed file, or the template for a ZeRO stage."""
+def template_path(zero_stage: int | None, offload: bool | str = False, deepspeed: str | Path | None = None) -> Path:
+    """The config file to start from: the user's --deepspeed file, or the template for a ZeRO stage.
+
+    offload: False/"none"; True (--offload: the optimizer, and on ZeRO-3 the parameters too); or the planner's
+    "optimizer" / "optimizer+params" (ZeRO-3 with only the optimizer offloaded: zero3_offload_optimizer.json).
+    """
     if deepspeed is not None:
         if zero_stage is not None:
             raise DSConfigError("give either --zero_stage or --deepspeed, not both")
@@ -43,9 +47,18 @@ def template_path(zero_stage: int | None, offload: bool = False, deepspeed: str 
     stage = 2 if zero_stage is None else zero_stage
     if stage not in ZERO_STAGES:
         raise DSConfigError(f"unknown ZeRO stage {stage!r}; use --zero_stage 0, 1, 2 or 3")
-    if offload and stage < 2:
+    if offload not in (False, None, "none") and stage < 2:
         raise DSConfigError(f"--offload needs ZeRO stage 2 or 3 (got {stage}); use --zero_stage 2 --offload")
-    name = f"zero{stage}_offload.json" if offload else f"zero{stage}.json"
+    if offload == "optimizer+params" and stage != 3:
+        raise DSConfigError(f"offloading the parameters needs ZeRO stage 3 (got {stage})")
+    if offload in (False, None, "none"):
+        name = f"zero{stage}.json"
+    elif offload == "optimizer" and stage == 3:
+        name = "zero3_offload_optimizer.json"
+    elif offload in (True, "optimizer", "optimizer+params"):
+        name = f"zero{stage}_offload.json"
+    else:
+        raise DSConfigError(f"unknown offload {offload!r}; use none, optimizer or optimizer+params")
     return templates_dir() / name
 
 
@@ -71,6 +84,13 @@ def zero_stage_of(config: dict[str, Any]) -> int:
 def offloads(config: dict[str, Any]) -> bool:
     zero = config.get("zero_optimization", {})
     return any(zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
+
+
+def offload_mode(config: dict[str, Any]) -> str:
+    """none, optimizer or optimizer+params: what a config offloads to the CPU."""
+    zero = config.get("zero_optimization", {})
+    on = [k for k in ("offload_optimizer", "offload_param") if zero.get(k, {}).get("device", "none") not in ("none", None)]
+    return {(): "none", ("offload_optimizer",): "optimizer"}.get(tuple(on), "optimizer+params")
 
 
 def _fill(section: dict[str, Any], key: str, value: Any, where: str) -> None:

@@ -119,6 +119,10 @@ POLICY: dict[str, tuple[str, str]] = {
     # ---- LlmftArguments
     **_table(USED, "zero_stage offload global_batch_size data_percentage precision prompt_column completion_column "
                    "messages_column stop_file eval_dataset_name eval_split_ratio prepare_timeout", "llmft's own flags"),
+    "auto": (CHECKED, "llmft.plan.auto_choice picks ZeRO stage, offload, micro-batch and gradient checkpointing; "
+                      "refused with --zero_stage/--offload/--deepspeed"),
+    "save_consolidated": (CHECKED, "ZeRO-3: the gathered 16-bit model at the end (llmft.saving); refused on other "
+                                   "stages and with LoRA"),
 }
 
 LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",

@@ -245,3 +245,124 @@ def check_liger(gpu: GPU | None, model_type: str, supported: frozenset[str] | No
             "--liger_kernel_config fused_linear_cross_entropy is not supported: TRL's SFTTrainer uses its own fused LM head "
             "(it also works under ZeRO-3); remove that key"
         )
+
+
+# ---- node types: the cloud machines llmft's blueprints use, and their neighbours ---------------------------------
+# One row per machine type: its GPUs and host. Checked (2026-11) against the providers' pages:
+#   GCP: https://cloud.google.com/compute/docs/gpus (GPU machine types: G2, A2 Standard/Ultra, A3 High) and
+#        https://cloud.google.com/compute/docs/accelerator-optimized-machines
+#   AWS: https://docs.aws.amazon.com/ec2/latest/instancetypes/ac.html (accelerated computing specifications) and
+#        https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa.html#efa-instance-types (EFA-capable types)
+# Host RAM is the provider's number: GB on GCP, GiB on AWS (llmft treats both as GiB, so GCP nodes are read ~7%
+# generous; the plan's host numbers carry more margin than that). GCP machines have no EFA (their fast fabrics,
+# GPUDirect-TCPX on A3, are not EFA), so `efa` is False there.
+GCP_GPU_PAGE = "https://cloud.google.com/compute/docs/gpus"
+AWS_AC_PAGE = "https://docs.aws.amazon.com/ec2/latest/instancetypes/ac.html"
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """One cloud machine type: what a Slurm node of that type gives a job."""
+
+    name: str  # the provider's machine type name, e.g. g2-standard-4, p4d.24xlarge
+    provider: str  # gcp | aws
+    gpu: GPU
+    gpus: int  # GPUs per node
+    vcpus: int
+    host_ram_gib: float
+    efa: bool  # Elastic Fabric Adapter (AWS)
+    source: str  # the provider page the row was checked against
+
+
+def _nodes(provider: str, gpu: str, source: str, rows) -> list[NodeType]:
+    return [NodeType(name, provider, GPUS[gpu], gpus, vcpus, float(ram), efa, source) for name, gpus, vcpus, ram, efa in rows]
+
+
+NODE_TYPES: dict[str, NodeType] = {
+    n.name: n
+    for n in (
+        # name, GPUs, vCPUs, host RAM, EFA
+        *_nodes("gcp", "L4", GCP_GPU_PAGE, [
+            ("g2-standard-4", 1, 4, 16, False),
+            ("g2-standard-8", 1, 8, 32, False),
+            ("g2-standard-12", 1, 12, 48, False),
+            ("g2-standard-16", 1, 16, 64, False),
+            ("g2-standard-24", 2, 24, 96, False),
+            ("g2-standard-32", 1, 32, 128, False),
+            ("g2-standard-48", 4, 48, 192, False),
+            ("g2-standard-96", 8, 96, 384, False),
+        ]),
+        *_nodes("gcp", "A100-40GB", GCP_GPU_PAGE, [
+            ("a2-highgpu-1g", 1, 12, 85, False),
+            ("a2-highgpu-2g", 2, 24, 170, False),
+            ("a2-highgpu-4g", 4, 48, 340, False),
+            ("a2-highgpu-8g", 8, 96, 680, False),
+        ]),
+        *_nodes("gcp", "A100-80GB", GCP_GPU_PAGE, [
+            ("a2-ultragpu-1g", 1, 12, 170, False),
+            ("a2-ultragpu-2g", 2, 24, 340, False),
+            ("a2-ultragpu-4g", 4, 48, 680, False),
+            ("a2-ultragpu-8g", 8, 96, 1360, False),
+        ]),
+        *_nodes("gcp", "H100-80GB", GCP_GPU_PAGE, [
+            ("a3-highgpu-8g", 8, 208, 1872, False),
+        ]),
+        *_nodes("aws", "L4", AWS_AC_PAGE, [
+            ("g6.xlarge", 1, 4, 16, False),
+            ("g6.2xlarge", 1, 8, 32, False),
+            ("g6.4xlarge", 1, 16, 64, False),
+            ("g6.8xlarge", 1, 32, 128, True),
+            ("g6.12xlarge", 4, 48, 192, True),
+            ("g6.16xlarge", 1, 64, 256, True),
+            ("g6.24xlarge", 4, 96, 384, True),
+            ("g6.48xlarge", 8, 192, 768, True),
+        ]),
+        *_nodes("aws", "A100-40GB", AWS_AC_PAGE, [
+            ("p4d.24xlarge", 8, 96, 1152, True),
+        ]),
+        *_nodes("aws", "H100-80GB", AWS_AC_PAGE, [
+            ("p5.48xlarge", 8, 192, 2048, True),
+        ]),
+    )
+}
+
+
+def node_type_by_name(name: str) -> NodeType:
+    """A catalogue node type by its provider name (case-insensitive), e.g. 'g2-standard-4' or 'p4d.24xlarge'."""
+    for key, node in NODE_TYPES.items():
+        if key.lower() == name.strip().lower():
+            return node
+    raise HardwareError(f"unknown node type {name!r}; known: {', '.join(NODE_TYPES)} (or give --gpu and --host_ram_gb)")
+
+
+def local_host_ram_gib(env=None, meminfo: str = "/proc/meminfo") -> float:
+    """This node's RAM for a job: LLMFT_HOST_RAM_GB (run_llm.slurm sets it from the first node, so every node of a
+    job plans alike) or MemTotal; Slurm's --mem limit (SLURM_MEM_PER_NODE, MB) when smaller."""
+    import os
+
+    env = os.environ if env is None else env
+    given = env.get("LLMFT_HOST_RAM_GB", "").strip()
+    if given:
+        try:
+            total = float(given)
+        except ValueError:
+            total = float("nan")
+        if not total > 0:
+            raise HardwareError(f"LLMFT_HOST_RAM_GB={given!r} is not a positive number of GiB")
+    else:
+        total = _meminfo_total_gib(meminfo)
+    limit = env.get("SLURM_MEM_PER_NODE", "").strip()
+    if limit.isdigit() and int(limit) > 0:
+        total = min(total, int(limit) / 1024)
+    return round(total, 1)
+
+
+def _meminfo_total_gib(meminfo: str) -> float:
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20  # kB -> GiB
+    except (OSError, ValueError, IndexError):
+        pass
+    raise HardwareError(f"cannot read this node's memory from {meminfo}; give --host_ram_gb")

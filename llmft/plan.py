@@ -6,6 +6,14 @@ script's first lines, so a user sees (and a bad knob fails) before GPUs are spen
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --nnodes 2 --nproc_per_node 4
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --zero_stage 3 --offload   # world from Slurm/torchrun env
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --print_launch   # + the line slurm/run_llm.slurm launches from
+
+With --model it is a memory plan (llmft.memory): will it fit, and what should it run with? The model is built
+from its config on the meta device (no weights are read); the hardware is a catalogue GPU or node type, or
+this machine's GPUs and RAM when neither is given.
+
+    llmft plan --model meta-llama/Llama-3.1-8B --node_type a2-highgpu-8g --global_batch_size 64 --max_length 2048
+    llmft plan --model runs/llama-cfg --node_type g2-standard-4 --nnodes 2 --use_peft --lora_r 16 --json
+    llmft plan --model runs/llama-cfg --gpu L4 --host_ram_gb 192 --nproc_per_node 4 --write plans/l4
 """
 
 from __future__ import annotations
@@ -19,13 +27,13 @@ from llmft.cli import command_parser
 from llmft.ds_config import (
     DSConfigError,
     load_config,
+    offload_mode,
     offloads,
     template_path,
     zero_stage_of,
 )
-from llmft.hardware import AUTO_PRECISION, PRECISIONS
+from llmft.hardware import AUTO_PRECISION, PRECISIONS, HardwareError, choose_precision
 from llmft.launch_env import CpuSplit, LaunchEnvError, World, cpu_split, discover_cpus, discover_world
-
 
 
 class PlanError(ValueError):
@@ -41,15 +49,20 @@ class RunPlan:
     offload: bool
     precision: str
     output_dir: str
+    offload_mode: str = "none"
+    auto: str = ""  # --auto: what the memory planner chose, and why
 
     def lines(self) -> list[str]:
         b = self.batch
-        return [
+        offload = {"none": "", "optimizer": " with CPU offload (optimizer)",
+                   "optimizer+params": " with CPU offload (optimizer and parameters)"}[self.offload_mode]
+        auto = [f"llmft plan: auto: {self.auto}"] if self.auto else []
+        return auto + [
             f"llmft plan: {self.world.describe()}",
             f"llmft plan: micro-batch {b.micro_batch} per process",
             f"llmft plan: gradient accumulation {b.grad_accum}",
             f"llmft plan: global batch {b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.grad_accum} x world size {b.world_size}",
-            f"llmft plan: ZeRO stage {self.zero_stage}{' with CPU offload' if self.offload else ''} ({self.ds_template})",
+            f"llmft plan: ZeRO stage {self.zero_stage}{offload} ({self.ds_template})",
             f"llmft plan: precision {self.precision}",
             f"llmft plan: checkpoint dir {self.output_dir or '(not set)'}",
         ]
@@ -61,11 +74,12 @@ def make_plan(
     global_batch: int | None = None,
     grad_accum: int | None = None,
     zero_stage: int | None = None,
-    offload: bool = False,
+    offload: bool | str = False,
     deepspeed: str | None = None,
     precision: str = "fp32",
     output_dir: str = "",
     world: World | None = None,
+    auto: str = "",
 ) -> RunPlan:
     """Check everything that can be checked without a model; raise PlanError naming the fix."""
     try:
@@ -75,17 +89,342 @@ def make_plan(
         config = load_config(path)
     except (BatchError, DSConfigError, LaunchEnvError) as e:
         raise PlanError(str(e)) from None
-    return RunPlan(world, batch, path, zero_stage_of(config), offloads(config), precision, output_dir)
+    return RunPlan(world, batch, path, zero_stage_of(config), offloads(config), precision, output_dir,
+                   offload_mode(config), auto)
+
+
+# ---- the memory plan (--model): llmft.memory on a model shape and the hardware --------------------------------------
+
+# What `llmft train` uses when a flag is not given (TRL's SFTConfig / HF's TrainingArguments defaults).
+TRAIN_DEFAULTS = {"max_length": 1024, "lr": 2e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "clip": 1.0}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The GPUs and host a memory plan is made for."""
+
+    gpu: object  # llmft.hardware.GPU, or None for CPU processes
+    gpu_memory_gib: float | None
+    host_ram_gib: float
+    gpus_per_node: int | None
+    provider: str | None
+    node_type: str | None
+
+    def describe(self, nnodes: int, nproc: int) -> str:
+        if self.gpu is None:
+            device = f"{nproc} CPU process{'es' if nproc > 1 else ''} per node (no GPU)"
+        else:
+            device = f"{nproc} x {self.gpu.name} ({self.gpu_memory_gib:g} GiB) per node"
+        node = f"{self.node_type}: " if self.node_type else ""
+        return f"{nnodes} x {node}{device}, {self.host_ram_gib:g} GiB host RAM per node"
+
+
+def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None, node_type: str | None = None,
+                     host_ram_gb: float | None = None) -> Hardware:
+    """A catalogue node type, a GPU (by name or memory) with the host RAM given, or this machine."""
+    from llmft.hardware import GPU, gpu_by_name, local_gpu, local_host_ram_gib, node_type_by_name
+
+    if node_type:
+        node = node_type_by_name(node_type)
+        if gpu and gpu_by_name(gpu) != node.gpu:
+            raise PlanError(f"--gpu {gpu} contradicts --node_type {node.name}, which has {node.gpu.name}; give one of them")
+        return Hardware(node.gpu, node.gpu.memory_gib if gpu_memory_gb is None else gpu_memory_gb,
+                        node.host_ram_gib if host_ram_gb is None else host_ram_gb, node.gpus,
+                        node.provider, node.name)
+    if gpu or gpu_memory_gb is not None:
+        if host_ram_gb is None:
+            raise PlanError("--gpu/--gpu_memory_gb needs --host_ram_gb (the node's RAM), or use --node_type")
+        if gpu:
+            g = gpu_by_name(gpu)
+        else:  # an unlisted GPU: assume bf16 tensor cores (Ampere+), peak unknown
+            g = GPU(f"GPU-{gpu_memory_gb:g}GiB", gpu_memory_gb, (8, 0), None)
+        return Hardware(g, g.memory_gib if gpu_memory_gb is None else gpu_memory_gb, host_ram_gb, None, None, None)
+    g = local_gpu()
+    host = host_ram_gb if host_ram_gb is not None else local_host_ram_gib()
+    count = None
+    if g is not None:
+        import torch
+
+        count = torch.cuda.device_count()
+    return Hardware(g, g.memory_gib if g else None, host, count, None, None)
+
+
+def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, precision: str,
+               global_batch: int | None = None, micro_batch: int | None = None, max_micro_batch: int | None = None,
+               grad_accum: int | None = None, gradient_checkpointing: bool | None = None,
+               zero_stage: int | None = None, offload: bool | str | None = None, deepspeed: str | None = None,
+               load_in_4bit: bool = False, attention: str = "sdpa", save_total_limit: int | None = None,
+               output_dir: str | None = None, write_mb_s: float | None = None, mfu: float | None = None,
+               save_consolidated: bool = False):
+    """The llmft.memory Job for this model, hardware and run knobs (stage/offload restricted when given)."""
+    import shutil
+
+    from llmft import memory
+
+    stages, offload_modes = memory.Job.__dataclass_fields__["zero_stages"].default, memory.OFFLOADS
+    zero_config = {}
+    try:
+        if deepspeed:
+            cfg = load_config(template_path(None, False, deepspeed))
+            stages, offload_modes = (zero_stage_of(cfg),), (offload_mode(cfg),)
+            zero_config = {zero_stage_of(cfg): cfg.get("zero_optimization", {})}
+        else:
+            if zero_stage is not None:
+                stages = (zero_stage,)
+            if offload is True:
+                offload_modes = ("optimizer", "optimizer+params")
+            elif isinstance(offload, str):
+                offload_modes = (offload,)
+            elif offload is False or zero_stage is not None:
+                offload_modes = ("none",)
+            for stage in (0, 1, 2, 3):
+                zero_config[stage] = load_config(template_path(stage)).get("zero_optimization", {})
+    except DSConfigError as e:
+        raise PlanError(str(e)) from None
+    free = None
+    if output_dir:
+        where = Path(output_dir).resolve()
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        free = shutil.disk_usage(where).free / 2**30
+    return memory.Job(
+        shape=shape, gpu=hardware.gpu, host_ram_gib=hardware.host_ram_gib, nnodes=world.nnodes,
+        nproc_per_node=world.procs_per_node, max_length=max_length, precision=precision, global_batch=global_batch,
+        micro_batch=micro_batch, max_micro_batch=max_micro_batch, grad_accum=grad_accum,
+        gpu_memory_gib=hardware.gpu_memory_gib, gradient_checkpointing=gradient_checkpointing, zero_stages=stages,
+        offloads=offload_modes, load_in_4bit=load_in_4bit, attention=attention, zero_config=zero_config,
+        save_total_limit=save_total_limit, free_disk_gib=free,
+        write_mb_s=memory.WRITE_MB_S.get(hardware.provider, memory.WRITE_MB_S[None]) if write_mb_s is None else write_mb_s,
+        mfu=memory.DEFAULT_MFU if mfu is None else mfu, save_consolidated=save_consolidated,
+    )
+
+
+def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
+    """The memory plan as printed: the model and hardware, the recommendation and why, the candidate table,
+    warnings, and the assumptions behind the numbers."""
+    from llmft import memory
+
+    job, shape = mplan.job, mplan.job.shape
+    train = f"LoRA: {shape.trainable / 1e6:.1f}M trainable" if shape.lora else "full fine-tuning"
+    if job.load_in_4bit:
+        train += " on 4-bit weights"
+    batch = f"global batch {job.global_batch}" if job.global_batch else "no global batch given"
+    out = [
+        f"llmft plan: model {shape.name}: {shape.params / 1e9:.2f}B parameters, {train}; {job.precision}, "
+        f"sequence {job.max_length}, {batch}",
+        f"llmft plan: hardware {hardware.describe(job.nnodes, job.nproc_per_node)}; world size {job.world}",
+    ]
+    if mplan.recommended is not None:
+        out.append(f"llmft plan: recommended {mplan.recommended.setting.describe()}")
+        out.append(f"llmft plan: why: {mplan.reason}")
+    else:
+        out.append(f"llmft plan: {mplan.reason}")
+    out.append("  stage offload           micro accum ckpt | states  activ   loss  other    GPU | host/node | ckpt GiB  write s | tokens/s | fits")
+    for c in _table_rows(mplan.candidates):
+        s, d = c.setting, c.as_dict()
+        tps = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}"
+        out.append(
+            f"  {s.zero_stage:<5} {s.offload:<17} {s.micro_batch:>5} {s.grad_accum:>5} {'on' if s.gradient_checkpointing else 'off':<4} |"
+            f" {d['model_states_gib']:6.1f} {d['activations_gib']:6.1f} {d['loss_buffers_gib']:6.1f} {d['overhead_gib']:6.1f}"
+            f" {d['gpu_total_gib']:6.1f} | {d['host_ram_gib_per_node']:9.1f} | {d['checkpoint_gib']:8.1f} {c.write_s:8.0f} |"
+            f" {tps:>8} | {'yes' if c.fits else 'no: ' + c.why}"
+        )
+    out += [f"llmft plan: warning: {w}" for w in mplan.warnings]
+    peak = f"MFU {job.mfu:.0%} of {job.gpu.peak_tflops:g} TFLOP/s" if job.gpu is not None and job.gpu.peak_tflops else "no peak known: tokens/s not estimated"
+    device = (f"{memory.CUDA_CONTEXT_GIB:g} GiB CUDA context + {memory.FRAGMENTATION:.0%} fragmentation per GPU, "
+              f"{memory.PROCESS_HOST_GIB['cuda']:g} GiB host per process" if job.gpu is not None
+              else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process")
+    out.append(f"llmft plan: assumed: {device}; {peak}; checkpoints written at {job.write_mb_s:g} MB/s; "
+               f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.memory documents each term)")
+    return out
+
+
+def _table_rows(candidates):
+    """One row per (stage, offload): the first that fits in llmft's order (the candidates' order), else the one
+    needing least memory. --json lists every candidate."""
+    rows = {}
+    for c in candidates:
+        key = (c.setting.zero_stage, c.setting.offload)
+        best = rows.get(key)
+        if best is None or not best.fits and (c.fits or c.gpu_total + c.host["peak"] < best.gpu_total + best.host["peak"]):
+            rows[key] = c
+    return list(rows.values())
+
+
+def memory_plan_json(mplan) -> dict:
+    shape = mplan.job.shape
+    return {
+        "params": shape.total,
+        "trainable_params": shape.trainable,
+        "recommended": None if mplan.recommended is None else mplan.recommended.as_dict(),
+        "reason": mplan.reason,
+        "warnings": mplan.warnings,
+        "candidates": [c.as_dict() for c in mplan.candidates],
+    }
+
+
+def sbatch_line(args, est, world: World, global_batch: int) -> str:
+    """The run_llm.slurm submission that runs the recommended setting."""
+    import shlex
+
+    s = est.setting
+    knobs = [f"MODEL={args.model}", f"GLOBAL_BATCH={global_batch}", f"MICRO_BATCH={s.micro_batch}"]
+    if s.offload == "optimizer" and s.zero_stage == 3:
+        knobs.append(f"DS_CONFIG={template_path(3, 'optimizer')}")
+    else:
+        knobs += [f"ZERO_STAGE={s.zero_stage}", f"OFFLOAD={0 if s.offload == 'none' else 1}"]
+    if args.use_peft:
+        knobs.append("LORA=1")
+    extra = ["--gradient_checkpointing", "true" if s.gradient_checkpointing else "false", "--max_length", str(args.max_length)]
+    if args.use_peft:
+        extra += ["--lora_r", str(args.lora_r)]
+        if args.lora_target_modules:
+            extra += ["--lora_target_modules", *args.lora_target_modules]
+    if args.load_in_4bit:
+        extra.append("--load_in_4bit")
+    if args.save_consolidated:
+        extra.append("--save_consolidated")
+    knobs.append("EXTRA_ARGS=" + " ".join(extra))
+    export = "--export=ALL," + ",".join(knobs)
+    return (f"sbatch --nodes={world.nnodes} --gpus-per-node={world.procs_per_node} slurm/run_llm.slurm "
+            f"{shlex.quote(export)}")
+
+
+def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
+    """--write DIR: the resolved DeepSpeed config of the recommended setting and the sbatch line that runs it."""
+    import json
+
+    from llmft import ds_config
+
+    est = mplan.recommended
+    s = est.setting
+    batch = plan_batch(world.world_size, s.micro_batch, global_batch=s.micro_batch * s.grad_accum * world.world_size)
+    cfg = ds_config.resolve(
+        load_config(template_path(s.zero_stage, s.offload)), batch, mplan.job.precision,
+        gradient_clipping=TRAIN_DEFAULTS["clip"], lr=TRAIN_DEFAULTS["lr"], betas=TRAIN_DEFAULTS["betas"],
+        eps=TRAIN_DEFAULTS["eps"], weight_decay=TRAIN_DEFAULTS["weight_decay"], hidden_size=mplan.job.shape.hidden,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    written = [ds_config.write_resolved(cfg, directory)]
+    line = sbatch_line(args, est, world, batch.global_batch)
+    (directory / "sbatch.txt").write_text(line + "\n")
+    (directory / "plan.json").write_text(json.dumps(memory_plan_json(mplan), indent=2) + "\n")
+    written += [directory / "sbatch.txt", directory / "plan.json"]
+    return written
+
+
+def memory_main(args, world: World) -> tuple[int, World]:
+    """`llmft plan --model ...`: the candidate table and the recommendation (or --json); the exit code and the
+    world it planned for."""
+    import json
+
+    from llmft.memory import MemoryPlanError, plan_memory
+    from llmft.model_shape import load_model_config, model_shape
+
+    hardware = resolve_hardware(args.gpu, args.gpu_memory_gb, args.node_type, args.host_ram_gb)
+    if args.nproc_per_node is None and hardware.gpus_per_node:
+        world = World(world.nnodes, hardware.gpus_per_node, world.source)
+    precision = choose_precision(args.precision, hardware.gpu)
+    config = load_model_config(args.model, args.trust_remote_code)
+    if args.max_length is None:
+        args.max_length = TRAIN_DEFAULTS["max_length"]
+    max_length = args.max_length
+    if max_length < 1:
+        raise PlanError(f"--max_length must be a positive integer, got {max_length}")
+    if args.lora_r is None:
+        args.lora_r = 16  # TRL's default
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions and max_length > positions:  # llmft train clips it the same way
+        if not args.json:
+            print(f"llmft plan: max_length {max_length} exceeds the model's {positions} positions; using {positions}")
+        args.max_length = max_length = positions
+    shape = model_shape(config, use_peft=args.use_peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
+    micro = None if args.auto else args.per_device_train_batch_size
+    job = memory_job(
+        shape, hardware, world, max_length=max_length, precision=precision, global_batch=args.global_batch_size,
+        micro_batch=micro, max_micro_batch=args.per_device_train_batch_size if args.auto else None,
+        grad_accum=args.gradient_accumulation_steps, gradient_checkpointing=args.gradient_checkpointing,
+        zero_stage=args.zero_stage, offload=args.offload or None, deepspeed=args.deepspeed,
+        load_in_4bit=args.load_in_4bit, attention=args.attn_implementation or "sdpa", save_total_limit=args.save_total_limit,
+        output_dir=args.output_dir or None, write_mb_s=args.write_mb_s, mfu=args.mfu,
+        save_consolidated=args.save_consolidated,
+    )
+    try:
+        mplan = plan_memory(job)
+    except MemoryPlanError as e:
+        raise PlanError(str(e)) from None
+    written = []
+    if args.write and mplan.recommended is not None:
+        written = write_plan_files(Path(args.write), args, mplan, World(job.nnodes, job.nproc_per_node, world.source))
+    if args.json:
+        print(json.dumps(memory_plan_json(mplan), indent=2))
+    else:
+        print("\n".join(format_memory_plan(mplan, hardware)))
+        for path in written:
+            print(f"llmft plan: wrote {path}")
+        if written:
+            print(f"llmft plan: run it: {(Path(args.write) / 'sbatch.txt').read_text().strip()}")
+    if mplan.recommended is None:
+        print(f"llmft plan: error: {mplan.reason}", file=sys.stderr)
+        return 2, world
+    return 0, world
+
+
+def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: int, global_batch: int | None,
+                grad_accum: int | None, max_length: int, use_peft: bool, lora_r: int, lora_target_modules,
+                allow_gradient_checkpointing: bool, save_total_limit: int | None, output_dir: str,
+                attention: str | None, load_in_4bit: bool, save_consolidated: bool, trust_remote_code: bool = False,
+                keep_zero_stage: int | None = None):
+    """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
+    computes the same answer: run_llm.slurm exports the first node's RAM as LLMFT_HOST_RAM_GB).
+    keep_zero_stage: a resumed run's stage (its checkpoints load only under it); offload and batch stay free.
+    Returns (Setting, one line saying what was chosen and why); PlanError when nothing fits."""
+    import dataclasses
+
+    from llmft.memory import MemoryPlanError, plan_memory
+    from llmft.model_shape import load_model_config, model_shape
+
+    hardware = resolve_hardware()
+    try:
+        config = load_model_config(model, trust_remote_code)
+        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        max_length = min(max_length, positions) if positions else max_length  # llmft train clips it the same way
+        shape = model_shape(config, use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules)
+        if global_batch is None:
+            global_batch = max_micro_batch * (grad_accum or 1) * world.world_size
+        job = memory_job(
+            shape, hardware, world, max_length=max_length, precision=precision, global_batch=global_batch,
+            max_micro_batch=max_micro_batch, gradient_checkpointing=None if allow_gradient_checkpointing else False,
+            load_in_4bit=load_in_4bit, attention=attention or "sdpa", save_total_limit=save_total_limit,
+            output_dir=output_dir, save_consolidated=save_consolidated,
+        )
+        if keep_zero_stage is not None:
+            job = dataclasses.replace(job, zero_stages=(keep_zero_stage,))
+        mplan = plan_memory(job)
+    except MemoryPlanError as e:
+        raise PlanError(f"--auto: {e}") from None
+    where = hardware.describe(world.nnodes, world.procs_per_node)
+    if mplan.recommended is None:
+        raise PlanError(f"--auto: on {where}: {mplan.reason}")
+    est = mplan.recommended
+    device = "GPU" if hardware.gpu is not None else "per process"
+    line = (f"{est.setting.describe()} ({device} {est.as_dict()['gpu_total_gib']} GiB, host "
+            f"{est.as_dict()['host_ram_gib_per_node']} GiB per node) on {where}: {mplan.reason}")
+    if keep_zero_stage is not None:
+        line += f"; ZeRO-{keep_zero_stage} kept: the run being resumed was trained with it"
+    return est.setting, line
 
 
 def make_parser(subparsers=None):
-    description = "Print the resolved run plan (world, batch math, ZeRO config) without loading a model."
+    description = "Print the resolved run plan (world, batch math, ZeRO config) without loading a model; with --model, a memory plan."
     parser = command_parser(subparsers, "plan", description)
     parser.add_argument("--global_batch_size", type=int, default=None)
-    parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="micro-batch per process (HF default 8)")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=None,
+                        help="micro-batch per process (default 8; with --model: searched, or the largest tried with --auto)")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
     parser.add_argument("--nnodes", type=int, default=None, help="default: from Slurm/torchrun variables")
-    parser.add_argument("--nproc_per_node", type=int, default=None, help="default: GPUs Slurm gave the node, or local GPUs")
+    parser.add_argument("--nproc_per_node", type=int, default=None,
+                        help="default: the node type's GPUs, the GPUs Slurm gave the node, or local GPUs")
     parser.add_argument("--zero_stage", type=int, default=None)
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--deepspeed", default=None)
@@ -93,11 +432,51 @@ def make_parser(subparsers=None):
     parser.add_argument("--output_dir", default="")
     parser.add_argument("--print_launch", action="store_true",
                         help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)")
+    mem = parser.add_argument_group("memory plan (--model)")
+    mem.add_argument("--model", default=None, help="model directory, a directory holding only config.json, or a hub id")
+    mem.add_argument("--gpu", default=None, help="L4, A100-40GB, A100-80GB, H100-80GB, H200, ... (llmft.hardware.GPUS)")
+    mem.add_argument("--gpu_memory_gb", type=float, default=None, help="GPU memory in GiB (an unlisted GPU, or to override)")
+    mem.add_argument("--node_type", default=None, help="g2-standard-4, a2-highgpu-8g, g6.12xlarge, p4d.24xlarge, ... (llmft.hardware.NODE_TYPES)")
+    mem.add_argument("--host_ram_gb", type=float, default=None, help="host RAM per node in GiB (default: the node type's, or this machine's)")
+    mem.add_argument("--max_length", type=int, default=None, help="tokens per sequence (default: TRL's 1024)")
+    mem.add_argument("--gradient_checkpointing", default=None, type=lambda v: _bool(v, "--gradient_checkpointing"),
+                     help="true/false: only that; default: both tried")
+    mem.add_argument("--use_peft", action="store_true", help="LoRA adapters on a frozen model")
+    mem.add_argument("--lora_r", type=int, default=None, help="LoRA rank (default: TRL's 16)")
+    mem.add_argument("--lora_target_modules", nargs="+", default=None, help="default: PEFT's for the architecture")
+    mem.add_argument("--load_in_4bit", action="store_true", help="QLoRA: frozen weights in 4-bit (needs --use_peft)")
+    mem.add_argument("--attn_implementation", default=None, choices=["sdpa", "flash_attention_2"], help="default sdpa")
+    mem.add_argument("--save_total_limit", type=int, default=None, help="checkpoints kept (checked against --output_dir's free space)")
+    mem.add_argument("--save_consolidated", action="store_true", help="count the 16-bit model gathered at the end (ZeRO-3 rows)")
+    mem.add_argument("--write_mb_s", type=float, default=None, help="checkpoint write bandwidth, MB/s (default: the provider's shared filesystem in llmft's blueprints)")
+    mem.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the tokens/s estimate (default 0.35)")
+    mem.add_argument("--auto", action="store_true", help="what `llmft train --auto` picks: micro-batches up to --per_device_train_batch_size")
+    mem.add_argument("--json", action="store_true", help="print the plan as JSON")
+    mem.add_argument("--write", default=None, metavar="DIR", help="write the recommended DeepSpeed config and sbatch line to DIR")
+    mem.add_argument("--trust_remote_code", action="store_true")
     parser.set_defaults(func=main)
     return parser
 
 
+def _bool(value: str, flag: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    import argparse
+
+    raise argparse.ArgumentTypeError(f"{flag} takes true or false, not {value!r}")
+
+
+MEMORY_ONLY = ("gpu", "gpu_memory_gb", "node_type", "host_ram_gb", "max_length", "gradient_checkpointing", "use_peft",
+               "lora_r", "lora_target_modules", "load_in_4bit", "attn_implementation", "save_total_limit",
+               "save_consolidated", "write_mb_s", "mfu", "auto", "json", "write", "trust_remote_code")
+
+
 def main(args) -> int:
+    from llmft.memory import MemoryPlanError
+
     try:
         world = discover_world()
         if args.nnodes is not None or args.nproc_per_node is not None:
@@ -106,10 +485,23 @@ def main(args) -> int:
             world = World(nnodes, procs, "arguments")
         if world.nnodes < 1 or world.procs_per_node < 1:
             raise PlanError("--nnodes and --nproc_per_node must be positive")
+        if args.model:
+            if args.deepspeed and (args.zero_stage is not None or args.offload):
+                raise PlanError("give either --zero_stage/--offload or --deepspeed, not both")
+            if args.json and args.print_launch:
+                raise PlanError("--print_launch adds a text line that --json output cannot hold: give one of them")
+            rc, world = memory_main(args, world)
+            if rc == 0 and not args.json:
+                print_launch_lines(world, args.print_launch)
+            return rc
+        given = [f"--{name}" for name in MEMORY_ONLY if getattr(args, name) is not None and getattr(args, name) is not False
+                 or name == "gradient_checkpointing" and args.gradient_checkpointing is False]
+        if given:
+            raise PlanError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --model (a memory plan)")
         # Planning on a login node: say what the GPU nodes will pick (llmft.hardware.choose_precision's rule).
         precision = AUTO_PRECISION if args.precision == "auto" else args.precision
         plan = make_plan(
-            micro_batch=args.per_device_train_batch_size,
+            micro_batch=8 if args.per_device_train_batch_size is None else args.per_device_train_batch_size,  # HF default
             global_batch=args.global_batch_size,
             grad_accum=args.gradient_accumulation_steps,
             zero_stage=args.zero_stage,
@@ -119,19 +511,24 @@ def main(args) -> int:
             output_dir=args.output_dir,
             world=world,
         )
-        cpus, source = discover_cpus()
-    except (PlanError, LaunchEnvError) as e:
+        print("\n".join(plan.lines()))
+        print_launch_lines(plan.world, args.print_launch)
+    except (PlanError, LaunchEnvError, HardwareError, MemoryPlanError) as e:
         print(f"llmft plan: error: {e}", file=sys.stderr)
         return 2
-    print("\n".join(plan.lines()))
-    if source == "slurm" or args.print_launch:
-        split = cpu_split(cpus, plan.world.procs_per_node, source)
+    return 0
+
+
+def print_launch_lines(world: World, print_launch: bool) -> None:
+    """Inside Slurm (or with --print_launch): the CPU split, and the line slurm/run_llm.slurm launches from."""
+    cpus, source = discover_cpus()
+    if source == "slurm" or print_launch:
+        split = cpu_split(cpus, world.procs_per_node, source)
         print(f"llmft plan: {split.describe()}")
         if split.warning():
             print(f"llmft plan: warning: {split.warning()}")
-        if args.print_launch:
-            print(launch_line(plan.world, split))
-    return 0
+        if print_launch:
+            print(launch_line(world, split))
 
 
 def launch_line(world: World, split: CpuSplit) -> str:

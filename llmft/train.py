@@ -18,9 +18,16 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
 llmft train --config run.yaml --use_peft --lora_r 16 --lora_alpha 32 --lora_target_modules q_proj v_proj --packing
 ```
 
+# Let the memory planner pick stage, offload, micro-batch and recomputation for this job's GPUs
+```bash
+torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama-3.1-8B --dataset_name data.jsonl \
+    --output_dir runs/llama --global_batch_size 64 --per_device_train_batch_size 8 --max_length 2048 --auto
+```
+
 Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
-(llmft/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--global_batch_size`,
-`--data_percentage`, `--precision` and column mapping. A rerun with the same `--output_dir` resumes from
+(llmft/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
+`--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and column mapping. Weights
+load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise. A rerun with the same `--output_dir` resumes from
 the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.elastic);
 a different run there is refused. Started without torchrun on a machine with several GPUs, it stops and
 prints the torchrun command.
@@ -36,12 +43,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import checkpoints, data, ds_config, elastic, hub, metrics, packing, prepare, run_identity, saved_weights
+from llmft import (checkpoints, data, ds_config, elastic, host_memory, hub, metrics, packing, prepare, run_identity,
+                   saved_weights, saving)
 from llmft.flags import FlagError, TrainParser, check_flags
 from llmft.hardware import (HardwareError, check_liger, choose_attention, choose_precision, flash_attn_installed,
                             liger_model_types, local_gpu)
 from llmft.launch_env import LaunchEnvError, launch_problem, rank0, single_process_defaults, skip_deepspeed_shm_op
-from llmft.plan import PlanError, make_plan
+from llmft.plan import PlanError, auto_choice, make_plan
 from llmft.qlora import QuantizationError, QuantRequest, bitsandbytes_version, choose_quantization
 
 
@@ -62,6 +70,17 @@ class LlmftArguments:
     stop_file: str | None = field(
         default=None,
         metadata={"help": "When this file appears, save a complete checkpoint and stop (default: $LLMFT_STOP_FILE)."},
+    )
+    auto: bool = field(
+        default=False,
+        metadata={"help": "Let llmft's memory planner pick the ZeRO stage, CPU offload, micro-batch (up to "
+                          "--per_device_train_batch_size) and gradient checkpointing (never on with "
+                          "--gradient_checkpointing false) for this job's GPUs and RAM; see `llmft plan --model`."},
+    )
+    save_consolidated: bool = field(
+        default=False,
+        metadata={"help": "ZeRO-3: gather the 16-bit model on rank 0 into --output_dir at the end (needs about twice "
+                          "its 16-bit size in host RAM there; `llmft plan --save_consolidated` counts it)."},
     )
     # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
@@ -191,14 +210,17 @@ def load_model_files(model_args, training_args):
     return loaded[0], loaded[1], name
 
 
-def model_init_kwargs(model_args, training_args, quantization: dict | None, attention: str | None = None) -> dict:
+def model_init_kwargs(model_args, training_args, quantization: dict | None, precision: str = "fp32",
+                      attention: str | None = None) -> dict:
     """How SFTTrainer loads the weights: the same revision as the config and tokenizer, llmft's QLoRA dtype, the
-    attention implementation llmft chose (llmft.hardware.choose_attention, llmft.packing.check_packing)."""
+    attention implementation llmft chose (llmft.hardware.choose_attention, llmft.packing.check_packing).
+
+    Weights load in the precision the run trains in (an explicit --dtype wins), never an fp32 copy per rank on a
+    bf16 run (issue 9: 32 GB of host RAM per rank for an 8B model). On CPU that is fp32, as before."""
     kwargs = {"trust_remote_code": training_args.trust_remote_code, "revision": model_args.model_revision}
     if attention or model_args.attn_implementation:
         kwargs["attn_implementation"] = attention or model_args.attn_implementation
-    if model_args.dtype not in (None, "auto"):
-        kwargs["dtype"] = model_args.dtype  # else fp32 weights: DeepSpeed keeps exact fp32 masters
+    kwargs["dtype"] = model_args.dtype or {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision]
     if quantization:
         kwargs["dtype"] = quantization["model_dtype"]
     kwargs.update(training_args.model_init_kwargs or {})
@@ -221,6 +243,34 @@ def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cud
         dataset_kwargs={**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True},  # llmft.prepare did it
         assistant_only_loss=False,  # already in the prepared labels (and TRL would check the untokenised format)
     )
+
+
+def choose_automatically(script_args, training_args, model_args, llmft_args, precision: str, grad_accum):
+    """--auto: llmft.plan.auto_choice for this job's world, GPUs and RAM; refuses the flags it would override."""
+    if llmft_args.zero_stage is not None or llmft_args.offload or training_args.deepspeed:
+        raise TrainError("--auto chooses the ZeRO stage and offload itself: drop --zero_stage/--offload/--deepspeed, or --auto")
+    from llmft.launch_env import discover_world
+
+    # A rerun continues the run in --output_dir: its checkpoints load only under the stage they were written with.
+    record = run_identity.read_record(training_args.output_dir) if run_identity.has_training_state(training_args.output_dir) else None
+    keep = record.get("zero_stage") if record else None
+    return auto_choice(
+        model_args.model_name_or_path, discover_world(), precision=precision,
+        max_micro_batch=training_args.per_device_train_batch_size, global_batch=llmft_args.global_batch_size,
+        grad_accum=grad_accum, max_length=training_args.max_length or 1024, use_peft=model_args.use_peft,
+        lora_r=model_args.lora_r, lora_target_modules=model_args.lora_target_modules,
+        allow_gradient_checkpointing=bool(training_args.gradient_checkpointing),
+        save_total_limit=training_args.save_total_limit, output_dir=training_args.output_dir,
+        attention=model_args.attn_implementation, load_in_4bit=model_args.load_in_4bit,
+        save_consolidated=llmft_args.save_consolidated, trust_remote_code=training_args.trust_remote_code,
+        keep_zero_stage=keep if isinstance(keep, int) else None,
+    )
+
+
+def with_checkpointing(training_args, on: bool):
+    """training_args with gradient checkpointing on or off. transformers 5 resolves `gradient_checkpointing` into
+    `activation_checkpointing` and a copy keeps the resolved name, so both are set (one alone is silently undone)."""
+    return dataclasses.replace(training_args, activation_checkpointing=on, gradient_checkpointing=on)
 
 
 def main(script_args, training_args, model_args, llmft_args) -> int:
@@ -254,16 +304,26 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     gpu = local_gpu()
     precision = train_precision(training_args, llmft_args, gpu)
     grad_accum = training_args.gradient_accumulation_steps if training_args.gradient_accumulation_steps != 1 else None
+    micro, zero_stage, offload, auto_line = training_args.per_device_train_batch_size, llmft_args.zero_stage, llmft_args.offload, ""
+    if llmft_args.auto:
+        setting, auto_line = choose_automatically(script_args, training_args, model_args, llmft_args, precision, grad_accum)
+        micro, zero_stage, offload = setting.micro_batch, setting.zero_stage, setting.offload
+        training_args = with_checkpointing(training_args, setting.gradient_checkpointing)
     plan = make_plan(
-        micro_batch=training_args.per_device_train_batch_size,
+        micro_batch=micro,
         global_batch=llmft_args.global_batch_size,
-        grad_accum=grad_accum,
-        zero_stage=llmft_args.zero_stage,
-        offload=llmft_args.offload,
+        grad_accum=setting.grad_accum if llmft_args.auto else grad_accum,
+        zero_stage=zero_stage,
+        offload=offload,
         deepspeed=training_args.deepspeed,
         precision=precision,
         output_dir=training_args.output_dir,
+        auto=auto_line,
     )
+    if llmft_args.save_consolidated and (plan.zero_stage != 3 or model_args.use_peft):
+        raise TrainError("--save_consolidated gathers a ZeRO-3 model at the end; "
+                         + ("a LoRA run saves its adapter (llmft infer --merge --export DIR writes a merged model)"
+                            if model_args.use_peft else f"under ZeRO-{plan.zero_stage} the final model is written whole already"))
     template = ds_config.choose_optimizer(ds_config.load_config(plan.ds_template), training_args.optim,
                                           optim_args=training_args.optim_args, user_config=training_args.deepspeed is not None)
     quantization = choose_quantization(QuantRequest.from_model_args(model_args), gpu=gpu, zero_stage=plan.zero_stage,
@@ -302,7 +362,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
 
     # 2. The run's max_length and attention (the tokenizer and model config are loaded above).
     with clock.phase("import"):
-        from trl import SFTTrainer, get_peft_config
+        from trl import get_peft_config
 
     max_length, note = prepare.resolve_max_length(model_config, training_args.max_length)
     if note:
@@ -358,7 +418,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     with clock.phase("deepspeed_init"):  # TrainingArguments with a DeepSpeed config sets up DeepSpeed's config object
         args = trainer_arguments(training_args, plan=plan, precision=precision, resolved_ds_config=resolved, cuda=cuda,
                                  max_length=max_length, resume=resume)
-    args.model_init_kwargs = model_init_kwargs(model_args, training_args, quantization, attention)
+    args.model_init_kwargs = model_init_kwargs(model_args, training_args, quantization, precision, attention)
     quantization_config = None
     if quantization:
         from transformers import BitsAndBytesConfig
@@ -374,10 +434,11 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         _ = args.device  # accelerate creates the process group (gloo on CPU, nccl on GPUs)
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     PublishCompleteCheckpoint, GracefulStop = _callbacks()
+    before_loading = host_memory.current_rss()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
     publish = PublishCompleteCheckpoint(plan.zero_stage, plan.batch)
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
-        trainer = SFTTrainer(
+        trainer = saving.trainer_class(llmft_args.save_consolidated)(
             model=model_path,
             args=args,
             train_dataset=prepared.train,
@@ -387,6 +448,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
             quantization_config=quantization_config,
             callbacks=[publish, stop],
         )
+    trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
     evaluation.log_perplexity(trainer)
     tracking.guard_wandb(trainer, log)
     meter = metrics.attach(trainer, clock, gpu)  # step line, W&B metrics, run_summary.json
@@ -406,7 +468,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         trainer.save_state()  # trainer_state.json (log history) beside the model, for llmft report
         if rank0():
             checkpoints.mark_done(args.output_dir, step)
-        log(f"training complete at step {step}; model saved to {args.output_dir}")
+        log(f"training complete at step {step}; "
+            + saving.final_model_note(args.output_dir, step, plan.zero_stage, model_args.use_peft, llmft_args.save_consolidated))
     if rank0():
         log(f"run summary written to {meter.write_summary(args.output_dir, result.training_loss)}")
     if hasattr(trainer, "end"):
@@ -426,7 +489,9 @@ def make_parser(subparsers=None):
         parser = subparsers.add_parser("train", help="Fine-tune with SFTTrainer on DeepSpeed ZeRO", dataclass_types=dataclass_types)
     else:
         parser = TrainParser(dataclass_types, prog="llmft train")
-    parser.set_defaults(use_cpu=not torch.cuda.is_available())  # llmft trains on CPU exactly when no GPU is visible
+    # llmft trains on CPU exactly when no GPU is visible. dtype: unset means "the training precision" (TRL's default
+    # would load fp32 weights on every rank of a bf16 run).
+    parser.set_defaults(use_cpu=not torch.cuda.is_available(), dtype=None)
     return parser
 
 

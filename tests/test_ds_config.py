@@ -10,7 +10,8 @@ from llmft.batch import plan_batch
 from llmft.ds_config import DSConfigError, load_config, resolve, template_path, templates_dir
 
 OPT = dict(gradient_clipping=1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, hidden_size=64)
-TEMPLATES = ["zero0.json", "zero1.json", "zero2.json", "zero2_offload.json", "zero3.json", "zero3_offload.json"]
+TEMPLATES = ["zero0.json", "zero1.json", "zero2.json", "zero2_offload.json", "zero3.json", "zero3_offload.json",
+             "zero3_offload_optimizer.json"]
 
 
 def leaves(node):
@@ -36,13 +37,20 @@ def test_production_defaults_are_in_the_templates():
     z2 = json.loads((templates_dir() / "zero2.json").read_text())["zero_optimization"]
     z3o = json.loads((templates_dir() / "zero3_offload.json").read_text())["zero_optimization"]
     assert z2["overlap_comm"] and z2["contiguous_gradients"] and z2["reduce_bucket_size"] > 0
-    assert z3o["stage3_gather_16bit_weights_on_model_save"] is True
+    for name in ("zero3.json", "zero3_offload.json", "zero3_offload_optimizer.json"):  # checkpoints are shards only
+        assert json.loads((templates_dir() / name).read_text())["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
     assert z3o["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert z3o["offload_param"] == {"device": "cpu", "pin_memory": True}
 
 
 def test_stage_and_offload_pick_the_template():
     assert template_path(3, offload=True).name == "zero3_offload.json"
+    assert template_path(3, offload="optimizer+params").name == "zero3_offload.json"
+    assert template_path(3, offload="optimizer").name == "zero3_offload_optimizer.json"
+    assert template_path(2, offload="optimizer").name == "zero2_offload.json"
+    assert template_path(2, offload="none").name == "zero2.json"
+    opt_only = load_config(template_path(3, offload="optimizer"))["zero_optimization"]
+    assert "offload_param" not in opt_only and opt_only["offload_optimizer"]["device"] == "cpu"
     assert template_path(None).name == "zero2.json"
 
 

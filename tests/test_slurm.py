@@ -402,6 +402,20 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     assert ports == [str(20000 + int(one) % 10000), str(20000 + int(two) % 10000)] and ports[0] != ports[1]
 
 
+def test_zero_stage_auto_plans_for_the_jobs_nodes_and_launches_train_auto(cluster, tiny_model, tmp_path):
+    """ZERO_STAGE=auto: the memory plan runs on the allocation (its nodes, their RAM) before anything launches, and
+    llmft train gets --auto (it decides again, on the GPUs it got, and prints why)."""
+    knobs = f"--export=ALL,DRY_RUN=1,ZERO_STAGE=auto,MODEL={tiny_model},GLOBAL_BATCH=8,MICRO_BATCH=2,LORA=1"
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
+    assert cluster.wait(job, timeout=120)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert "LoRA: " in text and "world size 2" in text and "per node; world size 2" in text
+    assert re.search(r"llmft plan: recommended ZeRO-\d, micro-batch [12] x accumulation \d", text), text
+    assert re.search(r"hardware 2 x 1 CPU process per node \(no GPU\), [\d.]+ GiB host RAM per node", text), text
+    assert "--auto" in text and "--zero_stage" not in text and "--use_peft" in text
+    assert "DRY_RUN=1: not launching" in text
+
+
 def test_a_busy_rendezvous_port_moves_to_the_next_one_in_range(cluster, tmp_path):
     """The job id's port and the next ones are taken on the first host: the script takes the next free port
     in 20000-29999 (it used to add 10000 per try, past 65535 after five)."""

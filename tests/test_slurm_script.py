@@ -47,6 +47,7 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         (["--export=ALL,MAX_STEPS=ten"], "MAX_STEPS=ten is not a positive integer"),
         (["--export=ALL,OFFLOAD=maybe"], "OFFLOAD=maybe is not a boolean"),
         (["--export=ALL,OFFLOAD=1,ZERO_STAGE=1"], "OFFLOAD=1 needs ZERO_STAGE=2 or 3"),
+        (["--export=ALL,OFFLOAD=1,ZERO_STAGE=auto"], "ZERO_STAGE=auto chooses the offload itself; drop OFFLOAD=1"),
         (["--export=ALL,ZERO_STAGE=3,DS_CONFIG=ds_configs/zero3.json"], "give either ZERO_STAGE or DS_CONFIG, not both"),
         (["--export=ALL,DS_CONFIG=/nonexistent/ds.json"], "DS_CONFIG=/nonexistent/ds.json: no such file"),
         (["--export=ALL,NCCL_PROFILE=azure"], "NCCL_PROFILE=azure is unknown; use gcp-g2, aws-efa or ib"),
@@ -79,6 +80,7 @@ def test_knobs_from_the_environment_are_checked_like_arguments_and_arguments_win
 def test_valid_knobs_outside_slurm_say_to_submit_with_sbatch():
     proc = run_script("--export=ALL,EPOCHS=3,LORA=yes,OFFLOAD=true,ZERO_STAGE=3,DATA_PERCENTAGE=2.5", DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
+    assert run_script("--export=ALL,ZERO_STAGE=auto,LORA=1", DRY_RUN="1").returncode == 0
     assert "knobs are valid" in proc.stdout
     # Several container mounts in every form a user can pass them: ';' inside --export=..., ',' in a plain
     # argument or the environment, and a quoted value (sbatch keeps the quotes and does not split inside them).

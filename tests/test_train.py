@@ -116,8 +116,59 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
         assert lr == pytest.approx(1e-3 * (1 - s / total), rel=1e-3, abs=1e-9)
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
     assert summary(out)["steps"] == 10 - stopped  # this run's steps
+    # ZeRO-3 saves shards only, once per checkpoint (HF's fallback would write them twice, and warn so);
+    # the final model is config and tokenizer beside the last checkpoint unless --save_consolidated.
+    assert not list(out.glob("**/model.safetensors")) and (out / "config.json").is_file()
+    assert "Saving the full checkpoint instead" not in first.stdout + first.stderr + second.stdout + second.stderr
+    assert f"weights are the ZeRO-3 shards in {out / 'checkpoint-10'}" in second.stdout
     # The same world size resumes DeepSpeed's own shards: nothing converted (another world: tests/test_elastic.py).
     assert "universal" not in second.stdout and not list(out.glob("checkpoint-*/universal_step*"))
+
+
+def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_model, tiny_data, tmp_path):
+    """On this CPU machine: the largest micro-batch up to the one given, no recomputation, ZeRO-2; the run uses it."""
+    out = tmp_path / "auto"
+    proc = run(train_cmd(tiny_model, tiny_data, out, "--auto", "--max_steps", 1, "--global_batch_size", 8,
+                         "--per_device_train_batch_size", 4, nproc=1), check=True)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("llmft plan: auto: "))
+    assert line.startswith("llmft plan: auto: ZeRO-2, micro-batch 4 x accumulation 2, gradient checkpointing off (per process")
+    assert "1 x 1 CPU process per node (no GPU)" in line and "no CPU offload needed; no recomputation needed" in line
+    cfg = json.loads((out / "ds_config.json").read_text())
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 4
+    assert cfg["gradient_accumulation_steps"] == 2
+    assert "llmft: host memory: rank 0 " in proc.stdout and "llmft: host memory peak: rank 0 " in proc.stdout
+
+
+def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_with(tiny_model, tmp_path, monkeypatch):
+    """In-process, no training: --auto picks ZeRO-2 on this CPU machine for a new run, but a rerun into a directory
+    whose run was ZeRO-3 keeps ZeRO-3 (DeepSpeed loads those shards only under it) and says so."""
+    from llmft.train import choose_automatically, make_parser
+
+    monkeypatch.setenv("LLMFT_HOST_RAM_GB", "16")
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", "d.jsonl", "--output_dir", str(out), "--auto",
+            "--global_batch_size", "4", "--per_device_train_batch_size", "2"]
+    script_args, training_args, model_args, llmft_args = make_parser().parse_args_and_config(args=argv)
+    choose = lambda: choose_automatically(script_args, training_args, model_args, llmft_args, "fp32", None)  # noqa: E731
+    setting, line = choose()
+    assert setting.zero_stage == 2 and "kept" not in line
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "llmft_run.json").write_text(json.dumps({"zero_stage": 3}))
+    setting, line = choose()
+    assert setting.zero_stage == 3 and line.endswith("; ZeRO-3 kept: the run being resumed was trained with it")
+
+
+def test_the_checkpointing_auto_chooses_takes_effect_in_the_trainer_arguments(tmp_path):
+    """TRL turns gradient checkpointing on by default; --auto's choice must win either way (transformers 5 keeps a
+    copy's resolved `activation_checkpointing`, which once silently undid a changed `gradient_checkpointing`)."""
+    from llmft.train import make_parser, with_checkpointing
+
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "o")]
+    training_args = make_parser().parse_args_and_config(args=argv)[1]
+    assert training_args.gradient_checkpointing is True  # TRL's default
+    for on in (False, True, False):
+        training_args = with_checkpointing(training_args, on)
+        assert training_args.gradient_checkpointing is on and training_args.activation_checkpointing is on
 
 
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
@@ -208,6 +259,8 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--packing", "--packing_strategy", "wrapped"], "--packing_strategy wrapped concatenates samples"),
         (["--attn_implementation", "flash_attention_2"], "flash_attention_2 needs a CUDA GPU and none is visible here"),
         (["--use_liger_kernel", "true"], "--use_liger_kernel needs a CUDA GPU"),
+        (["--auto", "--zero_stage", "3"], "--auto chooses the ZeRO stage and offload itself"),
+        (["--save_consolidated", "--zero_stage", "2"], "under ZeRO-2 the final model is written whole already"),
         (["--eval_strategy", "steps", "--eval_steps", "5"], "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"),
         (["--eval_split_ratio", "1"], "--eval_split_ratio must be in (0, 1)"),
         (["--eval_dataset_name", str(tmp_path / "missing_eval.jsonl")], "missing_eval.jsonl not found"),

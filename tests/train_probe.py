@@ -80,7 +80,7 @@ def _zero_lora_b_after_save(original):
 if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
 
-    trl.SFTTrainer = ProbedTrainer  # llmft.train does `from trl import SFTTrainer` when it builds the trainer
+    trl.SFTTrainer = ProbedTrainer  # llmft.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
     if os.environ.get("LLMFT_PROBE_SABOTAGE") == "zero_lora_b":
         import transformers
 

@@ -1,0 +1,727 @@
+"""Memory accounting for a fine-tuning run: will it fit these GPUs and hosts, and which setting should it use?
+
+Pure functions of numbers: a `ModelShape` (what the model is), a `Job` (the hardware and the run's knobs) and a
+`Setting` (ZeRO stage, offload, micro-batch, accumulation, gradient checkpointing). Nothing here imports torch or
+deepspeed, so `llmft plan` answers on a login node; `llmft.model_shape` builds the `ModelShape` from a config.
+
+    shape = model_shape("runs/llama-config")                      # llmft.model_shape: meta device, no weights
+    job = Job(shape, gpu=GPUS["A100-40GB"], host_ram_gib=680, nnodes=1, nproc_per_node=8, max_length=2048,
+              global_batch=64, precision="bf16")
+    plan = plan_memory(job)                                       # every candidate, the recommended one first
+    plan.recommended.setting, plan.recommended.gpu_total_gib, plan.recommended.why
+
+Bytes throughout; reports in GiB (2**30). The accounting, term by term (P parameters, T of them trainable,
+F = P - T frozen, N GPUs in the job, n per node, L the largest single module's own parameters, w the bytes of
+the training precision: 2 for bf16/fp16, 4 for fp32):
+
+Model states per GPU (`model_states_bytes`). Per trainable element, as DeepSpeed's estimator counts it: 2 bytes
+16-bit parameter, 2 bytes 16-bit gradient, 4 bytes fp32 gradient, 4 bytes fp32 master parameter, 8 bytes Adam
+moments (20 in all; the ZeRO paper's 16 = 2 + 2 + K=12 has no separate fp32 gradient). In fp32 the working
+parameter and gradient are 4 bytes each and there is no fp32 gradient copy (DeepSpeed still clones the master).
+    stage 0: 20 T                      (nothing partitioned; ZeRO paper's baseline with DeepSpeed's K=16)
+    stage 1: 4 T + 16 T/N              (optimizer partitioned: ZeRO paper's P_os)
+    stage 2: 2 T + 18 T/N              (+ gradients: DeepSpeed's estimate_zero2_model_states_mem_needs)
+    stage 3: 4 L + 18 T/N              (+ parameters: estimate_zero3_model_states_mem_needs; 4 L = the largest
+                                        layer gathered with its gradient)
+    offload optimizer: stage 2: 2 T; stage 3: 4 L + 2 T/N; offload optimizer+params (stage 3): 4 L  (DeepSpeed)
+  Frozen parameters (LoRA) keep only their w-byte weights: F w per GPU, or F w / N under ZeRO-3. With
+  --load_in_4bit the frozen linear weights (all but the LM head) are NF4: 0.5 byte + an fp32 scale per 64 weights
+  (bitsandbytes' default, no double quantization: TRL's default) = 0.5625 byte. Full fine-tuning (F = 0) agrees
+  with DeepSpeed's own functions exactly; tests/test_memory.py checks that against them over a grid.
+
+Activations per GPU (`activation_bytes`), for decoder layers of today's shape: pre-norm, RMSNorm or LayerNorm,
+grouped-query attention through SDPA or flash attention (no s^2 score matrix is kept), SwiGLU (gate, up, down) or
+a two-matrix GELU MLP. Per token and layer, what autograd saves (a = w bytes per element, h hidden, kv the K/V
+width, I the MLP width):
+    attention: norm 4h + a h (RMSNorm upcasts to fp32), q/k/v input a h, q a h, k and v a kv each (a h each with
+               SDPA when a padding mask is present: transformers repeats the K/V heads), output a h, o_proj input a h
+    SwiGLU MLP: norm 4h + a h, gate/up input a h, gate, SiLU, up and their product a I each (4 a I)
+    GELU MLP:   norm a h, fc input a h, fc output and GELU output a I each (GPT-2's gelu_new is a chain of
+               elementwise ops: 5 a I), plus 1-byte dropout masks (2 h) if dropout > 0
+  With full recomputation (gradient checkpointing on every decoder layer) each layer keeps only its input (a h per
+  token) and one layer's activations are rebuilt at a time. SDPA with a padding mask adds the boolean mask
+  (micro-batch x s^2 bytes, shared by all layers).
+
+Loss buffers per GPU (`loss_buffer_bytes`): TRL's SFTTrainer computes the loss with a fused, chunked LM head
+(trl.trainer.utils.add_fused_lm_head): the [tokens, vocabulary] logits are never materialised. It keeps a w-byte
+tile of 4096 tokens x 32768 vocabulary columns, an fp32 gradient of the final hidden states (4 h per token), and,
+when the LM head trains, an fp32 gradient of the whole LM head (4 V h, with its w-byte cast): 3 GiB for Llama-3's
+128k vocabulary at hidden 4096, whatever the batch.
+
+Other per GPU (`zero_buffer_bytes` and fixed): DeepSpeed's working buffers, read from the ZeRO config (reduce
+and all-gather buckets, the reduce bucket doubled with overlap_comm; under ZeRO-3 the prefetch bucket and the
+gathered parameters it keeps live, up to stage3_max_live_parameters, beyond the largest layer), 1 GiB for the
+CUDA context, cuBLAS workspace and NCCL buffers (not in torch.cuda.max_memory_allocated), and 10% of the
+allocated total for allocator fragmentation.
+
+Host RAM per node (`host_ram`): n processes' runtime (3 GiB each with CUDA: Python, torch, CUDA and NCCL host
+allocations; 1 GiB on CPU), plus the larger of
+    loading: ZeRO-0/1/2: transformers memory-maps the safetensors files, so a process whose checkpoint is
+             already in the training precision holds no copy of its own (measured on CPU: +11 MiB for a 475 MiB
+             model); one that converts (an fp32 checkpoint trained in bf16, or TRL's fp32 default on a bf16
+             checkpoint) reads the stored tensors and holds the converted ones (P x (stored bytes + w); measured
+             +720 MiB for 475 MiB fp32 -> bf16). ZeRO-3: zero.Init partitions while loading and rank 0 copies the
+             mapped weights layer by layer, so a process holds about one layer (DeepSpeed's zero_init figure,
+             4 L). The mapped file pages (P x the stored bytes, once per node) are page cache the kernel can
+             reclaim: shown, not counted;
+    training: offloaded optimizer states (16 T/N per process: fp32 master, fp32 gradient, moments), offloaded
+             16-bit parameters (w P/N), and, on a CPU-only run, the processes' whole device memory;
+             plus what saving a checkpoint adds: each process copies its largest optimizer tensor to the host
+             for torch.save (4 T/N; under ZeRO-3 at most a sub-group, sub_group_size elements; nothing when
+             already offloaded or on a CPU run), and under ZeRO-0/1/2 the first node also
+             serialises model.safetensors (P w; the adapter only with LoRA). ZeRO-3 checkpoints are the ranks'
+             shards only: nothing is gathered. The optional consolidated model at the end (--save_consolidated)
+             needs P w on the first node, plus the same again while safetensors serialises it.
+  The ZeRO-3 loading and the offload terms carry DeepSpeed's additional_buffer_factor 1.5 (pinned buffers,
+  fragmentation), which makes the ZeRO-3 offload figure equal DeepSpeed's zero_init estimate. DeepSpeed's ZeRO-2
+  host figure (4 bytes x P per GPU, the optimizer not divided over nodes) assumes fp32 loading; llmft loads in
+  the training precision, so it is not used.
+
+Disk per checkpoint (`checkpoint_bytes`): the fp32 master weights and Adam moments of the trainable parameters
+(12 T, over all ranks' files), the module weights in mp_rank_00_model_states.pt (ZeRO-0/1/2: T w) and HF's
+model.safetensors (ZeRO-0/1/2: P w, or the adapter T w with LoRA). Write time = size / the filesystem's write
+bandwidth (stated; defaults: GCP Filestore BASIC_HDD 100 MB/s, AWS FSx for Lustre SCRATCH_2 at 1.2 TiB 240 MB/s);
+it must fit, with the step in flight, inside the Slurm script's USR1 warning (--signal=B:USR1@120).
+
+Throughput (`tokens_per_second`): FLOPs per token = 6 P (forward 2 P, backward 4 P; with LoRA the frozen weights
+need no weight gradient: 4 P + 2 T) + 12 x layers x hidden x sequence (attention, PaLM's appendix B), plus another
+forward (2 P) with recomputation; tokens/s = MFU x peak x GPUs / FLOPs per token, at a stated MFU (default 35%).
+CPU offload's optimizer step and communication are not modelled: offload rows are slower than they show.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from llmft.hardware import GPU
+
+GIB = 2**30
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor
+CUDA_CONTEXT_GIB = 1.0
+FRAGMENTATION = 0.10
+PROCESS_HOST_GIB = {"cuda": 3.0, "cpu": 1.0}
+NF4_BYTES = 0.5 + 4 / 64  # 4-bit weight + fp32 absmax per block of 64
+TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE
+PREEMPT_WINDOW_S = 120  # slurm/run_llm.slurm: #SBATCH --signal=B:USR1@120
+WRITE_MB_S = {"gcp": 100.0, "aws": 240.0, None: 100.0}  # Filestore BASIC_HDD 1 TiB; FSx Lustre SCRATCH_2 1.2 TiB
+DEFAULT_MFU = 0.35
+CHECKPOINT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+HF_MAX_SHARD_BYTES = 50 * 10**9  # PreTrainedModel.save_pretrained(max_shard_size="50GB")
+
+
+class MemoryPlanError(ValueError):
+    """Numbers the planner cannot work with; the message says which and what to give instead."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the accounting needs to know about a model; `llmft.model_shape` reads it from a config."""
+
+    name: str
+    params: int  # unique parameters of the base model (tied embeddings once)
+    largest_layer_params: int  # the largest single module's own parameters (DeepSpeed's model_to_params)
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool = True  # SwiGLU (gate/up/down); False: two-matrix GELU MLP (GPT-2)
+    rms_norm: bool = True
+    dropout: bool = False  # residual/MLP dropout > 0 (GPT-2): 1-byte masks are kept
+    checkpoint_dtype: str | None = None  # bf16 | fp16 | fp32: how the weights are stored (config.json); None unknown
+    mlp_saved: int = 4  # MLP-wide tensors autograd keeps: SwiGLU 4; GELU 2 (fc output, activation); gelu_new 5
+    quantizable_params: int = 0  # weights in linear layers other than the LM head (what bitsandbytes quantizes)
+    lora_params: int = 0  # adapter parameters added by LoRA (0: full fine-tuning)
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_params > 0
+
+    @property
+    def trainable(self) -> int:
+        return self.lora_params if self.lora else self.params
+
+    @property
+    def frozen(self) -> int:
+        return self.params if self.lora else 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.lora_params
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run the job."""
+
+    zero_stage: int
+    offload: str  # none | optimizer | optimizer+params
+    micro_batch: int
+    grad_accum: int
+    gradient_checkpointing: bool
+
+    def describe(self) -> str:
+        off = "" if self.offload == "none" else f", offload {self.offload}"
+        gc = "on" if self.gradient_checkpointing else "off"
+        return f"ZeRO-{self.zero_stage}{off}, micro-batch {self.micro_batch} x accumulation {self.grad_accum}, gradient checkpointing {gc}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """The hardware and the run's knobs; everything the candidates are judged against."""
+
+    shape: ModelShape
+    gpu: GPU | None  # None: CPU processes (the device memory is host memory)
+    host_ram_gib: float  # per node
+    nnodes: int
+    nproc_per_node: int
+    max_length: int
+    precision: str  # bf16 | fp16 | fp32
+    global_batch: int | None = None
+    micro_batch: int | None = None  # None: searched
+    max_micro_batch: int | None = None  # the largest micro-batch the search may pick (llmft train --auto)
+    grad_accum: int | None = None
+    gpu_memory_gib: float | None = None  # default: gpu.memory_gib
+    gradient_checkpointing: bool | None = None  # None: both tried; True/False: only that
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offloads: tuple[str, ...] = OFFLOADS
+    load_in_4bit: bool = False
+    attention: str = "sdpa"  # sdpa | flash_attention_2
+    zero_config: dict = field(default_factory=dict)  # stage -> DeepSpeed zero_optimization section (buckets)
+    save_total_limit: int | None = None
+    free_disk_gib: float | None = None
+    write_mb_s: float = WRITE_MB_S[None]
+    mfu: float = DEFAULT_MFU
+    preempt_window_s: float = PREEMPT_WINDOW_S
+    save_consolidated: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def device_gib(self) -> float | None:
+        if self.gpu is None:
+            return None
+        return self.gpu_memory_gib if self.gpu_memory_gib is not None else self.gpu.memory_gib
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate setting, costed."""
+
+    setting: Setting
+    model_states: int
+    activations: int
+    loss_buffers: int
+    overhead: int
+    host: dict[str, int]  # per node: runtime, loading, offload, saving, final, peak
+    checkpoint: int  # bytes on disk per checkpoint
+    write_s: float
+    step_s: float | None
+    tokens_per_s: float | None
+    fits: bool
+    why: str
+
+    @property
+    def gpu_total(self) -> int:
+        return self.model_states + self.activations + self.loss_buffers + self.overhead
+
+    def as_dict(self) -> dict:
+        s = self.setting
+        return {
+            "zero_stage": s.zero_stage,
+            "offload": s.offload,
+            "micro_batch": s.micro_batch,
+            "grad_accum": s.grad_accum,
+            "gradient_checkpointing": s.gradient_checkpointing,
+            "model_states_gib": gib(self.model_states),
+            "activations_gib": gib(self.activations),
+            "loss_buffers_gib": gib(self.loss_buffers),
+            "overhead_gib": gib(self.overhead),
+            "gpu_total_gib": gib(self.gpu_total),
+            "host_ram_gib_per_node": gib(self.host["peak"]),
+            "host_ram_breakdown_gib": {k: gib(v) for k, v in self.host.items() if k != "peak"},
+            "checkpoint_gib": gib(self.checkpoint),
+            "checkpoint_write_s": round(self.write_s, 1),
+            "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s),
+            "fits": self.fits,
+            "why": self.why,
+        }
+
+
+def gib(n: float) -> float:
+    return round(n / GIB, 2)
+
+
+# ---- DeepSpeed's estimators, reimplemented (deepspeed.runtime.zero.stage_1_and_2 / stage3, v0.19) ---------------
+# Same arguments, same integer results; tests compare them with DeepSpeed's functions over a grid.
+
+
+def ds_zero2_estimate(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True, additional_buffer_factor=1.5):
+    """estimate_zero2_model_states_mem_needs: (host bytes per node, GPU bytes per GPU)."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def ds_zero3_estimate(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
+                      cpu_offload_params=True, zero_init=True, additional_buffer_factor=1.5):
+    """estimate_zero3_model_states_mem_needs: (host bytes per node, GPU bytes per GPU, largest layer bytes)."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+            factor = 18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor)
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+            factor = 16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor)
+        cpu_mem = total_params * factor * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+# ---- per-GPU terms ------------------------------------------------------------------------------------------------
+
+
+def element_bytes(precision: str) -> dict[str, int]:
+    """Bytes per trainable element: working param, working grad, fp32 grad copy, fp32 master, Adam moments."""
+    if precision in ("bf16", "fp16"):
+        return {"w": 2, "g": 2, "g32": 4, "m32": 4, "opt": 8}
+    if precision == "fp32":
+        return {"w": 4, "g": 4, "g32": 0, "m32": 4, "opt": 8}
+    raise MemoryPlanError(f"unknown precision {precision!r}; use bf16, fp16 or fp32")
+
+
+def frozen_bytes(shape: ModelShape, precision: str, load_in_4bit: bool) -> float:
+    """The frozen (LoRA base) weights: w bytes each, or NF4 for the linear layers under --load_in_4bit."""
+    if not shape.lora:
+        return 0
+    w = element_bytes(precision)["w"]
+    if not load_in_4bit:
+        return shape.frozen * w
+    quantized = min(shape.quantizable_params, shape.frozen)
+    return quantized * NF4_BYTES + (shape.frozen - quantized) * w
+
+
+def model_states_bytes(shape: ModelShape, zero_stage: int, offload: str, world: int, precision: str,
+                       load_in_4bit: bool = False) -> int:
+    """Parameters, gradients and optimizer states one GPU holds (the formulas in the module docstring)."""
+    if offload not in OFFLOADS:
+        raise MemoryPlanError(f"unknown offload {offload!r}; use one of {', '.join(OFFLOADS)}")
+    if offload != "none" and zero_stage < 2 or offload == "optimizer+params" and zero_stage != 3:
+        raise MemoryPlanError(f"offload {offload} is not available with ZeRO stage {zero_stage}")
+    b = element_bytes(precision)
+    T, N, L = shape.trainable, world, shape.largest_layer_params
+    frozen = frozen_bytes(shape, precision, load_in_4bit)
+    partitioned = b["g"] + b["g32"] + b["m32"] + b["opt"]  # 18 in 16-bit: DeepSpeed's multiplier
+    if zero_stage == 0:
+        return int((b["w"] + partitioned) * T + frozen)
+    if zero_stage == 1:
+        return int((b["w"] + b["g"]) * T + int((b["g32"] + b["m32"] + b["opt"]) * T / N) + frozen)
+    if zero_stage == 2:
+        if offload == "optimizer":
+            return int(b["w"] * T + frozen)
+        return int(b["w"] * T + int(partitioned * T / N) + frozen)
+    if zero_stage == 3:
+        gathered = 2 * b["w"] * L  # the largest layer gathered, with its gradient (DeepSpeed: 4 L in 16-bit)
+        if offload == "optimizer+params":
+            return int(gathered)
+        if offload == "optimizer":
+            return int(gathered + int(b["w"] * T / N) + int(frozen / N))
+        return int(gathered + int(partitioned * T / N) + int(frozen / N))
+    raise MemoryPlanError(f"unknown ZeRO stage {zero_stage!r}; use 0, 1, 2 or 3")
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, precision: str, attention: str = "sdpa") -> int:
+    """What autograd keeps for one decoder layer per token, without recomputation (module docstring)."""
+    a = element_bytes(precision)["w"]
+    h, kv, inter = shape.hidden, shape.kv_width, shape.intermediate
+    norm = (4 * h + a * h) if shape.rms_norm and a < 4 else 2 * a * h if shape.rms_norm else a * h
+    kv_saved = kv if attention == "flash_attention_2" else h
+    attn = norm + a * h + a * h + 2 * a * kv_saved + a * h + a * h
+    mlp = norm + a * h + shape.mlp_saved * a * inter
+    masks = 2 * h if shape.dropout else 0
+    return attn + mlp + masks
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, gradient_checkpointing: bool, precision: str,
+                     attention: str = "sdpa") -> int:
+    """Activations kept for the backward pass on one GPU: every layer's, or with full recomputation every layer's
+    input plus one layer rebuilt at a time; plus the final norm and, with SDPA, the shared padding mask."""
+    a = element_bytes(precision)["w"]
+    tokens = micro_batch * seq
+    per_layer = layer_activation_bytes_per_token(shape, precision, attention)
+    head = 4 * shape.hidden + 2 * a * shape.hidden  # final norm and the LM head's input
+    mask = micro_batch * seq * seq if attention == "sdpa" else 0
+    if gradient_checkpointing:
+        kept = shape.layers * a * shape.hidden + per_layer
+    else:
+        kept = shape.layers * per_layer
+    return tokens * (kept + head) + mask
+
+
+def loss_buffer_bytes(shape: ModelShape, micro_batch: int, seq: int, precision: str) -> int:
+    """TRL's fused, chunked LM head: a tile, the fp32 hidden-state gradient, and the fp32 LM-head gradient
+    (only when the head trains: full fine-tuning)."""
+    a = element_bytes(precision)["w"]
+    tokens = micro_batch * seq
+    tile = a * min(tokens, TRL_TOKEN_TILE) * min(shape.vocab, TRL_VOCAB_TILE)
+    grad_hidden = 4 * tokens * shape.hidden
+    head_grad = 0 if shape.lora else (4 + a) * shape.vocab * shape.hidden
+    per_token_stats = 6 * 4 * tokens  # log-sum-exp, log-probs, entropy ... (fp32 vectors)
+    return tile + grad_hidden + head_grad + per_token_stats
+
+
+def zero_buffer_bytes(zero_stage: int, zero_config: dict, shape: ModelShape, precision: str) -> int:
+    """DeepSpeed's working buffers beyond the model states, from its zero_optimization section (elements x w):
+    the reduce and all-gather buckets (reduce doubled with overlap_comm); under ZeRO-3 the prefetch bucket, and
+    the gathered parameters DeepSpeed keeps live between uses (up to stage3_max_live_parameters) beyond the
+    largest layer the model-states term already counts."""
+    w = element_bytes(precision)["w"]
+    cfg = zero_config or {}
+    hidden = shape.hidden
+
+    def size(key, default):
+        value = cfg.get(key, default)
+        return default if value == "auto" else int(value)
+
+    double = 2 if cfg.get("overlap_comm", zero_stage == 3) else 1
+    if zero_stage == 0:
+        return w * 500_000_000  # the engine's gradient all-reduce bucket (allreduce_bucket_size default)
+    if zero_stage == 1:
+        return w * size("reduce_bucket_size", 500_000_000)
+    if zero_stage == 2:
+        return w * (double * size("reduce_bucket_size", 500_000_000) + size("allgather_bucket_size", 500_000_000))
+    live = max(0, min(shape.total, size("stage3_max_live_parameters", 1_000_000_000)) - shape.largest_layer_params)
+    return w * (double * size("reduce_bucket_size", hidden * hidden)
+                + size("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)) + live)
+
+
+# ---- host, disk, time ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_bytes(shape: ModelShape, zero_stage: int, precision: str) -> int:
+    """Bytes one checkpoint puts on disk, over all ranks (module docstring)."""
+    w = element_bytes(precision)["w"]
+    T = shape.trainable
+    size = 12 * T  # fp32 master + Adam moments
+    if zero_stage < 3:
+        size += w * T  # mp_rank_00_model_states.pt (frozen weights excluded with LoRA)
+        size += w * (T if shape.lora else shape.params)  # model.safetensors, or the adapter
+    return size
+
+
+def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
+    """Host RAM per node, by phase (module docstring); 'peak' is what the node must have."""
+    shape, n, N = job.shape, job.nproc_per_node, job.world
+    b = element_bytes(job.precision)
+    T, L = shape.trainable, shape.largest_layer_params
+    runtime = n * PROCESS_HOST_GIB["cpu" if job.gpu is None else "cuda"] * GIB
+    converts = shape.checkpoint_dtype != job.precision  # unknown dtype: assume a conversion
+    if setting.zero_stage == 3:
+        loading = 4 * L * n * BUFFER_FACTOR  # DeepSpeed's zero_init figure: about one layer per process
+    elif converts:  # the stored tensors read, the converted ones kept (the base weights; LoRA adapters come after)
+        loading = (CHECKPOINT_BYTES.get(shape.checkpoint_dtype, 4) + b["w"]) * shape.params * n
+    else:
+        loading = 0  # memory-mapped in place
+    file_pages = shape.params * CHECKPOINT_BYTES.get(shape.checkpoint_dtype, 4)
+    per_rank_offload = 0.0
+    if setting.offload in ("optimizer", "optimizer+params"):
+        per_rank_offload += (b["g32"] + b["m32"] + b["opt"]) * T / N
+    if setting.offload == "optimizer+params":
+        per_rank_offload += (b["w"] * T + frozen_bytes(shape, job.precision, job.load_in_4bit)) / N
+    offload = per_rank_offload * n * BUFFER_FACTOR
+    on_cpu = device_bytes * n if job.gpu is None else 0
+    # Saving: each rank copies its largest optimizer tensor to the host for torch.save (already there if
+    # offloaded, or on a CPU run); under ZeRO-0/1/2 rank 0 also serialises model.safetensors.
+    saving = 0.0
+    if setting.offload == "none" and job.gpu is not None:
+        largest = T / (1 if setting.zero_stage == 0 else N)  # one flat fp32 tensor per rank (and param group)
+        if setting.zero_stage == 3:  # ZeRO-3 splits it into sub-groups of sub_group_size elements
+            sub_group = job.zero_config.get(3, {}).get("sub_group_size", 1_000_000_000)
+            largest = min(largest, int(sub_group))
+        saving += n * 4 * largest
+    if setting.zero_stage < 3:
+        saving += min(b["w"] * (T if shape.lora else shape.params), HF_MAX_SHARD_BYTES)
+    final = 0.0
+    if job.save_consolidated and setting.zero_stage == 3:
+        model = b["w"] * (T if shape.lora else shape.total)
+        final = model + min(model, HF_MAX_SHARD_BYTES)
+    training = offload + on_cpu + max(saving, final)
+    return {
+        "runtime": int(runtime),
+        "loading": int(loading),
+        "file_pages": int(file_pages),
+        "offload": int(offload),
+        "device_on_host": int(on_cpu),
+        "saving": int(saving),
+        "final_model": int(final),
+        "peak": int(runtime + max(loading, training)),
+    }
+
+
+def flops_per_token(shape: ModelShape, seq: int, gradient_checkpointing: bool) -> float:
+    """Model FLOPs per trained token (module docstring), recomputation included."""
+    P = shape.total
+    dense = (4 * P + 2 * shape.trainable) if shape.lora else 6 * P
+    if gradient_checkpointing:
+        dense += 2 * P
+    return dense + 12 * shape.layers * shape.hidden * seq
+
+
+def tokens_per_second(job: Job, setting: Setting) -> float | None:
+    if job.gpu is None or not job.gpu.peak_tflops:
+        return None
+    return job.mfu * job.gpu.peak_tflops * 1e12 * job.world / flops_per_token(job.shape, job.max_length, setting.gradient_checkpointing)
+
+
+# ---- candidates -----------------------------------------------------------------------------------------------------
+
+
+def estimate(job: Job, setting: Setting) -> Estimate:
+    """Cost one setting against the job's hardware; `fits` and `why` say whether and which limit breaks."""
+    shape = job.shape
+    states = model_states_bytes(shape, setting.zero_stage, setting.offload, job.world, job.precision, job.load_in_4bit)
+    acts = activation_bytes(shape, setting.micro_batch, job.max_length, setting.gradient_checkpointing, job.precision,
+                            job.attention)
+    loss = loss_buffer_bytes(shape, setting.micro_batch, job.max_length, job.precision)
+    buckets = zero_buffer_bytes(setting.zero_stage, job.zero_config.get(setting.zero_stage, {}), shape, job.precision)
+    allocated = states + acts + loss + buckets
+    overhead = buckets + int(FRAGMENTATION * allocated) + (int(CUDA_CONTEXT_GIB * GIB) if job.gpu is not None else 0)
+    device = states + acts + loss + overhead
+    host = host_ram(job, setting, device)
+    ckpt = checkpoint_bytes(shape, setting.zero_stage, job.precision)
+    write_s = ckpt / (job.write_mb_s * 1e6)
+    tps = tokens_per_second(job, setting)
+    step_s = None
+    if tps:
+        step_s = setting.micro_batch * setting.grad_accum * job.world * job.max_length / tps
+
+    problems = []
+    limit = job.device_gib
+    if limit is not None and device > limit * GIB:
+        problems.append(f"GPU memory: needs {gib(device)} GiB of {limit:g}")
+    if host["peak"] > job.host_ram_gib * GIB:
+        names = {"loading": "loading the weights", "offload": "offloaded states", "device_on_host": "the processes' tensors",
+                 "saving": "saving a checkpoint", "final_model": "the consolidated model"}
+        worst = max(names, key=lambda k: host[k])
+        problems.append(f"host RAM: needs {gib(host['peak'])} GiB per node of {job.host_ram_gib:g} "
+                        f"({names[worst]}: {gib(host[worst])} GiB)")
+    fits = not problems
+    why = "; ".join(problems) if problems else "fits"
+    return Estimate(setting, states, acts, loss, overhead, host, ckpt, write_s, step_s, tps, fits, why)
+
+
+def micro_batch_choices(job: Job) -> list[int]:
+    """The micro-batches to try: the one asked for, else every one that keeps the global batch (largest first)."""
+    if job.micro_batch is not None:
+        return [job.micro_batch]
+    if job.global_batch is not None:
+        if job.global_batch % job.world:
+            return []
+        per_rank = job.global_batch // job.world
+        choices = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    else:
+        choices = [64, 32, 16, 8, 4, 2, 1]
+    return [m for m in choices if job.max_micro_batch is None or m <= job.max_micro_batch]
+
+
+def _accum(job: Job, micro: int) -> int:
+    if job.global_batch is not None:
+        return job.global_batch // (micro * job.world)
+    return job.grad_accum or 1
+
+
+def combinations(job: Job):
+    """(stage, offload, gradient checkpointing) triples the job allows, in llmft's order of preference."""
+    gcs = (False, True) if job.gradient_checkpointing is None else (job.gradient_checkpointing,)
+    for offload in job.offloads:
+        if offload != "none" and job.gpu is None:
+            continue  # offloading to the CPU from the CPU: nothing to gain
+        for gc in gcs:
+            for stage in (2, 1, 0, 3):
+                if stage not in job.zero_stages:
+                    continue
+                if offload == "optimizer" and stage < 2 or offload == "optimizer+params" and stage != 3:
+                    continue
+                if stage == 3 and job.load_in_4bit:
+                    continue  # 4-bit weights are not partitioned by ZeRO-3 in llmft's loading path
+                yield stage, offload, gc
+
+
+PREFERENCE = (
+    "no CPU offload before offloading (the CPU optimizer step and PCIe traffic slow each step), "
+    "no recomputation before gradient checkpointing (+33% compute), "
+    "ZeRO-2, 1, 0 before 3 (ZeRO-3 moves 1.5x the data of plain data parallelism), "
+    "then the largest micro-batch that fits"
+)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    job: Job
+    candidates: list[Estimate]  # one per (stage, offload, checkpointing): its largest fitting micro-batch
+    recommended: Estimate | None
+    reason: str
+    warnings: list[str]
+
+
+def plan_memory(job: Job) -> MemoryPlan:
+    """Every (stage, offload, checkpointing) with its largest fitting micro-batch; the first fitting one in llmft's
+    order of preference (PREFERENCE) is recommended."""
+    _check_job(job)
+    micros = micro_batch_choices(job)
+    if not micros:
+        raise MemoryPlanError(
+            f"global batch {job.global_batch} is not divisible by the world size {job.world}; "
+            f"use a multiple of {job.world}"
+        )
+    candidates = []
+    for stage, offload, gc in combinations(job):
+        best = None
+        for micro in micros:  # largest first: the first that fits is the one to show
+            est = estimate(job, Setting(stage, offload, micro, _accum(job, micro), gc))
+            if est.fits:
+                best = est
+                break
+            best = best or est  # nothing fits: show the smallest memory (tried last) below
+        if best is not None and not best.fits:
+            best = estimate(job, Setting(stage, offload, micros[-1], _accum(job, micros[-1]), gc))
+        candidates.append(best)
+    fitting = [c for c in candidates if c.fits]
+    recommended = fitting[0] if fitting else None
+    if recommended is not None:
+        recommended = replace(recommended, why=_reason(recommended, candidates))
+        candidates = [recommended] + [c for c in candidates if c is not fitting[0]]
+        reason = recommended.why
+    else:
+        reason = "nothing fits: " + _closest(candidates)
+    return MemoryPlan(job, candidates, recommended, reason, _warnings(job, recommended))
+
+
+def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
+    """Why this one: for each way it is slower than the ideal, the evidence that the faster way does not fit."""
+    s = chosen.setting
+
+    def blocked(pred) -> str:
+        others = [c for c in candidates if pred(c.setting)]
+        if not others:
+            return "not tried"
+        best = min(others, key=lambda c: c.gpu_total + c.host["peak"])
+        offload = "without offload" if best.setting.offload == "none" else f"offloading the {best.setting.offload}"
+        return f"ZeRO-{best.setting.zero_stage} {offload}, checkpointing " \
+               f"{'on' if best.setting.gradient_checkpointing else 'off'}: {best.why}"
+
+    parts = []
+    if s.offload == "none":
+        parts.append("no CPU offload needed")
+    else:
+        parts.append(f"CPU offload ({s.offload}) because nothing fits without it (closest: "
+                     f"{blocked(lambda o: o.offload == 'none')})")
+    if s.gradient_checkpointing:
+        same = lambda o: o.offload == s.offload and o.zero_stage == s.zero_stage and not o.gradient_checkpointing  # noqa: E731
+        if any(same(c.setting) for c in candidates):
+            parts.append(f"gradient checkpointing because without it no micro-batch fits ({blocked(same)})")
+        else:
+            parts.append("gradient checkpointing as asked")
+    else:
+        parts.append("no recomputation needed")
+    if s.zero_stage == 3:
+        lower = [c for c in candidates if c.setting.zero_stage < 3]
+        parts.append("ZeRO-3 because ZeRO-0/1/2 do not fit" if lower else "ZeRO-3")
+    else:
+        parts.append(f"ZeRO-{s.zero_stage} moves no more data than plain data parallelism (ZeRO-3: 1.5x)")
+    parts.append(f"micro-batch {s.micro_batch} is the largest that fits")
+    return "; ".join(parts)
+
+
+def _closest(candidates: list[Estimate]) -> str:
+    if not candidates:
+        return "no setting was possible"
+    best = min(candidates, key=lambda c: c.gpu_total + c.host["peak"])
+    return f"the closest, {best.setting.describe()}, breaks {best.why}"
+
+
+def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
+    out = []
+    if chosen is None:
+        return out
+    if job.free_disk_gib is not None and job.save_total_limit:
+        need = job.save_total_limit * chosen.checkpoint
+        if need > job.free_disk_gib * GIB:
+            out.append(
+                f"save_total_limit {job.save_total_limit} x {gib(chosen.checkpoint)} GiB per checkpoint = {gib(need)} GiB "
+                f"exceeds the {job.free_disk_gib:.1f} GiB free in the output directory; lower --save_total_limit or free space"
+            )
+    elif job.free_disk_gib is not None and chosen.checkpoint > job.free_disk_gib * GIB:
+        out.append(f"one checkpoint ({gib(chosen.checkpoint)} GiB) exceeds the {job.free_disk_gib:.1f} GiB free in the output directory")
+    if job.free_disk_gib is not None and not job.save_total_limit:
+        out.append("--save_total_limit is not set: every checkpoint is kept "
+                   f"({gib(chosen.checkpoint)} GiB each, {job.free_disk_gib:.1f} GiB free)")
+    needed = chosen.write_s + (chosen.step_s or 0)
+    if needed > job.preempt_window_s:
+        out.append(
+            f"a checkpoint ({gib(chosen.checkpoint)} GiB) takes {chosen.write_s:.0f} s to write at {job.write_mb_s:g} MB/s"
+            + (f" after a {chosen.step_s:.0f} s step" if chosen.step_s else "")
+            + f": more than the {job.preempt_window_s:g} s the Slurm script's USR1 warning leaves before the time limit; "
+            "the stop checkpoint will be cut off (use faster storage, or LoRA)"
+        )
+    return out
+
+
+def _check_job(job: Job) -> None:
+    for name, value in (("nnodes", job.nnodes), ("nproc_per_node", job.nproc_per_node), ("max_length", job.max_length)):
+        if not isinstance(value, int) or value < 1:
+            raise MemoryPlanError(f"--{name} must be a positive integer, got {value!r}")
+    for name, value in (("global_batch_size", job.global_batch), ("per_device_train_batch_size", job.micro_batch)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise MemoryPlanError(f"--{name} must be a positive integer, got {value!r}")
+    if job.global_batch is not None and job.micro_batch is not None:
+        from llmft.batch import BatchError, plan_batch
+
+        try:  # the same arithmetic, and the same message with the nearest batches that work, as the batch-only plan
+            plan_batch(job.world, job.micro_batch, job.global_batch, job.grad_accum)
+        except BatchError as e:
+            raise MemoryPlanError(str(e)) from None
+    elif job.global_batch is not None and job.global_batch % job.world:
+        raise MemoryPlanError(f"global batch {job.global_batch} is not divisible by the world size {job.world}: "
+                              f"use a multiple of {job.world}")
+    if job.host_ram_gib <= 0 or not math.isfinite(job.host_ram_gib):
+        raise MemoryPlanError(f"host RAM must be a positive number of GiB, got {job.host_ram_gib!r}")
+    if job.device_gib is not None and (job.device_gib <= 0 or not math.isfinite(job.device_gib)):
+        raise MemoryPlanError(f"GPU memory must be a positive number of GiB, got {job.device_gib!r}")
+    if not 0 < job.mfu <= 1:
+        raise MemoryPlanError(f"--mfu must be in (0, 1], got {job.mfu!r}")
+    if job.write_mb_s <= 0:
+        raise MemoryPlanError(f"--write_mb_s must be positive, got {job.write_mb_s!r}")
+    if job.load_in_4bit and not job.shape.lora:
+        raise MemoryPlanError("--load_in_4bit trains LoRA adapters on frozen 4-bit weights: add --use_peft")
+    if job.load_in_4bit and (job.gpu is None or not job.gpu.bitsandbytes_4bit):
+        where = "a CPU" if job.gpu is None else f"a {job.gpu.name}"
+        raise MemoryPlanError(f"--load_in_4bit needs bitsandbytes' 4-bit kernels (compute capability 7.5+), not {where}")
+    if job.save_consolidated and job.shape.lora:
+        raise MemoryPlanError("--save_consolidated gathers a full ZeRO-3 model; a LoRA run saves its adapter instead")
+    if job.attention not in ("sdpa", "flash_attention_2"):
+        raise MemoryPlanError(f"unknown attention {job.attention!r}; use sdpa or flash_attention_2")
+    element_bytes(job.precision)

@@ -1,0 +1,86 @@
+"""What a ZeRO-3 checkpoint and the final model hold: the ranks' shards, never the whole model gathered on one rank.
+
+llmft's ZeRO-3 templates set `stage3_gather_16bit_weights_on_model_save: false`. With it off, HF's
+`Trainer.save_model` falls back to `engine.save_checkpoint(dir)` (the shards) and `_save_checkpoint` then writes
+the same shards again through `_save_optimizer_and_scheduler`: every checkpoint twice. And for a PEFT model HF
+gathers every layer of the frozen base model (`_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`)
+just to keep the adapter. `trainer_class()` is TRL's SFTTrainer with `save_model` doing, under ZeRO-3:
+
+- a checkpoint: config, tokenizer and training arguments only; the shards come once, from `save_checkpoint`;
+- LoRA: gathers only the trainable (adapter) parameters and writes the adapter, checkpoint or final;
+- the final model: the 16-bit model gathered on rank 0 when `save_consolidated` is set (`--save_consolidated`;
+  `llmft plan` states the host RAM it needs), else config and tokenizer beside the last checkpoint's shards
+  (`llmft infer RUN` reads them; `llmft infer RUN --export DIR` writes a Hugging Face model); a run that saved no
+  checkpoint at its last step gets the shards in the output directory, as HF's fallback does.
+
+ZeRO-0/1/2 keep HF's behaviour (each rank already holds the whole 16-bit model).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def is_zero3(trainer) -> bool:
+    return bool(trainer.is_deepspeed_enabled) and trainer.accelerator.deepspeed_config["zero_optimization"].get("stage") == 3
+
+
+def trainable_state_dict(trainer) -> dict | None:
+    """The trainable parameters (a LoRA adapter, plus any modules_to_save), gathered from their ZeRO-3 partitions
+    onto rank 0; the frozen base model is never gathered. None on other ranks."""
+    import deepspeed
+    import torch.distributed as dist
+
+    named = [(name, p) for name, p in trainer.model.named_parameters() if p.requires_grad]
+    state = {} if dist.get_rank() == 0 else None
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+        if state is not None:
+            for name, p in named:
+                state[name] = p.detach().cpu().clone()
+    return state
+
+
+def trainer_class(save_consolidated: bool = False):
+    """SFTTrainer whose save_model writes ZeRO-3 runs as described in the module docstring."""
+    from transformers.trainer_pt_utils import remove_dummy_checkpoint
+    from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+    from trl import SFTTrainer
+
+    class LlmftSFTTrainer(SFTTrainer):
+        def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+            if not is_zero3(self):
+                return super().save_model(output_dir, _internal_call)
+            output_dir = output_dir or self.args.output_dir
+            if _is_peft(self.model):
+                self._save(output_dir, state_dict=trainable_state_dict(self))
+                return
+            if not _internal_call and save_consolidated:
+                self._save(output_dir, state_dict=self.model_wrapped._zero3_consolidated_16bit_state_dict())
+                return
+            self._save(output_dir, state_dict={})  # config, tokenizer, training arguments
+            remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
+            if _internal_call and not self.args.save_only_model:
+                return  # _save_checkpoint writes the shards next, once
+            step_dir = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+            if _internal_call or not (step_dir / "llmft_complete.json").is_file():
+                self.model_wrapped.save_checkpoint(output_dir)
+
+    return LlmftSFTTrainer
+
+
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def final_model_note(output_dir: str, step: int, zero_stage: int, lora: bool, save_consolidated: bool) -> str:
+    """Where the trained weights are, for the last log line."""
+    if zero_stage != 3 or lora or save_consolidated:
+        return f"model saved to {output_dir}"
+    ckpt = os.path.join(output_dir, f"checkpoint-{step}")
+    return (f"weights are the ZeRO-3 shards in {ckpt if os.path.isdir(ckpt) else output_dir} "
+            f"(llmft infer {output_dir}; --export DIR writes a Hugging Face model; --save_consolidated gathers one at the end)")

@@ -1,0 +1,318 @@
+"""The memory planner (llmft.memory): DeepSpeed's own estimates, properties over random jobs, the activation
+formula against what autograd really saves, and the plans the README shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmft.hardware import GPUS, NODE_TYPES
+from llmft.memory import (
+    GIB,
+    Job,
+    MemoryPlanError,
+    ModelShape,
+    Setting,
+    activation_bytes,
+    ds_zero2_estimate,
+    ds_zero3_estimate,
+    estimate,
+    layer_activation_bytes_per_token,
+    model_states_bytes,
+    plan_memory,
+)
+
+
+def shape(params=8_030_261_248, largest=525_336_576, lora=0, **dims) -> ModelShape:
+    """Llama-3.1-8B's dimensions unless told otherwise."""
+    base = dict(name="t", params=params, largest_layer_params=largest, layers=32, hidden=4096, heads=32, kv_heads=8,
+                head_dim=128, intermediate=14336, vocab=128256, quantizable_params=int(params * 0.87), lora_params=lora)
+    base.update(dims)
+    return ModelShape(**base)
+
+
+# ---- agreement with DeepSpeed's estimators ------------------------------------------------------------------------
+
+GRID = list(itertools.product(
+    [1_000_003, 124_439_808, 1_235_814_400, 8_030_261_248, 70_553_706_496],  # total parameters
+    [1, 2, 4, 8],  # GPUs per node
+    [1, 2, 3, 16],  # nodes
+))
+
+
+@pytest.mark.parametrize("total, per_node, nodes", GRID)
+def test_model_states_equal_deepspeeds_own_estimates(total, per_node, nodes):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    largest = total // 15 + 7
+    s, world = shape(params=total, largest=largest), per_node * nodes
+    for offload in (False, True):
+        ds = estimate_zero2_model_states_mem_needs(total, per_node, nodes, cpu_offload=offload)
+        assert ds_zero2_estimate(total, per_node, nodes, cpu_offload=offload) == ds
+        assert model_states_bytes(s, 2, "optimizer" if offload else "none", world, "bf16") == ds[1]
+    for offload, params, init in itertools.product((False, True), (False, True), (False, True)):
+        ds = estimate_zero3_model_states_mem_needs(total, largest, per_node, nodes, offload, params, init)
+        assert ds_zero3_estimate(total, largest, per_node, nodes, offload, params, init) == ds
+        if offload or not params:
+            mode = "optimizer+params" if offload and params else "optimizer" if offload else "none"
+            assert model_states_bytes(s, 3, mode, world, "bf16") == ds[1]
+
+
+@pytest.mark.parametrize("total, per_node, nodes", GRID[::3])
+def test_offloaded_host_states_equal_deepspeeds_zero_init_figure(total, per_node, nodes):
+    """With zero.Init (llmft's ZeRO-3 path), the host side of offloading is DeepSpeed's own number."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    s = shape(params=total, largest=total // 15)
+    job = Job(s, GPUS["A100-80GB"], 10_000, nodes, per_node, 512, "bf16", global_batch=per_node * nodes)
+    for mode, params in (("optimizer", False), ("optimizer+params", True)):
+        est = estimate(job, Setting(3, mode, 1, 1, True))
+        ds_cpu = estimate_zero3_model_states_mem_needs(total, total // 15, per_node, nodes, True, params, True)[0]
+        assert est.host["offload"] == pytest.approx(ds_cpu, abs=per_node + 2)
+
+
+# ---- properties ----------------------------------------------------------------------------------------------------
+
+def random_shape(layers, hidden, kv_div, inter, vocab, gated) -> ModelShape:
+    heads = hidden // 64
+    mlp = (3 if gated else 2) * hidden * inter
+    return shape(params=layers * (4 * hidden * hidden + mlp) + 2 * vocab * hidden, largest=vocab * hidden,
+                 layers=layers, hidden=hidden, heads=heads, kv_heads=max(1, heads // kv_div), head_dim=64,
+                 intermediate=inter, vocab=vocab, gated_mlp=gated, rms_norm=gated)
+
+
+shapes = st.builds(random_shape, st.integers(1, 80), st.sampled_from([256, 1024, 4096, 8192]),
+                   st.sampled_from([1, 2, 4, 8]), st.sampled_from([1024, 11008, 14336, 28672]),
+                   st.sampled_from([512, 32000, 128256]), st.booleans())
+
+
+def lora_of(s: ModelShape, frac: float) -> ModelShape:
+    return dataclasses.replace(s, lora_params=max(1, int(s.params * frac)))
+
+
+@given(s=shapes, stage=st.sampled_from([2, 3]), world=st.integers(1, 512), more=st.integers(1, 64),
+       precision=st.sampled_from(["bf16", "fp16", "fp32"]), lora=st.sampled_from([0.0, 0.001, 0.05]))
+def test_more_gpus_never_raise_per_gpu_model_states(s, stage, world, more, precision, lora):
+    if lora:
+        s = lora_of(s, lora)
+    for offload in (("none", "optimizer") if stage == 2 else ("none", "optimizer", "optimizer+params")):
+        assert model_states_bytes(s, stage, offload, world + more, precision) <= model_states_bytes(s, stage, offload, world, precision)
+
+
+@given(s=shapes, micro=st.integers(1, 64), seq=st.sampled_from([128, 1024, 4096, 32768]),
+       precision=st.sampled_from(["bf16", "fp32"]), attention=st.sampled_from(["sdpa", "flash_attention_2"]))
+def test_recomputation_never_raises_activations(s, micro, seq, precision, attention):
+    """For two layers or more (a one-layer model checkpointed keeps its input, which the plain run frees)."""
+    s = dataclasses.replace(s, layers=max(2, s.layers))
+    assert activation_bytes(s, micro, seq, True, precision, attention) <= activation_bytes(s, micro, seq, False, precision, attention)
+
+
+@given(s=shapes, frac=st.sampled_from([0.0005, 0.002, 0.01]), stage=st.sampled_from([0, 1, 2, 3]),
+       nodes=st.integers(1, 4), per_node=st.sampled_from([1, 2, 4, 8]), micro=st.integers(1, 8),
+       gc=st.booleans(), four_bit=st.booleans())
+def test_lora_never_needs_more_than_full_fine_tuning(s, frac, stage, nodes, per_node, micro, gc, four_bit):
+    """GPU, host and disk, for adapters up to 1% of the model, without CPU offload (what LoRA runs with: with the
+    optimizer offloaded, full fine-tuning's GPU also keeps only the 16-bit weights, and adapters come on top)."""
+    four_bit = four_bit and stage < 3
+    full = Job(s, GPUS["L4"], 192, nodes, per_node, 1024, "bf16")
+    lora = dataclasses.replace(full, shape=lora_of(s, frac), load_in_4bit=four_bit)
+    setting = Setting(stage, "none", micro, 1, gc)
+    a, b = estimate(lora, setting), estimate(full, setting)
+    assert a.gpu_total <= b.gpu_total
+    assert a.host["peak"] <= b.host["peak"]
+    assert a.checkpoint <= b.checkpoint
+
+
+jobs = st.builds(
+    lambda s, gpu, host, nodes, per_node, seq, gb_mult, lora, gc: Job(
+        lora_of(s, 0.002) if lora else s, GPUS[gpu], host, nodes, per_node, seq, "bf16" if GPUS[gpu].has_bf16 else "fp16",
+        global_batch=nodes * per_node * gb_mult, gradient_checkpointing=gc),
+    shapes, st.sampled_from(sorted(GPUS)), st.sampled_from([8.0, 16.0, 85.0, 680.0, 2048.0]), st.integers(1, 8),
+    st.sampled_from([1, 2, 4, 8]), st.sampled_from([256, 2048, 8192]), st.sampled_from([1, 4, 16]), st.booleans(),
+    st.sampled_from([None, True, False]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(job=jobs)
+def test_a_fitting_candidate_never_exceeds_the_gpu_or_host_it_was_given(job):
+    plan = plan_memory(job)
+    for c in plan.candidates:
+        d = c.as_dict()
+        assert c.gpu_total == c.model_states + c.activations + c.loss_buffers + c.overhead
+        if c.fits:
+            assert c.gpu_total <= job.device_gib * GIB and d["gpu_total_gib"] <= job.device_gib + 0.005
+            assert c.host["peak"] <= job.host_ram_gib * GIB
+            s = c.setting
+            assert s.micro_batch * s.grad_accum * job.world == job.global_batch
+        else:
+            assert "GPU memory" in c.why or "host RAM" in c.why
+    if plan.recommended is not None:
+        assert plan.candidates[0] is plan.recommended and plan.recommended.fits
+    else:
+        assert not any(c.fits for c in plan.candidates) and plan.reason.startswith("nothing fits")
+
+
+# ---- activations: the formula against what autograd saves ----------------------------------------------------------
+
+
+def saved_bytes(model, batch, seq, padded: bool) -> int:
+    """Bytes of the distinct storages autograd keeps for the backbone's backward pass."""
+    import torch
+
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padded:
+        mask[0, : seq // 4] = 0
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model.model(input_ids=ids, attention_mask=mask) if hasattr(model, "model") else model.transformer(input_ids=ids, attention_mask=mask)
+        out.last_hidden_state.sum()
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_activation_formula_matches_what_autograd_saves(arch, precision):
+    """A SwiGLU/GQA/RMSNorm (Llama) and a gelu_new/LayerNorm (GPT-2) decoder under SDPA with a padding mask: the
+    estimate is within 15% of the bytes autograd really keeps; with recomputation it is an upper bound.
+    (GPT-2's attention dropout is off: on CPU SDPA's math path then keeps the s^2 probabilities, which the GPU
+    kernels llmft targets do not.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    from llmft.model_shape import model_shape
+
+    if arch == "llama":
+        config = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                             intermediate_size=688, vocab_size=512, max_position_embeddings=512)
+    else:
+        config = GPT2Config(n_embd=256, n_layer=4, n_head=8, vocab_size=512, n_positions=512, attn_pdrop=0.0,
+                            bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.train()
+    s = model_shape(config)
+    batch, seq = 2, 128
+    measured = saved_bytes(model, batch, seq, padded=True)
+    assert measured == pytest.approx(activation_bytes(s, batch, seq, False, precision), rel=0.15)
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kept = saved_bytes(model, batch, seq, padded=True)  # each layer's input; one layer is rebuilt at a time later
+    rebuilt = batch * seq * layer_activation_bytes_per_token(s, precision)
+    assert 0.6 * (activation_bytes(s, batch, seq, True, precision) - rebuilt) <= kept
+    assert kept + rebuilt <= activation_bytes(s, batch, seq, True, precision)
+    assert kept < 0.1 * measured
+
+
+# ---- plans users rely on (the README's examples) ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    from transformers import LlamaConfig
+
+    from llmft.model_shape import model_shape
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
+                         tie_word_embeddings=False, dtype="bfloat16")  # as published: weights stored in bf16
+    return config, model_shape(config), model_shape(config, use_peft=True, lora_r=16)
+
+
+def node_job(s, node, nodes, **kw):
+    n = NODE_TYPES[node]
+    return Job(s, n.gpu, n.host_ram_gib, nodes, n.gpus, kw.pop("max_length", 2048), "bf16", **kw)
+
+
+def test_llama_8b_shape_is_counted_from_its_config(llama8b):
+    _, full, lora = llama8b
+    assert full.params == 8_030_261_248  # Llama-3.1-8B's published size
+    assert full.largest_layer_params == 128256 * 4096
+    assert (full.kv_heads, full.gated_mlp, full.rms_norm) == (8, True, True)
+    assert lora.lora_params == 32 * 16 * ((4096 + 4096) + (4096 + 1024))  # PEFT's default targets: q_proj, v_proj
+
+
+def test_full_fine_tune_of_8b_does_not_fit_two_g2_nodes_but_lora_does(llama8b):
+    _, full, lora = llama8b
+    assert full.checkpoint_dtype == "bf16"
+    nothing = plan_memory(node_job(full, "g2-standard-4", 2, global_batch=32))
+    assert nothing.recommended is None and "nothing fits" in nothing.reason
+    rec = plan_memory(node_job(lora, "g2-standard-4", 2, global_batch=32)).recommended
+    assert rec is not None and rec.setting.offload == "none"
+    assert rec.as_dict()["gpu_total_gib"] <= 22.0 and rec.as_dict()["host_ram_gib_per_node"] <= 16
+
+
+def test_a_converting_load_needs_a_copy_per_rank_and_zero3_avoids_it(llama8b):
+    """Weights stored in fp32 but trained in bf16 (or TRL's fp32 default on a bf16 checkpoint): every ZeRO-0/1/2
+    rank holds a converted copy while loading, which a 16 GB g2 host cannot; ZeRO-3 loads partitioned."""
+    _, _, lora = llama8b
+    stored_fp32 = dataclasses.replace(lora, checkpoint_dtype="fp32")
+    plan = plan_memory(node_job(stored_fp32, "g2-standard-4", 2, global_batch=32))
+    assert plan.recommended.setting.zero_stage == 3
+    zero2 = [c for c in plan.candidates if c.setting.zero_stage == 2 and c.setting.offload == "none"]
+    assert zero2 and all("host RAM" in c.why and "loading the weights" in c.why for c in zero2)
+    in_place = estimate(node_job(lora, "g2-standard-4", 2), Setting(2, "none", 1, 1, True)).host
+    assert in_place["loading"] == 0 and in_place["file_pages"] == lora.params * 2  # mapped, reclaimable, not counted
+
+
+def test_8b_on_a2_highgpu_8g_fits_without_offload_and_warns_about_the_preemption_window(llama8b):
+    _, full, _ = llama8b
+    plan = plan_memory(node_job(full, "a2-highgpu-8g", 1, global_batch=64))
+    rec = plan.recommended
+    assert rec.setting.offload == "none" and rec.setting.micro_batch * rec.setting.grad_accum * 8 == 64
+    assert any("USR1" in w for w in plan.warnings)  # ~90 GiB of shards at Filestore's 100 MB/s
+
+
+def test_save_total_limit_beyond_free_disk_is_warned(llama8b):
+    _, full, _ = llama8b
+    job = node_job(full, "g6.12xlarge", 1, global_batch=16, save_total_limit=3, free_disk_gib=150)
+    plan = plan_memory(job)
+    assert any("save_total_limit 3" in w and "150.0 GiB free in the output directory" in w for w in plan.warnings)
+    roomy = plan_memory(dataclasses.replace(job, free_disk_gib=10_000))
+    assert not any("save_total_limit" in w for w in roomy.warnings)
+
+
+def test_4bit_needs_lora_and_a_capable_gpu_and_skips_zero3(llama8b):
+    _, full, lora = llama8b
+    with pytest.raises(MemoryPlanError, match="add --use_peft"):
+        plan_memory(node_job(full, "g2-standard-4", 1, global_batch=8, load_in_4bit=True))
+    with pytest.raises(MemoryPlanError, match="compute capability 7.5"):
+        plan_memory(Job(lora, GPUS["V100-16GB"], 64, 1, 1, 512, "fp16", global_batch=8, load_in_4bit=True))
+    plan = plan_memory(Job(lora, GPUS["T4"], 64, 1, 1, 512, "fp16", global_batch=8, load_in_4bit=True))
+    assert plan.recommended is not None and {c.setting.zero_stage for c in plan.candidates} <= {0, 1, 2}
+    four, sixteen = estimate(plan.job, plan.recommended.setting), estimate(dataclasses.replace(plan.job, load_in_4bit=False), plan.recommended.setting)
+    assert four.model_states < 0.4 * sixteen.model_states
+
+
+def test_impossible_numbers_are_refused_with_the_flag_named():
+    s = shape()
+    for bad, flag in ((dict(nnodes=0), "--nnodes"), (dict(max_length=-5), "--max_length"), (dict(mfu=1.5), "--mfu"),
+                      (dict(host_ram_gib=0.0), "host RAM")):
+        with pytest.raises(MemoryPlanError, match=flag):
+            plan_memory(dataclasses.replace(Job(s, GPUS["L4"], 16, 1, 1, 512, "bf16"), **bad))
+    with pytest.raises(MemoryPlanError, match="not divisible by the world size 8"):
+        plan_memory(Job(s, GPUS["L4"], 16, 1, 8, 512, "bf16", global_batch=12))
+
+
+def test_the_consolidated_final_model_is_counted_on_the_first_node(llama8b):
+    _, full, _ = llama8b
+    job = node_job(full, "a2-highgpu-8g", 1, global_batch=64, save_consolidated=True)
+    z3 = estimate(job, Setting(3, "none", 1, 8, True)).host
+    assert z3["final_model"] == 2 * 2 * full.params  # the 16-bit model, and its bytes while safetensors writes them
+    assert estimate(dataclasses.replace(job, save_consolidated=False), Setting(3, "none", 1, 8, True)).host["final_model"] == 0
+    assert estimate(job, Setting(2, "none", 1, 8, True)).host["final_model"] == 0  # ZeRO-2 writes it whole anyway
