@@ -219,8 +219,10 @@ def test_wandb_offline_run_is_named_by_the_job_and_the_requeued_job_appends_to_i
     for attempt in attempts:
         assert (attempt["run_id"], attempt["name"], attempt["group"]) == (run_id, f"llmft-{job}", "llmft")
         steps.append(sorted({int(h["train/global_step"]) for h in attempt["history"] if "train/loss" in h}))
-    # SIGTERM ends W&B's service with the job step: the first attempt keeps what it flushed (every 2 s) before that.
-    assert steps[0] and steps[0] == list(range(1, len(steps[0]) + 1)) and steps[0][-1] <= resumed, steps
+    # SIGTERM ends W&B's service with the job step: the first attempt keeps what it flushed (every 2 s) before that,
+    # in order and never past the checkpoint; on a loaded machine the signal can come before the first flush (seen
+    # in a full-suite run at load 4 on 2 cores), so an empty first attempt is allowed.
+    assert steps[0] == list(range(1, len(steps[0]) + 1)) and (not steps[0] or steps[0][-1] <= resumed), steps
     assert steps[1] == list(range(resumed + 1, TOTAL + 1))  # the metrics after the requeue continue the run
     # The dead service did not end the run through the training loop (llmft.tracking.guard_wandb): the stop's
     # checkpoint was written and the run was resumed from it. (wandb's own exit hook may still print its error.)
