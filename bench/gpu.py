@@ -8,7 +8,7 @@ vocabulary 32000) is built from a config with random bf16 weights; the data is g
 (the locally trained tokenizer's ids are a subset of the vocabulary); sequence length 2048. For every combination of
 ZeRO-2/3, packing on/off, Liger on/off and torch.compile on/off it runs `llmft train` under torchrun on all GPUs and
 reads <output_dir>/run_summary.json: tokens/s per GPU (non-padding), MFU against the GPU's dense bf16 peak, peak GPU
-memory, and, where `llmft plan --model` exists, its per-GPU memory estimate for the same setting.
+memory, and `llmft plan --model`'s per-GPU memory estimate for the same setting.
 Anchors on an H100: about 41-42% MFU for a 1.3B model (llm-foundry's MPT-1B table), about 41% for DeepSpeed
 ZeRO-1 with DeepCompile on an 8B model (DeepSpeed's DeepCompile blog). On a machine without CUDA it says so and
 exits 0: nothing here can be measured on a CPU.
@@ -50,12 +50,10 @@ def build_model(root: Path) -> Path:
 
 
 def plan_estimate(model: Path, zero: int, micro: int, nproc: int, gradient_checkpointing: bool) -> str:
-    """llmft plan's per-GPU memory estimate for this setting, where this checkout's plan has --model."""
+    """llmft plan's per-GPU memory estimate (`plan --model ... --json`) for this setting."""
     cmd = [PYTHON, "-m", "llmft.plan", "--model", str(model), "--nproc_per_node", str(nproc), "--nnodes", "1",
            "--zero_stage", str(zero), "--per_device_train_batch_size", str(micro), "--max_length", "2048",
-           "--global_batch_size", str(micro * nproc), "--json"]
-    if gradient_checkpointing:
-        cmd.append("--gradient_checkpointing")
+           "--global_batch_size", str(micro * nproc), "--gradient_checkpointing", str(gradient_checkpointing).lower(), "--json"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     try:
         plan = json.loads(proc.stdout)
@@ -64,6 +62,7 @@ def plan_estimate(model: Path, zero: int, micro: int, nproc: int, gradient_check
                    and r.get("offload") in (None, "none") and bool(r.get("gradient_checkpointing")) == gradient_checkpointing)
         return f"{row['gpu_total_gib']:.1f}"
     except (ValueError, KeyError, StopIteration, TypeError):
+        print(f"gpu.py: no plan estimate for ZeRO-{zero} micro-batch {micro}: {(proc.stderr or proc.stdout).strip()[-300:]}", flush=True)
         return "n/a"
 
 
