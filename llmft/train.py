@@ -36,6 +36,7 @@ prints the torchrun command.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -105,6 +106,19 @@ def log(msg: str) -> None:
         print(f"llmft: {msg}", flush=True)
 
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def worker_ignores_stop_signals(init_fn, worker_id: int) -> None:
+    """A DataLoader worker leaves SIGTERM/SIGUSR1 to its rank. Slurm signals every process of a step (a requeue,
+    preemption, `scancel`), and a worker killed by it ends the rank with "DataLoader worker ... is killed by signal"
+    before the stop's checkpoint is written. The rank shuts its workers down itself; they exit when it dies."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if init_fn is not None:
+        init_fn(worker_id)
+
+
 def _callbacks():
     """Trainer callbacks, defined lazily so importing llmft.train stays cheap."""
     import torch
@@ -156,9 +170,11 @@ def _callbacks():
             self.requested = False
             self.stopped_at: int | None = None
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            for sig in (signal.SIGUSR1, signal.SIGTERM):
+        def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+            for sig in STOP_SIGNALS:
                 signal.signal(sig, self._request)
+            if train_dataloader is not None and train_dataloader.num_workers > 0:  # forked per epoch, after this
+                train_dataloader.worker_init_fn = functools.partial(worker_ignores_stop_signals, train_dataloader.worker_init_fn)
 
         def _request(self, signum, frame):
             self.requested = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -295,3 +296,37 @@ def test_bad_input_from_the_llmft_command_exits_2_without_traceback(tiny_model, 
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"llmft train: error: {bad}: line 2 is not valid JSON")
     assert "Traceback" not in proc.stderr
+
+
+def test_dataloader_workers_leave_stop_signals_to_their_rank():
+    """Slurm sends SIGTERM to every process of a step (requeue, preemption). A DataLoader worker killed by it used to
+    end the rank ("DataLoader worker ... is killed by signal: Terminated") before the stop's checkpoint; found by the
+    requeued Slurm job once llmft's CPU split gave each rank dataloader workers. The workers now ignore it, the rank
+    records the stop request, and the epoch's data keeps coming."""
+    import signal
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from llmft.train import _callbacks
+
+    _, GracefulStop = _callbacks()
+    stop = GracefulStop(None)
+    loader = DataLoader(list(range(40)), batch_size=1, num_workers=2)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        stop.on_train_begin(None, None, None, train_dataloader=loader)
+        batches = iter(loader)
+        seen = [int(next(batches))]
+        for worker in batches._workers:
+            os.kill(worker.pid, signal.SIGTERM)
+            os.kill(worker.pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        assert all(worker.is_alive() for worker in batches._workers)
+        seen += [int(b) for b in batches]
+        assert seen == list(range(40))
+        os.kill(os.getpid(), signal.SIGTERM)  # the rank itself: a stop request, not an exit
+        assert stop.requested
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
