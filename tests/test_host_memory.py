@@ -47,7 +47,9 @@ def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_st
     flags = ("--zero_stage", 3, "--max_steps", 2, "--global_batch_size", 2, "--per_device_train_batch_size", 1,
              "--max_length", 64)
     saving = run(train_cmd(model, data, tmp_path / "saving", *flags, "--save_steps", 1, "--save_consolidated"), check=True)
-    plain = run(train_cmd(model, data, tmp_path / "plain", *flags, "--save_strategy", "no", "--log_level", "info"), check=True)
+    # TRANSFORMERS_VERBOSITY: the model loads inside SFTTrainer's constructor, before HF applies --log_level.
+    plain = run(train_cmd(model, data, tmp_path / "plain", *flags, "--save_strategy", "no"), check=True,
+                TRANSFORMERS_VERBOSITY="info")
     _, with_ckpt = host_lines(saving.stdout)
     loading, without = host_lines(plain.stdout)
 
