@@ -173,8 +173,10 @@ def _callbacks():
         def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
             for sig in STOP_SIGNALS:
                 signal.signal(sig, self._request)
-            if train_dataloader is not None and train_dataloader.num_workers > 0:  # forked per epoch, after this
-                train_dataloader.worker_init_fn = functools.partial(worker_ignores_stop_signals, train_dataloader.worker_init_fn)
+            # accelerate's DataLoaderShard wraps the torch DataLoader that forks the workers (per epoch, after this)
+            loader = getattr(train_dataloader, "base_dataloader", train_dataloader)
+            if loader is not None and loader.num_workers > 0:
+                loader.worker_init_fn = functools.partial(worker_ignores_stop_signals, loader.worker_init_fn)
 
         def _request(self, signum, frame):
             self.requested = True

@@ -80,8 +80,12 @@ def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_st
     # top would be 2.1x or more.
     assert "activating zero.init() for this model" in plain.stdout + plain.stderr
     assert len(loading) == 2
-    for before, after in loading:
-        assert after - before < 1.75 * MODEL_GIB, loading
+    # Rank 0 reads every tensor from the memory-mapped file (transformers' rank-0 reader under zero.Init), so its
+    # RSS also counts the file's pages (one model size, page cache, not an allocation): measured 2.2x on rank 0 in
+    # a fresh-clone CI run, 1.4x on rank 1.
+    for rank, (before, after) in enumerate(loading):
+        file_pages = MODEL_GIB if rank == 0 else 0.0
+        assert after - before < 1.75 * MODEL_GIB + file_pages, loading
 
     # The plan for this very run (CPU processes: their tensors are host memory) covers the node's peak.
     from llmft import memory

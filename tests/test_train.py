@@ -303,26 +303,29 @@ def test_dataloader_workers_leave_stop_signals_to_their_rank():
     end the rank ("DataLoader worker ... is killed by signal: Terminated") before the stop's checkpoint; found by the
     requeued Slurm job once llmft's CPU split gave each rank dataloader workers. The workers now ignore it, the rank
     records the stop request, and the epoch's data keeps coming."""
+    import multiprocessing
     import signal
     import time
 
-    from torch.utils.data import DataLoader
+    from accelerate.data_loader import DataLoaderShard
 
     from llmft.train import _callbacks
 
     _, GracefulStop = _callbacks()
     stop = GracefulStop(None)
-    loader = DataLoader(list(range(40)), batch_size=1, num_workers=2)
+    loader = DataLoaderShard(list(range(40)), batch_size=1, num_workers=2)  # what the Trainer trains from
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         stop.on_train_begin(None, None, None, train_dataloader=loader)
         batches = iter(loader)
         seen = [int(next(batches))]
-        for worker in batches._workers:
+        workers = multiprocessing.active_children()
+        assert len(workers) == 2
+        for worker in workers:
             os.kill(worker.pid, signal.SIGTERM)
             os.kill(worker.pid, signal.SIGUSR1)
         time.sleep(0.5)
-        assert all(worker.is_alive() for worker in batches._workers)
+        assert all(worker.is_alive() for worker in workers)
         seen += [int(b) for b in batches]
         assert seen == list(range(40))
         os.kill(os.getpid(), signal.SIGTERM)  # the rank itself: a stop request, not an exit
