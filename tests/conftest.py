@@ -99,3 +99,17 @@ def require_tool(name: str) -> str:
         pytest.fail(f"{name} is not installed: run `make test` (its set-up step, tests/system_deps.sh, installs it) "
                     f"or `bash tests/system_deps.sh`", pytrace=False)
     return found
+
+
+@pytest.fixture(autouse=True)
+def hf_logging_levels_restored():
+    """In-process runs (HF's Trainer applies --log_level) must not leave transformers/datasets more verbose for
+    the next test: a later bad-input case would then see datasets' own logged traceback, which a user's fresh
+    process never prints."""
+    import datasets
+    import transformers
+
+    levels = (transformers.logging.get_verbosity(), datasets.logging.get_verbosity())
+    yield
+    transformers.logging.set_verbosity(levels[0])
+    datasets.logging.set_verbosity(levels[1])
