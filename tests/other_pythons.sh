@@ -9,6 +9,10 @@
 # One that is absent or older than 3.11 (llmft's pinned stack needs 3.11: transformers 5.21+, trl 1.16) is
 # skipped with a printed line, never a failure. Pickles written by 3.10 are covered by tests/test_safe_load.py.
 #
+# Disk: where no CPU torch wheel exists for an interpreter, pip installs PyPI's CUDA torch (about 5.3 GiB with
+# its nvidia-* libraries), so each venv is built without pip's cache and removed once its tests have run
+# (KEEP_OTHER_VENVS=1 keeps them): one such venv on disk at a time, not one per Python.
+#
 #   bash tests/other_pythons.sh            # or: make test-other-pythons
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +21,14 @@ TESTS=(tests/test_safe_load.py tests/test_zero_checkpoint.py tests/test_data.py 
 
 version_of() {  # version_of PYTHON -> "3.12.1", or nothing if it does not run
   timeout 20 "$1" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null || true
+}
+
+free_gib() {  # free disk space where the venvs are built, in GiB
+  df -Pk . | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'
+}
+
+remove_venv() {  # the venv of one Python is removed after its run unless KEEP_OTHER_VENVS=1
+  [[ "${KEEP_OTHER_VENVS:-0}" == 1 ]] || rm -rf -- "$1"
 }
 
 main_version=$(version_of .venv/bin/python)
@@ -50,9 +62,13 @@ for exe in "${candidates[@]}"; do
   fi
   venv=".venv-py$version"
   echo "$me: Python $version ($exe): setting up $venv and running ${TESTS[*]}"
-  if ! make --no-print-directory venv VENV="$venv" PYTHON="$exe" >"$venv.log" 2>&1; then
-    echo "$me: FAILED to set up $venv with $exe (log: $venv.log):"; tail -n 20 "$venv.log"
+  if ! PIP_NO_CACHE_DIR=1 make --no-print-directory venv VENV="$venv" PYTHON="$exe" >"$venv.log" 2>&1; then
+    echo "$me: FAILED to set up $venv with $exe (log: $venv.log):"; grep -v '^WARNING: Location' "$venv.log" | tail -n 20
+    if grep -q 'No space left on device' "$venv.log"; then
+      echo "$me: $venv needs about 6 GiB of disk (torch with its CUDA libraries); $(free_gib) GiB free here: free disk space and re-run"
+    fi
     failed+=("$version (set-up)")
+    remove_venv "$venv"
     continue
   fi
   if "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"; then
@@ -60,6 +76,7 @@ for exe in "${candidates[@]}"; do
   else
     failed+=("$version")
   fi
+  remove_venv "$venv"
 done
 
 echo "$me: main suite ran on Python $main_version; checkpoint and data tests passed on: ${tested[*]:-(no other Python 3.11+ found)}"
