@@ -40,12 +40,13 @@ import functools
 import os
 import re
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import (checkpoints, data, ds_config, elastic, host_memory, hub, metrics, packing, prepare, run_identity,
-                   saved_weights, saving)
+from llmft import (build_locks, checkpoints, data, ds_config, elastic, host_memory, hub, metrics, packing, prepare,
+                   run_identity, saved_weights, saving)
 from llmft.flags import FlagError, TrainParser, check_flags
 from llmft.hardware import (HardwareError, check_liger, choose_attention, choose_precision, flash_attn_installed,
                             liger_model_types, local_gpu)
@@ -431,6 +432,9 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")
 
     single_process_defaults()  # outside torchrun: a world of one, before DeepSpeed reads the environment
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # before any rank can load an op (they build after rendezvous)
+        for finding in build_locks.clear_stale_build_locks(build_locks.extensions_root()):
+            print(f"llmft: {socket.gethostname()}: {finding.message}", flush=True)  # every node's, not rank 0's
     with clock.phase("import"):
         skip_deepspeed_shm_op()  # an op training never uses that DeepSpeed would compile at start-up on CPU
     with clock.phase("deepspeed_init"):  # TrainingArguments with a DeepSpeed config sets up DeepSpeed's config object
