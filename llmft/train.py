@@ -35,6 +35,7 @@ prints the torchrun command.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
@@ -120,6 +121,19 @@ def worker_ignores_stop_signals(init_fn, worker_id: int) -> None:
         init_fn(worker_id)
 
 
+def kill_leftover_workers() -> None:
+    """At the rank's exit, SIGKILL the DataLoader workers still alive. They ignore SIGTERM (above), and SIGTERM is what
+    torch sends a worker that did not stop on request (pytorch#39570), followed by multiprocessing's unbounded join at
+    exit: one stuck worker would keep the rank from exiting forever (seen: a 2-node Slurm job waiting at torchrun's
+    exit barrier after its stop checkpoint). Daemonic children are ended at exit anyway; this only makes it certain."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(timeout=5)
+
+
 def _callbacks():
     """Trainer callbacks, defined lazily so importing llmft.train stays cheap."""
     import torch
@@ -174,6 +188,8 @@ def _callbacks():
         def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
             for sig in STOP_SIGNALS:
                 signal.signal(sig, self._request)
+            atexit.unregister(kill_leftover_workers)  # once, and after multiprocessing's own exit hook so it runs first
+            atexit.register(kill_leftover_workers)
             # accelerate's DataLoaderShard wraps the torch DataLoader that forks the workers (per epoch, after this)
             loader = getattr(train_dataloader, "base_dataloader", train_dataloader)
             if loader is not None and loader.num_workers > 0:

@@ -298,6 +298,39 @@ def test_bad_input_from_the_llmft_command_exits_2_without_traceback(tiny_model, 
     assert "Traceback" not in proc.stderr
 
 
+STUCK_WORKER_RANK = """
+import sys, time
+from accelerate.data_loader import DataLoaderShard
+from llmft.train import _callbacks
+
+class OneItemHangs:  # a worker that never finishes its item, the case torch answers with SIGTERM
+    def __len__(self):
+        return 40
+    def __getitem__(self, i):
+        if i == 3:
+            time.sleep(10**6)
+        return i
+
+_, GracefulStop = _callbacks()
+loader = DataLoaderShard(OneItemHangs(), batch_size=1, num_workers=2)
+GracefulStop(None).on_train_begin(None, None, None, train_dataloader=loader)
+batches = iter(loader)
+print([int(next(batches)) for _ in range(2)], flush=True)  # accelerate reads one ahead: not item 3
+del batches  # torch: sentinel, join 5 s, SIGTERM (ignored by our workers), join 5 s
+print("exiting", flush=True)
+"""
+
+
+def test_a_stuck_dataloader_worker_does_not_keep_the_rank_from_exiting(tmp_path):
+    """Workers ignore SIGTERM (below), which torch and multiprocessing use to end a worker that does not stop on
+    request; without llmft's exit hook the rank then waits for it forever (a 2-node Slurm job sat at torchrun's exit
+    barrier for 10 minutes after its stop checkpoint)."""
+    script = tmp_path / "rank.py"
+    script.write_text(STUCK_WORKER_RANK)
+    proc = run([PYTHON, str(script)], timeout=90, check=True)
+    assert proc.stdout.split("\n")[:2] == ["[0, 1]", "exiting"]
+
+
 def test_dataloader_workers_leave_stop_signals_to_their_rank():
     """Slurm sends SIGTERM to every process of a step (requeue, preemption). A DataLoader worker killed by it used to
     end the rank ("DataLoader worker ... is killed by signal: Terminated") before the stop's checkpoint; found by the
