@@ -128,10 +128,16 @@ def kill_leftover_workers() -> None:
     exit barrier after its stop checkpoint). Daemonic children are ended at exit anyway; this only makes it certain."""
     import multiprocessing
 
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-            child.join(timeout=5)
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if not workers:
+        return
+    # torch's SIGCHLD handler would raise "DataLoader worker ... killed" for workers of a live iterator (a run
+    # stopped mid-epoch keeps one until exit, when torch no longer shuts workers down itself)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in workers:
+        child.kill()
+    for child in workers:
+        child.join(timeout=5)
 
 
 def _callbacks():

@@ -153,6 +153,9 @@ def test_time_limit_signal_checkpoints_every_rank_requeues_and_resumes(cluster, 
     assert signal["at_step"] <= stop < TOTAL
     assert "got SIGUSR1" in text
     assert f"requeueing job {job}" in text
+    # Every rank exited cleanly after its stop checkpoint (a rank whose DataLoader workers outlived it once held
+    # torchrun's exit barrier for 300 s and turned the stop into exit 1: past a real time limit, no requeue).
+    assert "stopped early (exit 0) after a checkpoint" in text and "exit barrier" not in text, text
     # It resumed from exactly the checkpoint the signal asked for, and the first run trained up to it.
     assert assert_resumed_without_losing_or_repeating(text, ckpt) == stop
     assert step_lines(text[: text.index("restart 1,")]) == list(range(1, stop + 1))
