@@ -123,9 +123,10 @@ def worker_ignores_stop_signals(init_fn, worker_id: int) -> None:
 
 def kill_leftover_workers() -> None:
     """At the rank's exit, SIGKILL the DataLoader workers still alive. They ignore SIGTERM (above), and SIGTERM is what
-    torch sends a worker that did not stop on request (pytorch#39570), followed by multiprocessing's unbounded join at
-    exit: one stuck worker would keep the rank from exiting forever (seen: a 2-node Slurm job waiting at torchrun's
-    exit barrier after its stop checkpoint). Daemonic children are ended at exit anyway; this only makes it certain."""
+    multiprocessing sends them at exit before an unbounded join (a run stopped mid-epoch still holds its iterator
+    then), and what torch sends a worker that did not stop on request (pytorch#39570): the rank would never exit
+    (seen: a 2-node Slurm job held at torchrun's exit barrier after its stop checkpoint). Daemonic children are
+    ended at exit anyway; this only makes it certain."""
     import multiprocessing
 
     workers = [child for child in multiprocessing.active_children() if child.daemon]
