@@ -291,3 +291,18 @@ def skip_deepspeed_shm_op(env: dict | None = None) -> bool:
         return False
     compatible["deepspeed_shm_comm"] = False  # deepspeed.comm.torch.build_shm_op then returns None
     return True
+
+
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it, or None when it can already (or is unset).
+
+    PyTorch accepts arch-specific and family targets such as `9.0a` (Hopper's wgmma) or `10.0f`, and CUDA images
+    for H100/B200 set them; DeepSpeed 0.19's JIT builder sorts the list with int() on each part and fails on the
+    first op it builds (FusedAdam, at the first step: `invalid literal for int() with base 10: '0a'`, seen on an
+    H100 machine with TORCH_CUDA_ARCH_LIST=9.0a). Its ops use no arch-specific instructions, so the plain
+    compute capability builds the same kernels: `9.0a` -> `9.0`, `8.0;9.0a+PTX` -> `8.0;9.0+PTX`."""
+    if not value or not value.strip():
+        return None
+    entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]
+    fixed = [re.sub(r"^(\d+\.\d+)[a-z](\+PTX)?$", r"\1\2", e) for e in entries]
+    return ";".join(dict.fromkeys(fixed)) if fixed != entries else None

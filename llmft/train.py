@@ -51,7 +51,8 @@ from llmft import (build_locks, checkpoints, data, ds_config, elastic, host_memo
 from llmft.flags import FlagError, TrainParser, check_flags
 from llmft.hardware import (HardwareError, check_liger, choose_attention, choose_precision, flash_attn_installed,
                             liger_model_types, local_gpu)
-from llmft.launch_env import LaunchEnvError, launch_problem, rank0, single_process_defaults, skip_deepspeed_shm_op
+from llmft.launch_env import (LaunchEnvError, deepspeed_arch_list, launch_problem, rank0, single_process_defaults,
+                              skip_deepspeed_shm_op)
 from llmft.plan import PlanError, auto_choice, make_plan
 from llmft.qlora import QuantizationError, QuantRequest, bitsandbytes_version, choose_quantization
 
@@ -460,6 +461,11 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
             print(f"llmft: {socket.gethostname()}: {finding.message}", flush=True)  # every node's, not rank 0's
     with clock.phase("import"):
         skip_deepspeed_shm_op()  # an op training never uses that DeepSpeed would compile at start-up on CPU
+    arch_list = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    if arch_list:  # before DeepSpeed JIT-builds its first op (FusedAdam) in this process
+        log(f"TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']!r} -> {arch_list!r} for DeepSpeed's op builds "
+            "(it cannot read arch-specific targets such as 9.0a)")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     with clock.phase("deepspeed_init"):  # TrainingArguments with a DeepSpeed config sets up DeepSpeed's config object
         args = trainer_arguments(training_args, plan=plan, precision=precision, resolved_ds_config=resolved, cuda=cuda,
                                  max_length=max_length, resume=resume)

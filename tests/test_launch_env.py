@@ -173,3 +173,29 @@ def test_llmft_plan_prints_the_launch_line_the_slurm_script_reads(monkeypatch, c
     assert "llmft plan: world size 8 (2 nodes x 4 processes, from slurm)" in out
     assert out[-1] == ("llmft launch: nnodes=2 nproc_per_node=4 cpus_per_node=48 omp_num_threads=12 "
                        "dataloader_num_workers=2 dataset_num_proc=48")
+
+
+@pytest.mark.parametrize("value, fixed", [
+    ("9.0a", "9.0"),  # what an H100 image set (seen 2026-11-24): FusedAdam's build failed at the first step
+    ("8.0;9.0a+PTX", "8.0;9.0+PTX"),
+    ("8.0 8.9 9.0a 10.0f", "8.0;8.9;9.0;10.0"),
+    ("9.0a;9.0", "9.0"),
+    ("8.0;8.9", None),  # the Dockerfile's: DeepSpeed reads it as it is
+    ("", None),
+    (None, None),
+])
+def test_arch_specific_targets_are_rewritten_for_deepspeeds_op_builder(monkeypatch, value, fixed):
+    """DeepSpeed's own JIT builder (the code that failed on the H100) reads what llmft sets, and fails on the raw value."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from llmft.launch_env import deepspeed_arch_list
+
+    assert deepspeed_arch_list(value) == fixed
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    if fixed:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            builder.compute_capability_args()
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", fixed)
+        builder.compute_capability_args()  # parses (on this CPU machine it then keeps no CUDA target)
