@@ -15,7 +15,9 @@ row of L tokens costs L^2 whatever the samples' lengths (and TRL flattens the wh
 CPU that made packing 2.4x slower than padding (bench/README.md). So when packing meets SDPA, llmft registers
 `llmft_sdpa_packed` with transformers' AttentionInterface: for a padding-free batch it runs SDPA causally on each
 sample (the boundaries TRL's collator passes as cu_seq_lens_q), costing sum(s_i^2) like flash-attention's varlen
-kernels; any other batch goes to transformers' own SDPA with its usual mask.
+kernels; any other batch goes to transformers' own SDPA with its usual mask. On a GPU (CUDA, bf16/fp16, PyTorch
+2.9+) the same batch goes to PyTorch's own variable-length flash kernel (`varlen_attn`) in one launch instead of
+one SDPA call per sample and layer: no flash-attn install needed (bench/gpu_attention.py compares the three).
 
 Not safe, so refused: `--packing_strategy wrapped` (it cuts samples and concatenates them into one sequence),
 models whose own code builds the mask (remote code, a few old architectures), and attention implementations
@@ -24,6 +26,9 @@ losses and gradients; bench/bench_packing.py measures the speed.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 # Attention implementations that keep packed samples apart, given a model that builds its masks with masking_utils.
 PACKED_ATTENTIONS = ("flash_attention_2", "sdpa", "eager")
@@ -70,9 +75,58 @@ def uses_sliding_window(model_config) -> bool:
     return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True) is not False
 
 
+def packed_kernel(*, device_type: str, dtype: str, dropout: float, head_dim: int, varlen_available: bool) -> str:
+    """Which kernel runs a padding-free batch's attention: "varlen" (PyTorch's own variable-length flash kernel,
+    `torch.nn.attention.varlen.varlen_attn`: one launch for all samples) where it can (CUDA, 16-bit, no dropout,
+    head_dim <= 256, PyTorch 2.9+), else "per_sample" (one SDPA call per sample and layer: any device and dtype)."""
+    if (varlen_available and device_type == "cuda" and dtype in ("bfloat16", "float16") and dropout == 0.0
+            and head_dim <= 256):
+        return "varlen"
+    return "per_sample"
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen():
+    """(varlen_attn, its keyword arguments for causal attention, whether it takes enable_gqa), or None before
+    PyTorch 2.9. PyTorch 2.9-2.11 say causal with is_causal=True, later versions with window_size=(-1, 0)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
+
+
+def _varlen_forward(module, query, key, value, bounds, cu, scaling):
+    """All samples in one varlen_attn call. query/key/value: (1, heads, tokens, head_dim) -> (1, tokens, heads, head_dim)."""
+    import torch
+
+    varlen_attn, causal, takes_gqa, takes_scale = _varlen()
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
+    extra = dict(causal)
+    if scaling is not None and takes_scale:
+        extra["scale"] = scaling
+    elif scaling is not None:  # its fixed 1/sqrt(head_dim) scale, with the model's folded into the queries
+        q = q * (scaling * q.shape[-1] ** 0.5)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and takes_gqa:
+        extra["enable_gqa"] = True
+    elif groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cu32 = getattr(cu, "_llmft_cu32", None)
+    if cu32 is None:
+        cu32 = cu.to(device=q.device, dtype=torch.int32)
+        cu._llmft_cu32 = cu32
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    out = varlen_attn(q, k, v, cu32, cu32, longest, longest, **extra)
+    return out.unsqueeze(0)
+
+
 def packed_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
-    """transformers attention function: SDPA on each packed sample of a padding-free batch, transformers' SDPA for
-    every other batch. query/key/value: (batch, heads, tokens, head_dim); returns (batch, tokens, heads, head_dim)."""
+    """transformers attention function: a padding-free batch's samples attend only within themselves (PyTorch's
+    varlen flash kernel on a GPU, SDPA per sample elsewhere: `packed_kernel`); every other batch goes to
+    transformers' SDPA. query/key/value: (batch, heads, tokens, head_dim); returns (batch, tokens, heads, head_dim)."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -83,6 +137,11 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     if bounds is None:  # one host copy per forward, shared by the layers
         bounds = cu.tolist()
         cu._llmft_bounds = bounds
+    dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
+    kernel = packed_kernel(device_type=query.device.type, dtype=str(query.dtype).removeprefix("torch."), dropout=dropout,
+                           head_dim=query.shape[-1], varlen_available=_varlen() is not None)
+    if kernel == "varlen" and kwargs.get("position_bias") is None and kwargs.get("softcap") is None:
+        return _varlen_forward(module, query, key, value, bounds, cu, kwargs.get("scaling")), None
     rest = {k: v for k, v in kwargs.items() if k not in _SEQUENCE_KWARGS}
     pieces = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **rest)[0]
               for a, b in zip(bounds, bounds[1:]) if b > a]

@@ -16,7 +16,8 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from llmft.hardware import GPUS, HardwareError, check_liger, choose_attention
 from llmft.packing import (
-    PACKED_SDPA, PackingError, check_packing, masks_from_position_ids, model_attentions, register_packed_sdpa, uses_sliding_window,
+    PACKED_SDPA, PackingError, check_packing, masks_from_position_ids, model_attentions, packed_kernel, register_packed_sdpa,
+    uses_sliding_window,
 )
 
 VOCAB, PAD = 96, 0
@@ -108,6 +109,61 @@ def test_packed_sdpa_attends_per_sample_from_the_boundaries():
     model = tiny_llama(PACKED_SDPA)
     seqs = samples()
     reference, got = unpacked(model, seqs), packed(model, seqs, drop=("position_ids",))
+    for key, losses in reference.items():
+        torch.testing.assert_close(got[key], losses, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("facts, kernel", [
+    (dict(device_type="cuda", dtype="bfloat16"), "varlen"),  # an A100/H100/L4 training in bf16
+    (dict(device_type="cuda", dtype="float16"), "varlen"),  # a T4 training in fp16
+    (dict(device_type="cpu", dtype="bfloat16"), "per_sample"),  # PyTorch's varlen kernel is CUDA-only
+    (dict(device_type="cuda", dtype="float32"), "per_sample"),  # flash kernels are 16-bit only
+    (dict(device_type="cuda", dtype="bfloat16", dropout=0.1), "per_sample"),  # varlen_attn has no dropout
+    (dict(device_type="cuda", dtype="bfloat16", head_dim=512), "per_sample"),  # flash supports head_dim <= 256
+    (dict(device_type="cuda", dtype="bfloat16", varlen_available=False), "per_sample"),  # PyTorch before 2.9
+])
+def test_packed_batches_use_pytorchs_varlen_kernel_only_where_it_runs(facts, kernel):
+    assert packed_kernel(**{"dropout": 0.0, "head_dim": 64, "varlen_available": True, **facts}) == kernel
+
+
+def stand_in_varlen(signature: str):
+    """What PyTorch's CUDA-only varlen_attn computes ((tokens, heads, dim) tensors, causal within each sample), in
+    plain SDPA, with the keyword arguments of PyTorch 2.9-2.11 ("old": is_causal, no scale or GQA) or 2.13 ("new")."""
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, enable_gqa=False, **causal):
+        assert causal == ({"window_size": (-1, 0)} if signature == "new" else {"is_causal": True})
+        assert cu_q.dtype == torch.int32 and max_q == max(torch.diff(cu_q).tolist())
+        assert enable_gqa or k.shape[1] == q.shape[1]  # the old kernel needs the KV heads repeated
+        bounds = cu_q.tolist()
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale,
+            enable_gqa=enable_gqa).transpose(0, 1) for a, b in zip(bounds, bounds[1:])])
+
+    causal = {"window_size": (-1, 0)} if signature == "new" else {"is_causal": True}
+    return attend, causal, signature == "new", signature == "new"
+
+
+@pytest.mark.parametrize("signature", ["old", "new"])
+def test_varlen_path_keeps_samples_apart_with_gqa_and_the_models_scale(monkeypatch, signature):
+    """The GPU path's plumbing (layout, GQA, scale, causality, boundaries), run on the CPU through a stand-in for the
+    kernel: a Llama with 4 query / 2 KV heads and a non-default attention scale gives the unpacked per-token losses.
+    The real kernel's numbers against SDPA are bench/gpu_attention.py's (on a GPU)."""
+    from llmft import packing
+
+    monkeypatch.setattr(packing, "_varlen", lambda: stand_in_varlen(signature))
+    monkeypatch.setattr(packing, "packed_kernel", lambda **facts: "varlen")
+    torch.manual_seed(0)
+    model = tiny_llama(PACKED_SDPA)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.scaling *= 0.7  # folded into the queries where the kernel takes no scale
+            layer.self_attn.q_proj.weight.mul_(30)  # peaked attention, so that a wrong scale or mask shows in the losses
+            layer.self_attn.k_proj.weight.mul_(30)
+    calls = []
+    real = packing._varlen_forward
+    monkeypatch.setattr(packing, "_varlen_forward", lambda *a: calls.append(1) or real(*a))
+    seqs = samples()
+    reference, got = unpacked(model, seqs), packed(model, seqs)
+    assert len(calls) == len(model.model.layers)  # every layer went through the varlen path
     for key, losses in reference.items():
         torch.testing.assert_close(got[key], losses, rtol=1e-4, atol=1e-5)
 
