@@ -89,6 +89,8 @@ class Run:
     wall: float  # the whole process, start to exit
     stdout: str
     out: Path
+    returncode: int = 0
+    stderr: str = ""
 
     def summary(self) -> dict:
         return json.loads((self.out / "run_summary.json").read_text())
@@ -101,18 +103,36 @@ class Run:
     def losses(self) -> list[tuple[int, float]]:
         return [(int(s), float(loss)) for s, loss, *_ in STEP_RE.findall(self.stdout)]
 
+    def failure(self) -> str | None:
+        """None for a run that finished with its summary; else its last error line (for a bench that goes on)."""
+        if self.returncode == 0 and (self.out / "run_summary.json").is_file():
+            return None
+        lines = [l for l in (self.stderr + "\n" + self.stdout).splitlines() if l.strip()]
+        errors = [l for l in lines if re.search(r"Error|error:|Exception|Killed|out of memory", l)]
+        return f"exit {self.returncode}: {(errors or lines or ['no output'])[-1].strip()[:300]}"
 
-def run(name: str, cmd: list[str], out: Path, **env: str) -> Run:
-    """Run one training process tree under a wall clock; fail loudly with its output if it fails."""
+
+def run(name: str, cmd: list[str], out: Path, check: bool = True, timeout: float | None = None, log: Path | None = None,
+        **env: str) -> Run:
+    """Run one training process tree under a wall clock. check: fail loudly with its output if it fails; else the
+    caller reads Run.failure(). log: append the run's command and output there (benches on a lent GPU machine)."""
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **ENV, **env}, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **ENV, **env}, capture_output=True, text=True, timeout=timeout)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        returncode, stdout, stderr = 124, as_text(e.stdout), as_text(e.stderr) + f"\nTimeout: killed after {timeout:.0f} s"
     wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        sys.exit(f"{name}: {' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return Run(name, wall, proc.stdout, out)
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(f"\n===== {name}: exit {returncode}, {wall:.1f} s\n$ {' '.join(map(str, cmd))}\n{stdout}\n--- stderr\n{stderr[-20000:]}\n")
+    if check and returncode != 0:
+        sys.exit(f"{name}: {' '.join(map(str, cmd))} exited {returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    return Run(name, wall, stdout, out, returncode, stderr)
 
 
 def launcher(nproc: int) -> list[str]:
