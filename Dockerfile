@@ -52,8 +52,9 @@ RUN pip install -c constraints.txt torch
 
 # DeepSpeed from source with its ops compiled now. There is no GPU during `docker build`, so
 # DS_ACCELERATOR=cuda stops DeepSpeed from falling back to its CPU accelerator, and
-# TORCH_CUDA_ARCH_LIST says which GPUs to compile for: 8.0 = A100, 8.9 = L4.
-ENV TORCH_CUDA_ARCH_LIST="8.0;8.9"
+# TORCH_CUDA_ARCH_LIST says which GPUs to compile for: 8.0 = A100, 8.9 = L4, 9.0 = H100/H200 (a3, p5). Prebuilt ops
+# carry no PTX, so a GPU missing here fails at the first optimizer step ("no kernel image is available").
+ENV TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0"
 RUN DS_ACCELERATOR=cuda DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_AIO=1 \
     MAX_JOBS=8 pip install --no-build-isolation --no-binary deepspeed -c constraints.txt deepspeed
 

@@ -460,7 +460,7 @@ def test_shell_scripts_are_shellcheck_clean_and_strict(script):
     assert proc.returncode == 0, proc.stdout
 
 
-def test_dockerfile_installs_pinned_llmft_with_prebuilt_ops_for_l4_and_a100():
+def test_dockerfile_installs_pinned_llmft_with_prebuilt_ops_for_every_catalogue_gpu():
     text = (REPO / "Dockerfile").read_text()
     instructions = re.sub(r"\\\n", " ", text)
     base = re.search(r"^FROM\s+(\S+)", instructions, re.M).group(1)
@@ -474,9 +474,12 @@ def test_dockerfile_installs_pinned_llmft_with_prebuilt_ops_for_l4_and_a100():
     assert any("-c constraints.txt" in ln and "--no-build-isolation" in ln and re.search(r"\s'?\.(\[[\w,]+\])?'?(\s|$)", ln)
                for ln in pip_lines), pip_lines  # llmft itself: `.` or with extras, `'.[gpu]'`
     assert re.search(r"^COPY\s+.*constraints\.txt", instructions, re.M)
-    # CUDA archs: 8.0 = A100, 8.9 = L4.
+    # CUDA archs: the prebuilt ops (no PTX) run on every GPU of llmft's node catalogue (A100, L4, H100).
+    from llmft.hardware import NODE_TYPES
+
     archs = re.search(r'TORCH_CUDA_ARCH_LIST="?([0-9.; +PTX]+)"?', instructions).group(1)
-    assert {"8.0", "8.9"} <= set(re.split(r"[;\s]+", archs.replace("+PTX", "").strip()))
+    catalogue = {"%d.%d" % node.gpu.compute_capability for node in NODE_TYPES.values()}
+    assert catalogue <= set(re.split(r"[;\s]+", archs.replace("+PTX", "").strip())), (catalogue, archs)
     assert re.search(r"DS_BUILD_OPS=1|DS_BUILD_CPU_ADAM=1.*DS_BUILD_FUSED_ADAM=1", instructions)
     # No GPU during `docker build`: without DS_ACCELERATOR=cuda DeepSpeed builds CPU ops only.
     assert re.search(r"DS_ACCELERATOR=cuda\b.*DS_BUILD_", instructions)
