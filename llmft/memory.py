@@ -38,6 +38,12 @@ width, I the MLP width):
     SwiGLU MLP: norm 4h + a h, gate/up input a h, gate, SiLU, up and their product a I each (4 a I)
     GELU MLP:   norm a h, fc input a h, fc output and GELU output a I each (GPT-2's gelu_new is a chain of
                elementwise ops: 5 a I), plus 1-byte dropout masks (2 h) if dropout > 0
+    LoRA:       frozen linear layers and RMSNorm weights keep no copy of their inputs (needed only for weight
+               gradients): minus a (3h + I) and a h per RMSNorm; with dropout (TRL's default lora_dropout 0.05)
+               each adapted linear keeps its own dropped-out input and mask: plus (a + 1) x its input width
+               (`ModelShape.lora_inputs`: 6h + I for every linear of a SwiGLU layer, 2h for PEFT's default q/v).
+               Measured on an H100 (bench/activations.py, TinyLlama's layer, r=16 on every linear): 113,512 bytes
+               per token and layer against 113,152 counted; full fine-tuning 87,176 against 91,136.
   With full recomputation (gradient checkpointing on every decoder layer) each layer keeps only its input (a h per
   token) and one layer's activations are rebuilt at a time. SDPA with a padding mask adds the boolean mask
   (micro-batch x s^2 bytes, shared by all layers).
@@ -136,6 +142,7 @@ class ModelShape:
     mlp_saved: int = 4  # MLP-wide tensors autograd keeps: SwiGLU 4; GELU 2 (fc output, activation); gelu_new 5
     quantizable_params: int = 0  # weights in linear layers other than the LM head (what bitsandbytes quantizes)
     lora_params: int = 0  # adapter parameters added by LoRA (0: full fine-tuning)
+    lora_inputs: int = 0  # per decoder layer, the summed input widths of the linear layers LoRA adapts
 
     @property
     def lora(self) -> bool:
@@ -362,7 +369,17 @@ def layer_activation_bytes_per_token(shape: ModelShape, precision: str, attentio
     attn = norm + a * h + a * h + 2 * a * kv_saved + a * h + a * h
     mlp = norm + a * h + shape.mlp_saved * a * inter
     masks = 2 * h if shape.dropout else 0
-    return attn + mlp + masks
+    if not shape.lora:
+        return attn + mlp + masks
+    # LoRA: frozen linear layers and RMSNorm weights keep no copy of their inputs (those are only needed for weight
+    # gradients): the inputs of q/k/v, o, the MLP's input projections and its output projection (3 h + I), and the
+    # normalised input of each RMSNorm's weight. With TRL's default lora_dropout (0.05) each adapted linear keeps
+    # its own dropped-out input (a bytes) and dropout mask instead (1 byte: CUDA's boolean mask; fp32, llmft's CPU
+    # precision, keeps an fp32 mask there). Measured on an H100 for a TinyLlama layer with r=16 on every linear:
+    # 113,512 bytes per token against 113,152 counted (bench/activations.py).
+    frozen = a * (3 * h + inter) + (2 * a * h if shape.rms_norm else 0)
+    mask = 1 if a < 4 else a
+    return attn + mlp + masks - frozen + (a + mask) * shape.lora_inputs
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, gradient_checkpointing: bool, precision: str,
@@ -559,21 +576,24 @@ def combinations(job: Job):
     for offload in job.offloads:
         if offload != "none" and job.gpu is None:
             continue  # offloading to the CPU from the CPU: nothing to gain
-        for gc in gcs:
-            for stage in (2, 1, 0, 3):
-                if stage not in job.zero_stages:
-                    continue
-                if offload == "optimizer" and stage < 2 or offload == "optimizer+params" and stage != 3:
-                    continue
-                if stage == 3 and job.load_in_4bit:
-                    continue  # 4-bit weights are not partitioned by ZeRO-3 in llmft's loading path
-                yield stage, offload, gc
+        for stages in ((2, 1, 0), (3,)):  # ZeRO-3 last, after recomputation (PREFERENCE)
+            for gc in gcs:
+                for stage in stages:
+                    if stage not in job.zero_stages:
+                        continue
+                    if offload == "optimizer" and stage < 2 or offload == "optimizer+params" and stage != 3:
+                        continue
+                    if stage == 3 and job.load_in_4bit:
+                        continue  # 4-bit weights are not partitioned by ZeRO-3 in llmft's loading path
+                    yield stage, offload, gc
 
 
 PREFERENCE = (
     "no CPU offload before offloading (the CPU optimizer step and PCIe traffic slow each step), "
+    "ZeRO-2, 1, 0 before 3, even with recomputation (ZeRO-3 moves 1.5x the data of plain data parallelism and gathers "
+    "every layer's weights each micro-batch: on an H100 a 1.1B model trained 2.0x faster under ZeRO-2 with "
+    "gradient checkpointing than under ZeRO-3 without, bench/README.md), "
     "no recomputation before gradient checkpointing (+33% compute), "
-    "ZeRO-2, 1, 0 before 3 (ZeRO-3 moves 1.5x the data of plain data parallelism), "
     "then the largest micro-batch that fits"
 )
 
@@ -643,13 +663,18 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
         same = lambda o: o.offload == s.offload and o.zero_stage == s.zero_stage and not o.gradient_checkpointing  # noqa: E731
         if any(same(c.setting) for c in candidates):
             parts.append(f"gradient checkpointing because without it no micro-batch fits ({blocked(same)})")
+            if s.zero_stage < 3 and any(c.fits and c.setting.zero_stage == 3 and c.setting.offload == s.offload
+                                        and not c.setting.gradient_checkpointing for c in candidates):
+                parts.append("ZeRO-3 without it would fit but trains slower (2x on an H100, bench/README.md)")
         else:
             parts.append("gradient checkpointing as asked")
     else:
         parts.append("no recomputation needed")
     if s.zero_stage == 3:
         lower = [c for c in candidates if c.setting.zero_stage < 3]
-        parts.append("ZeRO-3 because ZeRO-0/1/2 do not fit" if lower else "ZeRO-3")
+        tried_recompute = any(c.setting.gradient_checkpointing for c in lower)
+        parts.append(("ZeRO-3 because ZeRO-0/1/2 do not fit" + (", even with gradient checkpointing" if tried_recompute else ""))
+                     if lower else "ZeRO-3")
     else:
         parts.append(f"ZeRO-{s.zero_stage} moves no more data than plain data parallelism (ZeRO-3: 1.5x)")
     parts.append(f"micro-batch {s.micro_batch} is the largest that fits")

@@ -84,7 +84,7 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
     stored = getattr(config, "dtype", None)  # transformers 5 reads config.json's torch_dtype into it too
     checkpoint_dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(stored).replace("torch.", ""))
 
-    lora_params = 0
+    lora_params = lora_inputs = 0
     if use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -101,6 +101,10 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
         lora_params, _ = peft_model.get_nb_trainable_parameters()
         if lora_params == 0:
             raise MemoryPlanError(f"--lora_target_modules {lora_target_modules} matches no layer of this model")
+        from peft.tuners.lora import LoraLayer
+
+        adapted = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+        lora_inputs = sum(getattr(m, "in_features", 0) or 0 for m in adapted) // max(1, config.num_hidden_layers)
 
     return ModelShape(
         name=getattr(config, "_name_or_path", "") or config.model_type,
@@ -120,4 +124,5 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
         checkpoint_dtype=checkpoint_dtype,
         quantizable_params=quantizable,
         lora_params=lora_params,
+        lora_inputs=lora_inputs,
     )

@@ -234,7 +234,8 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     device = (f"{memory.CUDA_CONTEXT_GIB:g} GiB CUDA context + {memory.FRAGMENTATION:.0%} fragmentation per GPU, "
               f"{memory.PROCESS_HOST_GIB['cuda']:g} GiB host per process" if job.gpu is not None
               else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process")
-    out.append(f"llmft plan: assumed: {device}; {peak}; checkpoints written at {job.write_mb_s:g} MB/s; "
+    lora = "; LoRA dropout on (TRL's default 0.05; 0 keeps less)" if job.shape.lora else ""
+    out.append(f"llmft plan: assumed: {device}; {peak}{lora}; checkpoints written at {job.write_mb_s:g} MB/s; "
                f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.memory documents each term)")
     return out
 
