@@ -114,10 +114,7 @@ def _varlen_forward(module, query, key, value, bounds, cu, scaling):
         extra["enable_gqa"] = True
     elif groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    cu32 = getattr(cu, "_llmft_cu32", None)
-    if cu32 is None:
-        cu32 = cu.to(device=q.device, dtype=torch.int32)
-        cu._llmft_cu32 = cu32
+    cu32 = cu.to(device=q.device, dtype=torch.int32)  # TRL's collator already gives int32 on the device: no copy
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     out = varlen_attn(q, k, v, cu32, cu32, longest, longest, **extra)
     return out.unsqueeze(0)
