@@ -198,6 +198,42 @@ def choose_optimizer(config: dict[str, Any], optim: str, *, optim_args: str | No
     raise DSConfigError(f"--optim {optim} is not supported with DeepSpeed in llmft: {supported}")
 
 
+def adam_kernel(*, cuda: bool, offload: bool, fused_adam_prebuilt: bool, cuda_compiler: bool) -> str:
+    """Which implementation runs the config's Adam/AdamW on the GPU: "fused" (DeepSpeed's FusedAdam: one kernel per
+    step, prebuilt or JIT-compiled with nvcc on the first step, about 40 s on an H100 machine), "torch"
+    (torch.optim.AdamW through DeepSpeed's torch_adam) where FusedAdam is not prebuilt and no CUDA compiler is there
+    to build it (a pip-installed torch brings the CUDA runtime, not nvcc: DeepSpeed would fail at the first step),
+    or "deepspeed" where DeepSpeed chooses itself (CPU runs, CPU offload's DeepSpeedCPUAdam)."""
+    if not cuda or offload:
+        return "deepspeed"
+    return "fused" if fused_adam_prebuilt or cuda_compiler else "torch"
+
+
+def local_adam_facts() -> dict[str, bool]:
+    """This machine's facts for adam_kernel: is FusedAdam prebuilt into the installed DeepSpeed, is nvcc there."""
+    import os
+    import shutil
+
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        installed_ops = {}
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = (bool(CUDA_HOME) and os.access(os.path.join(CUDA_HOME, "bin", "nvcc"), os.X_OK)) or shutil.which("nvcc") is not None
+    return {"fused_adam_prebuilt": bool(installed_ops.get("fused_adam")), "cuda_compiler": nvcc}
+
+
+def with_adam_kernel(config: dict[str, Any], kernel: str) -> dict[str, Any]:
+    """The resolved config with DeepSpeed's torch_adam set when adam_kernel said "torch" (and an Adam block is there)."""
+    block = config.get("optimizer")
+    if kernel != "torch" or not isinstance(block, dict) or str(block.get("type", "")).lower() not in ("adam", "adamw"):
+        return config
+    cfg = copy.deepcopy(config)
+    cfg["optimizer"].setdefault("params", {})["torch_adam"] = True
+    return cfg
+
+
 def _auto_fields(node: Any, prefix: str = ""):
     if isinstance(node, dict):
         for k, v in node.items():

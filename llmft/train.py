@@ -452,6 +452,13 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     )
     if resuming and resuming.universal:
         resolved = elastic.with_universal_load(resolved)
+    if cuda:  # the optimizer DeepSpeed can run here: FusedAdam needs nvcc unless prebuilt
+        adam = ds_config.with_adam_kernel(resolved, ds_config.adam_kernel(
+            cuda=cuda, offload=ds_config.offloads(resolved), **ds_config.local_adam_facts()))
+        if adam is not resolved:
+            resolved = adam
+            log("DeepSpeed's FusedAdam is not prebuilt and no CUDA compiler (nvcc) is here to build it: the optimizer runs as "
+                "torch.optim.AdamW (DeepSpeed's torch_adam); install the CUDA toolkit or prebuild DeepSpeed's ops for FusedAdam")
     if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
         run_identity.record_run(training_args.output_dir, identity)
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training_args.output_dir))}")

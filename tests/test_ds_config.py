@@ -152,3 +152,52 @@ def test_cuda_device_names_map_to_catalogue_facts(device_name, memory, cc, expec
 
     gpu = gpu_from_device(device_name, memory, cc)
     assert (gpu.name, gpu.peak_tflops, gpu.memory_gib, gpu.compute_capability) == (expected, peak, memory, cc)
+
+
+@pytest.mark.parametrize("facts, kernel", [
+    (dict(cuda=True, offload=False, fused_adam_prebuilt=True, cuda_compiler=False), "fused"),  # the Dockerfile's image
+    (dict(cuda=True, offload=False, fused_adam_prebuilt=False, cuda_compiler=True), "fused"),  # JIT-built on the first step
+    (dict(cuda=True, offload=False, fused_adam_prebuilt=False, cuda_compiler=False), "torch"),  # pip torch, no toolkit
+    (dict(cuda=True, offload=True, fused_adam_prebuilt=False, cuda_compiler=False), "deepspeed"),  # DeepSpeedCPUAdam
+    (dict(cuda=False, offload=False, fused_adam_prebuilt=False, cuda_compiler=False), "deepspeed"),  # CPU runs
+])
+def test_adam_runs_where_it_can_be_built(facts, kernel):
+    from llmft.ds_config import adam_kernel
+
+    assert adam_kernel(**facts) == kernel
+
+
+def test_torch_adam_config_trains_under_deepspeed(tmp_path):
+    """The "torch" choice sets DeepSpeed's torch_adam on the template's AdamW (and only on an Adam block), and a real
+    ZeRO-2 engine built from that config runs torch.optim.AdamW and takes a step."""
+    from llmft.ds_config import with_adam_kernel
+
+    plan = plan_batch(micro_batch=2, world_size=1, global_batch=2)
+    config = resolve(load_config(template_path(2)), plan, "fp32", gradient_clipping=1.0, lr=1e-3, betas=(0.9, 0.999),
+                     eps=1e-8, weight_decay=0.0, hidden_size=8)
+    assert with_adam_kernel(config, "fused") is config
+    assert with_adam_kernel({**config, "optimizer": {"type": "Lamb", "params": {}}}, "torch")["optimizer"]["params"] == {}
+    torch_adam = with_adam_kernel(config, "torch")
+    assert torch_adam["optimizer"]["params"]["torch_adam"] is True and "torch_adam" not in config["optimizer"]["params"]
+    (tmp_path / "ds.json").write_text(json.dumps(torch_adam))
+    script = f"""
+import json, torch, deepspeed
+from llmft.launch_env import skip_deepspeed_shm_op
+skip_deepspeed_shm_op()  # as llmft train does: no CPU shared-memory op build
+model = torch.nn.Linear(8, 8)
+engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=json.load(open({str(tmp_path / "ds.json")!r})))
+before = model.weight.detach().clone()
+loss = engine(torch.randn(2, 8)).pow(2).sum()
+engine.backward(loss)
+engine.step()
+print(type(optimizer.optimizer).__module__, type(optimizer.optimizer).__name__, bool((model.weight != before).any()))
+"""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = run([PYTHON, "-c", script], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "torch.optim.adamw AdamW True"
