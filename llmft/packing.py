@@ -98,6 +98,17 @@ def _varlen():
     return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
+def packed_kernel_for(model_config, *, cuda: bool, precision: str) -> str:
+    """packed_kernel for this run's model and machine (what `llmft train` logs; the forward decides per call)."""
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return packed_kernel(device_type="cuda" if cuda else "cpu",
+                         dtype={"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
+                         dropout=float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", 0.0) or 0.0),
+                         head_dim=head_dim,
+                         varlen_available=_varlen() is not None)
+
+
 def _varlen_forward(module, query, key, value, bounds, cu, scaling):
     """All samples in one varlen_attn call. query/key/value: (1, heads, tokens, head_dim) -> (1, tokens, heads, head_dim)."""
     import torch

@@ -126,6 +126,19 @@ def test_packed_batches_use_pytorchs_varlen_kernel_only_where_it_runs(facts, ker
     assert packed_kernel(**{"dropout": 0.0, "head_dim": 64, "varlen_available": True, **facts}) == kernel
 
 
+def test_the_logged_packed_kernel_follows_the_model_and_machine():
+    """What `llmft train` logs: the varlen kernel for a Llama training in bf16 or fp16 on a GPU; SDPA per sample on
+    CPU, in fp32, and for GPT-2, whose attention dropout (attn_pdrop 0.1) the varlen kernel does not have."""
+    from llmft.packing import packed_kernel_for
+
+    assert packed_kernel_for(LlamaConfig(), cuda=True, precision="bf16") == "varlen"
+    assert packed_kernel_for(LlamaConfig(), cuda=True, precision="fp16") == "varlen"
+    assert packed_kernel_for(LlamaConfig(), cuda=False, precision="fp32") == "per_sample"
+    assert packed_kernel_for(LlamaConfig(), cuda=True, precision="fp32") == "per_sample"
+    assert packed_kernel_for(GPT2Config(), cuda=True, precision="bf16") == "per_sample"
+    assert packed_kernel_for(GPT2Config(attn_pdrop=0.0), cuda=True, precision="bf16") == "varlen"
+
+
 def stand_in_varlen(signature: str):
     """What PyTorch's CUDA-only varlen_attn computes ((tokens, heads, dim) tensors, causal within each sample), in
     plain SDPA, with the keyword arguments of PyTorch 2.9-2.11 ("old": is_causal, no scale or GQA) or 2.13 ("new")."""
