@@ -87,8 +87,8 @@ def packed_kernel(*, device_type: str, dtype: str, dropout: float, head_dim: int
 
 @functools.lru_cache(maxsize=1)
 def _varlen():
-    """(varlen_attn, its keyword arguments for causal attention, whether it takes enable_gqa), or None before
-    PyTorch 2.9. PyTorch 2.9-2.11 say causal with is_causal=True, later versions with window_size=(-1, 0)."""
+    """(varlen_attn, its keyword arguments for causal attention, whether it takes enable_gqa, whether it takes scale),
+    or None before PyTorch 2.9. Older versions say causal with is_causal=True, newer with window_size=(-1, 0)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

@@ -422,9 +422,12 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
             packing.register_packed_sdpa()
     if training_args.use_liger_kernel:
         check_liger(gpu, model_config.model_type, liger_model_types(), training_args.liger_kernel_config)
-    log(f"attention {attention}" + (" (auto)" if model_args.attn_implementation in (None, "auto") else "")
-        + ({"varlen": ": PyTorch's varlen flash kernel on the packed samples", "per_sample": ": SDPA on each packed sample"}[
-            packing.packed_kernel_for(model_config, cuda=cuda, precision=precision)] if attention == packing.PACKED_SDPA else ""))
+    packed_note = ""
+    if attention == packing.PACKED_SDPA:
+        packed_note = (": PyTorch's varlen flash kernel on the packed samples"
+                       if packing.packed_kernel_for(model_config, cuda=cuda, precision=precision) == "varlen"
+                       else ": SDPA on each packed sample")
+    log(f"attention {attention}" + (" (auto)" if model_args.attn_implementation in (None, "auto") else "") + packed_note)
 
     # 3. The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache.
     with clock.phase("data"):
