@@ -201,6 +201,30 @@ def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None
     return path
 
 
+def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps: int) -> str | None:
+    """Whether resuming `resume` under --max_steps would train nothing: None to train on; else the one line to print.
+
+    transformers' loop takes one more step before it looks at max_steps, so a run resumed at its last step (a job
+    requeued or resubmitted after it had finished, on any number of GPUs) would train step max_steps + 1 and
+    overwrite the finished model. A finished run (llmft_done.json at that step) says so and trains nothing; one whose
+    final save was cut off raises CheckpointError naming the way to its model."""
+    if resume is None or max_steps is None or max_steps <= 0:
+        return None
+    match = _CKPT_RE.match(Path(resume).name)
+    step = int(match.group(1)) if match else None
+    if step is None or step < max_steps:
+        return None
+    try:
+        done = json.loads((Path(output_dir) / DONE_MARKER).read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        done = None
+    if isinstance(done, int) and done >= step:
+        return (f"{output_dir} is already complete at step {done} (--max_steps {max_steps}): nothing to train; "
+                f"raise --max_steps to train further")
+    raise CheckpointError(f"{resume} already reached --max_steps {max_steps}, but the run's final save did not finish: "
+                          f"write its model with `llmft infer {resume} --export DIR`, or raise --max_steps to train further")
+
+
 def mark_done(output_dir: str | Path, global_step: int) -> Path:
     """Record that training ran to its last step (a preempted run has no such file)."""
     path = Path(output_dir) / DONE_MARKER

@@ -384,6 +384,10 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         dataset_fingerprint=data.content_fingerprint(script_args.dataset_name, script_args.dataset_config),
     )
     accepted = run_identity.check_same_run(training_args.output_dir, identity, training_args.resume_from_checkpoint)
+    finished = checkpoints.nothing_left_to_train(training_args.output_dir, resume, training_args.max_steps)
+    if finished:
+        log(finished)
+        return 0
     resuming = resume and elastic.plan_resume(
         resume, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=given
     )

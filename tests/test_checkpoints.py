@@ -13,6 +13,7 @@ from llmft.checkpoints import (
     latest_complete,
     mark_complete,
     mark_done,
+    nothing_left_to_train,
     owner_rank,
     rank_report,
     resolve_resume,
@@ -67,6 +68,22 @@ def test_done_marker(tmp_path):
     assert not (tmp_path / DONE_MARKER).exists()
     mark_done(tmp_path, 42)
     assert json.loads((tmp_path / DONE_MARKER).read_text())["global_step"] == 42
+
+
+def test_a_run_resumed_at_its_last_step_trains_nothing(tmp_path):
+    """A job resubmitted after its run finished (seen: a scancel that landed during the last step, then `sbatch
+    --nodes=1`) resumed checkpoint-8 under --max_steps 8 and trained a step 9 over the finished model."""
+    last = fake_checkpoint(tmp_path, 8)
+    assert nothing_left_to_train(tmp_path, fake_checkpoint(tmp_path, 6), 8) is None  # steps left: train on
+    assert nothing_left_to_train(tmp_path, last, 12) is None  # --max_steps raised: train on
+    assert nothing_left_to_train(tmp_path, last, -1) is None  # epochs: transformers counts the steps
+    assert nothing_left_to_train(tmp_path, None, 8) is None  # a fresh run
+    with pytest.raises(CheckpointError, match=r"checkpoint-8 already reached --max_steps 8, but the run's final save "
+                                              r"did not finish: write its model with `llmft infer .*checkpoint-8 --export DIR`"):
+        nothing_left_to_train(tmp_path, last, 8)
+    mark_done(tmp_path, 8)
+    assert nothing_left_to_train(tmp_path, last, 8) == (
+        f"{tmp_path} is already complete at step 8 (--max_steps 8): nothing to train; raise --max_steps to train further")
 
 
 def test_each_checkpoint_file_belongs_to_the_rank_that_writes_it():

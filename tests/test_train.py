@@ -81,6 +81,21 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
     assert proc.stdout.count("llmft: start-up ") == 1
 
 
+def test_a_finished_run_resubmitted_on_fewer_processes_trains_nothing(tiny_model, tiny_data, tmp_path):
+    """A finished 2-process run, run again on 1 process (a resubmitted Slurm job): transformers would resume its last
+    checkpoint with the accumulation doubled and train a step past --max_steps over the finished model; llmft says
+    the run is complete and leaves it as it was."""
+    out = tmp_path / "run"
+    flags = ("--max_steps", 2, "--save_steps", 1, "--global_batch_size", 8, "--per_device_train_batch_size", 2)
+    run(train_cmd(tiny_model, tiny_data, out, *flags), check=True)
+    model = out / "model.safetensors"
+    written = model.stat().st_mtime_ns
+    again = run(train_cmd(tiny_model, tiny_data, out, *flags, nproc=1), check=True)
+    assert f"llmft: {out} is already complete at step 2 (--max_steps 2): nothing to train" in again.stdout
+    assert steps(again.stdout) == [] and not (out / "checkpoint-3").exists()
+    assert model.stat().st_mtime_ns == written
+
+
 def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_data, tmp_path):
     """The preemption path: a stop request mid-run saves a complete checkpoint; a rerun continues from it."""
     out, stop = tmp_path / "run", tmp_path / "STOP"
