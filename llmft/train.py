@@ -43,6 +43,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,19 @@ def log(msg: str) -> None:
 
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+STOP_VOTE_MAX_DELAY_S = 0.5
+
+
+def steps_between_stop_votes(seconds: float, steps: int, max_delay_s: float = STOP_VOTE_MAX_DELAY_S) -> int:
+    """How many optimizer steps until the ranks next vote on stopping, from the time the last `steps` took.
+
+    Every rank must stop at the same step, so a stop request is voted on with an all-reduce; on every step that is a
+    collective and a host sync that costs a fast step 1-2% (bench/README.md, bench_overhead). Voting every k steps,
+    with k steps taking at most `max_delay_s`, bounds how much later a stop starts saving (against the 120 s the
+    Slurm script leaves before the time limit) and keeps a vote per step wherever a step takes longer."""
+    if steps <= 0 or seconds <= 0:
+        return 1
+    return max(1, min(1000, int(max_delay_s * steps / seconds)))
 
 
 def worker_ignores_stop_signals(init_fn, worker_id: int) -> None:
@@ -148,12 +162,12 @@ def _callbacks():
     import torch.distributed as dist
     from transformers import TrainerCallback
 
-    def all_ranks_max(flag: bool, device) -> bool:
+    def all_ranks_max(*values: int, device) -> list[int]:
         if not (dist.is_available() and dist.is_initialized()):
-            return flag
-        t = torch.tensor([int(flag)], device=device)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return t.tolist()
 
     class PublishCompleteCheckpoint(TrainerCallback):
         """After every rank has written its shard and the saved weights hold the model, publish checkpoint-N/llmft_complete.json.
@@ -173,7 +187,7 @@ def _callbacks():
                 reports = [None] * dist.get_world_size()
                 dist.all_gather_object(reports, report)  # also the barrier: every rank has finished saving
             bad = saved_weights.check_save(ckpt, model, state.is_world_process_zero)
-            if all_ranks_max(bool(bad), args.device):
+            if all_ranks_max(int(bool(bad)), device=args.device)[0]:
                 self.refused = f"{ckpt} not published as complete: {'; '.join(bad) or 'see rank 0'}"
                 control.should_training_stop = True
             elif state.is_world_process_zero:
@@ -186,12 +200,17 @@ def _callbacks():
                 dist.barrier()
 
     class GracefulStop(TrainerCallback):
-        """On SIGUSR1/SIGTERM or when the stop file appears: finish this step, save, stop (for preemption)."""
+        """On SIGUSR1/SIGTERM or when the stop file appears: finish this step, save, stop (for preemption).
+
+        The ranks vote at the first step, then every steps_between_stop_votes steps; the vote carries each rank's
+        proposal for the next interval and all take the smallest, so every rank votes (and stops) at the same step."""
 
         def __init__(self, stop_file: str | None):
             self.stop_file = stop_file
             self.requested = False
             self.stopped_at: int | None = None
+            self.next_vote: int | None = None  # the global step of the next vote; None: at the next step
+            self.last_vote: tuple[int, float] | None = None  # (global step, time) of the last vote
 
         def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
             for sig in STOP_SIGNALS:
@@ -207,8 +226,16 @@ def _callbacks():
             self.requested = True
 
         def on_step_end(self, args, state, control, **kwargs):
+            step, now = state.global_step, time.monotonic()
+            if self.next_vote is not None and step < self.next_vote:
+                return
+            interval = 1
+            if self.last_vote is not None:
+                interval = steps_between_stop_votes(now - self.last_vote[1], step - self.last_vote[0])
             asked = self.requested or bool(state.is_world_process_zero and self.stop_file and os.path.exists(self.stop_file))
-            if all_ranks_max(asked, args.device) and state.global_step < state.max_steps:
+            stop, smallest = all_ranks_max(int(asked), -interval, device=args.device)  # max of -interval: the smallest
+            self.next_vote, self.last_vote = step - smallest, (step, now)
+            if stop and step < state.max_steps:
                 control.should_save = True
                 control.should_training_stop = True
                 self.stopped_at = state.global_step

@@ -353,6 +353,67 @@ def test_dataloader_workers_do_not_keep_the_rank_from_exiting(tmp_path, iterator
     assert time.monotonic() - t < 60
 
 
+STOP_VOTE_SCRIPT = """
+import json, sys, time
+from types import SimpleNamespace
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+from llmft.train import _callbacks
+_, GracefulStop = _callbacks()
+votes, all_reduce = [0], dist.all_reduce
+def counted(*a, **k):
+    votes[0] += 1
+    return all_reduce(*a, **k)
+dist.all_reduce = counted
+step_seconds, request_step, out = float(sys.argv[1 + rank]), int(sys.argv[3]), sys.argv[4]
+stop = GracefulStop(None)
+state = SimpleNamespace(global_step=0, max_steps=10**6, is_world_process_zero=rank == 0)
+asked_at = None
+while True:
+    time.sleep(step_seconds)
+    dist.barrier()  # the gradient all-reduce: the ranks step together
+    state.global_step += 1
+    if rank == 1 and state.global_step == request_step:  # a signal that reached one rank only
+        stop._request(None, None)
+        asked_at = time.monotonic()
+    control = SimpleNamespace(should_save=False, should_training_stop=False)
+    stop.on_step_end(SimpleNamespace(device="cpu"), state, control)
+    if control.should_training_stop:
+        assert control.should_save and stop.stopped_at == state.global_step
+        break
+with open(f"{out}.{rank}", "w") as f:
+    json.dump({"stopped": state.global_step, "votes": votes[0], "delay": time.monotonic() - asked_at if asked_at else None}, f)
+"""
+
+
+def test_stop_votes_are_spaced_by_step_time_and_every_rank_stops_at_the_same_step(tmp_path):
+    """The ranks vote on a stop request (so all stop at one step) every k steps, k steps taking at most 0.5 s:
+    fast steps do not pay a collective each, slow steps still vote every step, and a request seen by one rank
+    stops every rank at the same step within that bound."""
+    from llmft.train import STOP_VOTE_MAX_DELAY_S, steps_between_stop_votes
+
+    assert steps_between_stop_votes(0.6, 10) == 8  # 60 ms steps: vote every 8th
+    assert steps_between_stop_votes(30.0, 1) == steps_between_stop_votes(0.6, 1) == 1  # slow steps: every step
+    assert steps_between_stop_votes(0.0, 0) == 1 and steps_between_stop_votes(1e-6, 100) == 1000  # bounded
+    script = tmp_path / "vote.py"
+    script.write_text(STOP_VOTE_SCRIPT)
+    launch = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+
+    def ranks(rank0_step_s, rank1_step_s, request_step, name):
+        run(launch + [str(rank0_step_s), str(rank1_step_s), str(request_step), str(tmp_path / name)], check=True, timeout=120)
+        return [json.loads((tmp_path / f"{name}.{r}").read_text()) for r in (0, 1)]
+
+    fast = ranks(0.005, 0.02, 60, "fast")  # ~20 ms steps
+    assert fast[0]["stopped"] == fast[1]["stopped"] >= 60
+    assert fast[1]["delay"] < 2 * STOP_VOTE_MAX_DELAY_S  # the bound, with room for a loaded machine
+    assert fast[0]["votes"] == fast[1]["votes"] <= fast[0]["stopped"] / 4  # far fewer votes than steps
+
+    slow = ranks(0.3, 0.3, 3, "slow")
+    assert slow[0]["stopped"] == slow[1]["stopped"] == 3  # a step longer than the bound: a vote every step
+    assert slow[0]["votes"] == slow[1]["votes"] == 3
+
+
 def test_dataloader_workers_leave_stop_signals_to_their_rank():
     """Slurm sends SIGTERM to every process of a step (requeue, preemption). A DataLoader worker killed by it used to
     end the rank ("DataLoader worker ... is killed by signal: Terminated") before the stop's checkpoint; found by the
