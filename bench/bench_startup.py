@@ -10,9 +10,12 @@ The slow phase on a CPU machine was DeepSpeed's initialisation: `deepspeed.init_
 JIT-compiles the `deepspeed_shm_comm` C++ op (used only by DeepSpeed's tensor-parallel inference all-reduce, never
 by training), a minute or more on a fresh machine and a cached load on every start after that.
 llmft now skips it (llmft.launch_env.skip_deepspeed_shm_op). The other op DeepSpeed builds there, its fused Adam
-(C++ on CPU), is the optimizer training runs, so it stays: once per machine. Variants, with a torch extensions
-cache of their own (TORCH_EXTENSIONS_DIR under --root) so the machine's shared cache cannot blur them:
-- before: DeepSpeed's default (LLMFT_DEEPSPEED_SHM_COMM=1); after: llmft's default;
+(C++ on CPU), is the optimizer training runs, so it stays: once per machine. Loading it, cached, cost 2.2 s a
+process: DeepSpeed's CPU builder asks py-cpuinfo twice for the compile flags, and py-cpuinfo answers from a fresh
+Python process; llmft answers from /proc/cpuinfo (llmft.launch_env.use_proc_cpuinfo_for_deepspeed). Variants, with
+a torch extensions cache of their own (TORCH_EXTENSIONS_DIR under --root) so the machine's shared cache cannot
+blur them:
+- before: DeepSpeed's defaults (LLMFT_DEEPSPEED_SHM_COMM=1 LLMFT_PY_CPUINFO=1); after: llmft's defaults;
 - cold: an empty cache (a fresh machine's first run); warm: the ops already built (every later run).
 Cold runs are made for the first model only: the ops do not depend on the model. Warm runs share one cache.
 """
@@ -52,7 +55,7 @@ def main() -> None:
                 "--output_dir", str(out), "--zero_stage", "2", "--per_device_train_batch_size", "8",
                 "--max_steps", str(a.max_steps), "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
             ]
-            r = run(f"{name} {variant}", cmd, out, LLMFT_DEEPSPEED_SHM_COMM=shm, TORCH_EXTENSIONS_DIR=str(ext))
+            r = run(f"{name} {variant}", cmd, out, LLMFT_DEEPSPEED_SHM_COMM=shm, LLMFT_PY_CPUINFO=shm, TORCH_EXTENSIONS_DIR=str(ext))
             s = r.summary()["startup_seconds"]
             rows.append((name, variant, s, r.wall))
             print(f"{name:9s} {variant:12s}: " + ", ".join(f"{k} {s[k]:.1f}" for k in PHASES) + f"; wall {r.wall:.1f} s", flush=True)

@@ -293,6 +293,55 @@ def skip_deepspeed_shm_op(env: dict | None = None) -> bool:
     return True
 
 
+# py-cpuinfo's names for the machines /proc/cpuinfo answers for as it would (its _parse_arch)
+_CPUINFO_ARCH = {"x86_64": "X86_64", "amd64": "X86_64", "aarch64": "ARM_8", "arm64": "ARM_8"}
+
+
+def cpu_info_from_proc(cpuinfo_text: str, machine: str) -> dict | None:
+    """What DeepSpeed reads of py-cpuinfo's `get_cpu_info()` (arch, flags, vendor_id_raw), from /proc/cpuinfo.
+
+    py-cpuinfo answers from a fresh Python process that also times the clock and runs system tools: 1.1 s a call on
+    the 2-core machine, and DeepSpeed's CPU op builders call it twice each time they load an op (FusedAdam on CPU,
+    CPU Adam under ZeRO-Offload on GPU nodes), on every rank at every start. The compile flags DeepSpeed derives from
+    it (-march, the SIMD width) must not change, or the cached op is rebuilt: None wherever the answer could differ
+    (another architecture, no flags line)."""
+    arch = _CPUINFO_ARCH.get(machine.lower())
+    fields: dict[str, str] = {}
+    for line in cpuinfo_text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+        if not line.strip() and fields:  # the first processor's block is enough
+            break
+    flags = fields.get("flags") if arch == "X86_64" else fields.get("Features")
+    if arch is None or not flags:
+        return None
+    info = {"arch": arch, "flags": sorted(set(flags.lower().split()))}
+    if fields.get("vendor_id"):
+        info["vendor_id_raw"] = fields["vendor_id"]
+    return info
+
+
+def use_proc_cpuinfo_for_deepspeed(path: str = "/proc/cpuinfo", env: dict | None = None) -> bool:
+    """Answer py-cpuinfo's `get_cpu_info()` from /proc/cpuinfo in this process (cpu_info_from_proc); True when it
+    does. Saves DeepSpeed's CPU op loads about 2 s per process (bench/README.md, bench_startup.py).
+    LLMFT_PY_CPUINFO=1 keeps py-cpuinfo."""
+    import platform
+
+    if (os.environ if env is None else env).get("LLMFT_PY_CPUINFO") == "1":
+        return False
+    try:
+        with open(path) as f:
+            info = cpu_info_from_proc(f.read(), platform.machine())
+        import cpuinfo
+    except (OSError, ImportError):
+        return False
+    if info is None:
+        return False
+    cpuinfo.get_cpu_info = lambda: {**info, "flags": list(info["flags"])}
+    return True
+
+
 def deepspeed_arch_list(value: str | None) -> str | None:
     """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it, or None when it can already (or is unset).
 

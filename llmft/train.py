@@ -53,7 +53,7 @@ from llmft.flags import FlagError, TrainParser, check_flags
 from llmft.hardware import (HardwareError, check_liger, choose_attention, choose_precision, flash_attn_installed,
                             liger_model_types, local_gpu)
 from llmft.launch_env import (LaunchEnvError, deepspeed_arch_list, launch_problem, rank0, single_process_defaults,
-                              skip_deepspeed_shm_op)
+                              skip_deepspeed_shm_op, use_proc_cpuinfo_for_deepspeed)
 from llmft.plan import PlanError, auto_choice, make_plan
 from llmft.qlora import QuantizationError, QuantRequest, bitsandbytes_version, choose_quantization
 
@@ -503,6 +503,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
             print(f"llmft: {socket.gethostname()}: {finding.message}", flush=True)  # every node's, not rank 0's
     with clock.phase("import"):
         skip_deepspeed_shm_op()  # an op training never uses that DeepSpeed would compile at start-up on CPU
+        use_proc_cpuinfo_for_deepspeed()  # DeepSpeed's CPU op loads ask py-cpuinfo, 1 s a call
     arch_list = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
     if arch_list:  # before DeepSpeed JIT-builds its first op (FusedAdam) in this process
         log(f"TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']!r} -> {arch_list!r} for DeepSpeed's op builds "

@@ -199,3 +199,61 @@ def test_arch_specific_targets_are_rewritten_for_deepspeeds_op_builder(monkeypat
             builder.compute_capability_args()
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", fixed)
         builder.compute_capability_args()  # parses (on this CPU machine it then keeps no CUDA target)
+
+
+X86_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+X86_AVX512 = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n"
+ARM_SVE = "processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: fp asimd evtstrm sve sve2\nCPU implementer\t: 0x41\n"
+ARM_NEON = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes crc32\n"
+
+
+@pytest.mark.parametrize("text, machine, simd, vendor", [
+    (X86_AVX2, "x86_64", "-D__AVX256__", "AuthenticAMD"),
+    (X86_AVX512, "x86_64", "-D__AVX512__", "GenuineIntel"),
+    (ARM_SVE, "aarch64", "-D__SVE__", None),
+    (ARM_NEON, "aarch64", "-D__NEON__", None),
+    (X86_AVX2, "ppc64le", None, None),  # py-cpuinfo's own answer is kept elsewhere
+    ("processor\t: 0\nvendor_id\t: GenuineIntel\n", "x86_64", None, None),  # no flags line
+])
+def test_deepspeed_reads_the_same_cpu_from_proc_cpuinfo(monkeypatch, text, machine, simd, vendor):
+    """DeepSpeed's CPU op builders derive -march and the SIMD width from py-cpuinfo (1 s a call, two calls per op load,
+    every rank): llmft answers from /proc/cpuinfo, and DeepSpeed's own code must reach the same compile flags."""
+    import cpuinfo
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+
+    from llmft.launch_env import cpu_info_from_proc
+
+    info = cpu_info_from_proc(text, machine)
+    if simd is None:
+        assert info is None
+        return
+    assert info.get("vendor_id_raw") == vendor  # DeepSpeedCPUAdam reads the vendor (its AMD fp16 warning)
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: info)
+    builder = CPUAdamBuilder()
+    assert (builder.cpu_arch(), builder.simd_width()) == ("-march=native", simd)
+
+
+def test_this_machines_deepspeed_op_flags_are_unchanged_by_reading_proc_cpuinfo(monkeypatch):
+    """On this machine, py-cpuinfo's real answer and llmft's give DeepSpeed identical op compile flags (so the op
+    already built and cached is loaded, not rebuilt), and the answer no longer starts a Python process."""
+    import subprocess
+
+    import cpuinfo
+    from deepspeed.accelerator import get_accelerator
+
+    from llmft.launch_env import use_proc_cpuinfo_for_deepspeed
+
+    builders = [get_accelerator().create_op_builder(name) for name in ("FusedAdamBuilder", "CPUAdamBuilder")]
+    real = cpuinfo.get_cpu_info()
+    before = [b.cxx_args() for b in builders]
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # restored after the test
+    assert use_proc_cpuinfo_for_deepspeed(env={}) is True
+    spawned = []
+    monkeypatch.setattr(subprocess.Popen, "__init__", lambda self, *a, **k: spawned.append(a) or (_ for _ in ()).throw(OSError))
+    assert [b.cxx_args() for b in builders] == before
+    assert spawned == []
+    ours = cpuinfo.get_cpu_info()
+    assert ours["arch"] == real["arch"] and ours["vendor_id_raw"] == real["vendor_id_raw"]
+    assert {"avx2", "avx512f"} & set(real["flags"]) == {"avx2", "avx512f"} & set(ours["flags"])
+    assert use_proc_cpuinfo_for_deepspeed("/nonexistent/cpuinfo") is False
+    assert use_proc_cpuinfo_for_deepspeed(env={"LLMFT_PY_CPUINFO": "1"}) is False
