@@ -106,15 +106,14 @@ def batch_counts(batch):
         lengths = torch.full((ids.shape[0],), float(ids.shape[-1]), dtype=torch.float64, device=ids.device)
         return torch.stack([lengths.sum(), total, (lengths * lengths).sum()])
     pos = pos.reshape(-1)
-    starts = torch.nonzero(pos == 0).flatten() if "cu_seq_lens_q" not in batch else None
-    if starts is not None:
-        bounds = torch.cat([starts, torch.full((1,), pos.numel(), dtype=starts.dtype, device=pos.device)])
-    else:
-        bounds = batch["cu_seq_lens_q"].to(pos.device)
-    lengths = bounds.diff().to(torch.float64)
     tail = (pos.flip(0) == 0).to(torch.int64).cumprod(0).sum().to(torch.float64)  # trailing padding, 1-token pieces
     real = total - tail
-    return torch.stack([real, total, (lengths * lengths).sum() - tail])
+    if "cu_seq_lens_q" in batch:
+        lengths = batch["cu_seq_lens_q"].to(pos.device).diff().to(torch.float64)
+        sum_sq = (lengths * lengths).sum()
+    else:  # a sample's positions 0..s-1 sum (2p + 1) to s^2: no torch.nonzero, which would sync a GPU with the host
+        sum_sq = (2 * pos.to(torch.float64) + 1).sum()
+    return torch.stack([real, total, sum_sq - tail])
 
 
 def mfu(tflops_per_gpu: float | None, gpu) -> float | None:

@@ -87,6 +87,8 @@ def test_batch_counts_padded_and_packed():
     assert batch_counts(tail).tolist() == [12, 16, 9 + 49 + 4]
     no_cu = {k: v for k, v in packed.items() if not k.startswith("cu_seq_lens")}
     assert batch_counts(no_cu).tolist() == [12, 12, 9 + 49 + 4]
+    no_cu_tail = {k: v for k, v in tail.items() if not k.startswith("cu_seq_lens")}  # lengths from position_ids alone
+    assert batch_counts(no_cu_tail).tolist() == [12, 16, 9 + 49 + 4]
 
 
 def test_mfu_only_against_a_known_peak():
