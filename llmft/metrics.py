@@ -11,7 +11,8 @@ Rank 0 logs one line per logging step (and the same numbers to W&B when it is on
 
 At the end of a run (also one ended early by a stop signal), `<output_dir>/run_summary.json` holds the run's totals
 (SUMMARY_FIELDS) and `startup_seconds` split into STARTUP_PHASES. Its rates leave out the first optimizer step,
-which `startup_seconds.first_step` reports, so they describe the steady state.
+which `startup_seconds.first_step` reports, so they describe the steady state; under torch.compile, which compiles
+again when batch shapes change, they also leave out every logging interval up to the last one in which a rank compiled.
 
 FLOPs per token (the convention of PaLM, appendix B, and llm-foundry, so MFU compares with their numbers):
 
@@ -199,6 +200,14 @@ def timing_model_load(clock: StartupClock):
 
 # --- The meter: counts, timing, the step line and run_summary.json --------------------------------------------------
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far; 0 where it never ran (dynamo not even imported)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
 def _peak_host_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
@@ -227,7 +236,11 @@ class Meter:
         self.data_seconds = 0.0  # this rank, cumulative
         self.steps = 0
         self.begin: float | None = None
-        self.first: tuple | None = None  # (time, counts, data_seconds) at the end of the first step
+        self.first: tuple | None = None  # (time, counts, data_seconds) where the steady state starts: the end of
+        # the first step, or the first logging step after the last one at which any rank was compiling (torch.compile)
+        self.steady_from = 1  # the step `first` was taken at
+        self.graphs = 0  # compiled_graphs() at the end of the first step, then at each logging step
+        self.any_compiled = False  # whether any rank compiled in the last reduced interval
         self.last: tuple | None = None  # the same at the last logging step
         self.totals: dict | None = None
         self.peak_gpu_gib: float | None = None
@@ -254,14 +267,16 @@ class Meter:
     def snapshot(self) -> tuple:
         return (time.time(), self.counts.clone(), self.data_seconds)
 
-    def reduce(self, snapshots: list[tuple]) -> list[dict]:
-        """Over all ranks: summed token counts and the highest data wait, memory and RSS. One collective per kind."""
+    def reduce(self, snapshots: list[tuple], compiled: bool = False) -> list[dict]:
+        """Over all ranks: summed token counts and the highest data wait, memory and RSS (and whether any rank
+        `compiled`, in self.any_compiled). One collective per kind."""
         import torch
         import torch.distributed as dist
 
         sums = torch.cat([s[1] for s in snapshots])
         peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else -1.0
-        maxes = torch.tensor([s[2] for s in snapshots] + [peak_gpu, _peak_host_rss_gib()], dtype=torch.float64, device=self.device)
+        maxes = torch.tensor([s[2] for s in snapshots] + [float(compiled), peak_gpu, _peak_host_rss_gib()],
+                             dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
@@ -270,6 +285,7 @@ class Meter:
         for i, s in enumerate(snapshots):
             real, padded, sum_sq = sums[3 * i: 3 * i + 3]
             out.append({"time": s[0], "tokens": real, "padded_tokens": padded, "sum_sq": sum_sq, "data_seconds": maxes[i]})
+        self.any_compiled = maxes[-3] > 0
         self.peak_gpu_gib = maxes[-2] if maxes[-2] >= 0 else None
         self.peak_rss_gib = maxes[-1]
         return out
@@ -294,7 +310,7 @@ class Meter:
         if t is None:
             raise RuntimeError("Meter.summary before the end of training")
         start, first, end = t["start"], t["first"], t["end"]
-        steady = self.rates(first, end) if self.steps > 1 else self.rates(start, end)
+        steady = self.rates(first, end) if self.steps > self.steady_from else self.rates(start, end)
         return {
             "steps": self.steps,
             "tokens": int(end["tokens"]),
@@ -341,7 +357,7 @@ def _callback_class():
             m = self.meter
             m.steps += 1
             if m.steps == 1:
-                m.first = m.snapshot()
+                m.first, m.graphs = m.snapshot(), compiled_graphs()
                 m.clock.add("first_step", m.first[0] - m.begin[0])
                 if state.is_world_process_zero:
                     phases = ", ".join(f"{k} {v:.1f}" for k, v in m.clock.seconds.items())
@@ -351,9 +367,11 @@ def _callback_class():
             m = self.meter
             if not logs or "loss" not in logs or m.begin is None:
                 return
-            now = m.snapshot()
-            before, after = m.reduce([m.last or m.begin, now])
-            m.last = now
+            now, graphs = m.snapshot(), compiled_graphs()
+            before, after = m.reduce([m.last or m.begin, now], compiled=graphs != m.graphs)
+            m.last, m.graphs = now, graphs
+            if m.any_compiled and m.steps > 1:  # torch.compile was at work on some rank: the steady state starts here
+                m.first, m.steady_from = now, m.steps
             rates = m.rates(before, after)
             logs.update({k: round(v, 6) for k, v in rates.items() if v is not None})
             if state.is_world_process_zero:
@@ -364,6 +382,9 @@ def _callback_class():
             end = m.snapshot()
             start, first, end = m.reduce([m.begin, m.first or end, end])
             m.totals = {"start": start, "first": first, "end": end}
+            if m.steady_from > 1 and m.steps > m.steady_from and state.is_world_process_zero:
+                print(f"llmft: run_summary.json rates are over steps {m.steady_from + 1}-{m.steps} (torch.compile "
+                      f"compiled until step {m.steady_from})", flush=True)
 
     return ThroughputCallback
 

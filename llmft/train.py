@@ -243,6 +243,27 @@ def _callbacks():
     return PublishCompleteCheckpoint, GracefulStop
 
 
+def compile_report(trainer):
+    """A callback that says, when training starts, whether --torch_compile took effect: accelerate compiles the
+    DeepSpeed engine's module (DeepSpeedEngine.compile), and the first steps then pay the compilation (about a
+    minute for the demo model on 2 CPU cores, again when batch shapes change). Requested but not applied: an error."""
+    from transformers import TrainerCallback
+
+    class CompileReport(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if not args.torch_compile:
+                return
+            engine = trainer.model_wrapped
+            if not getattr(engine, "is_compiled", False):
+                raise TrainError(f"--torch_compile was not applied to the model ({type(engine).__name__}): "
+                                 "use accelerate and DeepSpeed versions that compile DeepSpeed engines, or drop --torch_compile")
+            mode = args.torch_compile_mode or "default"
+            log(f"torch.compile on (backend {args.torch_compile_backend or 'inductor'}, mode {mode}): "
+                "the first steps compile, and steps whose batch shapes are new may compile again")
+
+    return CompileReport()
+
+
 def train_precision(training_args, llmft_args, gpu) -> str:
     """llmft.hardware.choose_precision with --precision and the --bf16/--fp16 flags as given.
 
@@ -543,6 +564,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
             callbacks=[publish, stop],
         )
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
+    trainer.add_callback(compile_report(trainer))
     evaluation.log_perplexity(trainer)
     tracking.guard_wandb(trainer, log)
     meter = metrics.attach(trainer, clock, gpu)  # step line, W&B metrics, run_summary.json

@@ -121,3 +121,40 @@ def test_startup_clock_nested_phases_do_not_double_count():
     assert clock.seconds["model_load"] == pytest.approx(0.1, abs=0.04)
     assert clock.seconds["data"] == pytest.approx(0.1, abs=0.04)
     assert clock.elapsed() == pytest.approx(sum(clock.seconds.values()), abs=0.04)
+
+
+def test_summary_rates_start_after_torch_compile_stops_compiling(capsys):
+    """A compiled run compiles at its first step and again when batch shapes change; run_summary.json's rates must be
+    the steady state after the last compilation (seen at a logging step, agreed over ranks), not an average over it."""
+    from types import SimpleNamespace
+
+    from llmft.metrics import Meter, _callback_class
+
+    compiled = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+
+    def run(compile_at: set[int]):
+        meter = Meter(ModelShape(1000, 1000, 1, 8), None, StartupClock(start=time.time()), 1)
+        callback = _callback_class()(meter)
+        state = SimpleNamespace(global_step=0, max_steps=12, is_world_process_zero=True)
+        callback.on_train_begin(None, state, None)
+        for step in range(1, 13):
+            next(meter.timed(iter([{"input_ids": torch.ones(2, 5, dtype=torch.long)}])))  # 10 tokens a step
+            if step in compile_at:
+                compiled(torch.ones(100 + step))  # a shape not seen before: torch.compile compiles a new graph
+            state.global_step = step
+            callback.on_step_end(None, state, None)
+            if step % 2 == 0:
+                callback.on_log(None, state, None, logs={"loss": 1.0})
+        callback.on_train_end(None, state, None)
+        return meter
+
+    meter = run(compile_at={1, 3})
+    t = meter.totals
+    assert meter.steady_from == 4 and t["first"]["tokens"] == 40  # the logging step after the compile at step 3
+    expected = (t["end"]["tokens"] - t["first"]["tokens"]) / (t["end"]["time"] - t["first"]["time"])
+    assert meter.summary(None)["tokens_per_second"] == pytest.approx(expected, rel=1e-6)
+    assert "run_summary.json rates are over steps 5-12 (torch.compile compiled until step 4)" in capsys.readouterr().out
+
+    meter = run(compile_at={1})  # compiled at the first step only: the steady state starts after it, as without compile
+    assert meter.steady_from == 1 and meter.totals["first"]["tokens"] == 10
+    assert "rates are over steps" not in capsys.readouterr().out

@@ -187,6 +187,42 @@ def test_the_checkpointing_auto_chooses_takes_effect_in_the_trainer_arguments(tm
         assert training_args.gradient_checkpointing is on and training_args.activation_checkpointing is on
 
 
+def test_torch_compile_compiles_the_deepspeed_engine_and_trains_the_same(tiny_model, tiny_data, tmp_path):
+    """--torch_compile is applied (accelerate compiles the DeepSpeed engine's module; llmft refuses to go on if the
+    engine is not compiled) and trains the same losses. The eager backend keeps this fast: dynamo captures the
+    model's graphs, nothing is code-generated."""
+    import shutil
+
+    model = Path(shutil.copytree(tiny_model, tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    config.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # compiled dropout draws its randomness differently
+    (model / "config.json").write_text(json.dumps(config))
+    flags = ("--zero_stage", 2, "--max_steps", 3, "--global_batch_size", 4, "--per_device_train_batch_size", 2,
+             "--learning_rate", "1e-3", "--save_strategy", "no")
+    plain = run(train_cmd(model, tiny_data, tmp_path / "plain", *flags, nproc=1), check=True)
+    compiled = run(train_cmd(model, tiny_data, tmp_path / "compiled", *flags, "--torch_compile", "true",
+                             "--torch_compile_backend", "eager", nproc=1), check=True)
+    assert "llmft: torch.compile on (backend eager, mode default)" in compiled.stdout
+    assert "torch.compile on" not in plain.stdout
+    assert len(steps(compiled.stdout)) == 3
+    for (s1, _, loss1, _), (s2, _, loss2, _) in zip(steps(plain.stdout), steps(compiled.stdout)):
+        assert s1 == s2 and loss2 == pytest.approx(loss1, rel=1e-4)
+
+
+def test_torch_compile_that_did_not_take_effect_stops_the_run():
+    from types import SimpleNamespace
+
+    from llmft.train import TrainError, compile_report
+
+    args = SimpleNamespace(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode=None)
+    report = compile_report(SimpleNamespace(model_wrapped=SimpleNamespace(is_compiled=False)))
+    with pytest.raises(TrainError, match="--torch_compile was not applied to the model"):
+        report.on_train_begin(args, None, None)
+    compile_report(SimpleNamespace(model_wrapped=SimpleNamespace(is_compiled=True))).on_train_begin(args, None, None)
+    args.torch_compile = False
+    report.on_train_begin(args, None, None)  # not asked: nothing to check
+
+
 def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
     """A YAML file holds the flags (TRL's parser); question/answer fields are mapped; an eval split without
     --eval_strategy is scored once at the end; chat data uses the template, with packing and gradient checkpointing on."""
