@@ -420,6 +420,8 @@ while True:
         break
 with open(f"{out}.{rank}", "w") as f:
     json.dump({"stopped": state.global_step, "votes": votes[0], "delay": time.monotonic() - asked_at if asked_at else None}, f)
+dist.barrier()
+dist.destroy_process_group()
 """
 
 
