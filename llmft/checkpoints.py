@@ -201,27 +201,48 @@ def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None
     return path
 
 
-def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps: int) -> str | None:
-    """Whether resuming `resume` under --max_steps would train nothing: None to train on; else the one line to print.
+def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps: int,
+                          num_train_epochs: float | None = None) -> str | None:
+    """Whether resuming `resume` would train nothing: None to train on; else the one line to print.
 
     transformers' loop takes one more step before it looks at max_steps, so a run resumed at its last step (a job
     requeued or resubmitted after it had finished, on any number of GPUs) would train step max_steps + 1 and
     overwrite the finished model. A finished run (llmft_done.json at that step) says so and trains nothing; one whose
-    final save was cut off raises CheckpointError naming the way to its model."""
-    if resume is None or max_steps is None or max_steps <= 0:
+    final save was cut off raises CheckpointError naming the way to its model.
+
+    An epochs-only run (max_steps <= 0) ends at the step count the Trainer computed and saved in the checkpoint's
+    trainer_state.json, as long as --num_train_epochs is the one it was computed for (the run identity keeps the data
+    and the global batch). Resumed there, the Trainer trains no step, but the final save and run_summary.json would
+    be written again over the finished run's: a finished run says so instead; one whose final save was cut off
+    trains on, which writes that save."""
+    if resume is None:
         return None
     match = _CKPT_RE.match(Path(resume).name)
     step = int(match.group(1)) if match else None
-    if step is None or step < max_steps:
+    if step is None:
+        return None
+    limit = f"--max_steps {max_steps}"
+    if max_steps is None or max_steps <= 0:
+        try:
+            state = json.loads((Path(resume) / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            return None
+        planned, epochs = state.get("max_steps"), state.get("num_train_epochs")
+        if num_train_epochs is None or not isinstance(planned, int) or planned <= 0 or epochs != num_train_epochs:
+            return None
+        max_steps, limit = planned, f"--num_train_epochs {num_train_epochs:g}, {planned} steps"
+    if step < max_steps:
         return None
     try:
         done = json.loads((Path(output_dir) / DONE_MARKER).read_text()).get("global_step")
     except (OSError, ValueError, AttributeError):
         done = None
     if isinstance(done, int) and done >= step:
-        return (f"{output_dir} is already complete at step {done} (--max_steps {max_steps}): nothing to train; "
-                f"raise --max_steps to train further")
-    raise CheckpointError(f"{resume} already reached --max_steps {max_steps}, but the run's final save did not finish: "
+        more = "--max_steps" if limit.startswith("--max_steps") else "--num_train_epochs"
+        return f"{output_dir} is already complete at step {done} ({limit}): nothing to train; raise {more} to train further"
+    if not limit.startswith("--max_steps"):
+        return None
+    raise CheckpointError(f"{resume} already reached {limit}, but the run's final save did not finish: "
                           f"write its model with `llmft infer {resume} --export DIR`, or raise --max_steps to train further")
 
 

@@ -432,7 +432,8 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         dataset_fingerprint=data.content_fingerprint(script_args.dataset_name, script_args.dataset_config),
     )
     accepted = run_identity.check_same_run(training_args.output_dir, identity, training_args.resume_from_checkpoint)
-    finished = checkpoints.nothing_left_to_train(training_args.output_dir, resume, training_args.max_steps)
+    finished = checkpoints.nothing_left_to_train(training_args.output_dir, resume, training_args.max_steps,
+                                                 training_args.num_train_epochs)
     if finished:
         log(finished)
         return 0

@@ -86,6 +86,24 @@ def test_a_run_resumed_at_its_last_step_trains_nothing(tmp_path):
         f"{tmp_path} is already complete at step 8 (--max_steps 8): nothing to train; raise --max_steps to train further")
 
 
+def test_an_epochs_run_resumed_at_its_last_step_trains_nothing_and_keeps_its_results(tmp_path):
+    """Epochs only: the Trainer ends at the step count it saved in the checkpoint, for the same --num_train_epochs.
+    Resumed there it trains no step but would write the final model and run_summary.json (0 steps) again."""
+    last = fake_checkpoint(tmp_path, 8)
+    (last / "trainer_state.json").write_text(json.dumps({"global_step": 8, "max_steps": 8, "num_train_epochs": 2}))
+    earlier = fake_checkpoint(tmp_path, 4)
+    (earlier / "trainer_state.json").write_text(json.dumps({"global_step": 4, "max_steps": 8, "num_train_epochs": 2}))
+    assert nothing_left_to_train(tmp_path, earlier, -1, 2) is None  # steps left
+    assert nothing_left_to_train(tmp_path, last, -1, 3) is None  # more epochs asked: the Trainer counts them
+    assert nothing_left_to_train(tmp_path, last, -1, 2) is None  # final save cut off: the resumed run writes it
+    mark_done(tmp_path, 8)
+    assert nothing_left_to_train(tmp_path, last, -1, 2) == (
+        f"{tmp_path} is already complete at step 8 (--num_train_epochs 2, 8 steps): nothing to train; "
+        "raise --num_train_epochs to train further")
+    (last / "trainer_state.json").write_text("{")  # unreadable: the Trainer decides, as before
+    assert nothing_left_to_train(tmp_path, last, -1, 2) is None
+
+
 def test_each_checkpoint_file_belongs_to_the_rank_that_writes_it():
     assert owner_rank("global_step5/zero_pp_rank_3_mp_rank_00_optim_states.pt") == 3
     assert owner_rank("global_step5/bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt") == 12

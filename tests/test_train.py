@@ -96,6 +96,22 @@ def test_a_finished_run_resubmitted_on_fewer_processes_trains_nothing(tiny_model
     assert model.stat().st_mtime_ns == written
 
 
+def test_a_finished_epochs_run_run_again_trains_nothing_and_keeps_its_summary(tiny_model, tmp_path):
+    """Epochs only (no --max_steps): transformers resumes the last checkpoint, trains no step, and would write the
+    final model and a 0-step run_summary.json over the finished run's; llmft says the run is complete instead."""
+    data = write_jsonl(as_format(make_examples(32), "prompt_completion"), tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    flags = ("--num_train_epochs", 1, "--save_steps", 1, "--global_batch_size", 8, "--per_device_train_batch_size", 4)
+    first = run(train_cmd(tiny_model, data, out, *flags, nproc=1), check=True)
+    assert [s for s, *_ in steps(first.stdout)] == [1, 2, 3, 4]
+    kept = {name: (out / name).read_bytes() for name in ("model.safetensors", "run_summary.json")}
+    again = run(train_cmd(tiny_model, data, out, *flags, nproc=1), check=True)
+    assert (f"llmft: {out} is already complete at step 4 (--num_train_epochs 1, 4 steps): nothing to train; "
+            "raise --num_train_epochs to train further") in again.stdout
+    assert {name: (out / name).read_bytes() for name in kept} == kept
+    assert summary(out)["steps"] == 4
+
+
 def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_data, tmp_path):
     """The preemption path: a stop request mid-run saves a complete checkpoint; a rerun continues from it."""
     out, stop = tmp_path / "run", tmp_path / "STOP"
