@@ -92,7 +92,8 @@ it must fit, with the step in flight, inside the Slurm script's USR1 warning (--
 Throughput (`tokens_per_second`): FLOPs per token = 6 P (forward 2 P, backward 4 P; with LoRA the frozen weights
 need no weight gradient: 4 P + 2 T) + 12 x layers x hidden x sequence (attention, PaLM's appendix B), plus another
 forward (2 P) with recomputation; tokens/s = MFU x peak x GPUs / FLOPs per token, at a stated MFU (default 35%).
-CPU offload's optimizer step and communication are not modelled: offload rows are slower than they show.
+Communication is not modelled: ZeRO-3 rows (parameters gathered for every layer, forward and backward; 2.8x slower
+than ZeRO-2 for a 1.1B model on one H100, bench/README.md) and CPU offload rows are slower than they show.
 """
 
 from __future__ import annotations

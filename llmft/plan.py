@@ -230,7 +230,9 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
             f" {tps:>8} | {'yes' if c.fits else 'no: ' + c.why}"
         )
     out += [f"llmft plan: warning: {w}" for w in mplan.warnings]
-    peak = f"MFU {job.mfu:.0%} of {job.gpu.peak_tflops:g} TFLOP/s" if job.gpu is not None and job.gpu.peak_tflops else "no peak known: tokens/s not estimated"
+    peak = (f"MFU {job.mfu:.0%} of {job.gpu.peak_tflops:g} TFLOP/s at every stage (ZeRO-3 and offload are slower: "
+            "ZeRO-3 measured 2.8x slower than ZeRO-2 on one H100)" if job.gpu is not None and job.gpu.peak_tflops
+            else "no peak known: tokens/s not estimated")
     device = (f"{memory.CUDA_CONTEXT_GIB:g} GiB CUDA context + {memory.FRAGMENTATION:.0%} fragmentation per GPU, "
               f"{memory.PROCESS_HOST_GIB['cuda']:g} GiB host per process" if job.gpu is not None
               else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process")
