@@ -221,8 +221,9 @@ def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps
     step = int(match.group(1)) if match else None
     if step is None:
         return None
-    limit = f"--max_steps {max_steps}"
-    if max_steps is None or max_steps <= 0:
+    by_epochs = max_steps is None or max_steps <= 0
+    flag, limit = "--max_steps", f"--max_steps {max_steps}"
+    if by_epochs:
         try:
             state = json.loads((Path(resume) / "trainer_state.json").read_text())
         except (OSError, ValueError):
@@ -230,7 +231,7 @@ def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps
         planned, epochs = state.get("max_steps"), state.get("num_train_epochs")
         if num_train_epochs is None or not isinstance(planned, int) or planned <= 0 or epochs != num_train_epochs:
             return None
-        max_steps, limit = planned, f"--num_train_epochs {num_train_epochs:g}, {planned} steps"
+        max_steps, flag, limit = planned, "--num_train_epochs", f"--num_train_epochs {num_train_epochs:g}, {planned} steps"
     if step < max_steps:
         return None
     try:
@@ -238,9 +239,8 @@ def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps
     except (OSError, ValueError, AttributeError):
         done = None
     if isinstance(done, int) and done >= step:
-        more = "--max_steps" if limit.startswith("--max_steps") else "--num_train_epochs"
-        return f"{output_dir} is already complete at step {done} ({limit}): nothing to train; raise {more} to train further"
-    if not limit.startswith("--max_steps"):
+        return f"{output_dir} is already complete at step {done} ({limit}): nothing to train; raise {flag} to train further"
+    if by_epochs:
         return None
     raise CheckpointError(f"{resume} already reached {limit}, but the run's final save did not finish: "
                           f"write its model with `llmft infer {resume} --export DIR`, or raise --max_steps to train further")
