@@ -163,7 +163,7 @@ gcp_create() {
 
 Cluster '$name' is up. Next:
   ./manage_cluster.sh ssh $name        # log in to the login node
-  # then, on the login node: clone llmft into your home (/home is the shared Filestore), see README
+  # then, on the login node: clone llmft into your home (/home is the shared Filestore), see docs/clusters.md
 EOF
 }
 
@@ -324,7 +324,7 @@ aws_create() {
 
 Cluster '$name' is up. Next:
   ./manage_cluster.sh --provider aws ssh $name   # log in to the head node
-  # then: clone llmft into /fsx (the shared FSx for Lustre filesystem), see README
+  # then: clone llmft into /fsx (the shared FSx for Lustre filesystem), see docs/clusters.md
 EOF
 }
 

@@ -470,12 +470,11 @@ print(json.dumps(problems))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
-def readme_cluster_commands() -> list[list[str]]:
-    """The ./manage_cluster.sh invocations in the README's Clusters section, as argv lists."""
+def documented_cluster_commands() -> list[list[str]]:
+    """The ./manage_cluster.sh invocations in docs/clusters.md, as argv lists."""
     import shlex
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("<!-- SECTION:clusters -->")[1].split("<!-- /SECTION:clusters -->")[0]
+    section = (REPO / "docs" / "clusters.md").read_text()
     commands = []
     for block in section.split("```bash")[1:]:
         for line in block.split("```")[0].splitlines():
@@ -488,9 +487,9 @@ def readme_cluster_commands() -> list[list[str]]:
     return commands
 
 
-def test_readme_cluster_commands_work(cli):
-    """Every manage_cluster.sh command the README shows is accepted (run with --dry-run)."""
-    commands = readme_cluster_commands()
+def test_documented_cluster_commands_work(cli):
+    """Every manage_cluster.sh command docs/clusters.md shows is accepted (run with --dry-run)."""
+    commands = documented_cluster_commands()
     assert {c[c.index("--provider") + 1] if "--provider" in c else "gcp" for c in commands} == {"gcp", "aws"}
     assert {next(w for w in c if w in ("create", "destroy", "status", "ssh", "config", "--help")) for c in commands} \
         >= {"create", "destroy", "status", "ssh"}

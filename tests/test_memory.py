@@ -1,5 +1,5 @@
 """The memory planner (llmft.memory): DeepSpeed's own estimates, properties over random jobs, the activation
-formula against what autograd really saves, and the plans the README shows."""
+formula against what autograd really saves, and the plans docs/memory-planning.md shows."""
 
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ def test_lora_activation_term_matches_what_autograd_saves(precision, targets):
         assert activation_bytes(without_term, batch, seq, False, precision) < 0.85 * measured
 
 
-# ---- plans users rely on (the README's examples) ---------------------------------------------------------------------
+# ---- plans users rely on (docs/memory-planning.md's examples) --------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

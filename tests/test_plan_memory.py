@@ -176,13 +176,13 @@ def test_host_ram_of_this_node_for_auto(tmp_path):
         local_host_ram_gib({}, str(tmp_path / "none"))
 
 
-def test_readme_plan_examples_are_this_codes_output(capsys, llama_config, monkeypatch, tmp_path):
-    """Every `$ llmft plan ...` in README.md's plan examples prints exactly what the README shows (run from a
-    directory holding the README's llama-3.1-8b config), so the documented numbers cannot drift from the code."""
+def test_documented_plan_examples_are_this_codes_output(capsys, llama_config, monkeypatch, tmp_path):
+    """Every `$ llmft plan ...` in docs/memory-planning.md's examples prints exactly what the page shows (run from a
+    directory holding the page's llama-3.1-8b config), so the documented numbers cannot drift from the code."""
     import re
     import shutil
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "memory-planning.md").read_text()
     section = text[text.index("<!-- PLAN_EXAMPLES -->"):text.index("<!-- /PLAN_EXAMPLES -->")]
     shutil.copytree(llama_config, tmp_path / "llama-3.1-8b")
     monkeypatch.chdir(tmp_path)
