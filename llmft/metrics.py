@@ -8,6 +8,12 @@ Rank 0 logs one line per logging step (and the same numbers to W&B when it is on
 - tflops/gpu: model FLOPs per second per GPU; mfu: that over the GPU's dense 16-bit peak (llmft.hardware.GPU.peak_tflops:
   L4 121, A100 312, H100/H200 989). A GPU without a known peak, or a CPU, gives no MFU (n/a, null), never a guess.
 - gpu_mem: peak memory PyTorch allocated on any rank's GPU; data: share of the interval spent waiting for batches.
+- save 12.3s / eval 4.5s: only in the line of an interval in which a checkpoint was saved or the model evaluated.
+
+Every rate is over training time only: the interval's wall time less the time spent saving checkpoints
+(`Trainer._save_checkpoint` and the on_save callbacks, which check and publish it) and evaluating
+(`Trainer.evaluate`). That time is reported on its own: in the step line (above), in W&B as `save_seconds` and
+`eval_seconds` per interval, and in run_summary.json as `save_seconds`/`eval_seconds` beside `train_seconds`.
 
 At the end of a run (also one ended early by a stop signal), `<output_dir>/run_summary.json` holds the run's totals
 (SUMMARY_FIELDS) and `startup_seconds` split into STARTUP_PHASES. Its rates leave out the first optimizer step,
@@ -41,8 +47,10 @@ from pathlib import Path
 STARTUP_PHASES = ("import", "data", "model_load", "deepspeed_init", "first_step")
 SUMMARY_FIELDS = (
     "steps", "tokens", "padded_tokens", "tokens_per_second", "padded_tokens_per_second", "tflops_per_gpu", "mfu",
-    "peak_gpu_memory_gib", "peak_host_rss_gib", "train_loss", "world_size", "gpu", "wall_seconds", "startup_seconds",
+    "peak_gpu_memory_gib", "peak_host_rss_gib", "train_loss", "world_size", "gpu", "train_seconds", "save_seconds",
+    "eval_seconds", "wall_seconds", "startup_seconds",
 )
+NON_TRAINING = ("save", "eval")  # what the meter takes out of the training time and reports on its own
 
 
 # --- FLOPs ----------------------------------------------------------------------------------------------------------
@@ -220,6 +228,7 @@ def format_step_line(step: int, max_steps: int, loss: float, lr: float, m: dict)
         f"llmft: step {step}/{max_steps} loss {loss:.4f} lr {lr:.2e} tokens/s {m['tokens_per_second']:.0f} "
         f"padded/s {m['padded_tokens_per_second']:.0f} tflops/gpu {m['tflops_per_gpu']:.4g} mfu {mfu_text} "
         f"gpu_mem {mem} data {m['data_wait_share'] * 100:.1f}%"
+        + "".join(f" {kind} {m[f'{kind}_seconds']:.1f}s" for kind in NON_TRAINING if m.get(f"{kind}_seconds"))
     )
 
 
@@ -234,6 +243,8 @@ class Meter:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # real, all, sum s^2 (this rank, cumulative)
         self.data_seconds = 0.0  # this rank, cumulative
+        self.outside = dict.fromkeys(NON_TRAINING, 0.0)  # seconds spent saving / evaluating, this rank, cumulative
+        self._outside_depth = 0  # nested non-training calls (evaluate over several eval sets calls itself) count once
         self.steps = 0
         self.begin: float | None = None
         self.first: tuple | None = None  # (time, counts, data_seconds) where the steady state starts: the end of
@@ -264,8 +275,20 @@ class Meter:
 
         return Timed()
 
+    @contextmanager
+    def outside_training(self, kind: str):
+        """Time spent saving or evaluating: taken out of the rates, reported as `<kind>_seconds`."""
+        self._outside_depth += 1
+        since = time.time()
+        try:
+            yield
+        finally:
+            self._outside_depth -= 1
+            if self._outside_depth == 0:
+                self.outside[kind] += time.time() - since
+
     def snapshot(self) -> tuple:
-        return (time.time(), self.counts.clone(), self.data_seconds)
+        return (time.time(), self.counts.clone(), self.data_seconds, dict(self.outside))
 
     def reduce(self, snapshots: list[tuple], compiled: bool = False) -> list[dict]:
         """Over all ranks: summed token counts and the highest data wait, memory and RSS (and whether any rank
@@ -284,15 +307,18 @@ class Meter:
         out = []
         for i, s in enumerate(snapshots):
             real, padded, sum_sq = sums[3 * i: 3 * i + 3]
-            out.append({"time": s[0], "tokens": real, "padded_tokens": padded, "sum_sq": sum_sq, "data_seconds": maxes[i]})
+            out.append({"time": s[0], "tokens": real, "padded_tokens": padded, "sum_sq": sum_sq, "data_seconds": maxes[i],
+                        **{f"{kind}_seconds": s[3][kind] for kind in NON_TRAINING}})  # this rank's own, like time
         self.any_compiled = maxes[-3] > 0
         self.peak_gpu_gib = maxes[-2] if maxes[-2] >= 0 else None
         self.peak_rss_gib = maxes[-1]
         return out
 
     def rates(self, a: dict, b: dict) -> dict:
-        """Rates between two reduced snapshots (b later than a)."""
-        seconds = max(b["time"] - a["time"], 1e-9)
+        """Rates between two reduced snapshots (b later than a), over the training time between them: the wall time
+        less saving and evaluating, which are given as `save_seconds` and `eval_seconds`."""
+        outside = {f"{kind}_seconds": b[f"{kind}_seconds"] - a[f"{kind}_seconds"] for kind in NON_TRAINING}
+        seconds = max(b["time"] - a["time"] - sum(outside.values()), 1e-9)
         tokens, padded = b["tokens"] - a["tokens"], b["padded_tokens"] - a["padded_tokens"]
         tflops = training_flops(self.shape, tokens, b["sum_sq"] - a["sum_sq"]) / seconds / self.world_size / 1e12
         return {
@@ -302,6 +328,7 @@ class Meter:
             "mfu": mfu(tflops, self.gpu),
             "peak_gpu_memory_gib": self.peak_gpu_gib,
             "data_wait_share": min((b["data_seconds"] - a["data_seconds"]) / seconds, 1.0),
+            **outside,
         }
 
     def summary(self, train_loss: float | None) -> dict:
@@ -324,6 +351,8 @@ class Meter:
             "train_loss": None if train_loss is None else round(float(train_loss), 6),
             "world_size": self.world_size,
             "gpu": self.gpu.name if self.gpu is not None else None,
+            "train_seconds": round(end["time"] - start["time"] - sum(end[f"{k}_seconds"] - start[f"{k}_seconds"] for k in NON_TRAINING), 3),
+            **{f"{kind}_seconds": round(self.outside[kind], 3) for kind in NON_TRAINING},  # the final save included
             "wall_seconds": round(time.time() - self.clock.start, 3),
             "startup_seconds": self.clock.rounded(),
         }
@@ -373,7 +402,7 @@ def _callback_class():
             if m.any_compiled and m.steps > 1:  # torch.compile was at work on some rank: the steady state starts here
                 m.first, m.steady_from = now, m.steps
             rates = m.rates(before, after)
-            logs.update({k: round(v, 6) for k, v in rates.items() if v is not None})
+            logs.update({k: round(v, 6) for k, v in rates.items() if v is not None})  # save/eval_seconds too (W&B)
             if state.is_world_process_zero:
                 print(format_step_line(state.global_step, state.max_steps, logs["loss"], logs.get("learning_rate", 0.0), rates), flush=True)
 
@@ -389,10 +418,25 @@ def _callback_class():
     return ThroughputCallback
 
 
+def time_outside_training(meter: Meter, owner, name: str, kind: str) -> None:
+    """Make `owner.name` (a bound method) count as non-training time of `kind`."""
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        with meter.outside_training(kind):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, timed)
+
+
 def attach(trainer, clock: StartupClock, gpu) -> Meter:
-    """Meter a built SFTTrainer: time and count the micro-batches Trainer.get_batch_samples pulls, and put the
-    callback first so its metrics are in the logs before W&B's callback sends them."""
+    """Meter a built SFTTrainer: time and count the micro-batches Trainer.get_batch_samples pulls, time checkpoint
+    saves (the save and the on_save callbacks that check and publish it) and evaluations as non-training time, and
+    put the callback first so its metrics are in the logs before W&B's callback sends them."""
     meter = Meter(model_shape(trainer.model), gpu, clock, trainer.args.world_size)
+    time_outside_training(meter, trainer, "_save_checkpoint", "save")
+    time_outside_training(meter, trainer.callback_handler, "on_save", "save")
+    time_outside_training(meter, trainer, "evaluate", "eval")
     get_batch_samples = trainer.get_batch_samples
 
     def metered_get_batch_samples(epoch_iterator, num_batches, device):

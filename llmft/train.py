@@ -578,8 +578,9 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     else:
         if prepared.eval is not None and args.eval_strategy == "no":
             trainer.evaluate()  # evaluation data without --eval_strategy: scored once, at the end
-        trainer.save_model(args.output_dir)
-        bad = saved_weights.check_save(args.output_dir, trainer.model, rank0())
+        with meter.outside_training("save"):  # run_summary.json's save_seconds includes the final save
+            trainer.save_model(args.output_dir)
+            bad = saved_weights.check_save(args.output_dir, trainer.model, rank0())
         if bad:
             raise TrainError(f"the final model in {args.output_dir} is not what was trained: {'; '.join(bad)}; run not marked done")
         trainer.save_state()  # trainer_state.json (log history) beside the model, for llmft report

@@ -18,7 +18,7 @@ from llmft.metrics import ModelShape, StartupClock, batch_counts, format_step_li
 
 STEP_LINE = re.compile(
     r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+) padded/s (\d+) tflops/gpu ([\d.e+-]+) "
-    r"mfu (n/a|[\d.]+%) gpu_mem (n/a|[\d.]+GiB) data ([\d.]+)%$"
+    r"mfu (n/a|[\d.]+%) gpu_mem (n/a|[\d.]+GiB) data ([\d.]+)%( save [\d.]+s)?( eval [\d.]+s)?$"
 )
 
 
@@ -109,6 +109,10 @@ def test_step_line_keeps_the_parsed_prefix():
     cpu = format_step_line(1, 2, 2.0, 1e-3, {**rates, "mfu": None, "peak_gpu_memory_gib": None})
     assert "mfu n/a gpu_mem n/a" in cpu and STEP_LINE.match(cpu)
     assert re.match(r"llmft: step (\d+)/\d+ loss", line)  # tests/slurm_cluster.py step_lines
+    saved = format_step_line(3, 4, 2.0, 1e-3, {**rates, "save_seconds": 12.34, "eval_seconds": 0.0})
+    assert saved.endswith("data 0.4% save 12.3s") and STEP_LINE.match(saved)  # only what happened in the interval
+    both = format_step_line(3, 4, 2.0, 1e-3, {**rates, "save_seconds": 1.0, "eval_seconds": 4.56})
+    assert both.endswith("save 1.0s eval 4.6s") and STEP_LINE.match(both)
 
 
 def test_startup_clock_nested_phases_do_not_double_count():
@@ -158,3 +162,51 @@ def test_summary_rates_start_after_torch_compile_stops_compiling(capsys):
     meter = run(compile_at={1})  # compiled at the first step only: the steady state starts after it, as without compile
     assert meter.steady_from == 1 and meter.totals["first"]["tokens"] == 10
     assert "rates are over steps" not in capsys.readouterr().out
+
+
+def test_rates_leave_out_saving_and_evaluating_and_report_them_on_their_own(monkeypatch, capsys):
+    """A run that saves and evaluates at every step reports the tokens/s of a run that does neither; the time spent
+    saving and evaluating is in the step line of the interval it happened in, W&B's logs and run_summary.json.
+    The clock is the meter's own (time.time), advanced by the simulated work: no sleeping, no timing noise."""
+    from types import SimpleNamespace
+
+    from llmft import metrics
+    from llmft.metrics import Meter, _callback_class
+
+    now = [1000.0]
+    monkeypatch.setattr(metrics.time, "time", lambda: now[0])
+
+    def run(save_every_step: bool):
+        meter = Meter(ModelShape(1000, 1000, 1, 8), None, StartupClock(start=now[0]), 1)
+        callback = _callback_class()(meter)
+        state = SimpleNamespace(global_step=0, max_steps=6, is_world_process_zero=True)
+        callback.on_train_begin(None, state, None)
+        logs = []
+        for step in range(1, 7):
+            next(meter.timed(iter([{"input_ids": torch.ones(2, 5, dtype=torch.long)}])))  # 10 tokens
+            now[0] += 0.5  # the step's forward, backward and optimizer step
+            state.global_step = step
+            callback.on_step_end(None, state, None)
+            logs.append({"loss": 1.0})
+            callback.on_log(None, state, None, logs=logs[-1])
+            if save_every_step:
+                with meter.outside_training("eval"):
+                    now[0] += 2.0
+                with meter.outside_training("save"), meter.outside_training("save"):  # nested: counted once
+                    now[0] += 30.0
+        callback.on_train_end(None, state, None)
+        with meter.outside_training("save"):  # the final model, saved after training ended
+            now[0] += 7.0
+        return meter.summary(None), logs
+
+    plain, plain_logs = run(save_every_step=False)
+    saving, saving_logs = run(save_every_step=True)
+    assert plain["tokens_per_second"] == saving["tokens_per_second"] == 20.0  # 10 tokens per 0.5 s
+    assert plain["train_seconds"] == saving["train_seconds"] == 3.0
+    assert (plain["save_seconds"], plain["eval_seconds"]) == (7.0, 0.0)
+    assert (saving["save_seconds"], saving["eval_seconds"]) == (6 * 30.0 + 7.0, 6 * 2.0)
+    assert all(log["tokens_per_second"] == 20.0 for log in saving_logs)
+    assert [log["save_seconds"] for log in saving_logs] == [0.0] + [30.0] * 5  # a step's save is in the next interval
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("llmft: step")]
+    assert [line.endswith("save 30.0s eval 2.0s") for line in lines[6:]] == [False] + [True] * 5
+    assert not any("save" in line for line in lines[:6])

@@ -6,6 +6,8 @@ Run it exactly like `python -m llmft.train` (under torchrun too). Rank 0 writes 
   logits-N.pt           the trained model's logits for PROBE_IDS at the end of training (step N)
 The tensors are gathered with DeepSpeed's own accessors (collective: every rank runs the callback).
 $LLMFT_PROBE_SABOTAGE=zero_lora_b breaks every checkpoint's adapter file, to test the save-time check.
+$LLMFT_PROBE_SLOW_SAVE=S / $LLMFT_PROBE_SLOW_EVAL=S make every checkpoint save / evaluation take S seconds longer,
+to test that the rates leave them out.
 """
 
 from __future__ import annotations
@@ -77,6 +79,17 @@ def _zero_lora_b_after_save(original):
     return save
 
 
+def _slower(original, seconds: float):
+    """`original` (a Trainer method) taking `seconds` longer."""
+    import time
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return original(self, *args, **kwargs)
+
+    return slow
+
+
 if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
 
@@ -85,5 +98,10 @@ if __name__ == "__main__":  # patched only in the probe's own processes, never i
         import transformers
 
         transformers.Trainer._save_checkpoint = _zero_lora_b_after_save(transformers.Trainer._save_checkpoint)
+    for name, variable in (("_save_checkpoint", "LLMFT_PROBE_SLOW_SAVE"), ("evaluate", "LLMFT_PROBE_SLOW_EVAL")):
+        if os.environ.get(variable):
+            import transformers
+
+            setattr(transformers.Trainer, name, _slower(getattr(transformers.Trainer, name), float(os.environ[variable])))
 
     sys.exit(cli(make_parser()))
