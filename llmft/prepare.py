@@ -36,10 +36,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Mapping
 
-from llmft import data
+from llmft import data, data_fit
 from llmft.data import DataError
 
-PREPARE_VERSION = 1  # bump when what is stored changes
+PREPARE_VERSION = 2  # bump when what is stored changes
 MARKER = "llmft_prepared.json"
 START_GRACE_S = 600  # waiting ranks give up when rank 0 has not started in this long (cache not shared?)
 
@@ -108,9 +108,14 @@ def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: 
         raise DataError("llmft prepares the data itself (tokenised once, cached): drop skip_prepare_dataset from --dataset_kwargs")
 
 
+def model_positions(model_config) -> int | None:
+    """The model's context length (positions), where its config says it."""
+    return getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+
+
 def resolve_max_length(model_config, requested: int | None) -> tuple[int | None, str | None]:
     """The max_length a run uses: the request, capped at the model's positions. Returns (value, note when capped)."""
-    positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    positions = model_positions(model_config)
     if positions and requested and requested > positions:
         return positions, f"max_length {requested} exceeds the model's {positions} positions; using {positions}"
     return requested, None
@@ -225,6 +230,31 @@ def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completio
             raise DataError(f"preparing the {name} data failed: {str(e).strip().splitlines()[0]}") from None
 
 
+def prepare_counted(dataset, tokenizer, args, *, packing: bool, name: str, completion_only: bool, masked: bool):
+    """(TRL's prepared split, its data fit): TRL tokenises and labels the records without truncating them, the fit is
+    counted on those tokens (llmft.data_fit), then TRL's same preparation truncates, drops and packs them (it skips
+    tokenising data that already has input_ids and labels): the tokens are TRL's, tokenised once."""
+    import dataclasses
+
+    full = trl_prepare(dataset, tokenizer, dataclasses.replace(args, max_length=None, packing=False, shuffle_dataset=False),
+                       packing=False, name=name, completion_only=completion_only)
+    keep, drops = data_fit.truncation_of(args.max_length, packing, args.packing_strategy, args.truncation_mode)
+    fit = data_fit.fit_of(data_fit.summarise(full, args.max_length), max_length=args.max_length, keep=keep, drops=drops,
+                          masked=masked)
+    return trl_prepare(full, tokenizer, args, packing=packing, name=name, completion_only=completion_only), fit
+
+
+def fit_lines(info: dict, positions: int | None = None) -> list[str]:
+    """The data-fit line of each split, and the warning naming the fix where too much is cut."""
+    out = []
+    for split, fit in (info.get("fit") or {}).items():
+        out.append(data_fit.fit_line(split, fit))
+        warning = data_fit.fit_warning(split, fit, positions)
+        if warning:
+            out.append(warning)
+    return out
+
+
 def load_records(opts: DataOptions):
     """(train, eval or None, shape, records per split): loaded, checked, mapped to TRL's columns, the eval split
     held out (before --data_percentage, so it does not move with it), then the training percentage taken."""
@@ -253,17 +283,21 @@ def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], No
     records = {"train": len(train), "eval": len(evaluation) if evaluation is not None else 0}
     completion_only = completion_only_loss(args, train[0])
     log(f"preparing {records['train']} training and {records['eval']} evaluation records ({shape}) into {out.parent}")
-    prepared = {"train": trl_prepare(train, tokenizer, args, packing=args.packing, name="train", completion_only=completion_only)}
-    if evaluation is not None:
-        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-        prepared["eval"] = trl_prepare(evaluation, tokenizer, args, packing=eval_packing, name="eval", completion_only=completion_only)
+    masked = completion_only and shape == "prompt_completion" or bool(args.assistant_only_loss)
+    prepared, fit = {}, {}
+    eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+    for split, records_of_split, split_packing in (("train", train, args.packing), ("eval", evaluation, eval_packing)):
+        if records_of_split is None:
+            continue
+        prepared[split], fit[split] = prepare_counted(records_of_split, tokenizer, args, packing=split_packing, name=split,
+                                                      completion_only=completion_only, masked=masked)
     for split, ds in prepared.items():
         if len(ds) == 0:
             raise DataError(f"no {split} sequences left after preparation (every record was fully masked or empty); check max_length and the data")
         ds.save_to_disk(str(out / split))
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     info = {"shape": shape, "records": records, "sequences": {k: len(v) for k, v in prepared.items()},
-            "tokens": {k: _token_count(v) for k, v in prepared.items()}, "seconds": round(time.time() - t0, 2),
+            "tokens": {k: _token_count(v) for k, v in prepared.items()}, "fit": fit, "seconds": round(time.time() - t0, 2),
             "created": time.time(), "files": files}
     return info
 
@@ -295,7 +329,7 @@ def write_run_record(output_dir: str | Path, opts: DataOptions, prepared: Prepar
     record = {"dataset_name": opts.dataset_name, "eval_dataset_name": opts.eval_dataset_name, "eval_split_ratio": opts.eval_split_ratio,
               "data_percentage": opts.data_percentage, "shape": prepared.shape, "fingerprint": prepared.fingerprint,
               "prepared_dir": str(prepared.directory), "records": info.get("records"), "sequences": info.get("sequences"),
-              "tokens": info.get("tokens")}
+              "tokens": info.get("tokens"), "fit": info.get("fit")}
     path = Path(output_dir) / "llmft_data.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json(path, record)
@@ -365,9 +399,17 @@ def _remove_dead_tmp_dirs(root: Path, fp: str) -> None:
 
 
 def prepare(opts: DataOptions, tokenizer, args, *, log: Callable[[str], None] = print, timeout: float = 7200.0,
-            env: Mapping[str, str] | None = None, root: Path | None = None) -> Prepared:
+            env: Mapping[str, str] | None = None, root: Path | None = None, positions: int | None = None) -> Prepared:
     """The prepared train/eval datasets for these options: reused if complete in the cache, else built by global
-    rank 0 while the other ranks wait for its marker (or its error note, or the timeout)."""
+    rank 0 while the other ranks wait for its marker (or its error note, or the timeout). The data fit of each split
+    (llmft.data_fit) is logged, with a warning naming the fix where much is cut (positions: the model's)."""
+    prepared = _prepare(opts, tokenizer, args, log=log, timeout=timeout, env=env, root=root)
+    for line in fit_lines(prepared.info, positions):
+        log(line)
+    return prepared
+
+
+def _prepare(opts: DataOptions, tokenizer, args, *, log, timeout, env, root) -> Prepared:
     env = os.environ if env is None else env
     apply_tokenizer_options(tokenizer, args)
     fp, key = fingerprint(opts, tokenizer, args)
@@ -493,7 +535,7 @@ def load_tokenizer(model_args, training_args):
     max_length, note = resolve_max_length(config, training_args.max_length)
     if note:
         log(note)
-    return tokenizer, max_length
+    return tokenizer, max_length, model_positions(config)
 
 
 def main(script_args, training_args, model_args, llmft_args) -> int:
@@ -507,9 +549,9 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
             raise DataError("--model_name_or_path is required (its tokenizer tokenises the data)")
         opts = DataOptions.from_args(script_args, training_args, llmft_args)
         check_options(opts, training_args.eval_strategy, training_args.dataset_kwargs)
-        tokenizer, max_length = load_tokenizer(model_args, training_args)
+        tokenizer, max_length, positions = load_tokenizer(model_args, training_args)
         args = dataclasses.replace(training_args, max_length=max_length)
-        prepared = prepare(opts, tokenizer, args, log=log, timeout=llmft_args.prepare_timeout)
+        prepared = prepare(opts, tokenizer, args, log=log, timeout=llmft_args.prepare_timeout, positions=positions)
     except (DataError, TrainError, HubError) as e:
         print(f"llmft prepare: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -485,7 +485,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     # 3. The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache.
     with clock.phase("data"):
         prepared = prepare.prepare(data_options, tokenizer, dataclasses.replace(training_args, max_length=max_length), log=log,
-                                   timeout=llmft_args.prepare_timeout)
+                                   timeout=llmft_args.prepare_timeout, positions=prepare.model_positions(model_config))
     if prepared.shape == "messages":
         data.ensure_chat_template(tokenizer)
     records = prepared.info["records"]
