@@ -278,7 +278,9 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
         knobs += [f"ZERO_STAGE={s.zero_stage}", f"OFFLOAD={0 if s.offload == 'none' else 1}"]
     if args.use_peft:
         knobs.append("LORA=1")
+    knobs += data_knobs(args)
     extra = ["--gradient_checkpointing", "true" if s.gradient_checkpointing else "false", "--max_length", str(args.max_length)]
+    extra += data_flags(args)
     if args.use_peft:
         extra += ["--lora_r", str(args.lora_r)]
         if args.lora_target_modules:
@@ -291,6 +293,60 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
     export = "--export=ALL," + ",".join(knobs)
     return (f"sbatch --nodes={world.nnodes} --gpus-per-node={world.procs_per_node} slurm/run_llm.slurm "
             f"{shlex.quote(export)}")
+
+
+def data_knobs(args) -> list[str]:
+    """The run_llm.slurm knobs of the data and length the plan was made for: every one explicit, so the line never
+    falls back to the script's defaults (its hub dataset, 10 epochs, 10% of the data)."""
+    knobs = []
+    if args.dataset_name:
+        knobs.append(f"DATASET={args.dataset_name}")
+    knobs.append(f"DATA_PERCENTAGE={args.data_percentage:g}")
+    if args.max_steps is not None:
+        knobs.append(f"MAX_STEPS={args.max_steps}")
+    knobs.append(f"EPOCHS={args.num_train_epochs:g}")
+    return knobs
+
+
+def data_flags(args) -> list[str]:
+    """The `llmft train` flags for the data's columns (EXTRA_ARGS)."""
+    out = []
+    for name in ("prompt_column", "completion_column", "messages_column", "dataset_text_field"):
+        if getattr(args, name):
+            out += [f"--{name}", getattr(args, name)]
+    return out
+
+
+def data_fit_lines(args, positions: int | None) -> list[str]:
+    """--dataset_name with --model: the data prepared as `llmft train` prepares it (cached, so the run reuses it) and its
+    fit against max_length, one line per split (llmft.data_fit), with the warning naming the fix."""
+    import dataclasses
+    import tempfile
+
+    from llmft import prepare
+    from llmft.data import DataError
+
+    from transformers import AutoTokenizer
+    from trl import SFTConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise PlanError(f"--dataset_name needs the model's tokenizer, and {args.model} has none loadable "
+                        f"({str(e).strip().splitlines()[0][:200]}): give a model directory with its tokenizer files") from None
+    opts = prepare.DataOptions(dataset_name=args.dataset_name, prompt_column=args.prompt_column,
+                               completion_column=args.completion_column, messages_column=args.messages_column,
+                               text_field=args.dataset_text_field or "text", data_percentage=args.data_percentage)
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="llmft-plan-") as tmp:
+        sft = SFTConfig(output_dir=tmp, report_to="none", use_cpu=True, bf16=False, max_length=args.max_length,
+                        dataset_text_field=args.dataset_text_field or "text")
+        try:
+            prepare.check_options(opts)
+            prepare.prepare(opts, tokenizer, sft, log=lines.append, positions=positions)
+        except DataError as e:
+            raise PlanError(str(e)) from None
+    return [f"llmft plan: {line}" for line in lines]
 
 
 def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
@@ -356,17 +412,21 @@ def memory_main(args, world: World) -> tuple[int, World]:
         mplan = plan_memory(job)
     except MemoryPlanError as e:
         raise PlanError(str(e)) from None
+    fit = data_fit_lines(args, positions) if args.dataset_name else []
     written = []
     if args.write and mplan.recommended is not None:
         written = write_plan_files(Path(args.write), args, mplan, World(job.nnodes, job.nproc_per_node, world.source))
     if args.json:
         print(json.dumps(memory_plan_json(mplan), indent=2))
     else:
-        print("\n".join(format_memory_plan(mplan, hardware)))
+        print("\n".join(format_memory_plan(mplan, hardware) + fit))
         for path in written:
             print(f"llmft plan: wrote {path}")
         if written:
             print(f"llmft plan: run it: {(Path(args.write) / 'sbatch.txt').read_text().strip()}")
+            if not args.dataset_name:
+                print("llmft plan: warning: no --dataset_name: the line trains on run_llm.slurm's default dataset; "
+                      "add DATASET=your.jsonl to it, or plan with --dataset_name")
     if mplan.recommended is None:
         print(f"llmft plan: error: {mplan.reason}", file=sys.stderr)
         return 2, world
@@ -457,6 +517,15 @@ def make_parser(subparsers=None):
     mem.add_argument("--json", action="store_true", help="print the plan as JSON")
     mem.add_argument("--write", default=None, metavar="DIR", help="write the recommended DeepSpeed config and sbatch line to DIR")
     mem.add_argument("--trust_remote_code", action="store_true")
+    run = parser.add_argument_group("the data and length of the run (--model; in the --write sbatch line)")
+    run.add_argument("--dataset_name", default=None, help="your data (.jsonl, ...): its fit against --max_length is counted")
+    run.add_argument("--prompt_column", default=None)
+    run.add_argument("--completion_column", default=None)
+    run.add_argument("--messages_column", default=None)
+    run.add_argument("--dataset_text_field", default=None)
+    run.add_argument("--data_percentage", type=float, default=100.0, help="default 100 (all of it)")
+    run.add_argument("--num_train_epochs", type=float, default=3.0, help="default 3 (llmft train's)")
+    run.add_argument("--max_steps", type=int, default=None)
     parser.set_defaults(func=main)
     return parser
 
@@ -474,7 +543,8 @@ def _bool(value: str, flag: str) -> bool:
 
 MEMORY_ONLY = ("gpu", "gpu_memory_gb", "node_type", "host_ram_gb", "max_length", "gradient_checkpointing", "use_peft",
                "lora_r", "lora_target_modules", "load_in_4bit", "attn_implementation", "save_total_limit",
-               "save_consolidated", "write_mb_s", "mfu", "auto", "json", "write", "trust_remote_code")
+               "save_consolidated", "write_mb_s", "mfu", "auto", "json", "write", "trust_remote_code", "dataset_name",
+               "prompt_column", "completion_column", "messages_column", "dataset_text_field", "max_steps")
 
 
 def main(args) -> int:
