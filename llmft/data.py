@@ -164,10 +164,21 @@ def _load_or_explain(files: list[Path], load):
         return load()
     except Exception as e:  # pyarrow/json parser messages are long and name no line: find the line ourselves
         for f in files:
-            if f.suffix.lower() == ".jsonl" and check_jsonl(f) == 0:
-                raise DataError(f"dataset {f} is empty; it needs at least one record") from None
+            if f.suffix.lower() == ".jsonl" or f.suffix.lower() == ".json" and not _one_json_document(f):
+                if check_jsonl(f) == 0:  # a .json file that is not one document is read as JSON Lines, as datasets does
+                    raise DataError(f"dataset {f} is empty; it needs at least one record") from None
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise DataError(f"cannot read {', '.join(map(str, files[:3]))}: {reason}; check the file's format") from None
+
+
+def _one_json_document(path: Path) -> bool:
+    """Whether a .json file parses as one JSON document (else it is JSON Lines, or broken)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+        return True
+    except (ValueError, OSError):
+        return False
 
 
 def shape_for_sft(ds, *, prompt_column: str | None = None, completion_column: str | None = None,

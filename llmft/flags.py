@@ -182,6 +182,20 @@ def check_flags(script_args, training_args, model_args, *, cuda: bool) -> None:
                         "of epochs or --max_steps")
 
 
+def unknown_flag_message(rest: list[str], known: list[str]) -> str:
+    """One line for arguments no dataclass takes: the first unknown flag and the closest known one."""
+    import difflib
+
+    flags = [a.split("=", 1)[0] for a in rest if a.startswith("-")]
+    if not flags:
+        return f"unexpected argument {rest[0]!r}: flags take the form --name value (llmft train --help lists them)"
+    long_flags = [k for k in known if k.startswith("--")]
+    close = difflib.get_close_matches(flags[0], long_flags, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "llmft train --help lists every flag"
+    more = f" (and {len(flags) - 1} more unknown)" if len(flags) > 1 else ""
+    return f"unknown flag {flags[0]}{more}: {hint}"
+
+
 class TrainParser(TrlParser):
     """TRL's parser for `llmft train`, with two differences that keep parsing from deciding what llmft decides.
 
@@ -208,8 +222,12 @@ class TrainParser(TrlParser):
             load_config(template_path(None, deepspeed=ns.deepspeed))
         return ns, rest
 
-    def parse_args_into_dataclasses(self, *args, **kwargs):
-        out = super().parse_args_into_dataclasses(*args, **kwargs)
+    def parse_args_into_dataclasses(self, *args, return_remaining_strings: bool = False, **kwargs):
+        out = super().parse_args_into_dataclasses(*args, return_remaining_strings=True, **kwargs)
+        if not return_remaining_strings:  # HF's "Some specified arguments are not used" names no fix: llmft's does
+            out, rest = out[:-1], out[-1]
+            if rest:
+                raise FlagError(unknown_flag_message(rest, [s for a in self._actions for s in a.option_strings]))
         for obj in out:
             if hasattr(obj, "bf16_flag"):
                 obj.bf16_flag, obj.fp16_flag = self.precision_flags["bf16"], self.precision_flags["fp16"]

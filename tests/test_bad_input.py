@@ -125,7 +125,7 @@ CASES = [
     Case("train", "resume_checkpoint_missing", lambda w: ["--resume_from_checkpoint", str(w.inputs / "ckpt")], "ckpt not found"),
     Case("train", "config_yaml_missing", lambda w: ["--config", str(w.inputs / "run.yaml")], "cannot read"),
     Case("train", "config_yaml_invalid", lambda w: ["--config", w.file("run.yaml", "zero_stage: [2\n")], "the --config file is not valid YAML"),
-    Case("train", "unknown_flag", lambda w: ["--epochs", "3"], "Some specified arguments are not used by the HfArgumentParser: ['--epochs', '3']"),
+    Case("train", "unknown_flag", lambda w: ["--golbal_batch_size", "8"], "unknown flag --golbal_batch_size: did you mean --global_batch_size?"),
     Case("train", "zero_epochs", lambda w: ["--num_train_epochs", "0"], "--num_train_epochs 0 trains nothing"),
     Case("train", "max_length_zero", lambda w: ["--max_length", "0"], "--max_length 0 must be a positive number of tokens"),
     Case("train", "attention_unknown", lambda w: ["--attn_implementation", "flash3"], "unknown --attn_implementation 'flash3'"),

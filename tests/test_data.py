@@ -55,6 +55,16 @@ def test_non_object_line_is_reported(tmp_path):
         load_train_split(str(path))
 
 
+def test_a_json_lines_file_named_json_gets_the_line_number_too(tmp_path):
+    path = tmp_path / "arrays.json"
+    path.write_text('{"text": "ok"}\n["What is 1+1?", "2"]\n')
+    with pytest.raises(DataError, match=r"arrays.json: line 2 is a JSON list, not an object"):
+        load_train_split(str(path))
+    whole = tmp_path / "whole.json"  # one JSON document (a list of records) still loads
+    whole.write_text('[\n {"text": "a"},\n {"text": "b"}\n]\n')
+    assert load_train_split(str(whole))["text"] == ["a", "b"]
+
+
 def test_missing_file_and_empty_file(tmp_path):
     with pytest.raises(DataError, match=r"dataset file ./nope.jsonl not found"):
         load_train_split("./nope.jsonl")

@@ -286,3 +286,16 @@ def test_load_in_4bit_on_this_cpu_machine_is_one_line_before_anything_loads(tiny
     assert err == ["llmft train: error: --load_in_4bit (QLoRA) needs a CUDA GPU for bitsandbytes' kernels and none is "
                    "visible here: drop it to train LoRA in full precision, or run on a GPU node"]
     assert not out.exists()
+
+
+def test_an_unknown_flag_names_the_closest_known_one():
+    from llmft.flags import unknown_flag_message
+    from llmft.train import make_parser
+
+    parser = make_parser()
+    known = [s for a in parser._actions for s in a.option_strings]
+    assert unknown_flag_message(["--golbal_batch_size", "8"], known) == "unknown flag --golbal_batch_size: did you mean --global_batch_size?"
+    assert unknown_flag_message(["--lerning_rate=1e-4"], known) == "unknown flag --lerning_rate: did you mean --learning_rate?"
+    assert unknown_flag_message(["--zzzz", "1", "--qqqq"], known) == "unknown flag --zzzz (and 1 more unknown): llmft train --help lists every flag"
+    with pytest.raises(ValueError, match="unknown flag --num_epochs: did you mean --num_train_epochs"):
+        parser.parse_args_and_config(args=["--num_epochs", "3"])
