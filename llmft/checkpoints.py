@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -251,3 +252,57 @@ def mark_done(output_dir: str | Path, global_step: int) -> Path:
     path = Path(output_dir) / DONE_MARKER
     _write_json_atomic(path, {"global_step": global_step, "finished_at": time.time()})
     return path
+
+
+INCOMPLETE_DIR = "incomplete"  # where a rerun moves the checkpoints a killed save left without their marker
+
+
+def steps_to_delete(complete_steps: list[int], keep: int | None, protected: set[int] = frozenset()) -> list[int]:
+    """Which complete checkpoints --save_total_limit `keep` deletes: the oldest beyond the newest `keep`, never a
+    protected one (the best model's). Only complete checkpoints are counted: an incomplete one is worth nothing to
+    resume, so counting it could delete the last good one (issue 21). None or <= 0: keep all, as transformers does."""
+    if not keep or keep <= 0:
+        return []
+    steps = sorted(complete_steps)
+    if not steps:
+        return []
+    must = {steps[-1]} | (set(protected) & set(steps))  # the newest and the best, as transformers keeps them
+    room = max(keep, len(must)) - len(must)
+    kept = must | set([s for s in reversed(steps) if s not in must][:room])
+    return [s for s in steps if s not in kept]
+
+
+def rotate(output_dir: str | Path, keep: int | None, protected: str | Path | None = None) -> list[Path]:
+    """Apply --save_total_limit after a checkpoint was published complete (rank 0, every rank's files written).
+
+    The marker goes first, so a deletion cut off midway leaves a checkpoint that is plainly incomplete."""
+    complete = {step: path for step, path in checkpoint_dirs(output_dir) if incomplete_reason(path) is None}
+    protected_steps = {s for s, p in complete.items() if protected and Path(protected).resolve() == p.resolve()}
+    deleted = []
+    for step in steps_to_delete(list(complete), keep, protected_steps):
+        path = complete[step]
+        (path / COMPLETE_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def set_aside_incomplete(output_dir: str | Path) -> list[str]:
+    """Move every checkpoint-N without a valid marker to <output_dir>/incomplete/checkpoint-N (replacing an older
+    copy there); one line per checkpoint, to print. Run on rank 0 of a run about to train in its own directory: a
+    save would otherwise write into the stale directory, and rotation must not see it. Not resumed from either way."""
+    lines = []
+    if not (Path(output_dir) / RUN_RECORD).is_file():  # checkpoints llmft did not write are not its to move
+        return lines
+    for _, path in checkpoint_dirs(output_dir):
+        reason = incomplete_reason(path)
+        if reason is None:
+            continue
+        target = Path(output_dir) / INCOMPLETE_DIR / path.name
+        target.parent.mkdir(exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(path, target)
+        lines.append(f"moved {path.name} aside to {target}: {reason.replace(str(path), path.name)}; "
+                     "never resumed from, delete it to free its space")
+    return lines

@@ -64,7 +64,8 @@ POLICY: dict[str, tuple[str, str]] = {
     "max_length": (CHECKED, "capped at the model's positions (logged); must be positive"),
     "seed": (USED, "also picks the --data_percentage subset"),
     "num_train_epochs": (CHECKED, "must be positive unless --max_steps is"),
-    "save_total_limit": (CHECKED, "1 could leave no complete checkpoint; refused"),
+    "save_total_limit": (USED, "applied by llmft after each checkpoint is published complete, counting complete "
+                               "checkpoints only (llmft.checkpoints.rotate); the Trainer gets None"),
     "use_cpu": (CHECKED, "llmft trains on the GPUs when CUDA is visible and on CPU otherwise; a contradiction is refused"),
     "dataloader_pin_memory": (USED, "kept on GPUs, off without CUDA (nothing to pin for)"),
     "include_num_input_tokens_seen": (PASSED, "the Trainer's own num_input_tokens_seen log; llmft's tokens/s counts "
@@ -166,8 +167,6 @@ def check_flags(script_args, training_args, model_args, *, cuda: bool) -> None:
     out = training_args.output_dir
     if out and Path(out).exists() and not Path(out).is_dir():
         raise FlagError(f"--output_dir {out} is a file, not a directory: choose another --output_dir")
-    if training_args.save_total_limit == 1:
-        raise FlagError("--save_total_limit 1 can leave no complete checkpoint if a job dies while saving; use 2 or more")
     if training_args.use_cpu == cuda:
         raise FlagError(
             "--use_cpu true, but CUDA GPUs are visible: llmft trains on them; to train on CPU hide them (CUDA_VISIBLE_DEVICES=)"

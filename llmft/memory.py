@@ -694,10 +694,12 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
     if chosen is None:
         return out
     if job.free_disk_gib is not None and job.save_total_limit:
-        need = job.save_total_limit * chosen.checkpoint
+        # llmft deletes the oldest only once the next is complete: limit + 1 checkpoints at once (llmft.checkpoints.rotate)
+        need = (job.save_total_limit + 1) * chosen.checkpoint
         if need > job.free_disk_gib * GIB:
             out.append(
-                f"save_total_limit {job.save_total_limit} x {gib(chosen.checkpoint)} GiB per checkpoint = {gib(need)} GiB "
+                f"save_total_limit {job.save_total_limit} keeps {job.save_total_limit} complete checkpoints while writing the "
+                f"next: {job.save_total_limit + 1} x {gib(chosen.checkpoint)} GiB per checkpoint = {gib(need)} GiB "
                 f"exceeds the {job.free_disk_gib:.1f} GiB free in the output directory; lower --save_total_limit or free space"
             )
     elif job.free_disk_gib is not None and chosen.checkpoint > job.free_disk_gib * GIB:

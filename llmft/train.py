@@ -175,8 +175,8 @@ def _callbacks():
         Weights that do not (empty, missing tensors, zeros): no marker, training stops, `refused` says why.
         """
 
-        def __init__(self, zero_stage: int, batch):
-            self.zero_stage, self.batch = zero_stage, batch
+        def __init__(self, zero_stage: int, batch, keep: int | None = None):
+            self.zero_stage, self.batch, self.keep = zero_stage, batch, keep  # keep: --save_total_limit
             self.refused: str | None = None
 
         def on_save(self, args, state, control, model=None, **kwargs):
@@ -193,6 +193,9 @@ def _callbacks():
             elif state.is_world_process_zero:
                 if checkpoints.mark_complete(ckpt, args.world_size, self.zero_stage, reports, self.batch):
                     log(f"saved complete checkpoint {ckpt}")
+                    # --save_total_limit, applied here (the Trainer gets None): only now is the new one complete
+                    for gone in checkpoints.rotate(args.output_dir, self.keep, state.best_model_checkpoint):
+                        log(f"deleted {gone.name} (--save_total_limit {self.keep} counts complete checkpoints only)")
                 else:
                     missing = [r for r, files in enumerate(reports) if not files]
                     log(f"warning: not marking {ckpt} complete: rank(s) {missing} reported no files")
@@ -331,6 +334,7 @@ def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cud
         dataloader_pin_memory=training_args.dataloader_pin_memory and cuda,
         max_length=max_length,
         resume_from_checkpoint=str(resume) if resume else None,
+        save_total_limit=None,  # applied by llmft after each checkpoint is complete (PublishCompleteCheckpoint)
         dataset_kwargs={**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True},  # llmft.prepare did it
         assistant_only_loss=False,  # already in the prepared labels (and TRL would check the untokenised format)
     )
@@ -437,6 +441,9 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     if finished:
         log(finished)
         return 0
+    if rank0():  # this run trains here: a save cut off earlier must neither be written into again nor rotated over
+        for line in checkpoints.set_aside_incomplete(training_args.output_dir):
+            log(line)
     resuming = resume and elastic.plan_resume(
         resume, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=given
     )
@@ -552,7 +559,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     PublishCompleteCheckpoint, GracefulStop = _callbacks()
     before_loading = host_memory.current_rss()
     stop = GracefulStop(llmft_args.stop_file or os.environ.get("LLMFT_STOP_FILE"))
-    publish = PublishCompleteCheckpoint(plan.zero_stage, plan.batch)
+    publish = PublishCompleteCheckpoint(plan.zero_stage, plan.batch, training_args.save_total_limit)
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
         trainer = saving.trainer_class(llmft_args.save_consolidated)(
             model=model_path,

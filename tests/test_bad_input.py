@@ -120,7 +120,6 @@ CASES = [
     Case("train", "optimizer_deepspeed_cannot_run", lambda w: ["--optim", "adamw_bnb_8bit"],
          "--optim adamw_bnb_8bit is not supported with DeepSpeed in llmft"),
     Case("train", "lora_flag_without_use_peft", lambda w: ["--lora_r", "8"], "--lora_r is a LoRA setting but --use_peft is not given"),
-    Case("train", "save_total_limit_1", lambda w: ["--save_total_limit", "1"], "--save_total_limit 1 can leave no complete checkpoint"),
     Case("train", "streaming_refused", lambda w: ["--dataset_streaming", "true"], "--dataset_streaming True is not supported"),
     Case("train", "resume_checkpoint_missing", lambda w: ["--resume_from_checkpoint", str(w.inputs / "ckpt")], "ckpt not found"),
     Case("train", "config_yaml_missing", lambda w: ["--config", str(w.inputs / "run.yaml")], "cannot read"),

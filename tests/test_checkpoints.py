@@ -17,6 +17,9 @@ from llmft.checkpoints import (
     owner_rank,
     rank_report,
     resolve_resume,
+    rotate,
+    set_aside_incomplete,
+    steps_to_delete,
     tag_dir,
 )
 
@@ -184,3 +187,36 @@ def test_tag_dir_follows_latest_and_refuses_a_dangling_one(tmp_path):
     (ckpt / "latest").unlink()
     (ckpt / "global_step9").mkdir()
     assert tag_dir(ckpt) == ckpt / "global_step10"  # the highest step, not the last in name order
+
+
+def test_rotation_counts_only_complete_checkpoints_and_keeps_the_newest_and_the_best():
+    assert steps_to_delete([2, 4, 6], 2) == [2]
+    assert steps_to_delete([2, 4], 2) == []
+    assert steps_to_delete([2, 4, 6, 8], 1) == [2, 4, 6]
+    assert steps_to_delete([2, 4, 6], 2, protected={2}) == [4]  # the best model and the newest, as transformers keeps
+    assert steps_to_delete([2, 4, 6], 1, protected={2}) == [4]
+    assert steps_to_delete([2, 4, 6], None) == steps_to_delete([2, 4, 6], 0) == []  # no limit: keep all
+
+
+def test_rotate_never_counts_or_deletes_an_incomplete_checkpoint(tmp_path):
+    for step in (2, 4):
+        fake_checkpoint(tmp_path, step)
+    fake_checkpoint(tmp_path, 5, complete=False)  # a stop save cut off
+    assert rotate(tmp_path, 2) == []  # 5 is not counted: 2 and 4 are the two complete ones
+    fake_checkpoint(tmp_path, 6)
+    assert rotate(tmp_path, 2) == [tmp_path / "checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-5", "checkpoint-6"]
+
+
+def test_a_rerun_moves_incomplete_checkpoints_aside_in_its_own_run_only(tmp_path):
+    fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 5, complete=False)
+    assert set_aside_incomplete(tmp_path) == []  # no llmft run record: not llmft's checkpoints to move
+    (tmp_path / "llmft_run.json").write_text("{}")
+    (tmp_path / "incomplete" / "checkpoint-5").mkdir(parents=True)  # an older cut-off save of the same step
+    [line] = set_aside_incomplete(tmp_path)
+    assert line == (f"moved checkpoint-5 aside to {tmp_path / 'incomplete' / 'checkpoint-5'}: checkpoint-5 has no "
+                    "llmft_complete.json: it was interrupted while saving; never resumed from, delete it to free its space")
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-4"]
+    assert (tmp_path / "incomplete" / "checkpoint-5" / "global_step5").is_dir()
+    assert latest_complete(tmp_path) == tmp_path / "checkpoint-4"

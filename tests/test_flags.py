@@ -72,7 +72,6 @@ def test_each_refused_flag_stops_the_run_naming_itself(tmp_path):
         (["--lora_r", "8"], False, "--lora_r is a LoRA setting but --use_peft is not given"),
         (["--lora_target_modules", "q_proj", "v_proj"], False, "--lora_target_modules is a LoRA setting"),
         (["--use_dora"], False, "--use_dora is a LoRA setting"),
-        (["--save_total_limit", "1"], False, "--save_total_limit 1 can leave no complete checkpoint"),
         (["--use_cpu", "false"], False, "--use_cpu false, but no CUDA GPU is visible here"),
         ([], True, "--use_cpu true, but CUDA GPUs are visible"),  # parsed on this CPU machine, checked as on a GPU one
         (["--learning_rate=-1e-4"], False, "--learning_rate -0.0001 is negative"),

@@ -320,9 +320,12 @@ def test_8b_on_a2_highgpu_8g_fits_without_offload_and_warns_about_the_preemption
 
 def test_save_total_limit_beyond_free_disk_is_warned(llama8b):
     _, full, _ = llama8b
-    job = node_job(full, "g6.12xlarge", 1, global_batch=16, save_total_limit=3, free_disk_gib=150)
-    plan = plan_memory(job)
-    assert any("save_total_limit 3" in w and "150.0 GiB free in the output directory" in w for w in plan.warnings)
+    job = node_job(full, "g6.12xlarge", 1, global_batch=16, save_total_limit=2, free_disk_gib=10_000)
+    ckpt_gib = plan_memory(job).recommended.checkpoint / 2**30
+    # Two kept plus the one being written (the oldest goes only once it is complete): 2.5 checkpoints' room is short.
+    plan = plan_memory(dataclasses.replace(job, free_disk_gib=2.5 * ckpt_gib))
+    assert any(w.startswith("save_total_limit 2 keeps 2 complete checkpoints while writing the next: 3 x ")
+               and f"{2.5 * ckpt_gib:.1f} GiB free in the output directory" in w for w in plan.warnings), plan.warnings
     roomy = plan_memory(dataclasses.replace(job, free_disk_gib=10_000))
     assert not any("save_total_limit" in w for w in roomy.warnings)
 

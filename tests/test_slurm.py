@@ -380,7 +380,7 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     # sbatch's own --export: knobs in the environment; no OMP_NUM_THREADS of the user's, so llmft's split decides.
     one = cluster.sbatch([knobs, str(SCRIPT)], cwd=tmp_path, LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="")
     two = cluster.sbatch(
-        [str(edited), knobs + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5 --dataloader_num_workers 0"],
+        [str(edited), knobs + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5 --dataloader_num_workers 0 --save_total_limit 3"],
         cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9", LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="3",
     )
     for job in (one, two):
@@ -404,6 +404,8 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     assert "nccl NCCL_SOCKET_IFNAME=eth9" in b  # a setting the user exported wins over the profile
     # Knobs become llmft train flags; EXTRA_ARGS are passed as separate words.
     assert "--report_to none" in a and "--use_peft" not in a
+    # Two complete checkpoints kept by default; the user's own --save_total_limit wins.
+    assert "--save_total_limit 2 " in a and b.count("--save_total_limit") == 1 and "--save_total_limit 3" in b
     assert "--report_to wandb" in b and "--use_peft" in b and "--seed 7 --logging_steps 5" in b
     # Rendezvous ports derive from the job id: two jobs sharing a node do not collide.
     ports = [re.search(r"rendezvous c10d at [^:]+:(\d+)", t).group(1) for t in (a, b)]

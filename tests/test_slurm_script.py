@@ -45,6 +45,7 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         (["--export=ALL,GLOBAL_BATCH=-4"], "GLOBAL_BATCH=-4 is not a positive integer"),
         (["--export=ALL,MICRO_BATCH=1.5"], "MICRO_BATCH=1.5 is not a positive integer"),
         (["--export=ALL,MAX_STEPS=ten"], "MAX_STEPS=ten is not a positive integer"),
+        (["SAVE_TOTAL_LIMIT=-1"], "SAVE_TOTAL_LIMIT=-1 is not a number of checkpoints; use 0 (keep all) or more (default 2)"),
         (["--export=ALL,OFFLOAD=maybe"], "OFFLOAD=maybe is not a boolean"),
         (["--export=ALL,OFFLOAD=1,ZERO_STAGE=1"], "OFFLOAD=1 needs ZERO_STAGE=2 or 3"),
         (["--export=ALL,OFFLOAD=1,ZERO_STAGE=auto"], "ZERO_STAGE=auto chooses the offload itself; drop OFFLOAD=1"),
@@ -113,7 +114,7 @@ def test_help_documents_every_knob_with_its_default():
     proc = run_script("--help")
     assert proc.returncode == 0
     for line in ("EPOCHS=10", "CHECKPOINT_DIR=runs/<job name>-<run key>", "sbatch -J NAME", "DATA_PERCENTAGE=10", "ZERO_STAGE=2", "GLOBAL_BATCH=32",
-                 "MICRO_BATCH=4", "NCCL_PROFILE=", "CONTAINER_IMAGE=", "VENV=", "EXTRA_ARGS=", "WANDB_PROJECT="):
+                 "MICRO_BATCH=4", "SAVE_TOTAL_LIMIT=2", "NCCL_PROFILE=", "CONTAINER_IMAGE=", "VENV=", "EXTRA_ARGS=", "WANDB_PROJECT="):
         assert line in proc.stdout, line
     knobs = SCRIPT.read_text().split("KNOBS=(")[1].split(")")[0].split()
     for knob in knobs:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, run
+from conftest import PYTHON, REPO, run
 from llmft.metrics import STARTUP_PHASES, SUMMARY_FIELDS
 from llmft.tiny import as_format, make_examples, write_jsonl
 
@@ -20,6 +21,9 @@ STEP_RE = re.compile(
     r"mfu (n/a|[\d.]+%) gpu_mem (n/a|[\d.]+GiB) data ([\d.]+)%"
 )
 PROBE = str(Path(__file__).resolve().parent / "train_probe.py")
+
+
+PROBE = REPO / "tests" / "train_probe.py"
 
 
 def train_cmd(model, data, out, *extra, nproc=2):
@@ -525,3 +529,33 @@ def test_dataloader_workers_leave_stop_signals_to_their_rank():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_save_total_limit_never_deletes_the_last_complete_checkpoint_for_an_incomplete_one(tiny_model, tiny_data, tmp_path):
+    """Issue 21, as a user met it: run 1 (--save_steps 2 --save_total_limit 2) leaves checkpoint-2 and -4; a stop save
+    cut off leaves checkpoint-5 without its marker. The rerun resumes from 4 and moves 5 aside, saying so; while 6 is
+    written (before it is complete) 4 is still there and complete; only once 8 is complete is 4 deleted.
+    transformers' own rotation (inside the save, by step, counting 5) deleted 4 while 6 was being written."""
+    out, probe = tmp_path / "run", tmp_path / "probe"
+    flags = ("--save_steps", 2, "--save_total_limit", 2, "--global_batch_size", 4, "--per_device_train_batch_size", 4)
+    run(train_cmd(tiny_model, tiny_data, out, "--max_steps", 4, *flags, nproc=1), check=True)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    cut = out / "checkpoint-5"  # what a stop save killed mid-write leaves: some files, no marker
+    shutil.copytree(out / "checkpoint-4", cut)
+    (cut / "llmft_complete.json").unlink()
+    for shard in cut.glob("global_step4/*optim_states.pt"):
+        shard.unlink()
+
+    cmd = train_cmd(tiny_model, tiny_data, out, "--max_steps", 8, *flags, nproc=1)
+    second = run([cmd[0], str(PROBE), *cmd[3:]], check=True, LLMFT_PROBE_DIR=str(probe), LLMFT_PROBE_LISTING="1",
+                 LLMFT_PROBE_MOMENTS="0")
+    assert f"llmft: resuming from {out / 'checkpoint-4'}" in second.stdout
+    listing = {step: json.loads((probe / f"listing-at-save-{step}.json").read_text()) for step in (6, 8)}
+    assert listing[6] == {"checkpoint-2": True, "checkpoint-4": True, "checkpoint-6": False}, listing
+    assert listing[8] == {"checkpoint-4": True, "checkpoint-6": True, "checkpoint-8": False}, listing
+    assert (f"llmft: moved checkpoint-5 aside to {out / 'incomplete' / 'checkpoint-5'}: checkpoint-5 has no "
+            "llmft_complete.json: it was interrupted while saving; never resumed from, delete it to free its space") in second.stdout
+    assert (out / "incomplete" / "checkpoint-5").is_dir()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
+    assert "llmft: deleted checkpoint-4 (--save_total_limit 2 counts complete checkpoints only)" in second.stdout
+    assert [s for s, *_ in steps(second.stdout)] == [5, 6, 7, 8]

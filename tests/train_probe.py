@@ -8,6 +8,9 @@ The tensors are gathered with DeepSpeed's own accessors (collective: every rank 
 $LLMFT_PROBE_SABOTAGE=zero_lora_b breaks every checkpoint's adapter file, to test the save-time check.
 $LLMFT_PROBE_SLOW_SAVE=S / $LLMFT_PROBE_SLOW_EVAL=S make every checkpoint save / evaluation take S seconds longer,
 to test that the rates leave them out.
+$LLMFT_PROBE_MOMENTS=0: none of the files above (only what the variables below ask for).
+$LLMFT_PROBE_LISTING=1: listing-at-save-N.json, what --output_dir held when checkpoint-N's files were written and
+  before it was published complete: {"checkpoint-K": true if complete else false}.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class Probe(TrainerCallback):
 
 class ProbedTrainer(trl.SFTTrainer):
     def __init__(self, *args, callbacks=None, **kwargs):
-        super().__init__(*args, callbacks=[*(callbacks or []), Probe(Path(os.environ["LLMFT_PROBE_DIR"]))], **kwargs)
+        probe = [] if os.environ.get("LLMFT_PROBE_MOMENTS") == "0" else [Probe(Path(os.environ["LLMFT_PROBE_DIR"]))]
+        super().__init__(*args, callbacks=[*(callbacks or []), *probe], **kwargs)
 
 
 def _zero_lora_b_after_save(original):
@@ -90,6 +94,25 @@ def _slower(original, seconds: float):
     return slow
 
 
+def _list_after_save(original):
+    """$LLMFT_PROBE_LISTING=1: rank 0 records which checkpoints exist, and which are complete, after the Trainer wrote
+    checkpoint-N (and did whatever it does inside the save) and before llmft's on_save callback publishes it."""
+
+    def save(self, model, trial):
+        original(self, model, trial)
+        if self.args.process_index == 0:
+            import json
+
+            from llmft.checkpoints import checkpoint_dirs, incomplete_reason
+
+            out = Path(os.environ["LLMFT_PROBE_DIR"])
+            out.mkdir(parents=True, exist_ok=True)
+            listing = {p.name: incomplete_reason(p) is None for _, p in checkpoint_dirs(self.args.output_dir)}
+            (out / f"listing-at-save-{self.state.global_step}.json").write_text(json.dumps(listing))
+
+    return save
+
+
 if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
 
@@ -103,5 +126,10 @@ if __name__ == "__main__":  # patched only in the probe's own processes, never i
             import transformers
 
             setattr(transformers.Trainer, name, _slower(getattr(transformers.Trainer, name), float(os.environ[variable])))
+
+    if os.environ.get("LLMFT_PROBE_LISTING") == "1":
+        import transformers
+
+        transformers.Trainer._save_checkpoint = _list_after_save(transformers.Trainer._save_checkpoint)
 
     sys.exit(cli(make_parser()))
