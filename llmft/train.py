@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import (build_locks, checkpoints, data, ds_config, elastic, host_memory, hub, metrics, packing, prepare,
+from llmft import (build_locks, checkpoints, data, ds_config, elastic, host_memory, hub, metrics, packing, prepare, rerun,
                    run_identity, saved_weights, saving)
 from llmft.flags import FlagError, TrainParser, check_flags
 from llmft.hardware import (HardwareError, check_liger, choose_attention, choose_precision, flash_attn_installed,
@@ -373,7 +373,7 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
     try:
         return _train(script_args, training_args, model_args, llmft_args)
     except (TrainError, PlanError, HardwareError, packing.PackingError, data.DataError, ds_config.DSConfigError,
-            checkpoints.CheckpointError, FlagError, QuantizationError, run_identity.RunMismatch, LaunchEnvError,
+            checkpoints.CheckpointError, FlagError, QuantizationError, run_identity.RunMismatch, rerun.RerunRefused, LaunchEnvError,
             hub.HubError) as e:
         if rank0():
             print(f"llmft train: error: {e}", file=sys.stderr, flush=True)
@@ -435,7 +435,14 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
         global_batch=elastic.kept_global_batch(resume, plan.batch.global_batch, global_batch_given=given),
         dataset_fingerprint=data.content_fingerprint(script_args.dataset_name, script_args.dataset_config),
     )
+    identity["hyperparameters"] = rerun.hyperparameters(training_args)  # recorded, not compared: rerun.decide
     accepted = run_identity.check_same_run(training_args.output_dir, identity, training_args.resume_from_checkpoint)
+    schedule_changes = []
+    if resume:
+        saved = run_identity.read_record(training_args.output_dir) or {}
+        schedule_changes = [c for c in rerun.decide(saved.get("hyperparameters"), identity["hyperparameters"],
+                                                    deepspeed_scheduler="scheduler" in template, output_dir=training_args.output_dir)
+                            if c.split()[0].lstrip("-") in rerun.SCHEDULE_FLAGS]
     finished = checkpoints.nothing_left_to_train(training_args.output_dir, resume, training_args.max_steps,
                                                  training_args.num_train_epochs)
     if finished:
@@ -454,6 +461,9 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     log(resuming.describe(elastic.prepare(resuming, rank0(), log)) if resuming else f"starting a new run in {training_args.output_dir}")
     if accepted:
         log(f"continuing on purpose with new settings: {'; '.join(accepted)}")
+    if schedule_changes:
+        log(f"schedule changed since the checkpoint: {'; '.join(schedule_changes)}; the Trainer builds the schedule from these "
+            "flags, so they take effect from the resumed step")
     if quantization:
         log(f"QLoRA: base model loaded in {'4' if quantization.get('load_in_4bit') else '8'}-bit (bitsandbytes)")
 
@@ -569,7 +579,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
             processing_class=tokenizer,
             peft_config=get_peft_config(model_args),
             quantization_config=quantization_config,
-            callbacks=[publish, stop],
+            callbacks=[publish, stop, rerun.callback(log)],
         )
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
     trainer.add_callback(compile_report(trainer))
