@@ -312,12 +312,18 @@ def evaluate_examples(m: Model, examples: list[Example], shape: str, args, patte
     predictions: list[str | None] = [None] * len(examples)
     stop_at_eos(m.model, tokenizer)
     todo = [i for i, e in enumerate(examples) if e.prompt_text is not None]
-    if positions:
-        for i in todo:
-            n = len(tokenizer(examples[i].prompt_text)["input_ids"])
-            if n + args.max_new_tokens > positions:
-                raise EvalError(f"record {i}'s prompt has {n} tokens; with --max_new_tokens {args.max_new_tokens} that exceeds "
-                                f"the model's {positions} positions: lower --max_new_tokens or shorten the prompts")
+    too_long = []
+    if positions and args.max_new_tokens >= positions:
+        raise EvalError(f"--max_new_tokens {args.max_new_tokens} exceeds the model's {positions} positions: lower --max_new_tokens")
+    if positions:  # a prompt with no room for --max_new_tokens is not generated for (counted), the others are
+        lengths = {i: len(tokenizer(examples[i].prompt_text)["input_ids"]) for i in todo}
+        too_long = [i for i in todo if lengths[i] + args.max_new_tokens > positions]
+        todo = [i for i in todo if i not in set(too_long)]
+        if too_long:
+            print(f"llmft eval: {len(too_long)} of {len(examples)} records skipped for generation: their prompt "
+                  f"(up to {max(lengths[i] for i in too_long)} tokens) + --max_new_tokens {args.max_new_tokens} exceeds the "
+                  f"model's {positions} positions (their perplexity still counts); lower --max_new_tokens to score more",
+                  file=sys.stderr, flush=True)
     for start in range(0, len(todo), args.batch_size):
         chunk = todo[start : start + args.batch_size]
         gens = infer.generate(m.model, tokenizer, [examples[i].prompt_text for i in chunk], max_new_tokens=args.max_new_tokens)
@@ -328,6 +334,8 @@ def evaluate_examples(m: Model, examples: list[Example], shape: str, args, patte
         strict, flexible = score(pred, e.reference_text, pattern) if pred is not None else (None, None)
         results.append({"prompt": e.prompt_text if e.prompt_text is not None else "", "reference": e.reference_text,
                         "prediction": pred, "correct_strict": strict, "correct_flexible": flexible, "_nll": loss, "_tokens": tokens})
+    for i in too_long:
+        results[i]["skipped"] = "prompt too long"
     return results
 
 
@@ -338,7 +346,8 @@ def summarise(checkpoint: str, step: int | None, results: list[dict]) -> dict:
     def rate(key):
         return sum(bool(r[key]) for r in generated) / len(generated) if generated else None
     metrics = {"perplexity": perplexity(sum(r["_nll"] for r in results), tokens), "exact_match_strict": rate("correct_strict"),
-               "exact_match_flexible": rate("correct_flexible"), "n": len(results)}
+               "exact_match_flexible": rate("correct_flexible"), "n": len(results),
+               "skipped_too_long": sum(1 for r in results if r.get("skipped"))}
     examples = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
     return {"checkpoint": checkpoint, "step": step, "metrics": metrics, "examples": examples}
 

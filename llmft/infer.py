@@ -336,8 +336,28 @@ def render(tokenizer, prompt, chat: bool) -> str:
     return prompt
 
 
-def generate(model, tokenizer, texts: list[str], max_new_tokens=50, temperature=None, top_p=None, seed=None, stream=False) -> list[dict]:
-    """Batched generation, greedy unless temperature/top_p ask for sampling; streams a single prompt."""
+def new_token_budget(prompt_tokens: int, max_new_tokens: int, positions: int | None) -> tuple[int, str | None]:
+    """(new tokens to generate, a note when the model's positions cut --max_new_tokens). A prompt that leaves no room
+    is a CheckpointError naming its length and the limit (a model cannot see past its positions)."""
+    if not positions or prompt_tokens + max_new_tokens <= positions:
+        return max_new_tokens, None
+    room = positions - prompt_tokens
+    if room < 1:
+        raise CheckpointError(f"the prompt has {prompt_tokens} tokens and the model reads at most {positions} positions: "
+                              "shorten the prompt")
+    return room, (f"the prompt has {prompt_tokens} tokens: generating at most {room} new tokens, up to the model's "
+                  f"{positions} positions (not --max_new_tokens {max_new_tokens})")
+
+
+def model_positions(model) -> int | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def generate(model, tokenizer, texts: list[str], max_new_tokens=50, temperature=None, top_p=None, seed=None, stream=False,
+             say=None) -> list[dict]:
+    """Batched generation, greedy unless temperature/top_p ask for sampling; streams a single prompt. New tokens stop at
+    the model's positions (new_token_budget; `say` gets the note)."""
     import torch
     from transformers import TextStreamer
 
@@ -346,6 +366,9 @@ def generate(model, tokenizer, texts: list[str], max_new_tokens=50, temperature=
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+    max_new_tokens, note = new_token_budget(int(enc["input_ids"].shape[1]), max_new_tokens, model_positions(model))
+    if note and say is not None:
+        say(note)
     sample = (temperature is not None and temperature > 0) or top_p is not None
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=tokenizer.pad_token_id)
     if sample:
@@ -438,7 +461,8 @@ def run(args) -> dict:
         stream = not args.json and len(texts) == 1
         if stream:
             print(texts[0], end="", flush=True)
-        gens = generate(loaded.model, loaded.tokenizer, texts, args.max_new_tokens, args.temperature, args.top_p, args.seed, stream)
+        gens = generate(loaded.model, loaded.tokenizer, texts, args.max_new_tokens, args.temperature, args.top_p, args.seed, stream,
+                        say=lambda note: print(f"llmft infer: {note}", file=sys.stderr, flush=True))
         result["generations"] = gens
         if not args.json and not stream:
             for i, g in enumerate(gens):

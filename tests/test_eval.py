@@ -188,3 +188,15 @@ def test_bad_input_is_one_clear_line(run_with_eval, tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("llmft eval: error: ") and message in err[-1], (message, err[-3:])
+
+
+def test_an_over_long_record_is_skipped_and_counted_not_the_whole_evaluation(run_with_eval, tmp_path, capsys):
+    out, _, _ = run_with_eval
+    rows = as_format(make_examples(4, seed=5), "prompt_completion")
+    rows.insert(1, {"prompt": " ".join(["apple river stone"] * 100) + "\n", "completion": "#### 1"})
+    data = write_jsonl(rows, tmp_path / "one_long.jsonl")
+    got = ev.run(args_for(out, data, max_new_tokens=20))[0]
+    assert "1 of 5 records skipped for generation" in capsys.readouterr().err
+    assert got["metrics"]["skipped_too_long"] == 1 and got["metrics"]["n"] == 5
+    assert got["examples"][1]["skipped"] == "prompt too long" and got["examples"][1]["prediction"] is None
+    assert all(e["prediction"] is not None for i, e in enumerate(got["examples"]) if i != 1)

@@ -253,3 +253,38 @@ def test_bad_options_are_one_line_errors(trained, argv, expected, capsys):
     assert main(make_parser().parse_args([str(tag(trained("z2"))), *argv])) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("llmft infer: error: ") and "\n" not in err and expected in err
+
+
+def test_the_new_token_budget_stops_at_the_models_positions():
+    from llmft.checkpoints import CheckpointError
+    from llmft.infer import new_token_budget
+
+    assert new_token_budget(100, 50, 256) == (50, None)
+    assert new_token_budget(218, 60, 256) == (38, "the prompt has 218 tokens: generating at most 38 new tokens, up to the "
+                                                   "model's 256 positions (not --max_new_tokens 60)")
+    assert new_token_budget(5000, 60, None) == (60, None)  # no known limit: the model decides
+    with pytest.raises(CheckpointError, match="the prompt has 256 tokens and the model reads at most 256 positions: shorten"):
+        new_token_budget(256, 1, 256)
+
+
+def test_a_long_prompt_generates_up_to_the_models_limit_and_a_too_long_one_is_one_line(trained, capsys):
+    from transformers import AutoTokenizer
+
+    from llmft.infer import main, make_parser
+
+    tag_dir = tag(trained("z2"))
+    tokenizer = AutoTokenizer.from_pretrained(trained("z2"))
+    long_prompt = " ".join(["apple river stone"] * 200)
+    n = len(tokenizer(long_prompt)["input_ids"])
+    words = long_prompt.split()
+    while n > 218:  # a 218-token prompt, as the GSM8K question that crashed
+        words = words[:-1]
+        n = len(tokenizer(" ".join(words))["input_ids"])
+    got = _main(capsys, tag_dir, "--prompt", " ".join(words), "--max_new_tokens", "60")
+    assert got["generations"][0]["new_tokens"] <= 256 - n
+    assert main(make_parser().parse_args([str(tag_dir), "--prompt", " ".join(words), "--max_new_tokens", "60"])) == 0
+    assert f"llmft infer: the prompt has {n} tokens: generating at most {256 - n} new tokens" in capsys.readouterr().err
+    assert main(make_parser().parse_args([str(tag_dir), "--prompt", long_prompt, "--max_new_tokens", "60"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("llmft infer: error: the prompt has ") and "the model reads at most 256 positions" in err[-1]
+    assert "Traceback" not in "\n".join(err)
