@@ -336,33 +336,19 @@ def node_type_by_name(name: str) -> NodeType:
 
 
 def local_host_ram_gib(env=None, meminfo: str = "/proc/meminfo") -> float:
-    """This node's RAM for a job: LLMFT_HOST_RAM_GB (run_llm.slurm sets it from the first node, so every node of a
-    job plans alike) or MemTotal; Slurm's --mem limit (SLURM_MEM_PER_NODE, MB) when smaller."""
-    import os
-
-    env = os.environ if env is None else env
-    given = env.get("LLMFT_HOST_RAM_GB", "").strip()
-    if given:
-        try:
-            total = float(given)
-        except ValueError:
-            total = float("nan")
-        if not total > 0:
-            raise HardwareError(f"LLMFT_HOST_RAM_GB={given!r} is not a positive number of GiB")
-    else:
-        total = _meminfo_total_gib(meminfo)
-    limit = env.get("SLURM_MEM_PER_NODE", "").strip()
-    if limit.isdigit() and int(limit) > 0:
-        total = min(total, int(limit) / 1024)
-    return round(total, 1)
+    """The RAM a job may use on this node (llmft.planning.allocation.job_memory): the smallest of MemTotal, the
+    memory cgroup's limit, Slurm's --mem / --mem-per-cpu / --mem-per-gpu and LLMFT_HOST_RAM_GB (run_llm.slurm sets
+    it to the smallest node's, so every node of a job plans alike)."""
+    return local_host_memory(env, meminfo).gib
 
 
-def _meminfo_total_gib(meminfo: str) -> float:
+def local_host_memory(env=None, meminfo: str = "/proc/meminfo"):
+    """local_host_ram_gib with what sets it (a MemoryLimit: GiB and source)."""
+    from llmft.planning.allocation import this_node_memory
+
     try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20  # kB -> GiB
-    except (OSError, ValueError, IndexError):
-        pass
-    raise HardwareError(f"cannot read this node's memory from {meminfo}; give --host_ram_gb")
+        return this_node_memory(env, meminfo)
+    except ValueError as e:
+        if "LLMFT_HOST_RAM_GB" in str(e):
+            raise HardwareError(str(e)) from None
+        raise HardwareError(f"cannot read this node's memory from {meminfo}; give --host_ram_gb") from None

@@ -18,6 +18,7 @@ this machine's GPUs and RAM when neither is given.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,8 @@ class Hardware:
     gpus_per_node: int | None
     provider: str | None
     node_type: str | None
+    host_ram_source: str = ""  # what limits this job's host RAM when it is the allocation (llmft.planning.allocation)
+    node_ram_gib: float | None = None  # the node's own RAM (MemTotal), when the allocation is the limit
 
     def describe(self, nnodes: int, nproc: int) -> str:
         if self.gpu is None:
@@ -116,13 +119,31 @@ class Hardware:
         else:
             device = f"{nproc} x {self.gpu.name} ({self.gpu_memory_gib:g} GiB) per node"
         node = f"{self.node_type}: " if self.node_type else ""
-        return f"{nnodes} x {node}{device}, {self.host_ram_gib:g} GiB host RAM per node"
+        limit = f" (the job's limit: {self.host_ram_source})" if self.host_ram_source else ""
+        return f"{nnodes} x {node}{device}, {self.host_ram_gib:g} GiB host RAM per node{limit}"
+
+    def allocation_hint(self, mplan) -> str:
+        """When the job's allocation (not the node) is the host-RAM limit and a bigger one makes a setting fit:
+        the sbatch flag that asks for it. '' otherwise."""
+        if not self.host_ram_source:
+            return ""
+        from llmft.memory import GIB
+
+        limit = mplan.job.device_gib
+        gpu_fits = [c for c in mplan.candidates if limit is None or c.gpu_total <= limit * GIB]
+        if not gpu_fits:
+            return ""
+        need = math.ceil(min(c.host["peak"] for c in gpu_fits) / GIB)
+        if self.node_ram_gib is not None and need > self.node_ram_gib:
+            return ""  # the whole node is too small: the plan's own message says what else to change
+        return (f"; the job's allocation is the limit ({self.host_ram_source}): ask Slurm for {need} GiB per node "
+                f"with sbatch --mem={need}G (or --mem=0 for the whole node)")
 
 
 def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None, node_type: str | None = None,
                      host_ram_gb: float | None = None) -> Hardware:
     """A catalogue node type, a GPU (by name or memory) with the host RAM given, or this machine."""
-    from llmft.hardware import GPU, gpu_by_name, local_gpu, local_host_ram_gib, node_type_by_name
+    from llmft.hardware import GPU, gpu_by_name, local_gpu, local_host_memory, node_type_by_name
 
     if node_type:
         node = node_type_by_name(node_type)
@@ -140,13 +161,16 @@ def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None,
             g = GPU(f"GPU-{gpu_memory_gb:g}GiB", gpu_memory_gb, (8, 0), None)
         return Hardware(g, g.memory_gib if gpu_memory_gb is None else gpu_memory_gb, host_ram_gb, None, None, None)
     g = local_gpu()
-    host = host_ram_gb if host_ram_gb is not None else local_host_ram_gib()
+    host, source, node_ram = host_ram_gb, "", None
+    if host is None:
+        memory = local_host_memory()
+        host, source, node_ram = memory.gib, (memory.source if memory.from_allocation else ""), memory.node_gib
     count = None
     if g is not None:
         import torch
 
         count = torch.cuda.device_count()
-    return Hardware(g, g.memory_gib if g else None, host, count, None, None)
+    return Hardware(g, g.memory_gib if g else None, host, count, None, None, source, node_ram)
 
 
 def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, precision: str,
@@ -267,7 +291,7 @@ def memory_plan_json(mplan) -> dict:
 
 
 def sbatch_line(args, est, world: World, global_batch: int) -> str:
-    """The run_llm.slurm submission that runs the recommended setting."""
+    """The run_llm.slurm submission that runs the recommended setting, asking Slurm for the host memory it needs."""
     import shlex
 
     s = est.setting
@@ -291,7 +315,9 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
         extra.append("--save_consolidated")
     knobs.append("EXTRA_ARGS=" + " ".join(extra))
     export = "--export=ALL," + ",".join(knobs)
-    return (f"sbatch --nodes={world.nnodes} --gpus-per-node={world.procs_per_node} slurm/run_llm.slurm "
+    # The host memory the plan needs per node (rounded up), not the whole node: others' jobs may share it.
+    mem = math.ceil(est.host["peak"] / 2**30)
+    return (f"sbatch --nodes={world.nnodes} --gpus-per-node={world.procs_per_node} --mem={mem}G slurm/run_llm.slurm "
             f"{shlex.quote(export)}")
 
 
@@ -428,9 +454,50 @@ def memory_main(args, world: World) -> tuple[int, World]:
                 print("llmft plan: warning: no --dataset_name: the line trains on run_llm.slurm's default dataset; "
                       "add DATASET=your.jsonl to it, or plan with --dataset_name")
     if mplan.recommended is None:
-        print(f"llmft plan: error: {mplan.reason}", file=sys.stderr)
+        print(f"llmft plan: error: {mplan.reason}{hardware.allocation_hint(mplan)}", file=sys.stderr)
         return 2, world
     return 0, world
+
+
+def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
+    """--check_memory: does the run plan's own setting (its stage, offload, micro-batch and accumulation) fit this
+    job's GPUs and the host memory it may use (llmft.planning.allocation)? Returns (lines, error): the error names
+    the limit and, where the allocation is the limit, the sbatch flag that fixes it. A model whose config cannot be
+    read here (a hub id on an offline node) is said, not checked: training reads it again and fails there."""
+    from llmft.memory import MemoryPlanError, plan_memory
+    from llmft.model_shape import load_model_config, model_shape
+
+    try:
+        config = load_model_config(args.model, args.trust_remote_code)
+    except MemoryPlanError as e:
+        return [f"llmft plan: memory not checked: {e}"], None
+    hardware = resolve_hardware(args.gpu, args.gpu_memory_gb, args.node_type, args.host_ram_gb)
+    precision = choose_precision(args.precision, hardware.gpu)
+    max_length = args.max_length or TRAIN_DEFAULTS["max_length"]
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    max_length = min(max_length, positions) if positions else max_length
+    shape = model_shape(config, use_peft=args.use_peft, lora_r=args.lora_r or 16, lora_target_modules=args.lora_target_modules)
+    b = plan.batch
+    try:
+        job = memory_job(
+            shape, hardware, plan.world, max_length=max_length, precision=precision, global_batch=b.global_batch,
+            micro_batch=b.micro_batch, grad_accum=b.grad_accum,
+            gradient_checkpointing=bool(args.gradient_checkpointing),  # llmft train's default: off
+            zero_stage=None if args.deepspeed else plan.zero_stage, offload=None if args.deepspeed else plan.offload_mode,
+            deepspeed=args.deepspeed, load_in_4bit=args.load_in_4bit, attention=args.attn_implementation or "sdpa",
+            save_consolidated=args.save_consolidated,
+        )
+        mplan = plan_memory(job)
+    except MemoryPlanError as e:
+        raise PlanError(str(e)) from None
+    [est] = [c for c in mplan.candidates if c.setting.micro_batch == b.micro_batch] or mplan.candidates[:1]
+    d = est.as_dict()
+    where = hardware.describe(plan.world.nnodes, plan.world.procs_per_node)
+    device = "GPU" if hardware.gpu is not None else "per process"
+    if est.fits:
+        return [f"llmft plan: memory: {est.setting.describe()} fits ({device} {d['gpu_total_gib']} GiB, host "
+                f"{d['host_ram_gib_per_node']} GiB per node) on {where}"], None
+    return [], f"memory: {est.setting.describe()} does not fit on {where}: {est.why}{hardware.allocation_hint(mplan)}"
 
 
 def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: int, global_batch: int | None,
@@ -439,7 +506,7 @@ def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: in
                 attention: str | None, load_in_4bit: bool, save_consolidated: bool, trust_remote_code: bool = False,
                 keep_zero_stage: int | None = None):
     """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
-    computes the same answer: run_llm.slurm exports the first node's RAM as LLMFT_HOST_RAM_GB).
+    computes the same answer: run_llm.slurm exports the smallest node's allocation as LLMFT_HOST_RAM_GB).
     keep_zero_stage: a resumed run's stage (its checkpoints load only under it); offload and batch stay free.
     Returns (Setting, one line saying what was chosen and why); PlanError when nothing fits."""
     import dataclasses
@@ -468,7 +535,7 @@ def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: in
         raise PlanError(f"--auto: {e}") from None
     where = hardware.describe(world.nnodes, world.procs_per_node)
     if mplan.recommended is None:
-        raise PlanError(f"--auto: on {where}: {mplan.reason}")
+        raise PlanError(f"--auto: on {where}: {mplan.reason}{hardware.allocation_hint(mplan)}")
     est = mplan.recommended
     device = "GPU" if hardware.gpu is not None else "per process"
     line = (f"{est.setting.describe()} ({device} {est.as_dict()['gpu_total_gib']} GiB, host "
@@ -493,6 +560,11 @@ def make_parser(subparsers=None):
     parser.add_argument("--deepspeed", default=None)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--output_dir", default="")
+    parser.add_argument("--nodes", default=None, metavar="FILE",
+                        help="the `llmft node:` lines of every node of the job (slurm/run_llm.slurm runs "
+                             "`python -m llmft.planning.allocation` on each): plan with the smallest node's memory, refuse "
+                             "GPUs spread unevenly or a fabric a node lacks, and choose the NUMA binding")
+    parser.add_argument("--numa_binding", default="auto", help="with --nodes: auto, off, node, socket, exclusive, core-complex")
     parser.add_argument("--print_launch", action="store_true",
                         help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)")
     mem = parser.add_argument_group("memory plan (--model)")
@@ -513,6 +585,9 @@ def make_parser(subparsers=None):
     mem.add_argument("--save_consolidated", action="store_true", help="count the 16-bit model gathered at the end (ZeRO-3 rows)")
     mem.add_argument("--write_mb_s", type=float, default=None, help="checkpoint write bandwidth, MB/s (default: the provider's shared filesystem in llmft's blueprints)")
     mem.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the tokens/s estimate (default 0.35)")
+    mem.add_argument("--check_memory", action="store_true",
+                     help="print the run plan (as without --model) and check that its setting fits this job's GPUs and "
+                          "host memory; exit 2 naming the limit when it does not (slurm/run_llm.slurm runs it)")
     mem.add_argument("--auto", action="store_true", help="what `llmft train --auto` picks: micro-batches up to --per_device_train_batch_size")
     mem.add_argument("--json", action="store_true", help="print the plan as JSON")
     mem.add_argument("--write", default=None, metavar="DIR", help="write the recommended DeepSpeed config and sbatch line to DIR")
@@ -544,13 +619,16 @@ def _bool(value: str, flag: str) -> bool:
 MEMORY_ONLY = ("gpu", "gpu_memory_gb", "node_type", "host_ram_gb", "max_length", "gradient_checkpointing", "use_peft",
                "lora_r", "lora_target_modules", "load_in_4bit", "attn_implementation", "save_total_limit",
                "save_consolidated", "write_mb_s", "mfu", "auto", "json", "write", "trust_remote_code", "dataset_name",
-               "prompt_column", "completion_column", "messages_column", "dataset_text_field", "max_steps")
+               "prompt_column", "completion_column", "messages_column", "dataset_text_field", "max_steps",
+               "check_memory")
 
 
 def main(args) -> int:
     from llmft.memory import MemoryPlanError
+    from llmft.planning.allocation import AllocationError
 
     try:
+        launch_extra = apply_node_facts(args.nodes, args.numa_binding) if args.nodes else {}
         world = discover_world()
         if args.nnodes is not None or args.nproc_per_node is not None:
             nnodes = world.nnodes if args.nnodes is None else args.nnodes  # 0 is a mistake to report, not "unset"
@@ -558,18 +636,21 @@ def main(args) -> int:
             world = World(nnodes, procs, "arguments")
         if world.nnodes < 1 or world.procs_per_node < 1:
             raise PlanError("--nnodes and --nproc_per_node must be positive")
-        if args.model:
+        if args.model and not args.check_memory:
             if args.deepspeed and (args.zero_stage is not None or args.offload):
                 raise PlanError("give either --zero_stage/--offload or --deepspeed, not both")
             if args.json and args.print_launch:
                 raise PlanError("--print_launch adds a text line that --json output cannot hold: give one of them")
             rc, world = memory_main(args, world)
             if rc == 0 and not args.json:
-                print_launch_lines(world, args.print_launch)
+                print_launch_lines(world, args.print_launch, launch_extra)
             return rc
         given = [f"--{name}" for name in MEMORY_ONLY if getattr(args, name) is not None and getattr(args, name) is not False
                  or name == "gradient_checkpointing" and args.gradient_checkpointing is False]
-        if given:
+        if args.check_memory and (args.auto or args.json or args.write):
+            raise PlanError("--check_memory checks the setting given; --auto, --json and --write belong to the memory plan: "
+                            "drop --check_memory or them")
+        if given and not args.model:
             raise PlanError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --model (a memory plan)")
         # Planning on a login node: say what the GPU nodes will pick (llmft.hardware.choose_precision's rule).
         precision = AUTO_PRECISION if args.precision == "auto" else args.precision
@@ -585,14 +666,46 @@ def main(args) -> int:
             world=world,
         )
         print("\n".join(plan.lines()))
-        print_launch_lines(plan.world, args.print_launch)
-    except (PlanError, LaunchEnvError, HardwareError, MemoryPlanError) as e:
+        if args.check_memory:
+            lines, error = check_memory(args, plan)
+            for line in lines:
+                print(line)
+            if error:
+                raise PlanError(error)
+        print_launch_lines(plan.world, args.print_launch, launch_extra)
+    except (PlanError, LaunchEnvError, HardwareError, MemoryPlanError, AllocationError) as e:
         print(f"llmft plan: error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
-def print_launch_lines(world: World, print_launch: bool) -> None:
+def apply_node_facts(path: str, numa_request: str) -> dict[str, str]:
+    """--nodes FILE: plan with the smallest node's memory (LLMFT_HOST_RAM_GB for this process, and for the training
+    processes through the launch line), after checking the nodes agree; the NUMA binding for torchrun."""
+    import os
+
+    from llmft.planning.allocation import AllocationError, job_nodes, numa_binding, parse_node_lines
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise AllocationError(f"--nodes {path}: cannot read it ({e.strerror})") from None
+    nodes = parse_node_lines(text)
+    memory = job_nodes(nodes)
+    os.environ["LLMFT_HOST_RAM_GB"] = f"{memory.gib:g}"
+    if memory.from_allocation:
+        os.environ["LLMFT_HOST_RAM_SOURCE"] = memory.source
+    else:
+        os.environ.pop("LLMFT_HOST_RAM_SOURCE", None)
+    mode, why = numa_binding(numa_request, nodes)
+    per_node = ", ".join(f"{n.host} {n.memory.gib:g} GiB ({n.memory.source})" for n in nodes)
+    print(f"llmft plan: nodes: {len(nodes)} x {nodes[0].gpus} GPU(s); memory the job may use: {per_node}; "
+          f"planning with {memory.gib:g} GiB per node")
+    print(f"llmft plan: NUMA binding {why}")
+    return {"host_ram_gb": f"{memory.gib:g}", "numa_binding": mode or "off"}
+
+
+def print_launch_lines(world: World, print_launch: bool, extra: dict[str, str] | None = None) -> None:
     """Inside Slurm (or with --print_launch): the CPU split, and the line slurm/run_llm.slurm launches from."""
     cpus, source = discover_cpus()
     if source == "slurm" or print_launch:
@@ -601,7 +714,7 @@ def print_launch_lines(world: World, print_launch: bool) -> None:
         if split.warning():
             print(f"llmft plan: warning: {split.warning()}")
         if print_launch:
-            print(launch_line(world, split))
+            print(" ".join([launch_line(world, split), *(f"{k}={v}" for k, v in (extra or {}).items())]))
 
 
 def launch_line(world: World, split: CpuSplit) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import subprocess
 from pathlib import Path
@@ -84,8 +85,10 @@ def test_write_gives_a_resolved_config_and_an_sbatch_line_the_script_accepts(cap
     line = (tmp_path / "w" / "sbatch.txt").read_text().strip()
     assert f"run it: {line}" in out
     words = shlex.split(line)
-    assert words[:3] == ["sbatch", "--nodes=2", "--gpus-per-node=1"] and words[3] == "slurm/run_llm.slurm"
-    export = words[4]
+    # Slurm is asked for the host memory the plan needs per node (rounded up to a GiB)
+    mem = math.ceil(rec["host_ram_gib_per_node"])
+    assert words[:4] == ["sbatch", "--nodes=2", "--gpus-per-node=1", f"--mem={mem}G"] and words[4] == "slurm/run_llm.slurm"
+    export = words[5]
     assert f"MICRO_BATCH={rec['micro_batch']}" in export and "LORA=1" in export and "--max_length 2048" in export
     proc = subprocess.run(["bash", str(REPO / "slurm" / "run_llm.slurm"), export], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1"}, timeout=60)

@@ -332,12 +332,26 @@ BAD = [
     (["{script}", "--export=ALL,NCCL_PROFILE=aws-efa"], "NCCL_PROFILE=aws-efa, but node"),
     # Knobs that look fine alone but make an impossible plan: llmft plan says so before torchrun starts.
     (["{script}", "--export=ALL,GLOBAL_BATCH=3,MICRO_BATCH=2"], "llmft plan: error:"),
+    # Less memory than the run needs (sbatch --mem below the plan's host RAM): stopped before any model loads, naming
+    # the limit and the flag, for the default ZERO_STAGE=2 as for auto.
+    (["--mem=300", "{script}", "--export=ALL,MODEL={model},GLOBAL_BATCH=4,MICRO_BATCH=2"],
+     "llmft plan: error: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing off does not fit on 2 x 1 CPU "
+     "process per node (no GPU), 0.3 GiB host RAM per node (the job's limit: SLURM_MEM_PER_NODE=300 MB): host RAM: needs "),
+    (["--mem=300", "{script}", "--export=ALL,MODEL={model},GLOBAL_BATCH=4,MICRO_BATCH=2,ZERO_STAGE=auto"],
+     "llmft plan: error: nothing fits: the closest, ZeRO-3, micro-batch 1 x accumulation 2, gradient checkpointing on, "
+     "breaks host RAM: needs "),
+    # a3's GPUDirect-TCPX without its plugin and RxDM (every node is checked): refused, not silently TCP.
+    (["{script}", "--export=ALL,NCCL_PROFILE=gcp-tcpx"],
+     "llmft plan: error: node n1: NCCL_PROFILE=gcp-tcpx: the GPUDirect-TCPX NCCL plugin (libnccl-net.so) is not on the "
+     "library path; install it (Google's nccl-plugin-gpudirecttcpx puts it in /var/lib/tcpx/lib64); no "
+     "receive-datapath-manager (RxDM) socket directory /run/tcpx"),
 ]
 
 
-def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, tmp_path):
+def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, tiny_model, tmp_path):
     jobs = []
     for i, (args, message) in enumerate(BAD):
+        args = [a.replace("{model}", str(tiny_model)) for a in args]
         cwd = tmp_path / str(i)
         cwd.mkdir()
         # A /sys without EFA, whatever the machine running the tests has.
@@ -354,7 +368,10 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
         if not message.startswith("llmft plan"):
             assert text.splitlines()[0].startswith("run_llm.slurm: error:"), text  # before anything else
         else:
-            assert re.search(r"nearest|use|try", text.split("llmft plan: error:")[1]), text
+            assert re.search(r"nearest|use|try|install", text.split("llmft plan: error:")[1]), text
+        if "--mem=300" in args:  # the limit and the flag that fixes it
+            assert re.search(r"the job's allocation is the limit \(SLURM_MEM_PER_NODE=300 MB\): ask Slurm for \d+ GiB per node "
+                             r"with sbatch --mem=\d+G \(or --mem=0 for the whole node\)\n", text), text
 
 
 # ---- resources: change #SBATCH --gpus-per-node only ---------------------------------------------
@@ -370,6 +387,14 @@ def fake_sysfs_with_efa(root: Path) -> Path:
     return root
 
 
+def fake_libraries(root: Path, *names: str) -> Path:
+    """A library directory holding these (empty) files: what the loader-path checks look for, not what NCCL loads."""
+    root.mkdir(parents=True)
+    for name in names:
+        (root / name).touch()
+    return root
+
+
 def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(cluster, tmp_path):
     edited = tmp_path / "run_llm_4gpu.slurm"
     original = SCRIPT.read_text()
@@ -377,11 +402,13 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     edited.write_text(original.replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus-per-node=4\n"))
     knobs = "--export=ALL,DRY_RUN=1,GLOBAL_BATCH=32,MICRO_BATCH=4,NCCL_PROFILE=aws-efa"
     efa = str(fake_sysfs_with_efa(tmp_path / "sys"))
+    # The aws-ofi-nccl plugin and libfabric where the loader finds them (LD_LIBRARY_PATH), as on a DLAMI.
+    libs = str(fake_libraries(tmp_path / "ofi", "libnccl-net-ofi.so", "libfabric.so.1"))
     # sbatch's own --export: knobs in the environment; no OMP_NUM_THREADS of the user's, so llmft's split decides.
-    one = cluster.sbatch([knobs, str(SCRIPT)], cwd=tmp_path, LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="")
+    one = cluster.sbatch([knobs, str(SCRIPT)], cwd=tmp_path, LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="", LD_LIBRARY_PATH=libs)
     two = cluster.sbatch(
         [str(edited), knobs + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5 --dataloader_num_workers 0 --save_total_limit 3"],
-        cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9", LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="3",
+        cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9", LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="3", LD_LIBRARY_PATH=libs,
     )
     for job in (one, two):
         assert cluster.wait(job, timeout=120)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
@@ -401,6 +428,8 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
         assert "global batch 32 = " in text
         assert "DRY_RUN=1: not launching" in text
         assert "nccl FI_PROVIDER=efa" in text
+        # NCCL is told to use the plugin by name: it fails at start rather than falling back to sockets.
+        assert "nccl NCCL_NET_PLUGIN=ofi" in text and "nccl NCCL_NET=AWS Libfabric" in text
     assert "nccl NCCL_SOCKET_IFNAME=eth9" in b  # a setting the user exported wins over the profile
     # Knobs become llmft train flags; EXTRA_ARGS are passed as separate words.
     assert "--report_to none" in a and "--use_peft" not in a
@@ -410,6 +439,67 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     # Rendezvous ports derive from the job id: two jobs sharing a node do not collide.
     ports = [re.search(r"rendezvous c10d at [^:]+:(\d+)", t).group(1) for t in (a, b)]
     assert ports == [str(20000 + int(one) % 10000), str(20000 + int(two) % 10000)] and ports[0] != ports[1]
+
+
+def test_the_allocation_on_each_node_decides_memory_gpus_numa_and_the_fabric(cluster, tiny_model, tmp_path):
+    """Every node reports what the job got there (one srun task per node): memory from --mem-per-cpu x that node's
+    CPUs changes the plan; GPUs spread unevenly by --gpus=N are refused; NUMA binding is asked of torchrun where the
+    nodes have several NUMA nodes and numactl; the EFA profile is refused where the plugin is not on the library path."""
+    original = SCRIPT.read_text()
+    assert "#SBATCH --mem=0\n" in original
+    per_cpu = tmp_path / "run_llm_per_cpu.slurm"  # sbatch refuses --mem-per-cpu beside the script's --mem=0
+    per_cpu.write_text(original.replace("#SBATCH --mem=0\n", ""))
+    uneven = tmp_path / "run_llm_gpus.slurm"
+    uneven.write_text(original.replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus=3\n"))
+    sysfs = tmp_path / "sys"
+    for node in ("node0", "node1"):  # a two-socket machine
+        (sysfs / "devices" / "system" / "node" / node).mkdir(parents=True)
+    fake_sysfs_with_efa(sysfs)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "numactl").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "numactl").chmod(0o755)
+    model = f"MODEL={tiny_model},GLOBAL_BATCH=4,MICRO_BATCH=2,DRY_RUN=1"
+    jobs = {
+        "per cpu": cluster.sbatch(["--mem-per-cpu=2048", str(per_cpu), f"--export=ALL,{model}"], cwd=tmp_path),
+        "tight": cluster.sbatch(["--mem-per-cpu=100", str(per_cpu), f"--export=ALL,{model}"], cwd=tmp_path),
+        "uneven": cluster.sbatch([str(uneven), f"--export=ALL,{model}"], cwd=tmp_path),
+        "numa": cluster.sbatch([str(SCRIPT), f"--export=ALL,{model}"], cwd=tmp_path, LLMFT_SYSFS_ROOT=str(sysfs),
+                               PATH=f"{bin_dir}:{cluster.env()['PATH']}"),
+        "no plugin": cluster.sbatch([str(SCRIPT), f"--export=ALL,{model},NCCL_PROFILE=aws-efa"], cwd=tmp_path,
+                                    LLMFT_SYSFS_ROOT=str(sysfs), LD_LIBRARY_PATH=""),
+    }
+    out = {}
+    for name, job in jobs.items():
+        info = cluster.wait(job, timeout=180)
+        out[name] = (info, read(tmp_path / f"llmft-{job}.out"))
+    info, text = out["per cpu"]
+    assert info["JobState"] == "COMPLETED", text
+    assert ("llmft plan: nodes: 2 x 1 GPU(s); memory the job may use: n1 8 GiB (SLURM_MEM_PER_CPU=2048 MB x 4 CPUs), "
+            "n2 8 GiB (SLURM_MEM_PER_CPU=2048 MB x 4 CPUs); planning with 8 GiB per node") in text
+    assert ("llmft plan: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing off fits (per process 2.47 GiB, "
+            "host 3.47 GiB per node) on 2 x 1 CPU process per node (no GPU), 8 GiB host RAM per node (the job's limit: node n1: "
+            "SLURM_MEM_PER_CPU=2048 MB x 4 CPUs)") in text and "llmft launch: nnodes=2 nproc_per_node=1 cpus_per_node=4 " in text
+    assert "host_ram_gb=8 numa_binding=off" in text and "--mem=0 --kill-on-bad-exit=1 " in text
+    info, text = out["tight"]
+    assert info["ExitCode"] == "2:0", text
+    assert re.search(r"llmft plan: error: memory: .* 0.4 GiB host RAM per node \(the job's limit: (node n1: )?SLURM_MEM_PER_CPU=100 MB x 4 "
+                     r"CPUs\): host RAM: needs .* ask Slurm for \d+ GiB per node with sbatch --mem=\d+G", text), text
+    info, text = out["uneven"]
+    assert info["ExitCode"] == "2:0", text
+    assert re.search(r"llmft plan: error: the job's GPUs are spread unevenly over its nodes \(n1 [12], n2 [12]\), and every "
+                     r"node runs the same number of processes: ask for GPUs per node \(#SBATCH --gpus-per-node=N, not "
+                     r"--gpus=N\)\n", text), text
+    info, text = out["numa"]
+    assert info["JobState"] == "COMPLETED", text
+    assert "llmft plan: NUMA binding node: each process on the CPUs of its GPU's NUMA node" in text
+    assert re.search(r"launch: srun .* -m torch.distributed.run --nnodes 2 --nproc_per_node 1 --numa-binding node "
+                     r"--rdzv_backend c10d ", text), text
+    info, text = out["no plugin"]
+    assert info["ExitCode"] == "2:0", text
+    assert ("llmft plan: error: node n1: NCCL_PROFILE=aws-efa: the aws-ofi-nccl plugin NCCL_NET_PLUGIN=ofi loads "
+            "(libnccl-net-ofi.so) is not on the library path; install aws-ofi-nccl") in text
+    assert "launch: srun" not in text
 
 
 def test_zero_stage_auto_plans_for_the_jobs_nodes_and_launches_train_auto(cluster, tiny_model, tmp_path):
@@ -498,31 +588,46 @@ def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
     assert (ckpt / ".llmft-job").read_text().strip() == job
 
 
-def test_container_mounts_reach_pyxis_intact(cluster, tmp_path):
+def test_container_mounts_reach_pyxis_intact_and_the_container_is_created_once_per_node(cluster, tiny_model, tiny_data, tmp_path):
     """With the pyxis stand-in (tests/pyxis_standin.c) srun takes pyxis's options and records what it got:
-    several mounts separated by ';' in sbatch's own --export=... arrive as pyxis's comma list; the default
-    mounts are the submit directory, CHECKPOINT_DIR and HF_HOME. The plan runs inside the "container" step."""
+    several mounts separated by ';' in sbatch's own --export=... arrive as pyxis's comma list, and the paths the run
+    uses are mounted wherever they live (the submit directory, CHECKPOINT_DIR, HF_HOME, LLMFT_CACHE, and MODEL and
+    DATASET outside them). The container is named by the job, so each node creates it once for all the job's sruns
+    (the per-node allocation probe, then the plan on the first node). The plan runs inside the "container" step."""
     log = cluster.state / "container-options.log"
     before = read(log)
+    submit = tmp_path / "submit"  # HF_HOME and LLMFT_CACHE live outside it
+    submit.mkdir()
     image = "nvcr.io#nvidia/pytorch:24.05-py3"
-    hf_home = tmp_path / "hf"
+    hf_home, cache = tmp_path / "hf", tmp_path / "cache"
     given = cluster.sbatch([f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CONTAINER_MOUNTS=/data:/data;/models:/models:ro",
-                            str(SCRIPT)], cwd=tmp_path, LLMFT_TEST_PYXIS="1")
-    default = cluster.sbatch([str(SCRIPT), f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CHECKPOINT_DIR={tmp_path / 'ck'}"],
-                             cwd=tmp_path, LLMFT_TEST_PYXIS="1", HF_HOME=str(hf_home))
+                            str(SCRIPT)], cwd=submit, LLMFT_TEST_PYXIS="1", HF_HOME=str(hf_home), LLMFT_CACHE=str(cache))
+    default = cluster.sbatch([str(SCRIPT), f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CHECKPOINT_DIR={submit / 'ck'},"
+                              f"MODEL={tiny_model},DATASET={tiny_data}"],
+                             cwd=submit, LLMFT_TEST_PYXIS="1", HF_HOME=str(hf_home), LLMFT_CACHE=str(cache))
     texts = {}
     for job in (given, default):
-        info = cluster.wait(job, timeout=120)
-        texts[job] = read(tmp_path / f"llmft-{job}.out")
+        info = cluster.wait(job, timeout=180)
+        texts[job] = read(submit / f"llmft-{job}.out")
         assert info["JobState"] == "COMPLETED", texts[job]
         assert "llmft plan: world size 2 (2 nodes x 1 processes, from slurm)" in texts[job]  # planned inside the step
     recorded = read(log)[len(before):].splitlines()
-    assert recorded.count("container-mounts=/data:/data,/models:/models:ro") == 1, recorded
-    defaults = f"{tmp_path}:{tmp_path},{tmp_path / 'ck'}:{tmp_path / 'ck'},{hf_home}:{hf_home}"
-    assert recorded.count(f"container-mounts={defaults}") == 1, recorded
-    assert recorded.count(f"container-image={image}") == 2 and recorded.count(f"container-workdir={tmp_path}") == 2
-    # The training launch carries the same container arguments.
-    assert "--container-mounts=/data:/data,/models:/models:ro " in texts[given]
+    ckpt_given = re.search(r"llmft plan: checkpoint dir (\S+)", texts[given]).group(1)
+    assert Path(ckpt_given).parent.parent == submit  # under the submit directory: its mount covers it
+    mounts = f"/data:/data,/models:/models:ro,{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache}"
+    assert recorded.count(f"container-mounts={mounts}") == 2, recorded  # the probe and the plan
+    defaults = (f"{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache},{tiny_model}:{tiny_model},"
+                f"{tiny_data.parent}:{tiny_data.parent}")  # CHECKPOINT_DIR (submit/ck) is under the submit directory
+    assert recorded.count(f"container-mounts={defaults}") == 2, recorded
+    assert recorded.count(f"container-image={image}") == 4 and recorded.count(f"container-workdir={submit}") == 4
+    for job in (given, default):
+        # Named by the job, and created once on each node although two steps ran there (n1: the probe and the plan).
+        assert recorded.count(f"container-name=llmft-{job}") == 2, recorded
+        assert sorted(r for r in recorded if r.startswith(f"container-created=llmft-{job}@")) == [
+            f"container-created=llmft-{job}@n1", f"container-created=llmft-{job}@n2"], recorded
+        # The training launch carries the same container arguments.
+        assert f"--container-image={image} --container-name=llmft-{job} --container-mounts=" in texts[job]
+    assert f"--container-mounts={mounts} " in texts[given]
     assert f"--container-mounts={defaults} " in texts[default]
 
 

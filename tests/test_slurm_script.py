@@ -51,7 +51,7 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         (["--export=ALL,OFFLOAD=1,ZERO_STAGE=auto"], "ZERO_STAGE=auto chooses the offload itself; drop OFFLOAD=1"),
         (["--export=ALL,ZERO_STAGE=3,DS_CONFIG=ds_configs/zero3.json"], "give either ZERO_STAGE or DS_CONFIG, not both"),
         (["--export=ALL,DS_CONFIG=/nonexistent/ds.json"], "DS_CONFIG=/nonexistent/ds.json: no such file"),
-        (["--export=ALL,NCCL_PROFILE=azure"], "NCCL_PROFILE=azure is unknown; use gcp-g2, aws-efa or ib"),
+        (["--export=ALL,NCCL_PROFILE=azure"], "NCCL_PROFILE=azure is unknown; use gcp-g2, aws-efa, gcp-tcpx or ib"),
         (["--export=ALL,WANDB_MODE=loud"], "WANDB_MODE=loud: use online, offline or disabled"),
         (["--export=ALL,VENV=/nonexistent/venv"], "VENV=/nonexistent/venv is not a virtual environment"),
         (["--epochs", "3"], "cannot read argument '--epochs'"),

@@ -87,10 +87,13 @@ user=$(id -un)
 # with all 4 GPUs of a node fits, and 1-GPU test jobs run side by side.
 cpus=$(nproc)
 if (( cpus < 16 )); then cpus=16; fi
+# Each node's memory as Slurm sees it: this machine's (MB), so a job with --mem=0 (run_llm.slurm) gets what the
+# machine has; memory is not a consumable resource here (CR_Core), so jobs still share the nodes.
+mem=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024}' /proc/meminfo)
 plugstack_line="# PlugStackConfig: none (start.sh --plugstack FILE)"
 if [[ -n "$plugstack" ]]; then plugstack_line="PlugStackConfig=$plugstack"; fi
 render() {
-  sed -e "s|@STATE@|$state|g" -e "s|@HOST@|$host|g" -e "s|@USER@|$user|g" -e "s|@CPUS@|$cpus|g" -e "s|@PLUGSTACK@|$plugstack_line|g" \
+  sed -e "s|@STATE@|$state|g" -e "s|@HOST@|$host|g" -e "s|@USER@|$user|g" -e "s|@CPUS@|$cpus|g" -e "s|@MEM@|$mem|g" -e "s|@PLUGSTACK@|$plugstack_line|g" \
       -e "s|@CTLD_PORT@|${ports[0]}|g" -e "s|@N1_PORT@|${ports[1]}|g" -e "s|@N2_PORT@|${ports[2]}|g" "$1" > "$2"
 }
 render "$here/slurm.conf.in" "$state/slurm.conf"
