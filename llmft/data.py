@@ -16,8 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
+import time
 from pathlib import Path
+from typing import Callable, Mapping
 
 # Suffix -> datasets builder for local files.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -102,12 +105,80 @@ def data_files(name: str) -> list[Path]:
     return []
 
 
-def content_fingerprint(name: str, config_name: str | None = None, revision: str | None = None) -> str:
+def content_fingerprint(name: str, config_name: str | None = None, revision: str | None = None,
+                        env: Mapping[str, str] | None = None, log: Callable[[str], None] | None = None) -> str:
     """A short hash of what a dataset holds: the bytes of its local files (names relative to it, then
     contents), or for a hub dataset its name, config and revision. Equal fingerprints mean equal data;
-    one edited byte changes it. Used to key prepared data and to tell whether a rerun is the same run."""
-    h = hashlib.sha256()
+    one edited byte changes it. Used to key prepared data and to tell whether a rerun is the same run.
+
+    The data is read once, not by every rank twice: the hash is kept in the llmft cache ($LLMFT_CACHE, which
+    run_llm.slurm puts where every node sees it) under a key of each file's path, size, inode, mtime and ctime
+    (`stat_key`). The first process to need it hashes the files under a lock; the others wait for it and read
+    the result, and so do later runs on the same files. Any write to a file changes its ctime (which no tool
+    can set back), so edited data is always hashed again. One line says when the data was hashed."""
     files = data_files(name)
+    if not files:
+        return _hash_files(name, files, config_name, revision)
+    cache = cache_root(env) / "fingerprints"
+    key = stat_key(name, files, config_name, revision)
+    entry = cache / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    found = _read_fingerprint(entry, key)
+    if found:
+        return found
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        from filelock import FileLock
+
+        lock = FileLock(str(entry) + ".lock")
+        lock.acquire()
+    except OSError:  # a read-only or missing cache: hash here, keep nothing
+        return _hash_files(name, files, config_name, revision)
+    try:
+        found = _read_fingerprint(entry, key)  # hashed by another process while this one waited
+        if found:
+            return found
+        started = time.perf_counter()
+        fingerprint = _hash_files(name, files, config_name, revision)
+        size = sum(f.stat().st_size for f in files)
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "fingerprint": fingerprint}) + "\n")
+        os.replace(tmp, entry)
+        (log or (lambda m: print(m, flush=True)))(f"llmft: hashed dataset {name}: {len(files)} file(s), {size} bytes in {time.perf_counter() - started:.1f}s "
+            f"(fingerprint {fingerprint}); kept in {entry} for every rank and later runs")
+        return fingerprint
+    finally:
+        lock.release()
+
+
+def cache_root(env: Mapping[str, str] | None = None) -> Path:
+    """$LLMFT_CACHE, else `llmft/` under the Hugging Face cache home ($HF_HOME, ~/.cache/huggingface)."""
+    env = os.environ if env is None else env
+    if env.get("LLMFT_CACHE"):
+        return Path(env["LLMFT_CACHE"]).expanduser()
+    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return Path(hf_home).expanduser() / "llmft"
+
+
+def stat_key(name: str, files: list[Path], config_name: str | None, revision: str | None) -> str:
+    """What decides whether a kept fingerprint still holds: each file's absolute path, size, inode, mtime and
+    ctime (ctime changes on every write, and nothing sets it back), and the config and revision."""
+    parts = [f"{name}|{config_name or ''}|{revision or ''}"]
+    for f in files:
+        st = f.stat()
+        parts.append(f"{f.resolve()}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}")
+    return "\n".join(parts)
+
+
+def _read_fingerprint(entry: Path, key: str) -> str | None:
+    try:
+        kept = json.loads(entry.read_text())
+    except (OSError, ValueError):
+        return None
+    return kept.get("fingerprint") if isinstance(kept, dict) and kept.get("key") == key else None
+
+
+def _hash_files(name: str, files: list[Path], config_name: str | None, revision: str | None) -> str:
+    h = hashlib.sha256()
     if not files:
         h.update(f"hub:{name}:{config_name or ''}:{revision or ''}".encode())
     root = Path(name).expanduser()

@@ -44,13 +44,7 @@ MARKER = "llmft_prepared.json"
 START_GRACE_S = 600  # waiting ranks give up when rank 0 has not started in this long (cache not shared?)
 
 
-def cache_root(env: Mapping[str, str] | None = None) -> Path:
-    """$LLMFT_CACHE, else `llmft/` under the Hugging Face cache home ($HF_HOME, ~/.cache/huggingface)."""
-    env = os.environ if env is None else env
-    if env.get("LLMFT_CACHE"):
-        return Path(env["LLMFT_CACHE"]).expanduser()
-    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-    return Path(hf_home).expanduser() / "llmft"
+cache_root = data.cache_root  # $LLMFT_CACHE, else llmft/ under $HF_HOME (llmft.data: its fingerprints live there too)
 
 
 @dataclass(frozen=True)

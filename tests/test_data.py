@@ -148,3 +148,37 @@ def test_utf8_check_finds_the_byte_across_its_read_blocks(tmp_path):
         check_utf8(path)
     path.write_bytes(head + "é\n".encode() * 3)
     check_utf8(path)
+
+
+def test_the_dataset_is_hashed_once_for_every_rank_and_again_after_any_write(tmp_path):
+    """content_fingerprint: the first process hashes under a lock in the shared llmft cache, the others (started at
+    the same time, as a job's ranks are) wait and read its result; a later call reads it too. A write that keeps the
+    size and puts the mtime back (rsync --times) still changes ctime, so the data is hashed again."""
+    import os
+    import subprocess
+    import sys
+
+    from llmft.data import content_fingerprint
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"text": "record {i}"}}\n' for i in range(2000)))
+    env = {**os.environ, "LLMFT_CACHE": str(tmp_path / "cache")}
+    code = "import sys; from llmft.data import content_fingerprint; print('fp', content_fingerprint(sys.argv[1]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(data)], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    text = "".join(outs)
+    assert text.count(f"llmft: hashed dataset {data}: 1 file(s), {data.stat().st_size} bytes") == 1, text
+    fingerprints = {line.split()[1] for line in text.splitlines() if line.startswith("fp ")}
+    assert len(fingerprints) == 1
+    [first] = fingerprints
+    said = []
+    assert content_fingerprint(str(data), env=env, log=said.append) == first and said == []
+    stat = data.stat()
+    data.write_text(data.read_text().replace("record 1", "record 7", 1))  # same size
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again = content_fingerprint(str(data), env=env, log=said.append)
+    assert len(said) == 1 and "hashed dataset" in said[0]
+    assert again == content_fingerprint(str(data), env={"LLMFT_CACHE": str(tmp_path / "other")}, log=said.append)
+    assert again != first and len(said) == 2  # another cache hashes for itself

@@ -243,7 +243,7 @@ def test_wandb_offline_run_is_named_by_the_job_and_the_requeued_job_appends_to_i
 # ---- the user's command on two nodes ------------------------------------------------------------
 
 
-def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_inference(cluster, jobs):
+def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_inference(cluster, jobs, tiny_data):
     job, cwd, _ = jobs["users"]
     info = cluster.wait(job, timeout=400)
     log = cwd / f"llmft-{job}.out"  # %x-%j.out in the submit directory
@@ -280,6 +280,8 @@ def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_infe
     assert "run_llm.slurm: node n1 (node rank 0): torchrun with 1 GPU(s) and 4 CPU(s)" in text
     assert "run_llm.slurm: node n2 (node rank 1): torchrun with 1 GPU(s) and 4 CPU(s)" in text
     assert "llmft plan: world size 2 (2 nodes x 1 processes, from torchrun)" in text
+    # The data is read once for both ranks' fingerprints (prepared data and the run's identity): one process hashed it.
+    assert text.count(f"llmft: hashed dataset {tiny_data}: 1 file(s)") == 1, text
 
     # One shard per rank in a complete checkpoint; the run is marked done.
     done = json.loads((ckpt / "llmft_done.json").read_text())
