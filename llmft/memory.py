@@ -75,7 +75,7 @@ allocations; 1 GiB on CPU), plus the larger of
              plus what saving a checkpoint adds: each process copies its largest optimizer tensor to the host
              for torch.save (4 T/N; under ZeRO-3 at most a sub-group, sub_group_size elements; nothing when
              already offloaded or on a CPU run), and under ZeRO-0/1/2 the first node also
-             serialises model.safetensors (P w; the adapter only with LoRA). ZeRO-3 checkpoints are the ranks'
+             serialises the final model.safetensors (P w; the adapter, in every checkpoint, with LoRA). ZeRO-3 checkpoints are the ranks'
              shards only: nothing is gathered. The optional consolidated model at the end (--save_consolidated)
              needs P w on the first node, plus the same again while safetensors serialises it.
   The ZeRO-3 loading and the offload terms carry DeepSpeed's additional_buffer_factor 1.5 (pinned buffers,
@@ -84,8 +84,8 @@ allocations; 1 GiB on CPU), plus the larger of
   the training precision, so it is not used.
 
 Disk per checkpoint (`checkpoint_bytes`): the fp32 master weights and Adam moments of the trainable parameters
-(12 T, over all ranks' files), the module weights in mp_rank_00_model_states.pt (ZeRO-0/1/2: T w) and HF's
-model.safetensors (ZeRO-0/1/2: P w, or the adapter T w with LoRA). Write time = size / the filesystem's write
+(12 T, over all ranks' files), the module weights in mp_rank_00_model_states.pt (ZeRO-0/1/2: T w) and, with
+LoRA, the adapter (T w); llmft writes no model.safetensors into a checkpoint (llmft.saving). Write time = size / the filesystem's write
 bandwidth (stated; defaults: GCP Filestore BASIC_HDD 100 MB/s, AWS FSx for Lustre SCRATCH_2 at 1.2 TiB 240 MB/s);
 it must fit, with the step in flight, inside the Slurm script's USR1 warning (--signal=B:USR1@120).
 
@@ -446,7 +446,8 @@ def checkpoint_bytes(shape: ModelShape, zero_stage: int, precision: str) -> int:
     size = 12 * T  # fp32 master + Adam moments
     if zero_stage < 3:
         size += w * T  # mp_rank_00_model_states.pt (frozen weights excluded with LoRA)
-        size += w * (T if shape.lora else shape.params)  # model.safetensors, or the adapter
+        if shape.lora:
+            size += w * T  # adapter_model.safetensors (a full model's weights are in the states file only: llmft.saving)
     return size
 
 
@@ -472,7 +473,7 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     offload = per_rank_offload * n * BUFFER_FACTOR
     on_cpu = device_bytes * n if job.gpu is None else 0
     # Saving: each rank copies its largest optimizer tensor to the host for torch.save (already there if
-    # offloaded, or on a CPU run); under ZeRO-0/1/2 rank 0 also serialises model.safetensors.
+    # offloaded, or on a CPU run); under ZeRO-0/1/2 rank 0 also serialises the final model.safetensors.
     saving = 0.0
     if setting.offload == "none" and job.gpu is not None:
         largest = T / (1 if setting.zero_stage == 0 else N)  # one flat fp32 tensor per rank (and param group)

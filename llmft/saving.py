@@ -13,7 +13,12 @@ just to keep the adapter. `trainer_class()` is TRL's SFTTrainer with `save_model
   (`llmft infer RUN` reads them; `llmft infer RUN --export DIR` writes a Hugging Face model); a run that saved no
   checkpoint at its last step gets the shards in the output directory, as HF's fallback does.
 
-ZeRO-0/1/2 keep HF's behaviour (each rank already holds the whole 16-bit model).
+ZeRO-0/1/2: a checkpoint holds the weights once. HF's `_save_checkpoint` writes `model.safetensors` (save_model)
+beside the engine's `mp_rank_00_model_states.pt`, which holds the same 16-bit module weights (and the optimizer
+shards the fp32 masters): resume (DeepSpeed's load_checkpoint), `llmft infer` and `--export` (llmft.zero_checkpoint)
+read only the engine's files, so a checkpoint gets config, tokenizer and training arguments without the safetensors
+copy (GPT-2 124M, ZeRO-2, fp32 on CPU: 2,643 -> 1,991 MB per checkpoint, bench/bench_checkpoint_size.py). A LoRA run keeps its small
+`adapter_model.safetensors`; the final model in --output_dir is written whole, as HF does.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ def trainer_class(save_consolidated: bool = False):
     class LlmftSFTTrainer(SFTTrainer):
         def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
             if not is_zero3(self):
+                if _internal_call and self.is_deepspeed_enabled and not _is_peft(self.model):
+                    self._save(output_dir, state_dict={})  # a checkpoint: config, tokenizer, training arguments;
+                    remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
+                    return  # the weights come once, in the engine's mp_rank_00_model_states.pt
                 return super().save_model(output_dir, _internal_call)
             output_dir = output_dir or self.args.output_dir
             if _is_peft(self.model):

@@ -66,14 +66,16 @@ def infer(*args, check=True):
 
 
 def deepspeed_reference(ckpt_dir: Path) -> dict:
-    """DeepSpeed's own reconstruction; for stage 0 (which it does not handle) the Trainer's saved model."""
+    """DeepSpeed's own reconstruction; for stage 0 (which it does not handle) the Trainer's final model, saved at the
+    same (last) step: checkpoints hold no model.safetensors (llmft.saving)."""
     from safetensors.torch import load_file
 
     from llmft.zero_checkpoint import open_checkpoint
 
     tags = sorted(ckpt_dir.glob("global_step*"))
     if open_checkpoint(tags[-1]).stage == 0:
-        sd = load_file(ckpt_dir / "model.safetensors")
+        assert not (ckpt_dir / "model.safetensors").exists()
+        sd = load_file(ckpt_dir.parent / "model.safetensors")
         sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])
         return sd
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
