@@ -56,6 +56,7 @@ from llmft.launch_env import (LaunchEnvError, deepspeed_arch_list, launch_proble
                               skip_deepspeed_shm_op, use_proc_cpuinfo_for_deepspeed)
 from llmft.plan import PlanError, auto_choice, make_plan
 from llmft.qlora import QuantizationError, QuantRequest, bitsandbytes_version, choose_quantization
+from llmft.training.stage_weights import restore_source_name, stage_weights
 
 
 @dataclass
@@ -428,6 +429,9 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
     prepare.check_options(data_options, training_args.eval_strategy, training_args.dataset_kwargs)
     with clock.phase("model_load"):
         model_config, tokenizer, model_path = load_model_files(model_args, training_args)
+        source_path = model_path
+        if plan.zero_stage < 3:  # every process loads the whole model: from node-local disk, read once per node
+            model_path = stage_weights(model_path, plan.world.procs_per_node)
     resume = checkpoints.resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint)
     given = llmft_args.global_batch_size is not None  # if not, a resume keeps the checkpoint's global batch on any world
     identity = run_identity.run_identity(
@@ -581,6 +585,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
             quantization_config=quantization_config,
             callbacks=[publish, stop, rerun.callback(log)],
         )
+    restore_source_name(trainer.model, model_path, source_path)
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
     trainer.add_callback(compile_report(trainer))
     evaluation.log_perplexity(trainer)

@@ -50,8 +50,9 @@ def tiny_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def run_with_eval(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, str, str]:
     """(output dir, train stdout, prepare stdout): one real 2-process ZeRO-2 `llmft train` run with a held-out eval
-    split evaluated every 3 steps (rank 0 prepares the data, rank 1 waits for it), then `llmft prepare` with the
-    same flags (which finds it prepared); shared by the eval, report and training tests."""
+    split evaluated every 3 steps (rank 0 prepares the data, rank 1 waits for it), from weights staged to a
+    node-local directory, then `llmft prepare` with the same flags (which finds it prepared); shared by the eval,
+    report, training and staging tests."""
     import socket
 
     with socket.socket() as s:
@@ -63,8 +64,12 @@ def run_with_eval(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, str, s
              "--save_steps", "3", "--global_batch_size", "8", "--per_device_train_batch_size", "2", "--learning_rate", "5e-3",
              "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", "2"]
     flags += ["--eval_split_ratio", "0.1", "--data_percentage", "50"]  # a fingerprint of its own: prepared here
+    # The model directory as if on NFS (what /proc/mounts would say for a shared HF_HOME): its weights are staged to
+    # a node-local directory once, and both ranks load that copy (llmft.training.stage_weights).
+    mounts = out.parent / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nfiler:/models {tiny_model.parent} nfs rw 0 0\n")
     trained = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), "-m", "llmft.train", *flags],
-                  check=True, timeout=600)
+                  check=True, timeout=600, LLMFT_PROC_MOUNTS=str(mounts), LLMFT_STAGE_DIR=str(out.parent / "node-local"))
     prepared = run([str(Path(PYTHON).parent / "llmft"), "prepare", *flags], check=True, timeout=300)
     return out, trained.stdout, prepared.stdout
 

@@ -1,0 +1,1 @@
+"""Training: the pieces `llmft train` is built from."""
