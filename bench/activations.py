@@ -1,4 +1,4 @@
-"""What autograd keeps per token and decoder layer: full fine-tuning vs LoRA vs QLoRA, beside llmft.memory's count.
+"""What autograd keeps per token and decoder layer: full fine-tuning vs LoRA vs QLoRA, beside llmft.planning.memory's count.
 
     python bench/activations.py                 # CUDA if present (bf16, QLoRA too), else CPU (bf16, no QLoRA)
     python bench/activations.py --hidden 4096 --intermediate 14336 --heads 32 --kv_heads 8
@@ -75,8 +75,8 @@ def main() -> int:
     import torch
     from transformers import LlamaConfig
 
-    from llmft.memory import layer_activation_bytes_per_token
-    from llmft.model_shape import model_shape
+    from llmft.planning.memory import layer_activation_bytes_per_token
+    from llmft.planning.model_shape import model_shape
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -93,7 +93,7 @@ def main() -> int:
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
     print(f"{where}, torch {torch.__version__}; layer {a.hidden} hidden, {a.intermediate} MLP, {a.heads}/{a.kv_heads} heads; "
           f"{tokens} tokens (one packed row, no mask), bf16")
-    print(f"llmft.memory per token and layer (sdpa / flash): {layer_activation_bytes_per_token(shape, 'bf16', 'sdpa')} / "
+    print(f"llmft.planning.memory per token and layer (sdpa / flash): {layer_activation_bytes_per_token(shape, 'bf16', 'sdpa')} / "
           f"{layer_activation_bytes_per_token(shape, 'bf16', 'flash_attention_2')} bytes; adapted linears' inputs: "
           f"{linear_inputs} elements")
     print("| run | bytes per token and layer | vs full | extra per adapted-input element |\n|---|---|---|---|")

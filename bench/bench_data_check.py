@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmft.data import check_jsonl, check_utf8
+from llmft.data.loading import check_jsonl, check_utf8
 from llmft.tiny import as_format, make_examples, write_jsonl
 
 

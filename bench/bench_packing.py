@@ -7,7 +7,7 @@ Both runs train the same GPT-2-style model (the demo's 2 x 128 shape, 1024 posit
 same generated texts, whose lengths are spread uniformly over 16-512 tokens, at about the same number of real
 tokens per optimizer step:
 - padded: micro-batch 8 samples, each batch padded to its longest sample (TRL's default collator);
-- packed: `--packing` (TRL's bfd packing, padding-free, attention kept per sample: llmft.packing), micro-batch
+- packed: `--packing` (TRL's bfd packing, padding-free, attention kept per sample: llmft.training.packing), micro-batch
   2 rows of 1024 tokens.
 Printed: non-padding tokens/s and all tokens/s from each run's run_summary.json, the ratio packed/padded of the
 medians (goal >= 1.5), and both loss curves side by side with their mean gap (they should agree: same data, same

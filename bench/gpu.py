@@ -152,7 +152,7 @@ def main() -> int:
         else:
             s = r.summary()
             world = s["world_size"]
-            mfu_text = f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a (GPU not in llmft.hardware.GPUS)"
+            mfu_text = f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a (GPU not in llmft.planning.hardware.GPUS)"
             startup = sum((s.get("startup_seconds") or {}).values())
             lines.append(f"| {name} | {s['tokens_per_second'] / world:.0f} | {s['padded_tokens_per_second'] / world:.0f} | "
                          f"{s['tflops_per_gpu']:.1f} | {mfu_text} | {s['peak_gpu_memory_gib']:.1f} | {est_text} | {startup:.0f} | {r.wall:.0f} |")

@@ -54,8 +54,7 @@ def main() -> int:
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from llmft import packing
-
+    from llmft.training import packing
     if not torch.cuda.is_available():
         print("bench/gpu_attention.py: needs CUDA (run it on a GPU machine); nothing measured on this machine")
         return 0

@@ -6,7 +6,7 @@
 For each setting it runs the real `llmft train` (torchrun, TRL's SFTTrainer on DeepSpeed, bf16) on a
 Llama-3.2-1B-shaped model built from a config with random weights (nothing downloaded; the tokenizer and the
 packed data are llmft.tiny's), three steps without checkpoints, and reads the per-rank peak that llmft prints
-(`llmft: GPU memory peak: rank 0 X GiB allocated`). Beside it: llmft.memory's estimate of the allocated part
+(`llmft: GPU memory peak: rank 0 X GiB allocated`). Beside it: llmft.planning.memory's estimate of the allocated part
 (model states + activations + loss buffers + DeepSpeed buckets; the CUDA context and fragmentation margin are
 not allocations) and the full per-GPU figure the planner checks against the GPU. Goal: within 10%.
 On a machine without CUDA it says so and exits 0.
@@ -82,10 +82,10 @@ def main() -> int:
         print("bench/gpu_memory.py: needs a CUDA GPU and none is visible here; run it on a GPU node (nothing measured)")
         return 0
 
-    from llmft import memory
-    from llmft.ds_config import load_config, template_path
-    from llmft.hardware import local_gpu
-    from llmft.model_shape import load_model_config, model_shape
+    from llmft.planning import memory
+    from llmft.planning.ds_config import load_config, template_path
+    from llmft.planning.hardware import local_gpu
+    from llmft.planning.model_shape import load_model_config, model_shape
 
     model_dir, data = build(args.out, args.vocab)
     shape = model_shape(load_model_config(str(model_dir)))

@@ -3,7 +3,7 @@
 Rank 0 prints `bench: checkpoint-N save S s` (Trainer._save_checkpoint: every file of the checkpoint, written) and
 `bench: step N end T` (a monotonic clock, at each optimizer step's end), for the bench to compute stalls from.
 $BENCH_HF_CHECKPOINT_MODEL=1: checkpoints also get HF's model.safetensors (what llmft wrote before it stopped
-duplicating the weights, llmft.saving), so before and after run side by side in one bench.
+duplicating the weights, llmft.training.saving), so before and after run side by side in one bench.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ class BenchTrainer(trl.SFTTrainer):
 
 
 if __name__ == "__main__":
-    from llmft import saving
+    from llmft.training import saving
     from llmft.train import cli, make_parser
 
     transformers.Trainer._save_checkpoint = timed_save(transformers.Trainer._save_checkpoint)
-    trl.SFTTrainer = BenchTrainer  # llmft.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    trl.SFTTrainer = BenchTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
     if os.environ.get("BENCH_HF_CHECKPOINT_MODEL") == "1":
         llmft_class = saving.trainer_class
 

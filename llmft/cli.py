@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    if argv[0] in ("train", "prepare"):  # llmft.flags.TrainParser (TRL's parser): every SFTConfig flag, --config YAML
-        from llmft.flags import TrainParser
+    if argv[0] in ("train", "prepare"):  # llmft.training.flags.TrainParser (TRL's parser): every SFTConfig flag, --config YAML
+        from llmft.training.flags import TrainParser
 
         subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers(parser_class=TrainParser)
         return module.cli(module.make_parser(subparsers), argv[1:])

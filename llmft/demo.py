@@ -27,8 +27,8 @@ def run(cmd: list[str]) -> None:
 
 
 def newest_tag_dir(output_dir: Path) -> Path:
-    """The checkpoint training would resume from (llmft.checkpoints.choose_checkpoint), as a tag directory."""
-    from llmft.checkpoints import choose_checkpoint, tag_dir
+    """The checkpoint training would resume from (llmft.checkpoint.run_dir.choose_checkpoint), as a tag directory."""
+    from llmft.checkpoint.run_dir import choose_checkpoint, tag_dir
 
     ckpt, _ = choose_checkpoint(output_dir)
     tag = tag_dir(ckpt) if ckpt is not None else None

@@ -123,8 +123,7 @@ class Example:
 
 def load_examples(args, tokenizer) -> tuple[list[Example], str]:
     """Records in one of the training shapes, mapped with the training column options, first --limit of them."""
-    from llmft import data
-
+    from llmft.data import loading as data
     ds = data.load_train_split(args.dataset_name, args.dataset_config, args.dataset_split)
     ds, shape = data.shape_for_sft(ds, prompt_column=args.prompt_column, completion_column=args.completion_column,
                                    messages_column=args.messages_column, text_field=args.dataset_text_field)
@@ -211,7 +210,7 @@ _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.
 
 def is_exported(path: Path) -> bool:
     """A Hugging Face model directory (weights + config), not a DeepSpeed checkpoint or run."""
-    from llmft.zero_checkpoint import is_tag_dir
+    from llmft.checkpoint.zero import is_tag_dir
 
     if not path.is_dir() or is_tag_dir(path) or (path / "latest").is_file():
         return False
@@ -467,9 +466,9 @@ def table(rows: list[dict]) -> str:
 def run(args, env=None) -> list[dict]:
     """Evaluate each checkpoint; returns the documents rank 0 wrote (other ranks: [])."""
     from llmft import infer
-    from llmft.data import DataError
+    from llmft.data.loading import DataError
     from llmft.prepare import attempt_id
-    from llmft.zero_checkpoint import CheckpointError
+    from llmft.checkpoint.zero import CheckpointError
 
     env = os.environ if env is None else env
     rank, world, local_rank = ranks(env)
@@ -530,7 +529,7 @@ def _cuda() -> bool:
 
 
 def main(args) -> int:
-    from llmft.zero_checkpoint import CheckpointError
+    from llmft.checkpoint.zero import CheckpointError
 
     try:
         run(args)

@@ -1,6 +1,6 @@
 """Generate from (or export) a DeepSpeed ZeRO checkpoint without DeepSpeed: no process group, no engine.
 
-The weights are read straight from the shards (see `llmft.zero_checkpoint`): exact fp32 master
+The weights are read straight from the shards (see `llmft.checkpoint.zero`): exact fp32 master
 weights for ZeRO stages 0-3, any number of ranks, with or without CPU offload, and peak memory close
 to the model's own size. Optimizer moments are never read.
 
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmft.zero_checkpoint import CheckpointError, ZeroCheckpoint, is_tag_dir, open_checkpoint
+from llmft.checkpoint.zero import CheckpointError, ZeroCheckpoint, is_tag_dir, open_checkpoint
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -55,8 +55,8 @@ def _step_of(path: Path) -> int:
 def _tag_dir_in(path: Path) -> Path:
     """Map a tag dir, a checkpoint dir (with `latest` or global_step*) or a run dir to one tag dir.
 
-    Which checkpoint of a run is llmft.checkpoints.choose_checkpoint's decision (the one training resumes from)."""
-    from llmft.checkpoints import choose_checkpoint, tag_dir
+    Which checkpoint of a run is llmft.checkpoint.run_dir.choose_checkpoint's decision (the one training resumes from)."""
+    from llmft.checkpoint.run_dir import choose_checkpoint, tag_dir
 
     if path.is_file() and path.name.endswith("_states.pt"):
         path = path.parent
@@ -154,12 +154,12 @@ _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def pick_dtype(name: str | None, device: str, exporting: bool):
-    """llmft.hardware.choose_precision for the device (auto: bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU;
+    """llmft.planning.hardware.choose_precision for the device (auto: bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU;
     bf16 asked on a GPU without it is refused). Exports keep the checkpoint's fp32 unless --dtype says otherwise:
     there the dtype is how the weights are stored, not what a GPU computes in."""
     import torch
 
-    from llmft.hardware import choose_precision, local_gpu, torch_dtype
+    from llmft.planning.hardware import choose_precision, local_gpu, torch_dtype
 
     requested = "auto" if name in (None, "auto") else _PRECISION_OF[DTYPES[name]]
     if exporting:
@@ -299,7 +299,7 @@ def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list:
         path = Path(prompt_file)
         if not path.is_file():
             raise CheckpointError(f"--prompt_file {path} does not exist: check the path")
-        from llmft.data import DataError, check_utf8
+        from llmft.data.loading import DataError, check_utf8
 
         try:
             check_utf8(path)

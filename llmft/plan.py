@@ -7,7 +7,7 @@ script's first lines, so a user sees (and a bad knob fails) before GPUs are spen
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --zero_stage 3 --offload   # world from Slurm/torchrun env
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --print_launch   # + the line slurm/run_llm.slurm launches from
 
-With --model it is a memory plan (llmft.memory): will it fit, and what should it run with? The model is built
+With --model it is a memory plan (llmft.planning.memory): will it fit, and what should it run with? The model is built
 from its config on the meta device (no weights are read); the hardware is a catalogue GPU or node type, or
 this machine's GPUs and RAM when neither is given.
 
@@ -23,9 +23,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmft.batch import BatchError, BatchPlan, plan_batch
+from llmft.planning.batch import BatchError, BatchPlan, plan_batch
 from llmft.cli import command_parser
-from llmft.ds_config import (
+from llmft.planning.ds_config import (
     DSConfigError,
     load_config,
     offload_mode,
@@ -33,8 +33,8 @@ from llmft.ds_config import (
     template_path,
     zero_stage_of,
 )
-from llmft.hardware import AUTO_PRECISION, PRECISIONS, HardwareError, choose_precision
-from llmft.launch_env import CpuSplit, LaunchEnvError, World, cpu_split, discover_cpus, discover_world
+from llmft.planning.hardware import AUTO_PRECISION, PRECISIONS, HardwareError, choose_precision
+from llmft.planning.world import CpuSplit, LaunchEnvError, World, cpu_split, discover_cpus, discover_world
 
 
 class PlanError(ValueError):
@@ -94,7 +94,7 @@ def make_plan(
                    offload_mode(config), auto)
 
 
-# ---- the memory plan (--model): llmft.memory on a model shape and the hardware --------------------------------------
+# ---- the memory plan (--model): llmft.planning.memory on a model shape and the hardware --------------------------------------
 
 # What `llmft train` uses when a flag is not given (TRL's SFTConfig / HF's TrainingArguments defaults).
 TRAIN_DEFAULTS = {"max_length": 1024, "lr": 2e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "clip": 1.0}
@@ -104,7 +104,7 @@ TRAIN_DEFAULTS = {"max_length": 1024, "lr": 2e-5, "betas": (0.9, 0.999), "eps": 
 class Hardware:
     """The GPUs and host a memory plan is made for."""
 
-    gpu: object  # llmft.hardware.GPU, or None for CPU processes
+    gpu: object  # llmft.planning.hardware.GPU, or None for CPU processes
     gpu_memory_gib: float | None
     host_ram_gib: float
     gpus_per_node: int | None
@@ -127,7 +127,7 @@ class Hardware:
         the sbatch flag that asks for it. '' otherwise."""
         if not self.host_ram_source:
             return ""
-        from llmft.memory import GIB
+        from llmft.planning.memory import GIB
 
         limit = mplan.job.device_gib
         gpu_fits = [c for c in mplan.candidates if limit is None or c.gpu_total <= limit * GIB]
@@ -143,7 +143,7 @@ class Hardware:
 def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None, node_type: str | None = None,
                      host_ram_gb: float | None = None) -> Hardware:
     """A catalogue node type, a GPU (by name or memory) with the host RAM given, or this machine."""
-    from llmft.hardware import GPU, gpu_by_name, local_gpu, local_host_memory, node_type_by_name
+    from llmft.planning.hardware import GPU, gpu_by_name, local_gpu, local_host_memory, node_type_by_name
 
     if node_type:
         node = node_type_by_name(node_type)
@@ -180,11 +180,10 @@ def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, prec
                load_in_4bit: bool = False, attention: str = "sdpa", save_total_limit: int | None = None,
                output_dir: str | None = None, write_mb_s: float | None = None, mfu: float | None = None,
                save_consolidated: bool = False):
-    """The llmft.memory Job for this model, hardware and run knobs (stage/offload restricted when given)."""
+    """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given)."""
     import shutil
 
-    from llmft import memory
-
+    from llmft.planning import memory
     stages, offload_modes = memory.Job.__dataclass_fields__["zero_stages"].default, memory.OFFLOADS
     zero_config = {}
     try:
@@ -226,8 +225,7 @@ def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, prec
 def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     """The memory plan as printed: the model and hardware, the recommendation and why, the candidate table,
     warnings, and the assumptions behind the numbers."""
-    from llmft import memory
-
+    from llmft.planning import memory
     job, shape = mplan.job, mplan.job.shape
     train = f"LoRA: {shape.trainable / 1e6:.1f}M trainable" if shape.lora else "full fine-tuning"
     if job.load_in_4bit:
@@ -262,7 +260,7 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
               else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process")
     lora = "; LoRA dropout on (TRL's default 0.05; 0 keeps less)" if job.shape.lora else ""
     out.append(f"llmft plan: assumed: {device}; {peak}{lora}; checkpoints written at {job.write_mb_s:g} MB/s; "
-               f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.memory documents each term)")
+               f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.planning.memory documents each term)")
     return out
 
 
@@ -345,12 +343,12 @@ def data_flags(args) -> list[str]:
 
 def data_fit_lines(args, positions: int | None) -> list[str]:
     """--dataset_name with --model: the data prepared as `llmft train` prepares it (cached, so the run reuses it) and its
-    fit against max_length, one line per split (llmft.data_fit), with the warning naming the fix."""
+    fit against max_length, one line per split (llmft.data.fit), with the warning naming the fix."""
     import dataclasses
     import tempfile
 
     from llmft import prepare
-    from llmft.data import DataError
+    from llmft.data.loading import DataError
 
     from transformers import AutoTokenizer
     from trl import SFTConfig
@@ -379,8 +377,7 @@ def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
     """--write DIR: the resolved DeepSpeed config of the recommended setting and the sbatch line that runs it."""
     import json
 
-    from llmft import ds_config
-
+    from llmft.planning import ds_config
     est = mplan.recommended
     s = est.setting
     batch = plan_batch(world.world_size, s.micro_batch, global_batch=s.micro_batch * s.grad_accum * world.world_size)
@@ -403,8 +400,8 @@ def memory_main(args, world: World) -> tuple[int, World]:
     world it planned for."""
     import json
 
-    from llmft.memory import MemoryPlanError, plan_memory
-    from llmft.model_shape import load_model_config, model_shape
+    from llmft.planning.memory import MemoryPlanError, plan_memory
+    from llmft.planning.model_shape import load_model_config, model_shape
 
     hardware = resolve_hardware(args.gpu, args.gpu_memory_gb, args.node_type, args.host_ram_gb)
     if args.nproc_per_node is None and hardware.gpus_per_node:
@@ -464,8 +461,8 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
     job's GPUs and the host memory it may use (llmft.planning.allocation)? Returns (lines, error): the error names
     the limit and, where the allocation is the limit, the sbatch flag that fixes it. A model whose config cannot be
     read here (a hub id on an offline node) is said, not checked: training reads it again and fails there."""
-    from llmft.memory import MemoryPlanError, plan_memory
-    from llmft.model_shape import load_model_config, model_shape
+    from llmft.planning.memory import MemoryPlanError, plan_memory
+    from llmft.planning.model_shape import load_model_config, model_shape
 
     try:
         config = load_model_config(args.model, args.trust_remote_code)
@@ -511,8 +508,8 @@ def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: in
     Returns (Setting, one line saying what was chosen and why); PlanError when nothing fits."""
     import dataclasses
 
-    from llmft.memory import MemoryPlanError, plan_memory
-    from llmft.model_shape import load_model_config, model_shape
+    from llmft.planning.memory import MemoryPlanError, plan_memory
+    from llmft.planning.model_shape import load_model_config, model_shape
 
     hardware = resolve_hardware()
     try:
@@ -569,9 +566,9 @@ def make_parser(subparsers=None):
                         help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)")
     mem = parser.add_argument_group("memory plan (--model)")
     mem.add_argument("--model", default=None, help="model directory, a directory holding only config.json, or a hub id")
-    mem.add_argument("--gpu", default=None, help="L4, A100-40GB, A100-80GB, H100-80GB, H200, ... (llmft.hardware.GPUS)")
+    mem.add_argument("--gpu", default=None, help="L4, A100-40GB, A100-80GB, H100-80GB, H200, ... (llmft.planning.hardware.GPUS)")
     mem.add_argument("--gpu_memory_gb", type=float, default=None, help="GPU memory in GiB (an unlisted GPU, or to override)")
-    mem.add_argument("--node_type", default=None, help="g2-standard-4, a2-highgpu-8g, g6.12xlarge, p4d.24xlarge, ... (llmft.hardware.NODE_TYPES)")
+    mem.add_argument("--node_type", default=None, help="g2-standard-4, a2-highgpu-8g, g6.12xlarge, p4d.24xlarge, ... (llmft.planning.hardware.NODE_TYPES)")
     mem.add_argument("--host_ram_gb", type=float, default=None, help="host RAM per node in GiB (default: the node type's, or this machine's)")
     mem.add_argument("--max_length", type=int, default=None, help="tokens per sequence (default: TRL's 1024)")
     mem.add_argument("--gradient_checkpointing", default=None, type=lambda v: _bool(v, "--gradient_checkpointing"),
@@ -624,7 +621,7 @@ MEMORY_ONLY = ("gpu", "gpu_memory_gb", "node_type", "host_ram_gb", "max_length",
 
 
 def main(args) -> int:
-    from llmft.memory import MemoryPlanError
+    from llmft.planning.memory import MemoryPlanError
     from llmft.planning.allocation import AllocationError
 
     try:
@@ -652,7 +649,7 @@ def main(args) -> int:
                             "drop --check_memory or them")
         if given and not args.model:
             raise PlanError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --model (a memory plan)")
-        # Planning on a login node: say what the GPU nodes will pick (llmft.hardware.choose_precision's rule).
+        # Planning on a login node: say what the GPU nodes will pick (llmft.planning.hardware.choose_precision's rule).
         precision = AUTO_PRECISION if args.precision == "auto" else args.precision
         plan = make_plan(
             micro_batch=8 if args.per_device_train_batch_size is None else args.per_device_train_batch_size,  # HF default

@@ -36,15 +36,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Mapping
 
-from llmft import data, data_fit
-from llmft.data import DataError
+from llmft.data import loading as data
+
+from llmft.data import fit as data_fit
+from llmft.data.loading import DataError
 
 PREPARE_VERSION = 2  # bump when what is stored changes
 MARKER = "llmft_prepared.json"
 START_GRACE_S = 600  # waiting ranks give up when rank 0 has not started in this long (cache not shared?)
 
 
-cache_root = data.cache_root  # $LLMFT_CACHE, else llmft/ under $HF_HOME (llmft.data: its fingerprints live there too)
+cache_root = data.cache_root  # $LLMFT_CACHE, else llmft/ under $HF_HOME (llmft.data.loading: its fingerprints live there too)
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,7 @@ def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completio
 
 def prepare_counted(dataset, tokenizer, args, *, packing: bool, name: str, completion_only: bool, masked: bool):
     """(TRL's prepared split, its data fit): TRL tokenises and labels the records without truncating them, the fit is
-    counted on those tokens (llmft.data_fit), then TRL's same preparation truncates, drops and packs them (it skips
+    counted on those tokens (llmft.data.fit), then TRL's same preparation truncates, drops and packs them (it skips
     tokenising data that already has input_ids and labels): the tokens are TRL's, tokenised once."""
     import dataclasses
 
@@ -396,7 +398,7 @@ def prepare(opts: DataOptions, tokenizer, args, *, log: Callable[[str], None] = 
             env: Mapping[str, str] | None = None, root: Path | None = None, positions: int | None = None) -> Prepared:
     """The prepared train/eval datasets for these options: reused if complete in the cache, else built by global
     rank 0 while the other ranks wait for its marker (or its error note, or the timeout). The data fit of each split
-    (llmft.data_fit) is logged, with a warning naming the fix where much is cut (positions: the model's)."""
+    (llmft.data.fit) is logged, with a warning naming the fix where much is cut (positions: the model's)."""
     prepared = _prepare(opts, tokenizer, args, log=log, timeout=timeout, env=env, root=root)
     for line in fit_lines(prepared.info, positions):
         log(line)
@@ -500,7 +502,7 @@ def make_parser(subparsers=None):
     import torch
     from trl import ModelConfig, ScriptArguments, SFTConfig
 
-    from llmft.flags import TrainParser
+    from llmft.training.flags import TrainParser
     from llmft.train import LlmftArguments
 
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
@@ -514,7 +516,7 @@ def make_parser(subparsers=None):
 
 
 def log(msg: str) -> None:
-    from llmft.launch_env import rank0
+    from llmft.planning.world import rank0
 
     if rank0():
         print(f"llmft: {msg}", flush=True)
@@ -535,7 +537,7 @@ def load_tokenizer(model_args, training_args):
 def main(script_args, training_args, model_args, llmft_args) -> int:
     import dataclasses
 
-    from llmft.hub import HubError
+    from llmft.training.hub import HubError
     from llmft.train import TrainError
 
     try:

@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 from llmft.cli import command_parser
-from llmft.data import DEFAULT_CHAT_TEMPLATE
+from llmft.data.loading import DEFAULT_CHAT_TEMPLATE
 
 _WORDS = (
     "apple river stone cloud garden window silver forest candle bridge ocean paper "

@@ -25,10 +25,10 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
 ```
 
 Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
-(llmft/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
+(llmft/training/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
 `--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and column mapping. Weights
 load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise. A rerun with the same `--output_dir` resumes from
-the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.elastic);
+the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.training.elastic);
 a different run there is refused. Started without torchrun on a machine with several GPUs, it stops and
 prints the torchrun command.
 """
@@ -47,15 +47,40 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft import (build_locks, checkpoints, data, ds_config, elastic, host_memory, hub, metrics, packing, prepare, rerun,
-                   run_identity, saved_weights, saving)
-from llmft.flags import FlagError, TrainParser, check_flags
-from llmft.hardware import (HardwareError, check_liger, choose_attention, choose_precision, flash_attn_installed,
+from llmft.training import build_locks
+
+from llmft.checkpoint import run_dir as checkpoints
+
+from llmft.data import loading as data
+
+from llmft.planning import ds_config
+
+from llmft.training import elastic
+
+from llmft.training import host_memory
+
+from llmft.training import hub
+
+from llmft.training import metrics
+
+from llmft.training import packing
+
+from llmft import prepare
+
+from llmft.training import rerun
+
+from llmft.training import run_identity
+
+from llmft.training import save_checks as saved_weights
+
+from llmft.training import saving
+from llmft.training.flags import FlagError, TrainParser, check_flags
+from llmft.planning.hardware import (HardwareError, check_liger, choose_attention, choose_precision, flash_attn_installed,
                             liger_model_types, local_gpu)
-from llmft.launch_env import (LaunchEnvError, deepspeed_arch_list, launch_problem, rank0, single_process_defaults,
+from llmft.planning.world import (LaunchEnvError, deepspeed_arch_list, launch_problem, rank0, single_process_defaults,
                               skip_deepspeed_shm_op, use_proc_cpuinfo_for_deepspeed)
 from llmft.plan import PlanError, auto_choice, make_plan
-from llmft.qlora import QuantizationError, QuantRequest, bitsandbytes_version, choose_quantization
+from llmft.planning.qlora import QuantizationError, QuantRequest, bitsandbytes_version, choose_quantization
 from llmft.training.stage_weights import restore_source_name, stage_weights
 
 
@@ -88,7 +113,7 @@ class LlmftArguments:
         metadata={"help": "ZeRO-3: gather the 16-bit model on rank 0 into --output_dir at the end (needs about twice "
                           "its 16-bit size in host RAM there; `llmft plan --save_consolidated` counts it)."},
     )
-    # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.flags.TrainParser; not flags themselves.
+    # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.training.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
     fp16_flag: bool | None = field(default=None, init=False, repr=False)
     eval_dataset_name: str | None = field(
@@ -269,7 +294,7 @@ def compile_report(trainer):
 
 
 def train_precision(training_args, llmft_args, gpu) -> str:
-    """llmft.hardware.choose_precision with --precision and the --bf16/--fp16 flags as given.
+    """llmft.planning.hardware.choose_precision with --precision and the --bf16/--fp16 flags as given.
 
     Called without llmft's parser (main() from Python), only an fp16=True is a choice: SFTConfig sets bf16 on
     by default, so its bf16 says nothing about what the user asked."""
@@ -281,7 +306,7 @@ def train_precision(training_args, llmft_args, gpu) -> str:
 
 def load_model_files(model_args, training_args):
     """The model's config and tokenizer (small files), at the asked revision, and the path to load the weights
-    from; a missing model is one line. A hub model is downloaded once per job first (llmft.hub: one process,
+    from; a missing model is one line. A hub model is downloaded once per job first (llmft.training.hub: one process,
     the others wait), then every process loads the local snapshot."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -308,7 +333,7 @@ def load_model_files(model_args, training_args):
 def model_init_kwargs(model_args, training_args, quantization: dict | None, precision: str = "fp32",
                       attention: str | None = None) -> dict:
     """How SFTTrainer loads the weights: the same revision as the config and tokenizer, llmft's QLoRA dtype, the
-    attention implementation llmft chose (llmft.hardware.choose_attention, llmft.packing.check_packing).
+    attention implementation llmft chose (llmft.planning.hardware.choose_attention, llmft.training.packing.check_packing).
 
     Weights load in the precision the run trains in (an explicit --dtype wins), never an fp32 copy per rank on a
     bf16 run (issue 9: 32 GB of host RAM per rank for an 8B model). On CPU that is fp32, as before."""
@@ -345,7 +370,7 @@ def choose_automatically(script_args, training_args, model_args, llmft_args, pre
     """--auto: llmft.plan.auto_choice for this job's world, GPUs and RAM; refuses the flags it would override."""
     if llmft_args.zero_stage is not None or llmft_args.offload or training_args.deepspeed:
         raise TrainError("--auto chooses the ZeRO stage and offload itself: drop --zero_stage/--offload/--deepspeed, or --auto")
-    from llmft.launch_env import discover_world
+    from llmft.planning.world import discover_world
 
     # A rerun continues the run in --output_dir: its checkpoints load only under the stage they were written with.
     record = run_identity.read_record(training_args.output_dir) if run_identity.has_training_state(training_args.output_dir) else None
@@ -618,7 +643,7 @@ def _train(script_args, training_args, model_args, llmft_args) -> int:
 
 
 def make_parser(subparsers=None):
-    """llmft.flags.TrainParser (TRL's parser, with llmft's precision and DeepSpeed-file handling) for the four dataclasses.
+    """llmft.training.flags.TrainParser (TRL's parser, with llmft's precision and DeepSpeed-file handling) for the four dataclasses.
 
     As a subcommand, `subparsers` must have been made with parser_class=TrainParser (llmft.cli does)."""
     import torch
@@ -638,7 +663,7 @@ def make_parser(subparsers=None):
 def cli(parser, argv: list[str] | None = None) -> int:
     import yaml
 
-    from llmft.launch_env import _cuda_device_count
+    from llmft.planning.world import _cuda_device_count
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not {"-h", "--help"} & set(argv):

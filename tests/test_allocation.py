@@ -147,10 +147,10 @@ def test_a_cgroup_limit_below_memtotal_changes_the_plan_and_names_the_flag(llama
     that fitted no longer does, and the error names the limit and the sbatch --mem that makes it fit (the least)."""
     import re
 
-    from llmft.hardware import GPUS, choose_precision
-    from llmft.launch_env import World
-    from llmft.memory import plan_memory
-    from llmft.model_shape import model_shape
+    from llmft.planning.hardware import GPUS, choose_precision
+    from llmft.planning.world import World
+    from llmft.planning.memory import plan_memory
+    from llmft.planning.model_shape import model_shape
     from llmft.plan import Hardware, memory_job
 
     shape = model_shape(llama_8b, use_peft=lora, lora_r=16, lora_target_modules=None)

@@ -46,7 +46,7 @@ class Workspace:
 
     def run_dir(self, complete: bool = True, shard: bytes = b"not a torch file") -> str:
         """An llmft run directory with one checkpoint (its shard need not be a real one: the cases fail before)."""
-        from llmft.checkpoints import mark_complete
+        from llmft.checkpoint.run_dir import mark_complete
 
         run = self.inputs / "run"
         tag = run / "checkpoint-4" / "global_step4"

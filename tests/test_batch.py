@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmft.batch import BatchError, nearest_global_batches, plan_batch, valid_micro_batches
+from llmft.planning.batch import BatchError, nearest_global_batches, plan_batch, valid_micro_batches
 
 
 def test_accumulation_adapts_to_gpu_count_keeping_global_batch():

@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 from conftest import PYTHON, run
-from llmft import build_locks
-
+from llmft.training import build_locks
 LOCAL_MOUNTS = "/dev/vda / ext4 rw,relatime 0 0\nproc /proc proc rw 0 0\n"
 
 

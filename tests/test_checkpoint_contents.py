@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, run
-from llmft.checkpoints import RUN_RECORD
+from llmft.checkpoint.run_dir import RUN_RECORD
 from test_train import steps, train_cmd
 
 FLAGS = ("--zero_stage", 2, "--max_steps", 4, "--save_steps", 2, "--global_batch_size", 8,

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from llmft.checkpoints import (
+from llmft.checkpoint.run_dir import (
     DONE_MARKER,
     CheckpointError,
     choose_checkpoint,

@@ -475,7 +475,7 @@ def test_dockerfile_installs_pinned_llmft_with_prebuilt_ops_for_every_catalogue_
                for ln in pip_lines), pip_lines  # llmft itself: `.` or with extras, `'.[gpu]'`
     assert re.search(r"^COPY\s+.*constraints\.txt", instructions, re.M)
     # CUDA archs: the prebuilt ops (no PTX) run on every GPU of llmft's node catalogue (A100, L4, H100).
-    from llmft.hardware import NODE_TYPES
+    from llmft.planning.hardware import NODE_TYPES
 
     archs = re.search(r'TORCH_CUDA_ARCH_LIST="?([0-9.; +PTX]+)"?', instructions).group(1)
     catalogue = {"%d.%d" % node.gpu.compute_capability for node in NODE_TYPES.values()}

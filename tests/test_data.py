@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from llmft.data import DataError, ensure_chat_template, load_train_split, shape_for_sft, take_percentage
+from llmft.data.loading import DataError, ensure_chat_template, load_train_split, shape_for_sft, take_percentage
 from llmft.tiny import as_format, make_examples, write_jsonl
 
 
@@ -110,7 +110,7 @@ def test_tokenizer_without_chat_template_gets_a_working_default(tiny_model):
 
 
 def test_content_fingerprint_follows_the_bytes_not_the_path(tmp_path):
-    from llmft.data import content_fingerprint
+    from llmft.data.loading import content_fingerprint
 
     rows = as_format(make_examples(8), "prompt_completion")
     a = write_jsonl(rows, tmp_path / "a" / "train.jsonl")
@@ -135,7 +135,7 @@ def test_text_that_is_not_utf8_is_named_by_line_and_byte_before_loading(tmp_path
 
 
 def test_utf8_check_finds_the_byte_across_its_read_blocks(tmp_path):
-    from llmft.data import check_utf8
+    from llmft.data.loading import check_utf8
 
     path = tmp_path / "big.txt"
     block = 1 << 20
@@ -158,12 +158,12 @@ def test_the_dataset_is_hashed_once_for_every_rank_and_again_after_any_write(tmp
     import subprocess
     import sys
 
-    from llmft.data import content_fingerprint
+    from llmft.data.loading import content_fingerprint
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(f'{{"text": "record {i}"}}\n' for i in range(2000)))
     env = {**os.environ, "LLMFT_CACHE": str(tmp_path / "cache")}
-    code = "import sys; from llmft.data import content_fingerprint; print('fp', content_fingerprint(sys.argv[1]))"
+    code = "import sys; from llmft.data.loading import content_fingerprint; print('fp', content_fingerprint(sys.argv[1]))"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(data)], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     outs = [p.communicate(timeout=120)[0] for p in procs]

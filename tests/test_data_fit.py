@@ -9,7 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from llmft import data_fit, prepare
+from llmft.data import fit as data_fit
+
+from llmft import prepare
 from llmft.tiny import write_jsonl
 
 WORDS = "apple river stone cloud garden window silver forest candle bridge ocean paper".split()

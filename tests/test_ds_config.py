@@ -6,8 +6,8 @@ import re
 import pytest
 
 from conftest import PYTHON, run
-from llmft.batch import plan_batch
-from llmft.ds_config import DSConfigError, load_config, resolve, template_path, templates_dir
+from llmft.planning.batch import plan_batch
+from llmft.planning.ds_config import DSConfigError, load_config, resolve, template_path, templates_dir
 
 OPT = dict(gradient_clipping=1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, hidden_size=64)
 TEMPLATES = ["zero0.json", "zero1.json", "zero2.json", "zero2_offload.json", "zero3.json", "zero3_offload.json",
@@ -115,7 +115,7 @@ def test_plan_cli_fails_with_one_line_on_impossible_batch():
     ],
 )
 def test_precision_follows_the_hardware_unless_chosen(requested, gpu, expected):
-    from llmft.hardware import GPUS, choose_precision
+    from llmft.planning.hardware import GPUS, choose_precision
 
     assert choose_precision(requested, GPUS[gpu] if gpu else None) == expected
 
@@ -129,7 +129,7 @@ def test_precision_follows_the_hardware_unless_chosen(requested, gpu, expected):
     ],
 )
 def test_impossible_precision_is_refused_with_the_fix(requested, gpu, message):
-    from llmft.hardware import GPUS, HardwareError, choose_precision
+    from llmft.planning.hardware import GPUS, HardwareError, choose_precision
 
     with pytest.raises(HardwareError, match=re.escape(message)):
         choose_precision(requested, GPUS[gpu] if gpu else None)
@@ -148,7 +148,7 @@ def test_impossible_precision_is_refused_with_the_fix(requested, gpu, message):
     ],
 )
 def test_cuda_device_names_map_to_catalogue_facts(device_name, memory, cc, expected, peak):
-    from llmft.hardware import gpu_from_device
+    from llmft.planning.hardware import gpu_from_device
 
     gpu = gpu_from_device(device_name, memory, cc)
     assert (gpu.name, gpu.peak_tflops, gpu.memory_gib, gpu.compute_capability) == (expected, peak, memory, cc)
@@ -162,7 +162,7 @@ def test_cuda_device_names_map_to_catalogue_facts(device_name, memory, cc, expec
     (dict(cuda=False, offload=False, fused_adam_prebuilt=False, cuda_compiler=False), "deepspeed"),  # CPU runs
 ])
 def test_adam_runs_where_it_can_be_built(facts, kernel):
-    from llmft.ds_config import adam_kernel
+    from llmft.planning.ds_config import adam_kernel
 
     assert adam_kernel(**facts) == kernel
 
@@ -170,7 +170,7 @@ def test_adam_runs_where_it_can_be_built(facts, kernel):
 def test_torch_adam_config_trains_under_deepspeed(tmp_path):
     """The "torch" choice sets DeepSpeed's torch_adam on the template's AdamW (and only on an Adam block), and a real
     ZeRO-2 engine built from that config runs torch.optim.AdamW and takes a step."""
-    from llmft.ds_config import with_adam_kernel
+    from llmft.planning.ds_config import with_adam_kernel
 
     plan = plan_batch(micro_batch=2, world_size=1, global_batch=2)
     config = resolve(load_config(template_path(2)), plan, "fp32", gradient_clipping=1.0, lr=1e-3, betas=(0.9, 0.999),
@@ -182,7 +182,7 @@ def test_torch_adam_config_trains_under_deepspeed(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(torch_adam))
     script = f"""
 import json, torch, deepspeed
-from llmft.launch_env import skip_deepspeed_shm_op
+from llmft.planning.world import skip_deepspeed_shm_op
 skip_deepspeed_shm_op()  # as llmft train does: no CPU shared-memory op build
 model = torch.nn.Linear(8, 8)
 engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

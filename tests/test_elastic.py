@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO, run
-from llmft import elastic
-from llmft.batch import BatchPlan
-from llmft.checkpoints import RUN_RECORD, CheckpointError, mark_complete
+from llmft.training import elastic
+from llmft.planning.batch import BatchPlan
+from llmft.checkpoint.run_dir import RUN_RECORD, CheckpointError, mark_complete
 
 PROBE = str(REPO / "tests" / "train_probe.py")
 STEP_RE = re.compile(r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+)")
@@ -225,7 +225,7 @@ def test_the_resume_decision(tmp_path):
         "(converted in 12 s), accumulation 2 -> 4, global batch 64 kept"
     )
     # No --global_batch_size: the checkpoint's global batch is kept rather than micro x accumulation x the new world,
-    # and that is the global batch the run record (llmft.run_identity) compares, so the rerun is the same run.
+    # and that is the global batch the run record (llmft.training.run_identity) compares, so the rerun is the same run.
     kept = elastic.plan_resume(ckpt, 8, 3, BatchPlan(2, 1, 8), global_batch_given=False)
     assert kept.batch == BatchPlan(2, 4, 8)
     assert elastic.kept_global_batch(ckpt, 16, global_batch_given=False) == 64
@@ -286,7 +286,7 @@ def test_a_conversion_killed_half_way_is_never_used_and_is_redone(two_rank_check
         "import os, signal, sys; from pathlib import Path\n"
         "from deepspeed.checkpoint import ds_to_universal as d\n"
         "d._save_optimizer_state = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "from llmft.elastic import convert; convert(Path(sys.argv[1]))\n"
+        "from llmft.training.elastic import convert; convert(Path(sys.argv[1]))\n"
     )
     proc = run([PYTHON, "-c", killer, str(ckpt)])
     assert proc.returncode == -9, proc.stderr[-2000:]

@@ -1,6 +1,6 @@
 """No flag accepted and silently ignored: every `llmft train` flag takes effect or stops the run with the reason.
 
-The table in llmft/flags.py names each field of ScriptArguments, SFTConfig, ModelConfig and LlmftArguments;
+The table in llmft/training/flags.py names each field of ScriptArguments, SFTConfig, ModelConfig and LlmftArguments;
 these tests hold the code to it (a new field from a TRL/transformers upgrade fails the first test).
 """
 
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from llmft.flags import CHECKED, EVAL, PASSED, POLICY, REFUSED, USED, FlagError, check_flags
+from llmft.training.flags import CHECKED, EVAL, PASSED, POLICY, REFUSED, USED, FlagError, check_flags
 
 
 def _parse(tmp_path, *argv):
@@ -28,7 +28,7 @@ def test_every_flag_llmft_train_accepts_has_a_decision():
     from llmft.train import LlmftArguments
 
     fields = {f.name for dt in (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments) for f in dataclasses.fields(dt) if f.init}
-    assert sorted(fields - set(POLICY)) == [], "new flags: decide in llmft/flags.py POLICY what llmft does with them"
+    assert sorted(fields - set(POLICY)) == [], "new flags: decide in llmft/training/flags.py POLICY what llmft does with them"
     assert sorted(set(POLICY) - fields) == [], "POLICY names flags that no longer exist"
     assert {kind for kind, _ in POLICY.values()} == {USED, PASSED, CHECKED, REFUSED, EVAL}
 
@@ -99,7 +99,7 @@ def test_lora_flags_with_use_peft_reach_peft(tmp_path):
 def test_passed_flags_reach_the_trainer_unchanged_and_llmft_sets_only_its_own(tmp_path):
     """trainer_arguments() builds what SFTTrainer runs with; every 'passed' field must come out as it went in."""
     from llmft.plan import make_plan
-    from llmft.launch_env import World
+    from llmft.planning.world import World
     from llmft.train import trainer_arguments
 
     _, training_args, _, _ = _parse(
@@ -114,7 +114,7 @@ def test_passed_flags_reach_the_trainer_unchanged_and_llmft_sets_only_its_own(tm
     assert changed == []
     assert (out.per_device_train_batch_size, out.gradient_accumulation_steps, out.max_length) == (2, 2, 256)
     assert out.dataloader_pin_memory is False  # the user's false is kept on a GPU machine
-    assert out.include_num_input_tokens_seen == "no"  # the Trainer's default: llmft.metrics counts tokens itself
+    assert out.include_num_input_tokens_seen == "no"  # the Trainer's default: llmft.training.metrics counts tokens itself
     kept = dataclasses.replace(training_args, include_num_input_tokens_seen="non_padding")
     assert trainer_arguments(kept, plan=plan, precision="fp32", resolved_ds_config=ds, cuda=False, max_length=None,
                              resume=None).include_num_input_tokens_seen == "non_padding"
@@ -132,12 +132,12 @@ def test_model_revision_reaches_config_tokenizer_and_weights(tmp_path, monkeypat
 
     from huggingface_hub import constants
 
-    import llmft.hub
+    import llmft.training.hub
 
-    snapshot = str(tmp_path / "snapshot")  # what the once-per-job download (llmft.hub) returns
+    snapshot = str(tmp_path / "snapshot")  # what the once-per-job download (llmft.training.hub) returns
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(llmft.hub, "_download_snapshot", lambda name, revision: calls.append(("download", name, revision)) or snapshot)
+    monkeypatch.setattr(llmft.training.hub, "_download_snapshot", lambda name, revision: calls.append(("download", name, revision)) or snapshot)
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake("config"))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake("tokenizer"))
     _, training_args, model_args, _ = _parse(tmp_path, "--model_revision", "v1.2")
@@ -151,14 +151,14 @@ def test_model_revision_reaches_config_tokenizer_and_weights(tmp_path, monkeypat
 
 
 def _template(name="zero2.json"):
-    from llmft.ds_config import load_config, templates_dir
+    from llmft.planning.ds_config import load_config, templates_dir
 
     return load_config(templates_dir() / name)
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adamw_apex_fused"])
 def test_adamw_variants_run_as_deepspeeds_adamw(optim):
-    from llmft.ds_config import choose_optimizer
+    from llmft.planning.ds_config import choose_optimizer
 
     for name in ("zero2.json", "zero3_offload.json"):
         assert choose_optimizer(_template(name), optim)["optimizer"]["type"] == "AdamW"
@@ -166,7 +166,7 @@ def test_adamw_variants_run_as_deepspeeds_adamw(optim):
 
 @pytest.mark.parametrize("optim", ["sgd", "adagrad", "rmsprop", "adafactor"])
 def test_plain_torch_optimizers_run_as_the_trainers_optimizer(optim):
-    from llmft.ds_config import DSConfigError, choose_optimizer
+    from llmft.planning.ds_config import DSConfigError, choose_optimizer
 
     assert "optimizer" not in choose_optimizer(_template(), optim)  # HF then builds it and hands it to DeepSpeed
     with pytest.raises(DSConfigError, match=f"--optim {optim} runs as the Trainer's optimizer, and DeepSpeed's CPU offload needs its own"):
@@ -188,7 +188,7 @@ def test_plain_torch_optimizers_run_as_the_trainers_optimizer(optim):
     ],
 )
 def test_optimizers_llmft_cannot_run_are_refused(config, optim, kwargs, message):
-    from llmft.ds_config import DSConfigError, choose_optimizer
+    from llmft.planning.ds_config import DSConfigError, choose_optimizer
 
     config = _template(config) if isinstance(config, str) else config
     with pytest.raises(DSConfigError, match=re.escape(message)):
@@ -196,7 +196,7 @@ def test_optimizers_llmft_cannot_run_are_refused(config, optim, kwargs, message)
 
 
 def test_a_users_own_optimizer_block_decides_when_optim_is_left_alone():
-    from llmft.ds_config import choose_optimizer
+    from llmft.planning.ds_config import choose_optimizer
 
     lamb = {"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}
     assert choose_optimizer(lamb, "adamw_torch_fused", user_config=True) == lamb
@@ -229,8 +229,8 @@ def test_sgd_really_trains_as_the_trainers_optimizer_under_zero2(tiny_model, tin
 
 
 def _quant(gpu="A100-80GB", zero_stage=2, offload=False, use_peft=True, precision="bf16", bnb="0.50.2", **request):
-    from llmft.hardware import GPUS
-    from llmft.qlora import QuantRequest, choose_quantization
+    from llmft.planning.hardware import GPUS
+    from llmft.planning.qlora import QuantRequest, choose_quantization
 
     return choose_quantization(QuantRequest(**request), gpu=GPUS[gpu] if gpu else None, zero_stage=zero_stage,
                                offload=offload, use_peft=use_peft, precision=precision, bitsandbytes=bnb)
@@ -268,7 +268,7 @@ def test_qlora_on_a_t4_under_zero2_computes_in_fp16_and_8bit_works_there():
     ],
 )
 def test_qlora_is_refused_where_it_cannot_run(kwargs, message):
-    from llmft.qlora import QuantizationError
+    from llmft.planning.qlora import QuantizationError
 
     with pytest.raises(QuantizationError, match=re.escape(message)):
         _quant(**kwargs)
@@ -288,7 +288,7 @@ def test_load_in_4bit_on_this_cpu_machine_is_one_line_before_anything_loads(tiny
 
 
 def test_an_unknown_flag_names_the_closest_known_one():
-    from llmft.flags import unknown_flag_message
+    from llmft.training.flags import unknown_flag_message
     from llmft.train import make_parser
 
     parser = make_parser()

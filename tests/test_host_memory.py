@@ -2,7 +2,7 @@
 a checkpoint gathers nothing onto one rank, loading is partitioned, and the node stays within the plan.
 
 The slowest tests in the suite after the Slurm ones: two 2-process runs of a 124M-parameter model (~1-2 min each
-on 2 cores). Peak RSS comes from the lines `llmft train` prints (llmft.host_memory: ru_maxrss of every rank)."""
+on 2 cores). Peak RSS comes from the lines `llmft train` prints (llmft.training.host_memory: ru_maxrss of every rank)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_st
     import torch
     from safetensors.torch import load_file
 
-    from llmft.zero_checkpoint import load_fp32_state_dict
+    from llmft.checkpoint.zero import load_fp32_state_dict
 
     final = load_file(tmp_path / "saving" / "model.safetensors")
     shards = load_fp32_state_dict(tmp_path / "saving" / "checkpoint-2" / "global_step2")
@@ -88,9 +88,9 @@ def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_st
         assert after - before < 1.75 * MODEL_GIB + file_pages, loading
 
     # The plan for this very run (CPU processes: their tensors are host memory) covers the node's peak.
-    from llmft import memory
-    from llmft.ds_config import load_config, template_path
-    from llmft.model_shape import load_model_config, model_shape
+    from llmft.planning import memory
+    from llmft.planning.ds_config import load_config, template_path
+    from llmft.planning.model_shape import load_model_config, model_shape
 
     shape = model_shape(load_model_config(str(model)))
     job = memory.Job(shape, None, 1000.0, 1, 2, 64, "fp32", global_batch=2, micro_batch=1,

@@ -1,4 +1,4 @@
-"""Model downloads once per job (llmft.hub): real processes race for one shared cache; no network is used."""
+"""Model downloads once per job (llmft.training.hub): real processes race for one shared cache; no network is used."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, run
-from llmft.hub import HubError, fetch_once, job_token, resolve_model, skip_patterns
+from llmft.training.hub import HubError, fetch_once, job_token, resolve_model, skip_patterns
 
 RANKS = 4
 
@@ -122,7 +122,7 @@ def test_weights_transformers_does_not_load_are_not_downloaded():
 
 CACHED = r"""
 import sys
-from llmft.hub import resolve_model, HubError
+from llmft.training.hub import resolve_model, HubError
 try:
     print(resolve_model(sys.argv[1]))
 except HubError as e:

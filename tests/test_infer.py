@@ -67,10 +67,10 @@ def infer(*args, check=True):
 
 def deepspeed_reference(ckpt_dir: Path) -> dict:
     """DeepSpeed's own reconstruction; for stage 0 (which it does not handle) the Trainer's final model, saved at the
-    same (last) step: checkpoints hold no model.safetensors (llmft.saving)."""
+    same (last) step: checkpoints hold no model.safetensors (llmft.training.saving)."""
     from safetensors.torch import load_file
 
-    from llmft.zero_checkpoint import open_checkpoint
+    from llmft.checkpoint.zero import open_checkpoint
 
     tags = sorted(ckpt_dir.glob("global_step*"))
     if open_checkpoint(tags[-1]).stage == 0:
@@ -90,7 +90,7 @@ def test_real_run_weights_and_logits_equal_deepspeed(trained, tiny_model, name, 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmft.infer import load
-    from llmft.zero_checkpoint import load_fp32_state_dict
+    from llmft.checkpoint.zero import load_fp32_state_dict
 
     out = trained(name)
     ref = deepspeed_reference(out / "checkpoint-4")
@@ -258,7 +258,7 @@ def test_bad_options_are_one_line_errors(trained, argv, expected, capsys):
 
 
 def test_the_new_token_budget_stops_at_the_models_positions():
-    from llmft.checkpoints import CheckpointError
+    from llmft.checkpoint.run_dir import CheckpointError
     from llmft.infer import new_token_budget
 
     assert new_token_budget(100, 50, 256) == (50, None)

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from llmft.hardware import GPUS, HardwareError, choose_precision
-from llmft.launch_env import launch_problem
+from llmft.planning.hardware import GPUS, HardwareError, choose_precision
+from llmft.planning.world import launch_problem
 
 ARGV = ["--model_name_or_path", "meta-llama/Llama-3.1-8B", "--dataset_name", "data.jsonl", "--output_dir", "runs/my run"]
 SAME_ARGS = "-m llmft.train --model_name_or_path meta-llama/Llama-3.1-8B --dataset_name data.jsonl --output_dir 'runs/my run'"
@@ -51,12 +51,12 @@ def test_several_gpus_without_torchrun_stop_with_the_exact_command(env, gpus, ex
 
 def test_train_on_a_4_gpu_machine_stops_before_loading_anything(tiny_model, tiny_data, tmp_path, capsys, monkeypatch):
     """Through the real entry point, with the CUDA device count of a 4-GPU machine: one line, exit 2, no output dir."""
-    import llmft.launch_env
+    import llmft.planning.world
     from llmft.train import cli, make_parser
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "SLURM_JOB_ID", "SLURM_NNODES"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(llmft.launch_env, "_cuda_device_count", lambda: 4)
+    monkeypatch.setattr(llmft.planning.world, "_cuda_device_count", lambda: 4)
     out = tmp_path / "out"
     argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out), "--report_to", "none"]
     assert cli(make_parser(), argv) == 2
@@ -170,15 +170,15 @@ def test_inference_asks_the_same_function(monkeypatch):
     """llmft infer: auto on a T4 generates in fp16, bf16 asked on a T4 is refused, fp16 on CPU is fine for generation."""
     import torch
 
-    import llmft.hardware
+    import llmft.planning.hardware
     from llmft.infer import pick_dtype
-    from llmft.zero_checkpoint import CheckpointError
+    from llmft.checkpoint.zero import CheckpointError
 
-    monkeypatch.setattr(llmft.hardware, "local_gpu", lambda index=0: GPUS["T4"])
+    monkeypatch.setattr(llmft.planning.hardware, "local_gpu", lambda index=0: GPUS["T4"])
     assert pick_dtype("auto", "cuda:0", exporting=False) == torch.float16
     with pytest.raises(CheckpointError, match="this T4 has 7.5: use --dtype float16"):
         pick_dtype("bf16", "cuda:0", exporting=False)
-    monkeypatch.setattr(llmft.hardware, "local_gpu", lambda index=0: GPUS["L4"])
+    monkeypatch.setattr(llmft.planning.hardware, "local_gpu", lambda index=0: GPUS["L4"])
     assert pick_dtype("auto", "cuda:0", exporting=False) == torch.bfloat16
     assert pick_dtype("auto", "cpu", exporting=False) == torch.float32
     assert pick_dtype("float16", "cpu", exporting=False) == torch.float16

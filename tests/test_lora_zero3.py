@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO, run
-from llmft import saved_weights
-from llmft.checkpoints import COMPLETE_MARKER, DONE_MARKER
+from llmft.training import save_checks as saved_weights
+from llmft.checkpoint.run_dir import COMPLETE_MARKER, DONE_MARKER
 
 PROBE = str(REPO / "tests" / "train_probe.py")
 R, LAYERS, EMBD = 4, 2, 64  # llmft.tiny's model: 2 layers, width 64; c_attn maps 64 -> 192

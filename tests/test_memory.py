@@ -1,4 +1,4 @@
-"""The memory planner (llmft.memory): DeepSpeed's own estimates, properties over random jobs, the activation
+"""The memory planner (llmft.planning.memory): DeepSpeed's own estimates, properties over random jobs, the activation
 formula against what autograd really saves, and the plans docs/memory-planning.md shows."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmft.hardware import GPUS, NODE_TYPES
-from llmft.memory import (
+from llmft.planning.hardware import GPUS, NODE_TYPES
+from llmft.planning.memory import (
     GIB,
     Job,
     MemoryPlanError,
@@ -199,7 +199,7 @@ def test_activation_formula_matches_what_autograd_saves(arch, precision):
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-    from llmft.model_shape import model_shape
+    from llmft.planning.model_shape import model_shape
 
     if arch == "llama":
         config = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -236,7 +236,7 @@ def test_lora_activation_term_matches_what_autograd_saves(precision, targets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llmft.model_shape import model_shape
+    from llmft.planning.model_shape import model_shape
 
     config = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                          intermediate_size=688, vocab_size=512, max_position_embeddings=512)
@@ -266,7 +266,7 @@ def test_lora_activation_term_matches_what_autograd_saves(precision, targets):
 def llama8b():
     from transformers import LlamaConfig
 
-    from llmft.model_shape import model_shape
+    from llmft.planning.model_shape import model_shape
 
     config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,

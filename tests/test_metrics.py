@@ -13,8 +13,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from trl.data_utils import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from llmft.hardware import GPU, GPUS
-from llmft.metrics import ModelShape, StartupClock, batch_counts, format_step_line, mfu, model_shape, training_flops
+from llmft.planning.hardware import GPU, GPUS
+from llmft.training.metrics import ModelShape, StartupClock, batch_counts, format_step_line, mfu, model_shape, training_flops
 
 STEP_LINE = re.compile(
     r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+) padded/s (\d+) tflops/gpu ([\d.e+-]+) "
@@ -132,7 +132,7 @@ def test_summary_rates_start_after_torch_compile_stops_compiling(capsys):
     the steady state after the last compilation (seen at a logging step, agreed over ranks), not an average over it."""
     from types import SimpleNamespace
 
-    from llmft.metrics import Meter, _callback_class
+    from llmft.training.metrics import Meter, _callback_class
 
     compiled = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
 
@@ -170,8 +170,8 @@ def test_rates_leave_out_saving_and_evaluating_and_report_them_on_their_own(monk
     The clock is the meter's own (time.time), advanced by the simulated work: no sleeping, no timing noise."""
     from types import SimpleNamespace
 
-    from llmft import metrics
-    from llmft.metrics import Meter, _callback_class
+    from llmft.training import metrics
+    from llmft.training.metrics import Meter, _callback_class
 
     now = [1000.0]
     monkeypatch.setattr(metrics.time, "time", lambda: now[0])

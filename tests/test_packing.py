@@ -1,7 +1,7 @@
 """Packed samples must not attend to each other: the same samples trained packed (TRL's bfd packing and
 padding-free collator, exactly what `llmft train --packing` feeds the model) and unpacked give the same per-token
 losses and the same gradients, for a Llama-shaped and a GPT-2-shaped model, under SDPA and eager attention.
-The decision logic (llmft.packing, llmft.hardware) is checked with the facts of an L4, an A100 and a T4."""
+The decision logic (llmft.training.packing, llmft.planning.hardware) is checked with the facts of an L4, an A100 and a T4."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from trl.data_utils import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from llmft.hardware import GPUS, HardwareError, check_liger, choose_attention
-from llmft.packing import (
+from llmft.planning.hardware import GPUS, HardwareError, check_liger, choose_attention
+from llmft.training.packing import (
     PACKED_SDPA, PackingError, check_packing, masks_from_position_ids, model_attentions, packed_kernel, register_packed_sdpa,
     uses_sliding_window,
 )
@@ -129,7 +129,7 @@ def test_packed_batches_use_pytorchs_varlen_kernel_only_where_it_runs(facts, ker
 def test_the_logged_packed_kernel_follows_the_model_and_machine():
     """What `llmft train` logs: the varlen kernel for a Llama training in bf16 or fp16 on a GPU; SDPA per sample on
     CPU, in fp32, and for GPT-2, whose attention dropout (attn_pdrop 0.1) the varlen kernel does not have."""
-    from llmft.packing import packed_kernel_for
+    from llmft.training.packing import packed_kernel_for
 
     assert packed_kernel_for(LlamaConfig(), cuda=True, precision="bf16") == "varlen"
     assert packed_kernel_for(LlamaConfig(), cuda=True, precision="fp16") == "varlen"
@@ -160,8 +160,7 @@ def test_varlen_path_keeps_samples_apart_with_gqa_and_the_models_scale(monkeypat
     """The GPU path's plumbing (layout, GQA, scale, causality, boundaries), run on the CPU through a stand-in for the
     kernel: a Llama with 4 query / 2 KV heads and a non-default attention scale gives the unpacked per-token losses.
     The real kernel's numbers against SDPA are bench/gpu_attention.py's (on a GPU)."""
-    from llmft import packing
-
+    from llmft.training import packing
     monkeypatch.setattr(packing, "_varlen", lambda: stand_in_varlen(signature))
     monkeypatch.setattr(packing, "packed_kernel", lambda **facts: "varlen")
     torch.manual_seed(0)

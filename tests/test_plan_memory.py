@@ -153,7 +153,7 @@ def test_every_machine_type_in_the_blueprints_is_in_the_node_catalogue():
     """`llmft plan --node_type` knows every node the GCP and AWS blueprints create (and their GPU and provider)."""
     import re
 
-    from llmft.hardware import NODE_TYPES, node_type_by_name
+    from llmft.planning.hardware import NODE_TYPES, node_type_by_name
 
     gcp = re.findall(r"machine_type: (\S+)", (REPO / "blueprints" / "gcp" / "hpc-slurm.yaml").read_text())
     aws = re.findall(r"InstanceType: (\S+)", (REPO / "blueprints" / "aws" / "config.yaml").read_text())
@@ -166,7 +166,7 @@ def test_every_machine_type_in_the_blueprints_is_in_the_node_catalogue():
 
 
 def test_host_ram_of_this_node_for_auto(tmp_path):
-    from llmft.hardware import HardwareError, local_host_ram_gib
+    from llmft.planning.hardware import HardwareError, local_host_ram_gib
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16393216 kB\nMemFree:  1 kB\n")

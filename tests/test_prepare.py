@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmft import prepare
-from llmft.data import DataError
+from llmft.data.loading import DataError
 from llmft.tiny import as_format, make_examples, write_jsonl
 
 
@@ -46,7 +46,7 @@ def test_the_trainer_gets_the_same_tokens_and_loss_masks_as_trl_preparing_on_the
     """The hand-off llmft train makes (prepared data + skip_prepare_dataset) against SFTTrainer tokenising itself."""
     import dataclasses
 
-    from llmft import data
+    from llmft.data import loading as data
     from trl import SFTTrainer
 
     path = write_jsonl(as_format(make_examples(40), fmt), tmp_path / f"{fmt}.jsonl")
@@ -246,7 +246,7 @@ def test_bad_options_fail_before_anything_loads(tmp_path):
 
 
 def test_held_out_split_is_deterministic_and_independent_of_percentage_and_seed(tmp_path):
-    from llmft.data import held_out_split, load_train_split, take_percentage
+    from llmft.data.loading import held_out_split, load_train_split, take_percentage
 
     ds = load_train_split(str(write_jsonl(as_format(make_examples(100), "text"), tmp_path / "d.jsonl")))
     train, held = held_out_split(ds, 0.1)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmft import rerun
+from llmft.training import rerun
 from tests.conftest import run
 from tests.test_train import steps, train_cmd
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmft.checkpoints import mark_complete
-from llmft.run_identity import RUN_RECORD, RunMismatch, check_same_run, differences, record_run, run_identity
+from llmft.checkpoint.run_dir import mark_complete
+from llmft.training.run_identity import RUN_RECORD, RunMismatch, check_same_run, differences, record_run, run_identity
 
 
 def _args(tmp_path, model, data, *extra):
@@ -21,7 +21,7 @@ def _args(tmp_path, model, data, *extra):
 
 
 def _identity(parsed, global_batch=8, zero_stage=2):
-    from llmft.data import content_fingerprint
+    from llmft.data.loading import content_fingerprint
 
     script_args = parsed[0]
     return run_identity(*parsed, dataset_fingerprint=content_fingerprint(script_args.dataset_name),

@@ -12,7 +12,7 @@ import collections
 import pytest
 import torch
 
-from llmft.zero_checkpoint import CheckpointError, load_shard
+from llmft.checkpoint.zero import CheckpointError, load_shard
 
 
 class Reduce:

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmft.launch_env import expand_hostlist
+from llmft.planning.world import expand_hostlist
 from slurm_cluster import SCRIPT, REPO, start_cluster, step_lines, stop_cluster
 
 

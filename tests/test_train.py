@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, REPO, run
-from llmft.metrics import STARTUP_PHASES, SUMMARY_FIELDS
+from llmft.training.metrics import STARTUP_PHASES, SUMMARY_FIELDS
 from llmft.tiny import as_format, make_examples, write_jsonl
 
 STEP_RE = re.compile(

@@ -103,7 +103,7 @@ def _tag(ds_checkpoints: Path, spec: str) -> Path:
 def test_weights_equal_deepspeed_bit_for_bit(ds_checkpoints, spec):
     import torch
 
-    from llmft.zero_checkpoint import load_fp32_state_dict, open_checkpoint
+    from llmft.checkpoint.zero import load_fp32_state_dict, open_checkpoint
 
     world = 3 if spec.startswith("ranks3/") else 2
     stage = int(spec.split("/")[-1][0])
@@ -140,7 +140,7 @@ def test_reads_into_bf16_destination(ds_checkpoints):
     """The reader casts while copying, so a bf16 model never needs an fp32 copy of itself."""
     import torch
 
-    from llmft.zero_checkpoint import open_checkpoint
+    from llmft.checkpoint.zero import open_checkpoint
 
     ckpt = open_checkpoint(_tag(ds_checkpoints, "3"))
     dest = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in ckpt.shapes.items() if n not in ckpt.shared}
@@ -160,7 +160,7 @@ def test_peak_memory_is_about_the_model_not_the_optimizer(ds_checkpoints):
 
     code = (
         "import json, resource, sys, torch\n"
-        "from llmft.zero_checkpoint import load_fp32_state_dict\n"
+        "from llmft.checkpoint.zero import load_fp32_state_dict\n"
         "load_fp32_state_dict(sys.argv[1])  # warm-up: imports and allocator\n"
         "rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
         "base = rss()\n"
@@ -319,7 +319,7 @@ def test_wrong_model_name_and_missing_model_name(ds_checkpoints, other_model):
 def test_trust_checkpoint_loads_a_code_bearing_shard(ds_checkpoints):
     import torch
 
-    from llmft.zero_checkpoint import load_fp32_state_dict
+    from llmft.checkpoint.zero import load_fp32_state_dict
 
     tag = _corrupt_copy(ds_checkpoints, "2", "code", _code_bearing)
     trusted = load_fp32_state_dict(tag, trust=True)

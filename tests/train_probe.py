@@ -103,7 +103,7 @@ def _list_after_save(original):
         if self.args.process_index == 0:
             import json
 
-            from llmft.checkpoints import checkpoint_dirs, incomplete_reason
+            from llmft.checkpoint.run_dir import checkpoint_dirs, incomplete_reason
 
             out = Path(os.environ["LLMFT_PROBE_DIR"])
             out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,7 @@ def _list_after_save(original):
 if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
 
-    trl.SFTTrainer = ProbedTrainer  # llmft.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    trl.SFTTrainer = ProbedTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
     if os.environ.get("LLMFT_PROBE_SABOTAGE") == "zero_lora_b":
         import transformers
 

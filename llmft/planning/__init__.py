@@ -1,1 +1,1 @@
-"""Planning: what a run will get and what it needs, decided before any model loads. No torch at import."""
+"""Planning a run before any model loads: batch math, memory, hardware, DeepSpeed configs, the world. No torch at import."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from llmft.launch_env import LaunchEnvError, parse_gpu_count, slurm_cpus_per_node
+from llmft.planning.world import LaunchEnvError, parse_gpu_count, slurm_cpus_per_node
 
 MIB = 2**20
 GIB = 2**30

@@ -1,1 +1,1 @@
-"""Training: the pieces `llmft train` is built from."""
+"""What a training process needs around TRL's SFTTrainer: flags, model files, callbacks, metrics, saving checks."""

@@ -13,7 +13,7 @@ Complete or nothing: the conversion is written under a temporary name, checked, 
 (every file and its size) and only then renamed into place; `latest_universal` comes last. A
 conversion killed half-way, or one whose files no longer match its marker, is removed and redone,
 never loaded. The global batch stays what it was: the accumulation is re-derived for the new world
-(`llmft.batch`), so global step s trains on the same samples on any world size.
+(`llmft.planning.batch`), so global step s trains on the same samples on any world size.
 
 Resuming on the same world and stage does not convert. ZeRO-1 <-> ZeRO-2 goes through the same
 conversion (one optimizer format); ZeRO-3 <-> ZeRO-1/2 and anything to or from ZeRO-0 is refused
@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmft.batch import BatchError, BatchPlan, nearest_global_batches, nearest_micro_batches, plan_batch
-from llmft.checkpoints import COMPLETE_MARKER, CheckpointError, tag_dir
+from llmft.planning.batch import BatchError, BatchPlan, nearest_global_batches, nearest_micro_batches, plan_batch
+from llmft.checkpoint.run_dir import COMPLETE_MARKER, CheckpointError, tag_dir
 
 UNIVERSAL_MARKER = "llmft_universal.json"
 LATEST_UNIVERSAL = "latest_universal"  # the file name DeepSpeed's engine reads (engine.load_checkpoint)

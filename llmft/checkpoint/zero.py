@@ -12,7 +12,7 @@ the result is bit-identical), but it:
   the parameters of an already-built model, in any dtype, on any device) and then drops that rank's
   mapping, so peak memory is about the model itself plus one rank's fp32 partition.
 
-    from llmft.zero_checkpoint import open_checkpoint, load_fp32_state_dict
+    from llmft.checkpoint.zero import open_checkpoint, load_fp32_state_dict
     ckpt = open_checkpoint("out/checkpoint-4/global_step4")    # validates the shards, reads metadata
     print(ckpt.stage, ckpt.world_size, ckpt.shapes)
     state_dict = load_fp32_state_dict("out/checkpoint-4/global_step4")
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from llmft.checkpoints import CheckpointError  # one error type for checkpoint problems a user can fix
+from llmft.checkpoint.run_dir import CheckpointError  # one error type for checkpoint problems a user can fix
 
 MODEL_STATES_Z012 = "mp_rank_00_model_states.pt"
 _RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")

@@ -4,7 +4,7 @@ CPU machines cannot show GPU behaviour, so every GPU decision is a pure function
 (compute capability, memory, peak throughput). The tests drive those functions with the facts of an
 L4, an A100 and a T4; on a real node `local_gpu()` reads the same facts from CUDA.
 
-    from llmft.hardware import GPUS, choose_precision, local_gpu
+    from llmft.planning.hardware import GPUS, choose_precision, local_gpu
     choose_precision("auto", GPUS["T4"])        # 'fp16': no bf16 tensor cores before compute capability 8.0
     choose_precision("auto", local_gpu())       # what this machine trains in ('fp32' without CUDA)
 
@@ -187,8 +187,8 @@ def choose_attention(requested: str | None, gpu: GPU | None, flash_installed: bo
 
     auto (or unset): flash_attention_2 when flash-attn is installed and the GPU can run it (compute capability
     8.0+: A100, L4, H100), else PyTorch's SDPA, which runs everywhere (eager for the few models without SDPA
-    support). All three keep packed samples apart (see llmft.packing). `model_supports`: the implementations the
-    model's code has (llmft.packing.model_attentions; None: not known, all assumed). An explicit choice that
+    support). All three keep packed samples apart (see llmft.training.packing). `model_supports`: the implementations the
+    model's code has (llmft.training.packing.model_attentions; None: not known, all assumed). An explicit choice that
     cannot run here is refused with the fix.
     """
     requested = requested or "auto"

@@ -37,7 +37,7 @@ def report_callback(before_loading: int, after_loading: int):
     import torch.distributed as dist
     from transformers import TrainerCallback
 
-    from llmft.launch_env import rank0
+    from llmft.planning.world import rank0
 
     def gather(value):
         if dist.is_available() and dist.is_initialized():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 COMPLETE_MARKER = "llmft_complete.json"
 DONE_MARKER = "llmft_done.json"
-RUN_RECORD = "llmft_run.json"  # what defines the run (llmft.run_identity): present in every run llmft started
+RUN_RECORD = "llmft_run.json"  # what defines the run (llmft.training.run_identity): present in every run llmft started
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -97,7 +97,7 @@ def mark_complete(
     `reports[r]` is rank r's `rank_report`; the marker lists their union. Without reports (a world of one)
     this process's own listing is the writer's view. Returns None, publishing nothing, when a rank of a
     multi-rank run reported no files: its shard is missing, and the checkpoint must not pass as complete.
-    `batch` (a llmft.batch.BatchPlan) is recorded so a resume on another world keeps the global batch.
+    `batch` (a llmft.planning.batch.BatchPlan) is recorded so a resume on another world keeps the global batch.
     """
     ckpt = Path(ckpt_dir)
     if reports is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from llmft.memory import MemoryPlanError, ModelShape
+from llmft.planning.memory import MemoryPlanError, ModelShape
 
 
 def load_model_config(model: str, trust_remote_code: bool = False):

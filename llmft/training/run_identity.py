@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from llmft.checkpoints import DONE_MARKER, RUN_RECORD, checkpoint_dirs, latest_complete
+from llmft.checkpoint.run_dir import DONE_MARKER, RUN_RECORD, checkpoint_dirs, latest_complete
 
 # key -> how a difference is named in the message
 LABELS = {

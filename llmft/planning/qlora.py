@@ -17,7 +17,7 @@ engine partition them):
     weights (Int8Params with their scales) cannot be partitioned: refused.
   - CPU offload: refused. The trainable LoRA weights are small, so offloading saves nothing, and PEFT's guide
     notes ZeRO-3 offload with QLoRA uses more GPU memory, not less.
-bitsandbytes' kernels need CUDA and compute capability 7.5+ (T4 and newer; llmft.hardware.GPU.bitsandbytes_4bit).
+bitsandbytes' kernels need CUDA and compute capability 7.5+ (T4 and newer; llmft.planning.hardware.GPU.bitsandbytes_4bit).
 The CUDA path itself has not been run by llmft's tests (no GPU there): only this decision is tested.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmft.hardware import GPU
+from llmft.planning.hardware import GPU
 
 MIN_BITSANDBYTES = (0, 43, 3)  # ZeRO-3 QLoRA (bnb_4bit_quant_storage) per PEFT's guide
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -33,7 +33,7 @@ def _table(kind: str, names: str, why: str) -> dict[str, tuple[str, str]]:
 
 POLICY: dict[str, tuple[str, str]] = {
     # ---- ScriptArguments
-    **_table(USED, "dataset_name dataset_config dataset_train_split", "llmft.data loads the training split"),
+    **_table(USED, "dataset_name dataset_config dataset_train_split", "llmft.data.loading loads the training split"),
     "dataset_streaming": (REFUSED, "llmft reads the whole split to check it, fingerprint it and take --data_percentage; "
                                    "streaming is not supported"),
     "ignore_bias_buffers": (REFUSED, "it tells PyTorch DDP which buffers to skip; DeepSpeed ZeRO has no such setting"),
@@ -41,35 +41,35 @@ POLICY: dict[str, tuple[str, str]] = {
     **_table(USED, "model_name_or_path model_revision", "config, tokenizer and weights load from this model and revision"),
     "dtype": (USED, "passed to the model load (model_init_kwargs)"),
     "attn_implementation": (CHECKED, "auto (the default): flash-attention 2 where installed and supported, else SDPA "
-                                     "(llmft.hardware.choose_attention, logged); a choice that cannot run here is refused"),
+                                     "(llmft.planning.hardware.choose_attention, logged); a choice that cannot run here is refused"),
     "use_peft": (USED, "LoRA adapters through PEFT (trl.get_peft_config)"),
     **_table(CHECKED, "lora_r lora_alpha lora_dropout lora_target_modules lora_target_parameters lora_modules_to_save "
                       "lora_task_type use_rslora use_dora", "PEFT LoraConfig settings; refused without --use_peft"),
     **_table(CHECKED, "load_in_4bit load_in_8bit bnb_4bit_quant_type use_bnb_nested_quant bnb_4bit_quant_storage",
-             "QLoRA through bitsandbytes; llmft.qlora.choose_quantization decides"),
+             "QLoRA through bitsandbytes; llmft.planning.qlora.choose_quantization decides"),
     # ---- SFTConfig / TrainingArguments: what llmft reads or computes
     "output_dir": (CHECKED, "checkpoints, the resolved DeepSpeed config and the run record live here; a file is refused"),
-    **_table(USED, "per_device_train_batch_size gradient_accumulation_steps", "llmft.batch derives the accumulation"),
+    **_table(USED, "per_device_train_batch_size gradient_accumulation_steps", "llmft.planning.batch derives the accumulation"),
     **_table(USED, "weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm",
              "written into the resolved DeepSpeed config (optimizer block, gradient_clipping)"),
     "learning_rate": (CHECKED, "written into the DeepSpeed optimizer block; a negative rate is refused"),
-    **_table(CHECKED, "optim optim_args", "llmft.ds_config.choose_optimizer maps it onto DeepSpeed's optimizer, "
+    **_table(CHECKED, "optim optim_args", "llmft.planning.ds_config.choose_optimizer maps it onto DeepSpeed's optimizer, "
                                           "lets the Trainer's optimizer run, or refuses it"),
     "optim_target_modules": (REFUSED, "it configures GaLore/APOLLO optimizers, which llmft does not run under DeepSpeed"),
-    **_table(USED, "bf16 fp16", "mapped onto llmft's precision decision (llmft.hardware.choose_precision)"),
+    **_table(USED, "bf16 fp16", "mapped onto llmft's precision decision (llmft.planning.hardware.choose_precision)"),
     "deepspeed": (USED, "the DeepSpeed template llmft resolves (instead of --zero_stage)"),
-    "resume_from_checkpoint": (USED, "llmft.checkpoints.resolve_resume; an explicit path also continues a run on purpose"),
+    "resume_from_checkpoint": (USED, "llmft.checkpoint.run_dir.resolve_resume; an explicit path also continues a run on purpose"),
     **_table(USED, "model_init_kwargs trust_remote_code", "merged into the model load"),
-    **_table(USED, "dataset_text_field", "the text column (llmft.data.shape_for_sft)"),
+    **_table(USED, "dataset_text_field", "the text column (llmft.data.loading.shape_for_sft)"),
     "max_length": (CHECKED, "capped at the model's positions (logged); must be positive"),
     "seed": (USED, "also picks the --data_percentage subset"),
     "num_train_epochs": (CHECKED, "must be positive unless --max_steps is"),
     "save_total_limit": (USED, "applied by llmft after each checkpoint is published complete, counting complete "
-                               "checkpoints only (llmft.checkpoints.rotate); the Trainer gets None"),
+                               "checkpoints only (llmft.checkpoint.run_dir.rotate); the Trainer gets None"),
     "use_cpu": (CHECKED, "llmft trains on the GPUs when CUDA is visible and on CPU otherwise; a contradiction is refused"),
     "dataloader_pin_memory": (USED, "kept on GPUs, off without CUDA (nothing to pin for)"),
     "include_num_input_tokens_seen": (PASSED, "the Trainer's own num_input_tokens_seen log; llmft's tokens/s counts "
-                                              "tokens itself (llmft.metrics), without the Trainer's per-micro-batch gather"),
+                                              "tokens itself (llmft.training.metrics), without the Trainer's per-micro-batch gather"),
     # ---- refused: settings that have no effect under DeepSpeed ZeRO, or undo llmft's guarantees
     "auto_find_batch_size": (REFUSED, "it changes the micro-batch after DeepSpeed's config is fixed; "
                                       "choose --per_device_train_batch_size (llmft keeps the global batch)"),
@@ -100,7 +100,7 @@ POLICY: dict[str, tuple[str, str]] = {
                      "dataloader_multiprocessing_context dataloader_in_order remove_unused_columns label_names "
                      "train_sampling_strategy length_column_name", "the Trainer's data loader"),
     **_table(CHECKED, "use_liger_kernel liger_kernel_config", "Liger's kernels: refused without a CUDA GPU, liger-kernel "
-                                                              "or a model type it supports (llmft.hardware.check_liger)"),
+                                                              "or a model type it supports (llmft.planning.hardware.check_liger)"),
     "do_train": (PASSED, "a flag for HF's example scripts; llmft train always trains"),
     **_table(PASSED, "router_aux_loss_coef chat_template_path dataset_num_proc eos_token pad_token "
                      "truncation_mode shuffle_dataset pad_to_multiple_of "
@@ -109,7 +109,7 @@ POLICY: dict[str, tuple[str, str]] = {
     **_table(USED, "dataset_kwargs assistant_only_loss", "applied once by llmft.prepare (the assistant mask is in the "
                                                          "prepared labels); the Trainer gets the prepared data"),
     **_table(CHECKED, "packing packing_strategy padding_free", "packed samples must not attend to each other: "
-                                                               "llmft.packing.check_packing refuses what would let them"),
+                                                               "llmft.training.packing.check_packing refuses what would let them"),
     # ---- evaluation: llmft.prepare prepares the eval data; HF's Trainer evaluates on it
     "dataset_test_split": (USED, "the split of --eval_dataset_name that llmft.prepare loads"),
     **_table(EVAL, "eval_strategy eval_steps eval_delay per_device_eval_batch_size prediction_loss_only "
@@ -122,7 +122,7 @@ POLICY: dict[str, tuple[str, str]] = {
                    "messages_column stop_file eval_dataset_name eval_split_ratio prepare_timeout", "llmft's own flags"),
     "auto": (CHECKED, "llmft.plan.auto_choice picks ZeRO stage, offload, micro-batch and gradient checkpointing; "
                       "refused with --zero_stage/--offload/--deepspeed"),
-    "save_consolidated": (CHECKED, "ZeRO-3: the gathered 16-bit model at the end (llmft.saving); refused on other "
+    "save_consolidated": (CHECKED, "ZeRO-3: the gathered 16-bit model at the end (llmft.training.saving); refused on other "
                                    "stages and with LoRA"),
 }
 
@@ -201,7 +201,7 @@ class TrainParser(TrlParser):
     - --bf16/--fp16 are recorded as given (from the command line or --config YAML) and handed to SFTConfig as
       False: TRL turns bf16 on by default and HF then checks, while parsing, whether the GPU has bf16 (on a T4
       it fails, or passes through emulation, depending on the PyTorch version). llmft maps the flags onto its
-      own decision (llmft.hardware.choose_precision) and sets them on the Trainer's arguments afterwards.
+      own decision (llmft.planning.hardware.choose_precision) and sets them on the Trainer's arguments afterwards.
     - a --deepspeed file is read with llmft's checks first, so a missing or malformed JSON is named.
     """
 
@@ -216,7 +216,7 @@ class TrainParser(TrlParser):
             self.precision_flags = {"bf16": ns.bf16, "fp16": ns.fp16}
             ns.bf16, ns.fp16 = False, False
         if isinstance(getattr(ns, "deepspeed", None), str) and not ns.deepspeed.lstrip().startswith("{"):
-            from llmft.ds_config import load_config, template_path
+            from llmft.planning.ds_config import load_config, template_path
 
             load_config(template_path(None, deepspeed=ns.deepspeed))
         return ns, rest

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llmft.batch import BatchPlan
+from llmft.planning.batch import BatchPlan
 
 ZERO_STAGES = (0, 1, 2, 3)
 RESOLVED_NAME = "ds_config.json"
@@ -25,7 +25,7 @@ class DSConfigError(ValueError):
 
 def templates_dir() -> Path:
     """ds_configs/ from a source checkout, or the copy installed under <prefix>/share/llmft."""
-    for candidate in (Path(__file__).resolve().parents[1] / "ds_configs", Path(sys.prefix) / "share/llmft/ds_configs"):
+    for candidate in (Path(__file__).resolve().parents[2] / "ds_configs", Path(sys.prefix) / "share/llmft/ds_configs"):
         if (candidate / "zero2.json").is_file():
             return candidate
     raise DSConfigError("cannot find llmft's ds_configs/ templates; reinstall llmft or pass --deepspeed PATH")

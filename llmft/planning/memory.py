@@ -2,9 +2,9 @@
 
 Pure functions of numbers: a `ModelShape` (what the model is), a `Job` (the hardware and the run's knobs) and a
 `Setting` (ZeRO stage, offload, micro-batch, accumulation, gradient checkpointing). Nothing here imports torch or
-deepspeed, so `llmft plan` answers on a login node; `llmft.model_shape` builds the `ModelShape` from a config.
+deepspeed, so `llmft plan` answers on a login node; `llmft.planning.model_shape` builds the `ModelShape` from a config.
 
-    shape = model_shape("runs/llama-config")                      # llmft.model_shape: meta device, no weights
+    shape = model_shape("runs/llama-config")                      # llmft.planning.model_shape: meta device, no weights
     job = Job(shape, gpu=GPUS["A100-40GB"], host_ram_gib=680, nnodes=1, nproc_per_node=8, max_length=2048,
               global_batch=64, precision="bf16")
     plan = plan_memory(job)                                       # every candidate, the recommended one first
@@ -85,7 +85,7 @@ allocations; 1 GiB on CPU), plus the larger of
 
 Disk per checkpoint (`checkpoint_bytes`): the fp32 master weights and Adam moments of the trainable parameters
 (12 T, over all ranks' files), the module weights in mp_rank_00_model_states.pt (ZeRO-0/1/2: T w) and, with
-LoRA, the adapter (T w); llmft writes no model.safetensors into a checkpoint (llmft.saving). Write time = size / the filesystem's write
+LoRA, the adapter (T w); llmft writes no model.safetensors into a checkpoint (llmft.training.saving). Write time = size / the filesystem's write
 bandwidth (stated; defaults: GCP Filestore BASIC_HDD 100 MB/s, AWS FSx for Lustre SCRATCH_2 at 1.2 TiB 240 MB/s);
 it must fit, with the step in flight, inside the Slurm script's USR1 warning (--signal=B:USR1@120).
 
@@ -101,7 +101,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from llmft.hardware import GPU
+from llmft.planning.hardware import GPU
 
 GIB = 2**30
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -124,7 +124,7 @@ class MemoryPlanError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the accounting needs to know about a model; `llmft.model_shape` reads it from a config."""
+    """What the accounting needs to know about a model; `llmft.planning.model_shape` reads it from a config."""
 
     name: str
     params: int  # unique parameters of the base model (tied embeddings once)
@@ -447,7 +447,7 @@ def checkpoint_bytes(shape: ModelShape, zero_stage: int, precision: str) -> int:
     if zero_stage < 3:
         size += w * T  # mp_rank_00_model_states.pt (frozen weights excluded with LoRA)
         if shape.lora:
-            size += w * T  # adapter_model.safetensors (a full model's weights are in the states file only: llmft.saving)
+            size += w * T  # adapter_model.safetensors (a full model's weights are in the states file only: llmft.training.saving)
     return size
 
 
@@ -695,7 +695,7 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
     if chosen is None:
         return out
     if job.free_disk_gib is not None and job.save_total_limit:
-        # llmft deletes the oldest only once the next is complete: limit + 1 checkpoints at once (llmft.checkpoints.rotate)
+        # llmft deletes the oldest only once the next is complete: limit + 1 checkpoints at once (llmft.checkpoint.run_dir.rotate)
         need = (job.save_total_limit + 1) * chosen.checkpoint
         if need > job.free_disk_gib * GIB:
             out.append(
@@ -727,7 +727,7 @@ def _check_job(job: Job) -> None:
         if value is not None and (not isinstance(value, int) or value < 1):
             raise MemoryPlanError(f"--{name} must be a positive integer, got {value!r}")
     if job.global_batch is not None and job.micro_batch is not None:
-        from llmft.batch import BatchError, plan_batch
+        from llmft.planning.batch import BatchError, plan_batch
 
         try:  # the same arithmetic, and the same message with the nearest batches that work, as the batch-only plan
             plan_batch(job.world, job.micro_batch, job.global_batch, job.grad_accum)

@@ -15,7 +15,7 @@ just to keep the adapter. `trainer_class()` is TRL's SFTTrainer with `save_model
 
 ZeRO-0/1/2: a checkpoint holds the weights once. HF's `_save_checkpoint` writes `model.safetensors` (save_model)
 beside the engine's `mp_rank_00_model_states.pt`, which holds the same 16-bit module weights (and the optimizer
-shards the fp32 masters): resume (DeepSpeed's load_checkpoint), `llmft infer` and `--export` (llmft.zero_checkpoint)
+shards the fp32 masters): resume (DeepSpeed's load_checkpoint), `llmft infer` and `--export` (llmft.checkpoint.zero)
 read only the engine's files, so a checkpoint gets config, tokenizer and training arguments without the safetensors
 copy (GPT-2 124M, ZeRO-2, fp32 on CPU: 2,643 -> 1,991 MB per checkpoint, bench/bench_checkpoint_size.py). A LoRA run keeps its small
 `adapter_model.safetensors`; the final model in --output_dir is written whole, as HF does.

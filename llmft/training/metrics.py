@@ -5,7 +5,7 @@ Rank 0 logs one line per logging step (and the same numbers to W&B when it is on
     llmft: step 40/128 loss 1.3786 lr 2.44e-03 tokens/s 3623 padded/s 5120 tflops/gpu 121.4 mfu 38.9% gpu_mem 61.2GiB data 0.4%
 
 - tokens/s: non-padding tokens per second over all ranks; padded/s: every token fed to the model (padding included).
-- tflops/gpu: model FLOPs per second per GPU; mfu: that over the GPU's dense 16-bit peak (llmft.hardware.GPU.peak_tflops:
+- tflops/gpu: model FLOPs per second per GPU; mfu: that over the GPU's dense 16-bit peak (llmft.planning.hardware.GPU.peak_tflops:
   L4 121, A100 312, H100/H200 989). A GPU without a known peak, or a CPU, gives no MFU (n/a, null), never a guess.
 - gpu_mem: peak memory PyTorch allocated on any rank's GPU; data: share of the interval spent waiting for batches.
 - save 12.3s / eval 4.5s: only in the line of an interval in which a checkpoint was saved or the model evaluated.

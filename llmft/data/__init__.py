@@ -1,0 +1,1 @@
+"""Training data: loading and checking records, and the tokenised preparation cache."""
