@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from llmft.data.loading import check_jsonl, check_utf8
-from llmft.tiny import as_format, make_examples, write_jsonl
+from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
 
 def best_of(n: int, fn) -> float:

@@ -8,7 +8,7 @@
 2. Loads that checkpoint in fresh subprocesses, each reporting its wall time and peak RSS
    (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) and its RSS after imports and a warm-up (the baseline;
    imports are not loading):
-   - llmft:          `llmft.infer.model_from_checkpoint` -> a ready fp32 model (weights read into it in place)
+   - llmft:          `llmft.checkpoint.loader.model_from_checkpoint` -> a ready fp32 model (weights read into it in place)
    - llmft-sd:       `llmft.checkpoint.zero.load_fp32_state_dict` -> a state dict (like zero_to_fp32)
    - zero_to_fp32:   `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` -> a state
                      dict only (a model to load it into would come on top)
@@ -63,7 +63,7 @@ def child(kind: str, tag_dir: Path) -> None:
     import torch  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
 
-    from llmft.infer import model_from_checkpoint
+    from llmft.checkpoint.loader import model_from_checkpoint
     from llmft.checkpoint.zero import load_fp32_state_dict, open_checkpoint
 
     if kind == "zero_to_fp32":

@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1)
     a = p.parse_args()
 
-    from llmft.tiny import make_model_dir, make_tokenizer
+    from llmft.data.synthetic import make_model_dir, make_tokenizer
 
     model = a.root / "model"
     if not (model / "config.json").is_file():

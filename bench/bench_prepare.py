@@ -29,20 +29,20 @@ import json, sys, time
 t0 = time.perf_counter()
 from transformers import AutoTokenizer
 from trl import SFTConfig
-from llmft import prepare
+from llmft.data import cache
 mode, model, data, out, packing = sys.argv[1:6]
 args = SFTConfig(output_dir=out, report_to="none", bf16=False, use_cpu=True, max_length=256, packing=packing == "1")
-opts = prepare.DataOptions(dataset_name=data)
+opts = cache.DataOptions(dataset_name=data)
 tok = AutoTokenizer.from_pretrained(model)
 t_import = time.perf_counter() - t0
 t1 = time.perf_counter()
 if mode == "trl":
-    train, _, _ = prepare.load_records(opts)
-    ds = prepare.trl_prepare(train, tok, args, packing=args.packing, name="train",
-                             completion_only=prepare.completion_only_loss(args, train[0]))
+    train, _, _ = cache.load_records(opts)
+    ds = cache.trl_prepare(train, tok, args, packing=args.packing, name="train",
+                             completion_only=cache.completion_only_loss(args, train[0]))
     n = len(ds)
 else:
-    p = prepare.prepare(opts, tok, args, log=lambda m: None)
+    p = cache.prepare(opts, tok, args, log=lambda m: None)
     n = len(p.train)
     assert p.reused == (mode == "reuse"), (mode, p.reused)
 print(json.dumps({"seconds": time.perf_counter() - t1, "imports": t_import, "sequences": n}))
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--packing", action="store_true")
     args = parser.parse_args()
 
-    from llmft.tiny import as_format, make_examples, make_model_dir, write_jsonl
+    from llmft.data.synthetic import as_format, make_examples, make_model_dir, write_jsonl
 
     with tempfile.TemporaryDirectory(prefix="bench_prepare-") as tmp:
         work = Path(tmp)

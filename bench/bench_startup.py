@@ -9,10 +9,10 @@ splits the start-up into import, data, model load, DeepSpeed initialisation and 
 The slow phase on a CPU machine was DeepSpeed's initialisation: `deepspeed.init_distributed` on the CPU accelerator
 JIT-compiles the `deepspeed_shm_comm` C++ op (used only by DeepSpeed's tensor-parallel inference all-reduce, never
 by training), a minute or more on a fresh machine and a cached load on every start after that.
-llmft now skips it (llmft.planning.world.skip_deepspeed_shm_op). The other op DeepSpeed builds there, its fused Adam
+llmft now skips it (llmft.training.deepspeed_env.skip_deepspeed_shm_op). The other op DeepSpeed builds there, its fused Adam
 (C++ on CPU), is the optimizer training runs, so it stays: once per machine. Loading it, cached, cost 2.2 s a
 process: DeepSpeed's CPU builder asks py-cpuinfo twice for the compile flags, and py-cpuinfo answers from a fresh
-Python process; llmft answers from /proc/cpuinfo (llmft.planning.world.use_proc_cpuinfo_for_deepspeed). Variants, with
+Python process; llmft answers from /proc/cpuinfo (llmft.training.deepspeed_env.use_proc_cpuinfo_for_deepspeed). Variants, with
 a torch extensions cache of their own (TORCH_EXTENSIONS_DIR under --root) so the machine's shared cache cannot
 blur them:
 - before: DeepSpeed's defaults (LLMFT_DEEPSPEED_SHM_COMM=1 LLMFT_PY_CPUINFO=1); after: llmft's defaults;

@@ -43,7 +43,7 @@ def environment() -> str:
 
 def demo_model(root: Path) -> tuple[Path, Path]:
     """The model and data `make demo` trains: GPT-2-style, 2 layers x 128, 1024 prompt/completion examples."""
-    from llmft.tiny import as_format, make_examples, make_model_dir, write_jsonl
+    from llmft.data.synthetic import as_format, make_examples, make_model_dir, write_jsonl
 
     model, data = root / "demo-model", root / "demo-data.jsonl"
     if not (model / "config.json").is_file():
@@ -58,7 +58,7 @@ def gpt2_124m_model(root: Path) -> Path:
     locally trained tokenizer (its ids are a subset of the vocabulary)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from llmft.tiny import make_tokenizer
+    from llmft.data.synthetic import make_tokenizer
 
     model = root / "gpt2-124m"
     if not (model / "config.json").is_file():
@@ -71,7 +71,7 @@ def gpt2_124m_model(root: Path) -> Path:
 
 def varied_texts(path: Path, n: int, lo: int, hi: int, tokenizer, seed: int = 0) -> Path:
     """n {"text": ...} records whose token counts are spread uniformly over [lo, hi]."""
-    from llmft.tiny import _WORDS, write_jsonl
+    from llmft.data.synthetic import _WORDS, write_jsonl
 
     rng = random.Random(seed)
     rows = []

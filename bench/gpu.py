@@ -50,7 +50,7 @@ def build_model(root: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmft.tiny import make_tokenizer
+    from llmft.data.synthetic import make_tokenizer
 
     model = root / "llama-1b"
     if not (model / "config.json").is_file():
@@ -131,7 +131,7 @@ def main() -> int:
     start = time.perf_counter()
     nproc = torch.cuda.device_count()
     model = build_model(a.root)
-    from llmft.tiny import make_tokenizer
+    from llmft.data.synthetic import make_tokenizer
 
     data = varied_texts(a.root / "texts.jsonl", a.texts, 256, 2048, make_tokenizer())
     head = (f"{environment()}\n{nproc} GPU(s), 1.1B Llama-shaped model, sequence 2048, micro-batch {a.micro_batch}, "

@@ -29,7 +29,7 @@ def build(out: Path, vocab: int) -> tuple[Path, Path]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmft.tiny import as_format, make_examples, make_tokenizer, write_jsonl
+    from llmft.data.synthetic import as_format, make_examples, make_tokenizer, write_jsonl
 
     model_dir = out / "model"
     if not (model_dir / "config.json").is_file():

@@ -30,13 +30,6 @@ COMMANDS = {
 }
 
 
-def command_parser(subparsers, name: str, description: str) -> argparse.ArgumentParser:
-    """The parser for `llmft NAME` (as a subcommand) or `python -m llmft.NAME` (standalone): one shape for both."""
-    if subparsers is not None:
-        return subparsers.add_parser(name, help=description, description=description)
-    return argparse.ArgumentParser(prog=f"llmft {name}", description=description)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="llmft", description="DeepSpeed-centric LLM fine-tuning on Slurm clusters.")
@@ -48,11 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    if argv[0] in ("train", "prepare"):  # llmft.training.flags.TrainParser (TRL's parser): every SFTConfig flag, --config YAML
-        from llmft.training.flags import TrainParser
-
-        subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers(parser_class=TrainParser)
-        return module.cli(module.make_parser(subparsers), argv[1:])
+    if argv[0] in ("train", "prepare"):  # TRL's parser (llmft.training.flags.TrainParser): every SFTConfig flag, --config YAML
+        return module.cli(module.make_parser(), argv[1:])
     subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers()
     args = module.make_parser(subparsers).parse_args(argv[1:])
     return args.func(args) or 0

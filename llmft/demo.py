@@ -15,8 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmft.cli import command_parser
-from llmft.tiny import as_format, make_examples, make_model_dir, write_jsonl
+from llmft.checkpoint.run_dir import choose_checkpoint, tag_dir
+from llmft.command import command_parser
+from llmft.data.synthetic import as_format, make_examples, make_model_dir, write_jsonl
 
 PROMPTS = ["What is 2 plus 3?", "Spell garden backwards."]
 
@@ -28,7 +29,6 @@ def run(cmd: list[str]) -> None:
 
 def newest_tag_dir(output_dir: Path) -> Path:
     """The checkpoint training would resume from (llmft.checkpoint.run_dir.choose_checkpoint), as a tag directory."""
-    from llmft.checkpoint.run_dir import choose_checkpoint, tag_dir
 
     ckpt, _ = choose_checkpoint(output_dir)
     tag = tag_dir(ckpt) if ckpt is not None else None

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import sys
@@ -37,12 +36,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmft.checkpoint.loader import DTYPES, Model, generate, load_model, pick_device, pick_dtype
+from llmft.checkpoint.zero import CheckpointError
+from llmft.command import command_parser
+from llmft.data import loading as data
+from llmft.data.cache import attempt_id, trl_prepare
+from llmft.data.loading import DataError
+from llmft.errors import LlmftError
+from llmft.planning.model_shape import model_positions
+from llmft.training.metrics import perplexity
+
 STRICT_PATTERN = r"#### (\-?[0-9\.\,]+)"  # lm-evaluation-harness gsm8k "strict-match"
 FLEXIBLE_PATTERN = r"(-?[$0-9.,]{2,})|(-?[0-9]+)"  # gsm8k "flexible-extract", last match
 IGNORE_REGEXES = (",", r"\$", r"(?s).*#### ", r"\.$")  # gsm8k exact_match regexes_to_ignore (ignore_case: true)
 
 
-class EvalError(ValueError):
+class EvalError(LlmftError, ValueError):
     """Evaluation cannot run as asked; the message names the problem and the fix."""
 
 
@@ -84,29 +93,10 @@ def score(prediction: str, reference: str, pattern: str = STRICT_PATTERN) -> tup
     return (strict is not None and normalize(strict) == target, flexible is not None and normalize(flexible) == target)
 
 
-def perplexity(nll_sum: float, tokens: int) -> float | None:
-    return math.exp(nll_sum / tokens) if tokens else None
 
 
-def add_perplexity(logs: dict) -> dict:
-    """eval_perplexity = exp(eval_loss) beside every evaluation loss the trainer logs."""
-    if "eval_loss" in logs and "eval_perplexity" not in logs:
-        logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 700.0))
-    return logs
 
 
-def log_perplexity(trainer) -> None:
-    """Make the trainer log perplexity with every evaluation (in its log history, W&B and on rank 0's console)."""
-    trainer_log = trainer.log
-
-    def log(logs, *args, **kwargs):
-        add_perplexity(logs)
-        if "eval_loss" in logs and trainer.state.is_world_process_zero:
-            print(f"llmft: step {trainer.state.global_step}/{trainer.state.max_steps} eval loss {logs['eval_loss']:.4f} "
-                  f"perplexity {logs['eval_perplexity']:.3f}", flush=True)
-        return trainer_log(logs, *args, **kwargs)
-
-    trainer.log = log
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,7 +113,6 @@ class Example:
 
 def load_examples(args, tokenizer) -> tuple[list[Example], str]:
     """Records in one of the training shapes, mapped with the training column options, first --limit of them."""
-    from llmft.data import loading as data
     ds = data.load_train_split(args.dataset_name, args.dataset_config, args.dataset_split)
     ds, shape = data.shape_for_sft(ds, prompt_column=args.prompt_column, completion_column=args.completion_column,
                                    messages_column=args.messages_column, text_field=args.dataset_text_field)
@@ -165,7 +154,6 @@ def tokenise_for_scoring(examples: list[Example], shape: str, tokenizer, text_fi
 
     from trl import SFTConfig
 
-    from llmft.prepare import trl_prepare
 
     if not examples:
         return []
@@ -196,59 +184,14 @@ def _quiet_datasets():
 # Model: ZeRO checkpoint (llmft's inference loader) or an exported directory
 
 
-@dataclass
-class Model:
-    model: object
-    tokenizer: object
-    checkpoint: str
-    step: int | None
-    run_dir: Path
 
 
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors")
 
 
-def is_exported(path: Path) -> bool:
-    """A Hugging Face model directory (weights + config), not a DeepSpeed checkpoint or run."""
-    from llmft.checkpoint.zero import is_tag_dir
-
-    if not path.is_dir() or is_tag_dir(path) or (path / "latest").is_file():
-        return False
-    if any(path.glob("global_step*")) or any(path.glob("checkpoint-*")):
-        return False
-    return any((path / w).is_file() for w in _WEIGHTS)
 
 
-def _step_from_state(directory: Path) -> int | None:
-    try:
-        return int(json.loads((directory / "trainer_state.json").read_text())["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
-def load_model(path: str, model_name: str | None, device: str, dtype, trust: bool) -> Model:
-    """Load one checkpoint the way `llmft infer` does (exact fp32 masters from the ZeRO shards), or an export."""
-    from llmft import infer
-
-    p = Path(path)
-    if is_exported(p):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        def load():
-            if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
-                from peft import AutoPeftModelForCausalLM
-
-                return AutoPeftModelForCausalLM.from_pretrained(p, dtype=dtype).merge_and_unload()
-            return AutoModelForCausalLM.from_pretrained(p, dtype=dtype)
-
-        model = infer._hf("model", str(p), load).to(device).eval()
-        tokenizer = infer._hf("tokenizer", model_name or str(p), lambda: AutoTokenizer.from_pretrained(model_name or p))
-        return Model(model, tokenizer, str(p), _step_from_state(p), p)
-    tag_dir, _ = infer.resolve_checkpoint([path])
-    loaded = infer.load(tag_dir, model_name, device, dtype, merge=True, trust=trust)
-    ckpt_dir = tag_dir.parent
-    run_dir = ckpt_dir.parent if ckpt_dir.name.startswith("checkpoint-") else ckpt_dir
-    return Model(loaded.model, loaded.tokenizer, str(tag_dir), loaded.ckpt.step, run_dir)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -295,17 +238,11 @@ def stop_at_eos(model, tokenizer) -> list[int]:
     return ids
 
 
-def model_positions(model) -> int | None:
-    config = model.config
-    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-
-
 def evaluate_examples(m: Model, examples: list[Example], shape: str, args, pattern: str) -> list[dict]:
     """Per example: prompt, reference, prediction, strict/flexible correctness, and its NLL and token count."""
-    from llmft import infer
 
     tokenizer = m.tokenizer
-    positions = model_positions(m.model)
+    positions = model_positions(m.model.config)
     scored = tokenise_for_scoring(examples, shape, tokenizer, args.dataset_text_field, positions)
     nll = nll_per_example(m.model, tokenizer, scored, args.batch_size)
     predictions: list[str | None] = [None] * len(examples)
@@ -325,7 +262,7 @@ def evaluate_examples(m: Model, examples: list[Example], shape: str, args, patte
                   file=sys.stderr, flush=True)
     for start in range(0, len(todo), args.batch_size):
         chunk = todo[start : start + args.batch_size]
-        gens = infer.generate(m.model, tokenizer, [examples[i].prompt_text for i in chunk], max_new_tokens=args.max_new_tokens)
+        gens = generate(m.model, tokenizer, [examples[i].prompt_text for i in chunk], max_new_tokens=args.max_new_tokens)
         for i, g in zip(chunk, gens):
             predictions[i] = g["completion"]
     results = []
@@ -393,7 +330,6 @@ def _wait_for_parts(parts: list[Path], since: float, timeout: float) -> list[dic
 
 
 def make_parser(subparsers=None):
-    from llmft.cli import command_parser
 
     parser = command_parser(subparsers, "eval", "Perplexity and exact match of one or more checkpoints on a dataset.")
     parser.add_argument("checkpoint", nargs="+", help="global_stepN dir, checkpoint-N dir, run dir or exported model dir (several: compared)")
@@ -433,7 +369,6 @@ def check_args(args) -> None:
         re.compile(args.answer_pattern)
     except re.error as e:
         raise EvalError(f"--answer_pattern {args.answer_pattern!r} is not a valid regular expression ({e})") from None
-    from llmft.infer import DTYPES
 
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise EvalError(f"--dtype {args.dtype}: use auto, float32, bfloat16 or float16")
@@ -465,18 +400,14 @@ def table(rows: list[dict]) -> str:
 
 def run(args, env=None) -> list[dict]:
     """Evaluate each checkpoint; returns the documents rank 0 wrote (other ranks: [])."""
-    from llmft import infer
-    from llmft.data.loading import DataError
-    from llmft.prepare import attempt_id
-    from llmft.checkpoint.zero import CheckpointError
 
     env = os.environ if env is None else env
     rank, world, local_rank = ranks(env)
     since = time.time()
     say = (lambda msg: print(f"llmft eval: {msg}", file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
     check_args(args)
-    device = infer.pick_device(args.device or (f"cuda:{local_rank}" if _cuda() else None))
-    dtype = infer.pick_dtype(args.dtype if args.dtype != "auto" else None, device, exporting=False)
+    device = pick_device(args.device or (f"cuda:{local_rank}" if _cuda() else None))
+    dtype = pick_dtype(args.dtype if args.dtype != "auto" else None, device, exporting=False)
     documents = []
     for index, path in enumerate(args.checkpoint):
         t0 = time.time()
@@ -529,7 +460,6 @@ def _cuda() -> bool:
 
 
 def main(args) -> int:
-    from llmft.checkpoint.zero import CheckpointError
 
     try:
         run(args)

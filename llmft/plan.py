@@ -18,214 +18,50 @@ this machine's GPUs and RAM when neither is given.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
+import shlex
 import sys
-from dataclasses import dataclass
+import tempfile
 from pathlib import Path
 
-from llmft.planning.batch import BatchError, BatchPlan, plan_batch
-from llmft.cli import command_parser
-from llmft.planning.ds_config import (
-    DSConfigError,
-    load_config,
-    offload_mode,
-    offloads,
-    template_path,
-    zero_stage_of,
+from llmft.command import command_parser, report_error
+from llmft.data import cache
+from llmft.data.loading import DataError
+from llmft.errors import LlmftError
+from llmft.planning import ds_config, memory
+from llmft.planning.allocation import AllocationError, job_nodes, numa_binding, parse_node_lines
+from llmft.planning.batch import plan_batch
+from llmft.planning.ds_config import load_config, template_path
+from llmft.planning.hardware import AUTO_PRECISION, PRECISIONS, choose_precision
+from llmft.planning.memory import MemoryPlanError, plan_memory
+from llmft.planning.model_shape import cap_max_length, load_model_config, model_positions, model_shape
+from llmft.planning.run_plan import (
+    TRAIN_DEFAULTS,
+    Hardware,
+    PlanError,
+    RunPlan,
+    make_plan,
+    memory_job,
+    resolve_hardware,
 )
-from llmft.planning.hardware import AUTO_PRECISION, PRECISIONS, HardwareError, choose_precision
-from llmft.planning.world import CpuSplit, LaunchEnvError, World, cpu_split, discover_cpus, discover_world
-
-
-class PlanError(ValueError):
-    """Any reason a run cannot start; its message says what to change."""
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    world: World
-    batch: BatchPlan
-    ds_template: Path
-    zero_stage: int
-    offload: bool
-    precision: str
-    output_dir: str
-    offload_mode: str = "none"
-    auto: str = ""  # --auto: what the memory planner chose, and why
-
-    def lines(self) -> list[str]:
-        b = self.batch
-        offload = {"none": "", "optimizer": " with CPU offload (optimizer)",
-                   "optimizer+params": " with CPU offload (optimizer and parameters)"}[self.offload_mode]
-        auto = [f"llmft plan: auto: {self.auto}"] if self.auto else []
-        return auto + [
-            f"llmft plan: {self.world.describe()}",
-            f"llmft plan: micro-batch {b.micro_batch} per process",
-            f"llmft plan: gradient accumulation {b.grad_accum}",
-            f"llmft plan: global batch {b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.grad_accum} x world size {b.world_size}",
-            f"llmft plan: ZeRO stage {self.zero_stage}{offload} ({self.ds_template})",
-            f"llmft plan: precision {self.precision}",
-            f"llmft plan: checkpoint dir {self.output_dir or '(not set)'}",
-        ]
-
-
-def make_plan(
-    *,
-    micro_batch: int,
-    global_batch: int | None = None,
-    grad_accum: int | None = None,
-    zero_stage: int | None = None,
-    offload: bool | str = False,
-    deepspeed: str | None = None,
-    precision: str = "fp32",
-    output_dir: str = "",
-    world: World | None = None,
-    auto: str = "",
-) -> RunPlan:
-    """Check everything that can be checked without a model; raise PlanError naming the fix."""
-    try:
-        world = world or discover_world()
-        batch = plan_batch(world.world_size, micro_batch, global_batch, grad_accum)
-        path = template_path(zero_stage, offload, deepspeed)
-        config = load_config(path)
-    except (BatchError, DSConfigError, LaunchEnvError) as e:
-        raise PlanError(str(e)) from None
-    return RunPlan(world, batch, path, zero_stage_of(config), offloads(config), precision, output_dir,
-                   offload_mode(config), auto)
-
+from llmft.planning.world import CpuSplit, World, cpu_split, discover_cpus, discover_world
 
 # ---- the memory plan (--model): llmft.planning.memory on a model shape and the hardware --------------------------------------
 
-# What `llmft train` uses when a flag is not given (TRL's SFTConfig / HF's TrainingArguments defaults).
-TRAIN_DEFAULTS = {"max_length": 1024, "lr": 2e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "clip": 1.0}
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """The GPUs and host a memory plan is made for."""
-
-    gpu: object  # llmft.planning.hardware.GPU, or None for CPU processes
-    gpu_memory_gib: float | None
-    host_ram_gib: float
-    gpus_per_node: int | None
-    provider: str | None
-    node_type: str | None
-    host_ram_source: str = ""  # what limits this job's host RAM when it is the allocation (llmft.planning.allocation)
-    node_ram_gib: float | None = None  # the node's own RAM (MemTotal), when the allocation is the limit
-
-    def describe(self, nnodes: int, nproc: int) -> str:
-        if self.gpu is None:
-            device = f"{nproc} CPU process{'es' if nproc > 1 else ''} per node (no GPU)"
-        else:
-            device = f"{nproc} x {self.gpu.name} ({self.gpu_memory_gib:g} GiB) per node"
-        node = f"{self.node_type}: " if self.node_type else ""
-        limit = f" (the job's limit: {self.host_ram_source})" if self.host_ram_source else ""
-        return f"{nnodes} x {node}{device}, {self.host_ram_gib:g} GiB host RAM per node{limit}"
-
-    def allocation_hint(self, mplan) -> str:
-        """When the job's allocation (not the node) is the host-RAM limit and a bigger one makes a setting fit:
-        the sbatch flag that asks for it. '' otherwise."""
-        if not self.host_ram_source:
-            return ""
-        from llmft.planning.memory import GIB
-
-        limit = mplan.job.device_gib
-        gpu_fits = [c for c in mplan.candidates if limit is None or c.gpu_total <= limit * GIB]
-        if not gpu_fits:
-            return ""
-        need = math.ceil(min(c.host["peak"] for c in gpu_fits) / GIB)
-        if self.node_ram_gib is not None and need > self.node_ram_gib:
-            return ""  # the whole node is too small: the plan's own message says what else to change
-        return (f"; the job's allocation is the limit ({self.host_ram_source}): ask Slurm for {need} GiB per node "
-                f"with sbatch --mem={need}G (or --mem=0 for the whole node)")
 
 
-def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None, node_type: str | None = None,
-                     host_ram_gb: float | None = None) -> Hardware:
-    """A catalogue node type, a GPU (by name or memory) with the host RAM given, or this machine."""
-    from llmft.planning.hardware import GPU, gpu_by_name, local_gpu, local_host_memory, node_type_by_name
-
-    if node_type:
-        node = node_type_by_name(node_type)
-        if gpu and gpu_by_name(gpu) != node.gpu:
-            raise PlanError(f"--gpu {gpu} contradicts --node_type {node.name}, which has {node.gpu.name}; give one of them")
-        return Hardware(node.gpu, node.gpu.memory_gib if gpu_memory_gb is None else gpu_memory_gb,
-                        node.host_ram_gib if host_ram_gb is None else host_ram_gb, node.gpus,
-                        node.provider, node.name)
-    if gpu or gpu_memory_gb is not None:
-        if host_ram_gb is None:
-            raise PlanError("--gpu/--gpu_memory_gb needs --host_ram_gb (the node's RAM), or use --node_type")
-        if gpu:
-            g = gpu_by_name(gpu)
-        else:  # an unlisted GPU: assume bf16 tensor cores (Ampere+), peak unknown
-            g = GPU(f"GPU-{gpu_memory_gb:g}GiB", gpu_memory_gb, (8, 0), None)
-        return Hardware(g, g.memory_gib if gpu_memory_gb is None else gpu_memory_gb, host_ram_gb, None, None, None)
-    g = local_gpu()
-    host, source, node_ram = host_ram_gb, "", None
-    if host is None:
-        memory = local_host_memory()
-        host, source, node_ram = memory.gib, (memory.source if memory.from_allocation else ""), memory.node_gib
-    count = None
-    if g is not None:
-        import torch
-
-        count = torch.cuda.device_count()
-    return Hardware(g, g.memory_gib if g else None, host, count, None, None, source, node_ram)
 
 
-def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, precision: str,
-               global_batch: int | None = None, micro_batch: int | None = None, max_micro_batch: int | None = None,
-               grad_accum: int | None = None, gradient_checkpointing: bool | None = None,
-               zero_stage: int | None = None, offload: bool | str | None = None, deepspeed: str | None = None,
-               load_in_4bit: bool = False, attention: str = "sdpa", save_total_limit: int | None = None,
-               output_dir: str | None = None, write_mb_s: float | None = None, mfu: float | None = None,
-               save_consolidated: bool = False):
-    """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given)."""
-    import shutil
-
-    from llmft.planning import memory
-    stages, offload_modes = memory.Job.__dataclass_fields__["zero_stages"].default, memory.OFFLOADS
-    zero_config = {}
-    try:
-        if deepspeed:
-            cfg = load_config(template_path(None, False, deepspeed))
-            stages, offload_modes = (zero_stage_of(cfg),), (offload_mode(cfg),)
-            zero_config = {zero_stage_of(cfg): cfg.get("zero_optimization", {})}
-        else:
-            if zero_stage is not None:
-                stages = (zero_stage,)
-            if offload is True:
-                offload_modes = ("optimizer", "optimizer+params")
-            elif isinstance(offload, str):
-                offload_modes = (offload,)
-            elif offload is False or zero_stage is not None:
-                offload_modes = ("none",)
-            for stage in (0, 1, 2, 3):
-                zero_config[stage] = load_config(template_path(stage)).get("zero_optimization", {})
-    except DSConfigError as e:
-        raise PlanError(str(e)) from None
-    free = None
-    if output_dir:
-        where = Path(output_dir).resolve()
-        while not where.exists() and where != where.parent:
-            where = where.parent
-        free = shutil.disk_usage(where).free / 2**30
-    return memory.Job(
-        shape=shape, gpu=hardware.gpu, host_ram_gib=hardware.host_ram_gib, nnodes=world.nnodes,
-        nproc_per_node=world.procs_per_node, max_length=max_length, precision=precision, global_batch=global_batch,
-        micro_batch=micro_batch, max_micro_batch=max_micro_batch, grad_accum=grad_accum,
-        gpu_memory_gib=hardware.gpu_memory_gib, gradient_checkpointing=gradient_checkpointing, zero_stages=stages,
-        offloads=offload_modes, load_in_4bit=load_in_4bit, attention=attention, zero_config=zero_config,
-        save_total_limit=save_total_limit, free_disk_gib=free,
-        write_mb_s=memory.WRITE_MB_S.get(hardware.provider, memory.WRITE_MB_S[None]) if write_mb_s is None else write_mb_s,
-        mfu=memory.DEFAULT_MFU if mfu is None else mfu, save_consolidated=save_consolidated,
-    )
 
 
 def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     """The memory plan as printed: the model and hardware, the recommendation and why, the candidate table,
     warnings, and the assumptions behind the numbers."""
-    from llmft.planning import memory
     job, shape = mplan.job, mplan.job.shape
     train = f"LoRA: {shape.trainable / 1e6:.1f}M trainable" if shape.lora else "full fine-tuning"
     if job.load_in_4bit:
@@ -290,7 +126,6 @@ def memory_plan_json(mplan) -> dict:
 
 def sbatch_line(args, est, world: World, global_batch: int) -> str:
     """The run_llm.slurm submission that runs the recommended setting, asking Slurm for the host memory it needs."""
-    import shlex
 
     s = est.setting
     knobs = [f"MODEL={args.model}", f"GLOBAL_BATCH={global_batch}", f"MICRO_BATCH={s.micro_batch}"]
@@ -344,11 +179,7 @@ def data_flags(args) -> list[str]:
 def data_fit_lines(args, positions: int | None) -> list[str]:
     """--dataset_name with --model: the data prepared as `llmft train` prepares it (cached, so the run reuses it) and its
     fit against max_length, one line per split (llmft.data.fit), with the warning naming the fix."""
-    import dataclasses
-    import tempfile
 
-    from llmft import prepare
-    from llmft.data.loading import DataError
 
     from transformers import AutoTokenizer
     from trl import SFTConfig
@@ -358,7 +189,7 @@ def data_fit_lines(args, positions: int | None) -> list[str]:
     except (OSError, ValueError) as e:
         raise PlanError(f"--dataset_name needs the model's tokenizer, and {args.model} has none loadable "
                         f"({str(e).strip().splitlines()[0][:200]}): give a model directory with its tokenizer files") from None
-    opts = prepare.DataOptions(dataset_name=args.dataset_name, prompt_column=args.prompt_column,
+    opts = cache.DataOptions(dataset_name=args.dataset_name, prompt_column=args.prompt_column,
                                completion_column=args.completion_column, messages_column=args.messages_column,
                                text_field=args.dataset_text_field or "text", data_percentage=args.data_percentage)
     lines: list[str] = []
@@ -366,8 +197,8 @@ def data_fit_lines(args, positions: int | None) -> list[str]:
         sft = SFTConfig(output_dir=tmp, report_to="none", use_cpu=True, bf16=False, max_length=args.max_length,
                         dataset_text_field=args.dataset_text_field or "text")
         try:
-            prepare.check_options(opts)
-            prepare.prepare(opts, tokenizer, sft, log=lines.append, positions=positions)
+            cache.check_options(opts)
+            cache.prepare(opts, tokenizer, sft, log=lines.append, positions=positions)
         except DataError as e:
             raise PlanError(str(e)) from None
     return [f"llmft plan: {line}" for line in lines]
@@ -375,9 +206,7 @@ def data_fit_lines(args, positions: int | None) -> list[str]:
 
 def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
     """--write DIR: the resolved DeepSpeed config of the recommended setting and the sbatch line that runs it."""
-    import json
 
-    from llmft.planning import ds_config
     est = mplan.recommended
     s = est.setting
     batch = plan_batch(world.world_size, s.micro_batch, global_batch=s.micro_batch * s.grad_accum * world.world_size)
@@ -398,10 +227,7 @@ def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
 def memory_main(args, world: World) -> tuple[int, World]:
     """`llmft plan --model ...`: the candidate table and the recommendation (or --json); the exit code and the
     world it planned for."""
-    import json
 
-    from llmft.planning.memory import MemoryPlanError, plan_memory
-    from llmft.planning.model_shape import load_model_config, model_shape
 
     hardware = resolve_hardware(args.gpu, args.gpu_memory_gb, args.node_type, args.host_ram_gb)
     if args.nproc_per_node is None and hardware.gpus_per_node:
@@ -415,11 +241,11 @@ def memory_main(args, world: World) -> tuple[int, World]:
         raise PlanError(f"--max_length must be a positive integer, got {max_length}")
     if args.lora_r is None:
         args.lora_r = 16  # TRL's default
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions and max_length > positions:  # llmft train clips it the same way
-        if not args.json:
-            print(f"llmft plan: max_length {max_length} exceeds the model's {positions} positions; using {positions}")
-        args.max_length = max_length = positions
+    positions = model_positions(config)
+    capped, note = cap_max_length(config, max_length)  # llmft train caps it the same way
+    if note and not args.json:
+        print(f"llmft plan: {note}")
+    args.max_length = max_length = capped
     shape = model_shape(config, use_peft=args.use_peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
     micro = None if args.auto else args.per_device_train_batch_size
     job = memory_job(
@@ -461,8 +287,6 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
     job's GPUs and the host memory it may use (llmft.planning.allocation)? Returns (lines, error): the error names
     the limit and, where the allocation is the limit, the sbatch flag that fixes it. A model whose config cannot be
     read here (a hub id on an offline node) is said, not checked: training reads it again and fails there."""
-    from llmft.planning.memory import MemoryPlanError, plan_memory
-    from llmft.planning.model_shape import load_model_config, model_shape
 
     try:
         config = load_model_config(args.model, args.trust_remote_code)
@@ -471,8 +295,7 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
     hardware = resolve_hardware(args.gpu, args.gpu_memory_gb, args.node_type, args.host_ram_gb)
     precision = choose_precision(args.precision, hardware.gpu)
     max_length = args.max_length or TRAIN_DEFAULTS["max_length"]
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    max_length = min(max_length, positions) if positions else max_length
+    max_length, _ = cap_max_length(config, max_length)  # llmft train caps it the same way
     shape = model_shape(config, use_peft=args.use_peft, lora_r=args.lora_r or 16, lora_target_modules=args.lora_target_modules)
     b = plan.batch
     try:
@@ -497,49 +320,6 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
     return [], f"memory: {est.setting.describe()} does not fit on {where}: {est.why}{hardware.allocation_hint(mplan)}"
 
 
-def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: int, global_batch: int | None,
-                grad_accum: int | None, max_length: int, use_peft: bool, lora_r: int, lora_target_modules,
-                allow_gradient_checkpointing: bool, save_total_limit: int | None, output_dir: str,
-                attention: str | None, load_in_4bit: bool, save_consolidated: bool, trust_remote_code: bool = False,
-                keep_zero_stage: int | None = None):
-    """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
-    computes the same answer: run_llm.slurm exports the smallest node's allocation as LLMFT_HOST_RAM_GB).
-    keep_zero_stage: a resumed run's stage (its checkpoints load only under it); offload and batch stay free.
-    Returns (Setting, one line saying what was chosen and why); PlanError when nothing fits."""
-    import dataclasses
-
-    from llmft.planning.memory import MemoryPlanError, plan_memory
-    from llmft.planning.model_shape import load_model_config, model_shape
-
-    hardware = resolve_hardware()
-    try:
-        config = load_model_config(model, trust_remote_code)
-        positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        max_length = min(max_length, positions) if positions else max_length  # llmft train clips it the same way
-        shape = model_shape(config, use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules)
-        if global_batch is None:
-            global_batch = max_micro_batch * (grad_accum or 1) * world.world_size
-        job = memory_job(
-            shape, hardware, world, max_length=max_length, precision=precision, global_batch=global_batch,
-            max_micro_batch=max_micro_batch, gradient_checkpointing=None if allow_gradient_checkpointing else False,
-            load_in_4bit=load_in_4bit, attention=attention or "sdpa", save_total_limit=save_total_limit,
-            output_dir=output_dir, save_consolidated=save_consolidated,
-        )
-        if keep_zero_stage is not None:
-            job = dataclasses.replace(job, zero_stages=(keep_zero_stage,))
-        mplan = plan_memory(job)
-    except MemoryPlanError as e:
-        raise PlanError(f"--auto: {e}") from None
-    where = hardware.describe(world.nnodes, world.procs_per_node)
-    if mplan.recommended is None:
-        raise PlanError(f"--auto: on {where}: {mplan.reason}{hardware.allocation_hint(mplan)}")
-    est = mplan.recommended
-    device = "GPU" if hardware.gpu is not None else "per process"
-    line = (f"{est.setting.describe()} ({device} {est.as_dict()['gpu_total_gib']} GiB, host "
-            f"{est.as_dict()['host_ram_gib_per_node']} GiB per node) on {where}: {mplan.reason}")
-    if keep_zero_stage is not None:
-        line += f"; ZeRO-{keep_zero_stage} kept: the run being resumed was trained with it"
-    return est.setting, line
 
 
 def make_parser(subparsers=None):
@@ -608,7 +388,6 @@ def _bool(value: str, flag: str) -> bool:
         return True
     if v in ("0", "false", "no", "off"):
         return False
-    import argparse
 
     raise argparse.ArgumentTypeError(f"{flag} takes true or false, not {value!r}")
 
@@ -621,8 +400,6 @@ MEMORY_ONLY = ("gpu", "gpu_memory_gb", "node_type", "host_ram_gb", "max_length",
 
 
 def main(args) -> int:
-    from llmft.planning.memory import MemoryPlanError
-    from llmft.planning.allocation import AllocationError
 
     try:
         launch_extra = apply_node_facts(args.nodes, args.numa_binding) if args.nodes else {}
@@ -670,18 +447,15 @@ def main(args) -> int:
             if error:
                 raise PlanError(error)
         print_launch_lines(plan.world, args.print_launch, launch_extra)
-    except (PlanError, LaunchEnvError, HardwareError, MemoryPlanError, AllocationError) as e:
-        print(f"llmft plan: error: {e}", file=sys.stderr)
-        return 2
+    except LlmftError as e:
+        return report_error("plan", e, all_ranks=True)
     return 0
 
 
 def apply_node_facts(path: str, numa_request: str) -> dict[str, str]:
     """--nodes FILE: plan with the smallest node's memory (LLMFT_HOST_RAM_GB for this process, and for the training
     processes through the launch line), after checking the nodes agree; the NUMA binding for torchrun."""
-    import os
 
-    from llmft.planning.allocation import AllocationError, job_nodes, numa_binding, parse_node_lines
 
     try:
         text = Path(path).read_text()

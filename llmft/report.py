@@ -21,11 +21,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmft.command import command_parser
+from llmft.errors import LlmftError
+
 TOKENS_PER_SECOND_KEYS = ("tokens_per_second", "train_tokens_per_second_step", "tokens_per_sec")
 MEMORY_KEYS = ("peak_gpu_memory_gib", "gpu_memory_gib", "gpu_peak_memory_gib", "memory_gib")
 
 
-class ReportError(ValueError):
+class ReportError(LlmftError, ValueError):
     """A run directory that cannot be reported on; the message names it and the fix."""
 
 
@@ -343,7 +346,6 @@ def markdown(runs: list[Run], plots: dict[str, Path | None], out: Path) -> str:
 
 
 def make_parser(subparsers=None):
-    from llmft.cli import command_parser
 
     parser = command_parser(subparsers, "report", "PNG plots and a Markdown summary of one or more runs (loss, learning rate, "
                                                   "tokens/s, GPU memory, eval metrics).")

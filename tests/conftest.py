@@ -34,7 +34,7 @@ def llmft_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny GPT-2-style model directory with a locally trained tokenizer (no hub access)."""
-    from llmft.tiny import make_model_dir
+    from llmft.data.synthetic import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -42,7 +42,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A small prompt/completion JSONL dataset generated in code."""
-    from llmft.tiny import as_format, make_examples, write_jsonl
+    from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
     return write_jsonl(as_format(make_examples(256), "prompt_completion"), tmp_path_factory.mktemp("data") / "train.jsonl")
 

@@ -151,7 +151,7 @@ def test_a_cgroup_limit_below_memtotal_changes_the_plan_and_names_the_flag(llama
     from llmft.planning.world import World
     from llmft.planning.memory import plan_memory
     from llmft.planning.model_shape import model_shape
-    from llmft.plan import Hardware, memory_job
+    from llmft.planning.run_plan import Hardware, memory_job
 
     shape = model_shape(llama_8b, use_peft=lora, lora_r=16, lora_target_modules=None)
     cgroup = "0::/job_9/step_0\n"

@@ -19,7 +19,7 @@ from typing import Callable
 
 import pytest
 
-from llmft.tiny import as_format, make_examples, write_jsonl
+from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
 
 class Workspace:

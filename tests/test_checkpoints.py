@@ -153,7 +153,7 @@ def test_no_marker_when_a_rank_reports_nothing(tmp_path):
 def test_training_inference_and_the_demo_pick_the_same_checkpoint(tmp_path, capsys):
     """One decision (checkpoints.choose_checkpoint): resume, `llmft infer RUN_DIR` and the demo agree."""
     from llmft.demo import newest_tag_dir
-    from llmft.infer import resolve_checkpoint
+    from llmft.checkpoint.loader import resolve_checkpoint
 
     fake_checkpoint(tmp_path, 10)
     good = fake_checkpoint(tmp_path, 20)
@@ -166,7 +166,7 @@ def test_training_inference_and_the_demo_pick_the_same_checkpoint(tmp_path, caps
 
 
 def test_inference_refuses_a_run_whose_checkpoints_are_all_incomplete_and_reads_foreign_runs(tmp_path):
-    from llmft.infer import resolve_checkpoint
+    from llmft.checkpoint.loader import resolve_checkpoint
 
     fake_checkpoint(tmp_path / "a", 10, complete=False)
     (tmp_path / "a" / "llmft_run.json").write_text("{}")  # llmft started this run: its unmarked checkpoint is half-written

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from llmft.data.loading import DataError, ensure_chat_template, load_train_split, shape_for_sft, take_percentage
-from llmft.tiny import as_format, make_examples, write_jsonl
+from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
 
 def jsonl(tmp_path, rows, name="d.jsonl"):

@@ -11,8 +11,8 @@ import pytest
 
 from llmft.data import fit as data_fit
 
-from llmft import prepare
-from llmft.tiny import write_jsonl
+from llmft.data import cache
+from llmft.data.synthetic import write_jsonl
 
 WORDS = "apple river stone cloud garden window silver forest candle bridge ocean paper".split()
 
@@ -67,12 +67,12 @@ def test_the_counts_match_an_independent_tokenisation_and_the_trained_sequences(
     rows = gsm8k_like(120)
     path = write_jsonl(rows, tmp_path / "gsm.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    opts = prepare.DataOptions(dataset_name=str(path), prompt_column="question", completion_column="answer",
+    opts = cache.DataOptions(dataset_name=str(path), prompt_column="question", completion_column="answer",
                                eval_split_ratio=0.25)
     lines = []
-    prepared = prepare.prepare(opts, tokenizer, sft_args(tmp_path), log=lines.append, root=tmp_path / "cache", positions=256)
+    prepared = cache.prepare(opts, tokenizer, sft_args(tmp_path), log=lines.append, root=tmp_path / "cache", positions=256)
 
-    train_rows, eval_rows = prepare.load_records(opts)[:2]
+    train_rows, eval_rows = cache.load_records(opts)[:2]
     for split, records in (("train", train_rows), ("eval", eval_rows)):
         expected = independent_count([{"question": r["prompt"], "answer": r["completion"]} for r in records], tokenizer, 48)
         fit = prepared.info["fit"][split]
@@ -91,11 +91,11 @@ def test_the_counts_match_an_independent_tokenisation_and_the_trained_sequences(
     want = math.ceil(fit["length_p95"] / 64) * 64
     assert f"raise --max_length to {want}" in warning and f"{fit['completion_fully_cut']} lost their whole completion" in warning
 
-    prepare.write_run_record(tmp_path / "run", opts, prepared)
+    cache.write_run_record(tmp_path / "run", opts, prepared)
     assert json.loads((tmp_path / "run" / "llmft_data.json").read_text())["fit"] == prepared.info["fit"]
 
     again = []  # a reused preparation says the same
-    prepare.prepare(opts, tokenizer, sft_args(tmp_path), log=again.append, root=tmp_path / "cache", positions=256)
+    cache.prepare(opts, tokenizer, sft_args(tmp_path), log=again.append, root=tmp_path / "cache", positions=256)
     assert line in again
 
 
@@ -104,7 +104,7 @@ def test_text_data_that_fits_gets_its_line_and_no_warning(tiny_model, tmp_path):
 
     path = write_jsonl([{"text": "apple river stone"}] * 10, tmp_path / "t.jsonl")
     lines = []
-    p = prepare.prepare(prepare.DataOptions(dataset_name=str(path)), AutoTokenizer.from_pretrained(tiny_model),
+    p = cache.prepare(cache.DataOptions(dataset_name=str(path)), AutoTokenizer.from_pretrained(tiny_model),
                         sft_args(tmp_path, max_length=64), log=lines.append, root=tmp_path / "cache")
     fit = p.info["fit"]["train"]
     assert (fit["kept"], fit["truncated"], fit["dropped"], fit["tokens_cut"]) == (10, 0, 0, 0)

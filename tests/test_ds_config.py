@@ -182,7 +182,7 @@ def test_torch_adam_config_trains_under_deepspeed(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(torch_adam))
     script = f"""
 import json, torch, deepspeed
-from llmft.planning.world import skip_deepspeed_shm_op
+from llmft.training.deepspeed_env import skip_deepspeed_shm_op
 skip_deepspeed_shm_op()  # as llmft train does: no CPU shared-memory op build
 model = torch.nn.Linear(8, 8)
 engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import PYTHON, run
 from llmft import eval as ev
-from llmft.tiny import as_format, make_examples, write_jsonl
+from llmft.training.metrics import add_perplexity
+from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
 GSM8K_REFERENCE = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
@@ -45,8 +46,8 @@ def test_reference_answers_and_custom_extractors():
 
 
 def test_training_logs_perplexity_beside_eval_loss():
-    assert ev.add_perplexity({"eval_loss": math.log(4.0)})["eval_perplexity"] == pytest.approx(4.0)
-    assert "eval_perplexity" not in ev.add_perplexity({"loss": 1.0})
+    assert add_perplexity({"eval_loss": math.log(4.0)})["eval_perplexity"] == pytest.approx(4.0)
+    assert "eval_perplexity" not in add_perplexity({"loss": 1.0})
 
 
 def eval_data(tmp_path: Path, fmt: str = "prompt_completion", n: int = 6) -> Path:
@@ -105,7 +106,7 @@ def test_several_checkpoints_give_a_table_and_one_json_each_with_the_documented_
 
 
 def test_batched_left_padded_generation_and_perplexity_match_one_example_at_a_time(compared):
-    from llmft.infer import load
+    from llmft.checkpoint.loader import load
 
     out, data, results, _ = compared
     doc = json.loads(sorted(results.glob("*.json"))[-1].read_text())
@@ -148,7 +149,8 @@ def args_for(path, data, **overrides):
 
 
 def test_an_exported_model_chat_and_text_data(run_with_eval, tmp_path):
-    from llmft.infer import export, load, resolve_checkpoint
+    from llmft.infer import export
+    from llmft.checkpoint.loader import load, resolve_checkpoint
 
     out, _, _ = run_with_eval
     tag, _ = resolve_checkpoint([str(out)])

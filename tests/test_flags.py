@@ -25,7 +25,7 @@ def _parse(tmp_path, *argv):
 def test_every_flag_llmft_train_accepts_has_a_decision():
     from trl import ModelConfig, ScriptArguments, SFTConfig
 
-    from llmft.train import LlmftArguments
+    from llmft.training.arguments import LlmftArguments
 
     fields = {f.name for dt in (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments) for f in dataclasses.fields(dt) if f.init}
     assert sorted(fields - set(POLICY)) == [], "new flags: decide in llmft/training/flags.py POLICY what llmft does with them"
@@ -98,9 +98,9 @@ def test_lora_flags_with_use_peft_reach_peft(tmp_path):
 
 def test_passed_flags_reach_the_trainer_unchanged_and_llmft_sets_only_its_own(tmp_path):
     """trainer_arguments() builds what SFTTrainer runs with; every 'passed' field must come out as it went in."""
-    from llmft.plan import make_plan
+    from llmft.planning.run_plan import make_plan
     from llmft.planning.world import World
-    from llmft.train import trainer_arguments
+    from llmft.training.model_files import trainer_arguments
 
     _, training_args, _, _ = _parse(
         tmp_path, "--lr_scheduler_type", "cosine", "--warmup_steps", 3, "--logging_steps", 7, "--save_steps", 11,
@@ -123,7 +123,7 @@ def test_passed_flags_reach_the_trainer_unchanged_and_llmft_sets_only_its_own(tm
 def test_model_revision_reaches_config_tokenizer_and_weights(tmp_path, monkeypatch):
     import transformers
 
-    from llmft.train import load_model_files, model_init_kwargs
+    from llmft.training.model_files import load_model_files, model_init_kwargs
 
     calls = []
 

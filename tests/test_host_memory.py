@@ -22,7 +22,7 @@ def gpt2_124m(tmp_path_factory):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from llmft.tiny import as_format, make_examples, make_tokenizer, write_jsonl
+    from llmft.data.synthetic import as_format, make_examples, make_tokenizer, write_jsonl
 
     out = tmp_path_factory.mktemp("gpt2-124m")
     tok = make_tokenizer()

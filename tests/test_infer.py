@@ -89,7 +89,7 @@ def test_real_run_weights_and_logits_equal_deepspeed(trained, tiny_model, name, 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmft.infer import load
+    from llmft.checkpoint.loader import load
     from llmft.checkpoint.zero import load_fp32_state_dict
 
     out = trained(name)
@@ -161,7 +161,7 @@ def test_chat_sampling_and_seed(trained, capsys):
 
 
 def test_resolves_run_dir_checkpoint_dir_and_skips_incomplete(trained, tmp_path, capsys):
-    from llmft.infer import resolve_checkpoint
+    from llmft.checkpoint.loader import resolve_checkpoint
 
     out = trained("z0")
     assert resolve_checkpoint([str(out)]) == (tag(out), None)
@@ -202,7 +202,7 @@ def test_lora_adapter_merge_and_export(trained, tmp_path, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from llmft.infer import load
+    from llmft.checkpoint.loader import load
 
     out = trained("lora_z1")
     ref = deepspeed_reference(out / "checkpoint-4")  # the LoRA weights (frozen base weights are not saved)
@@ -259,7 +259,7 @@ def test_bad_options_are_one_line_errors(trained, argv, expected, capsys):
 
 def test_the_new_token_budget_stops_at_the_models_positions():
     from llmft.checkpoint.run_dir import CheckpointError
-    from llmft.infer import new_token_budget
+    from llmft.checkpoint.loader import new_token_budget
 
     assert new_token_budget(100, 50, 256) == (50, None)
     assert new_token_budget(218, 60, 256) == (38, "the prompt has 218 tokens: generating at most 38 new tokens, up to the "

@@ -148,7 +148,7 @@ def test_trl_bf16_default_does_not_fail_parsing_on_a_t4(tmp_path, monkeypatch):
     from accelerate.state import PartialState
     from trl import SFTConfig, TrlParser
 
-    from llmft.train import train_precision
+    from llmft.training.model_files import train_precision
 
     monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: False)
     argv = ["--output_dir", str(tmp_path / "o"), "--use_cpu", "false"]  # use_cpu false: what llmft sets on a GPU machine
@@ -170,15 +170,15 @@ def test_inference_asks_the_same_function(monkeypatch):
     """llmft infer: auto on a T4 generates in fp16, bf16 asked on a T4 is refused, fp16 on CPU is fine for generation."""
     import torch
 
-    import llmft.planning.hardware
-    from llmft.infer import pick_dtype
+    import llmft.checkpoint.loader
+    from llmft.checkpoint.loader import pick_dtype
     from llmft.checkpoint.zero import CheckpointError
 
-    monkeypatch.setattr(llmft.planning.hardware, "local_gpu", lambda index=0: GPUS["T4"])
+    monkeypatch.setattr(llmft.checkpoint.loader, "local_gpu", lambda index=0: GPUS["T4"])
     assert pick_dtype("auto", "cuda:0", exporting=False) == torch.float16
     with pytest.raises(CheckpointError, match="this T4 has 7.5: use --dtype float16"):
         pick_dtype("bf16", "cuda:0", exporting=False)
-    monkeypatch.setattr(llmft.planning.hardware, "local_gpu", lambda index=0: GPUS["L4"])
+    monkeypatch.setattr(llmft.checkpoint.loader, "local_gpu", lambda index=0: GPUS["L4"])
     assert pick_dtype("auto", "cuda:0", exporting=False) == torch.bfloat16
     assert pick_dtype("auto", "cpu", exporting=False) == torch.float32
     assert pick_dtype("float16", "cpu", exporting=False) == torch.float16

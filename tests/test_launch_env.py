@@ -107,7 +107,7 @@ def test_deepspeed_start_up_builds_no_shm_op():
     import deepspeed.ops
     from deepspeed.comm.torch import build_shm_op
 
-    from llmft.planning.world import skip_deepspeed_shm_op
+    from llmft.training.deepspeed_env import skip_deepspeed_shm_op
 
     before = dict(deepspeed.ops.__compatible_ops__)
     assert before["deepspeed_shm_comm"] is True  # DeepSpeed would build it on this (Linux) machine
@@ -188,7 +188,7 @@ def test_arch_specific_targets_are_rewritten_for_deepspeeds_op_builder(monkeypat
     """DeepSpeed's own JIT builder (the code that failed on the H100) reads what llmft sets, and fails on the raw value."""
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-    from llmft.planning.world import deepspeed_arch_list
+    from llmft.training.deepspeed_env import deepspeed_arch_list
 
     assert deepspeed_arch_list(value) == fixed
     builder = FusedAdamBuilder()
@@ -221,7 +221,7 @@ def test_deepspeed_reads_the_same_cpu_from_proc_cpuinfo(monkeypatch, text, machi
     import cpuinfo
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
 
-    from llmft.planning.world import cpu_info_from_proc
+    from llmft.training.deepspeed_env import cpu_info_from_proc
 
     info = cpu_info_from_proc(text, machine)
     if simd is None:
@@ -241,7 +241,7 @@ def test_this_machines_deepspeed_op_flags_are_unchanged_by_reading_proc_cpuinfo(
     import cpuinfo
     from deepspeed.accelerator import get_accelerator
 
-    from llmft.planning.world import use_proc_cpuinfo_for_deepspeed
+    from llmft.training.deepspeed_env import use_proc_cpuinfo_for_deepspeed
 
     builders = [get_accelerator().create_op_builder(name) for name in ("FusedAdamBuilder", "CPUAdamBuilder")]
     real = cpuinfo.get_cpu_info()

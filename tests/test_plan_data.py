@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from llmft import plan
-from llmft.tiny import write_jsonl
+from llmft.data.synthetic import write_jsonl
 from tests.test_data_fit import gsm8k_like
 
 REPO = Path(__file__).resolve().parents[1]

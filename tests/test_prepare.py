@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from llmft import prepare
+from llmft.data import cache
 from llmft.data.loading import DataError
-from llmft.tiny import as_format, make_examples, write_jsonl
+from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
 
 def sft_args(tmp_path, **overrides):
@@ -50,12 +50,12 @@ def test_the_trainer_gets_the_same_tokens_and_loss_masks_as_trl_preparing_on_the
     from trl import SFTTrainer
 
     path = write_jsonl(as_format(make_examples(40), fmt), tmp_path / f"{fmt}.jsonl")
-    opts = prepare.DataOptions(dataset_name=str(path), eval_split_ratio=0.2, data_percentage=75)
+    opts = cache.DataOptions(dataset_name=str(path), eval_split_ratio=0.2, data_percentage=75)
     args = sft_args(tmp_path, packing=packing, max_length=40 if packing else 24)  # short: truncation happens too
     lines = []
-    prepared = prepare.prepare(opts, tokenizer_of(tiny_model), args, log=quiet_log(lines), root=tmp_path / "cache")
+    prepared = cache.prepare(opts, tokenizer_of(tiny_model), args, log=quiet_log(lines), root=tmp_path / "cache")
 
-    raw_train, raw_eval, _ = prepare.load_records(opts)
+    raw_train, raw_eval, _ = cache.load_records(opts)
     fly_tokenizer = tokenizer_of(tiny_model)
     data.ensure_chat_template(fly_tokenizer)
     on_the_fly = SFTTrainer(model=model, args=args, train_dataset=raw_train, eval_dataset=raw_eval, processing_class=fly_tokenizer)
@@ -86,7 +86,7 @@ def test_fingerprint_follows_data_tokenizer_and_options_not_paths_or_training_fl
     base_args = sft_args(tmp_path)
 
     def fp(path=a, tokenizer=None, args=base_args, **opts):
-        return prepare.fingerprint(prepare.DataOptions(dataset_name=str(path), **opts), tokenizer or tok, args)[0]
+        return cache.fingerprint(cache.DataOptions(dataset_name=str(path), **opts), tokenizer or tok, args)[0]
 
     base = fp()
     assert base == fp(path=b, tokenizer=tokenizer_of(tmp_path / "model-copy"))  # same bytes, same tokenizer, other paths
@@ -117,15 +117,15 @@ def test_fingerprint_follows_data_tokenizer_and_options_not_paths_or_training_fl
 
 def test_reuse_across_output_dirs_and_a_new_preparation_after_a_change(tiny_model, tmp_path):
     path = write_jsonl(as_format(make_examples(30), "text"), tmp_path / "d.jsonl")
-    opts = prepare.DataOptions(dataset_name=str(path))
+    opts = cache.DataOptions(dataset_name=str(path))
     root = tmp_path / "cache"
     lines = []
-    first = prepare.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path / "run1"), log=quiet_log(lines), root=root)
-    again = prepare.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path / "run2", learning_rate=0.1), log=quiet_log(lines), root=root)
+    first = cache.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path / "run1"), log=quiet_log(lines), root=root)
+    again = cache.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path / "run2", learning_rate=0.1), log=quiet_log(lines), root=root)
     assert not first.reused and again.reused and again.directory == first.directory
     assert f"reused prepared data {first.directory} (fingerprint {first.fingerprint})" in lines
     assert again.train["input_ids"] == first.train["input_ids"]
-    changed = prepare.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path, max_length=8), log=quiet_log(lines), root=root)
+    changed = cache.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path, max_length=8), log=quiet_log(lines), root=root)
     assert not changed.reused and changed.fingerprint != first.fingerprint
     assert max(len(x) for x in changed.train["input_ids"]) == 8
 
@@ -136,7 +136,7 @@ from pathlib import Path
 from datasets import Dataset
 from transformers import AutoTokenizer
 from trl import SFTConfig
-from llmft import prepare
+from llmft.data import cache
 
 saves = []
 original = Dataset.save_to_disk
@@ -147,8 +147,8 @@ def save_then_die(self, path, *a, **k):
         os.kill(os.getpid(), signal.SIGKILL)
 Dataset.save_to_disk = save_then_die
 args = SFTConfig(output_dir=sys.argv[3], report_to="none", bf16=False, use_cpu=True, max_length=48)
-opts = prepare.DataOptions(dataset_name=sys.argv[2], eval_split_ratio=0.25)
-prepare.prepare(opts, AutoTokenizer.from_pretrained(sys.argv[1]), args, root=Path(sys.argv[4]))
+opts = cache.DataOptions(dataset_name=sys.argv[2], eval_split_ratio=0.25)
+cache.prepare(opts, AutoTokenizer.from_pretrained(sys.argv[1]), args, root=Path(sys.argv[4]))
 """
 
 
@@ -162,17 +162,17 @@ def test_a_preparation_killed_half_way_is_never_taken_as_complete(tiny_model, tm
     assert len(leftovers) == 1 and (leftovers[0] / "eval").is_dir()  # it had written both splits
     assert not [p for p in (root / "prepared").iterdir() if not p.name.startswith(".")]  # but nothing was published
 
-    opts = prepare.DataOptions(dataset_name=str(path), eval_split_ratio=0.25)
+    opts = cache.DataOptions(dataset_name=str(path), eval_split_ratio=0.25)
     lines = []
-    done = prepare.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path), log=quiet_log(lines), root=root)
+    done = cache.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path), log=quiet_log(lines), root=root)
     assert not done.reused and [x for x in lines if x.startswith(f"prepared data {done.directory}")]
     assert not list((root / "prepared").glob(".tmp-*"))  # the dead process's directory is cleaned up
-    assert json.loads((done.directory / prepare.MARKER).read_text())["fingerprint"] == done.fingerprint
+    assert json.loads((done.directory / cache.MARKER).read_text())["fingerprint"] == done.fingerprint
 
     # A published directory whose files were damaged afterwards is not complete either: it is prepared again.
     arrow = next((done.directory / "train").glob("*.arrow"))
     arrow.write_bytes(arrow.read_bytes()[:-10])
-    again = prepare.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path), log=quiet_log(lines), root=root)
+    again = cache.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path), log=quiet_log(lines), root=root)
     assert not again.reused and again.train["input_ids"] == done.train["input_ids"]
 
 
@@ -182,13 +182,13 @@ def rank_env(rank: int, port: str = "29999") -> dict:
 
 def test_other_ranks_wait_for_rank_0_then_read_its_files_or_its_error(tiny_model, tmp_path):
     path = write_jsonl(as_format(make_examples(24), "messages"), tmp_path / "d.jsonl")
-    opts = prepare.DataOptions(dataset_name=str(path))
+    opts = cache.DataOptions(dataset_name=str(path))
     root, args = tmp_path / "cache", sft_args(tmp_path)
     got = {}
 
     def rank1(env, key):
         try:
-            got[key] = prepare.prepare(opts, tokenizer_of(tiny_model), args, env=env, root=root, log=quiet_log([]), timeout=120)
+            got[key] = cache.prepare(opts, tokenizer_of(tiny_model), args, env=env, root=root, log=quiet_log([]), timeout=120)
         except DataError as e:
             got[key] = e
 
@@ -197,7 +197,7 @@ def test_other_ranks_wait_for_rank_0_then_read_its_files_or_its_error(tiny_model
     time.sleep(2)
     assert waiter.is_alive()  # nothing to read yet: rank 1 waits
     lines = []
-    mine = prepare.prepare(opts, tokenizer_of(tiny_model), args, env=rank_env(0), root=root, log=quiet_log(lines))
+    mine = cache.prepare(opts, tokenizer_of(tiny_model), args, env=rank_env(0), root=root, log=quiet_log(lines))
     waiter.join(60)
     assert got["ok"].directory == mine.directory and got["ok"].train["input_ids"] == mine.train["input_ids"]
     assert got["ok"].shape == "messages"
@@ -206,12 +206,12 @@ def test_other_ranks_wait_for_rank_0_then_read_its_files_or_its_error(tiny_model
     # Rank 0 fails on bad data: the waiting rank stops with rank 0's reason instead of waiting out its timeout.
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"text": \n')
-    bad_opts = prepare.DataOptions(dataset_name=str(bad))
-    waiter = threading.Thread(target=lambda: got.update(bad=_try(lambda: prepare.prepare(
+    bad_opts = cache.DataOptions(dataset_name=str(bad))
+    waiter = threading.Thread(target=lambda: got.update(bad=_try(lambda: cache.prepare(
         bad_opts, tokenizer_of(tiny_model), args, env=rank_env(1, "30001"), root=root, log=quiet_log([]), timeout=120))))
     waiter.start()
     with pytest.raises(DataError, match="line 2 is not valid JSON"):
-        prepare.prepare(bad_opts, tokenizer_of(tiny_model), args, env=rank_env(0, "30001"), root=root, log=quiet_log([]))
+        cache.prepare(bad_opts, tokenizer_of(tiny_model), args, env=rank_env(0, "30001"), root=root, log=quiet_log([]))
     waiter.join(60)
     assert isinstance(got["bad"], DataError) and str(got["bad"]).startswith("rank 0 could not prepare the data: ")
     assert "line 2 is not valid JSON" in str(got["bad"])
@@ -219,7 +219,7 @@ def test_other_ranks_wait_for_rank_0_then_read_its_files_or_its_error(tiny_model
     # No rank 0 at all (say, a cache directory the nodes do not share): a clear error after the timeout.
     t0 = time.time()
     with pytest.raises(DataError, match="rank 0 has not started preparing the data in .* LLMFT_CACHE must be on storage every node shares"):
-        prepare.prepare(prepare.DataOptions(dataset_name=str(path), data_percentage=50), tokenizer_of(tiny_model), args,
+        cache.prepare(cache.DataOptions(dataset_name=str(path), data_percentage=50), tokenizer_of(tiny_model), args,
                         env=rank_env(1, "30002"), root=root, log=quiet_log([]), timeout=2)
     assert time.time() - t0 < 30
 
@@ -233,16 +233,16 @@ def _try(fn):
 
 def test_bad_options_fail_before_anything_loads(tmp_path):
     for opts, strategy, message in [
-        (prepare.DataOptions(dataset_name="d.jsonl"), "steps", "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"),
-        (prepare.DataOptions(dataset_name="d.jsonl", eval_split_ratio=1.5), "no", "--eval_split_ratio must be in (0, 1)"),
-        (prepare.DataOptions(dataset_name="d.jsonl", eval_split_ratio=0.1, eval_dataset_name="e.jsonl"), "no",
+        (cache.DataOptions(dataset_name="d.jsonl"), "steps", "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"),
+        (cache.DataOptions(dataset_name="d.jsonl", eval_split_ratio=1.5), "no", "--eval_split_ratio must be in (0, 1)"),
+        (cache.DataOptions(dataset_name="d.jsonl", eval_split_ratio=0.1, eval_dataset_name="e.jsonl"), "no",
          "give either --eval_dataset_name or --eval_split_ratio, not both"),
-        (prepare.DataOptions(dataset_name="d.jsonl", data_percentage=0), "no", "--data_percentage must be in (0, 100]"),
+        (cache.DataOptions(dataset_name="d.jsonl", data_percentage=0), "no", "--data_percentage must be in (0, 100]"),
     ]:
         with pytest.raises(DataError) as e:
-            prepare.check_options(opts, strategy)
+            cache.check_options(opts, strategy)
         assert message in str(e.value)
-    prepare.check_options(prepare.DataOptions(dataset_name="d.jsonl", eval_split_ratio=0.1), "steps")
+    cache.check_options(cache.DataOptions(dataset_name="d.jsonl", eval_split_ratio=0.1), "steps")
 
 
 def test_held_out_split_is_deterministic_and_independent_of_percentage_and_seed(tmp_path):
@@ -258,9 +258,9 @@ def test_held_out_split_is_deterministic_and_independent_of_percentage_and_seed(
 
 
 def test_the_cache_defaults_under_the_hugging_face_home():
-    assert prepare.cache_root({"LLMFT_CACHE": "/shared/cache"}) == Path("/shared/cache")
-    assert prepare.cache_root({"HF_HOME": "/hf"}) == Path("/hf/llmft")
-    assert prepare.cache_root({"XDG_CACHE_HOME": "/xdg"}) == Path("/xdg/huggingface/llmft")
+    assert cache.cache_root({"LLMFT_CACHE": "/shared/cache"}) == Path("/shared/cache")
+    assert cache.cache_root({"HF_HOME": "/hf"}) == Path("/hf/llmft")
+    assert cache.cache_root({"XDG_CACHE_HOME": "/xdg"}) == Path("/xdg/huggingface/llmft")
 
 
 def test_an_unwritable_cache_is_one_clear_error(tiny_model, tmp_path):
@@ -268,7 +268,7 @@ def test_an_unwritable_cache_is_one_clear_error(tiny_model, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache should be")
     with pytest.raises(DataError, match=r"cannot write prepared data under .*not-a-dir/prepared .* point LLMFT_CACHE at a writable directory"):
-        prepare.prepare(prepare.DataOptions(dataset_name=str(path)), tokenizer_of(tiny_model), sft_args(tmp_path), root=blocker,
+        cache.prepare(cache.DataOptions(dataset_name=str(path)), tokenizer_of(tiny_model), sft_args(tmp_path), root=blocker,
                         log=quiet_log([]))
 
 

@@ -120,7 +120,7 @@ def test_a_real_run_and_its_llmft_eval_result(run_with_eval, tmp_path, legends):
     import shutil
 
     from llmft import eval as ev
-    from llmft.tiny import as_format, make_examples, write_jsonl
+    from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
     out = Path(shutil.copytree(run_with_eval[0], tmp_path / "run"))
     data = write_jsonl(as_format(make_examples(3, seed=9), "prompt_completion"), tmp_path / "heldout.jsonl")

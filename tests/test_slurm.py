@@ -230,7 +230,7 @@ def test_wandb_offline_run_is_named_by_the_job_and_the_requeued_job_appends_to_i
     # in a full-suite run at load 4 on 2 cores), so an empty first attempt is allowed.
     assert steps[0] == list(range(1, len(steps[0]) + 1)) and (not steps[0] or steps[0][-1] <= resumed), steps
     assert steps[1] == list(range(resumed + 1, TOTAL + 1))  # the metrics after the requeue continue the run
-    # The dead service did not end the run through the training loop (llmft.tracking.guard_wandb): the stop's
+    # The dead service did not end the run through the training loop (llmft.training.wandb_env.guard_wandb): the stop's
     # checkpoint was written and the run was resumed from it. (wandb's own exit hook may still print its error.)
     assert "llmft/train.py" not in text and text.count("llmft: W&B stopped logging") <= 1
     assert f"stop requested; saved checkpoint-{resumed}" in text

@@ -12,7 +12,7 @@ import pytest
 from types import SimpleNamespace
 
 from conftest import REPO, subprocess_env
-from llmft.tracking import reachable, server_url, slurm_wandb_env
+from llmft.training.wandb_env import reachable, server_url, slurm_wandb_env
 
 JOB = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NAME": "llmft", "SLURM_CLUSTER_NAME": "c1", "SLURM_RESTART_COUNT": "0"}
 
@@ -83,7 +83,7 @@ def test_the_script_helper_prints_only_wandb_lines_and_never_the_key(tmp_path):
 def test_a_dead_wandb_service_is_reported_once_and_does_not_end_training():
     from transformers.integrations import WandbCallback
 
-    from llmft.tracking import guard_wandb
+    from llmft.training.wandb_env import guard_wandb
 
     calls = []
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import PYTHON, REPO, run
 from llmft.training.metrics import STARTUP_PHASES, SUMMARY_FIELDS
-from llmft.tiny import as_format, make_examples, write_jsonl
+from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
 STEP_RE = re.compile(
     r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+) padded/s (\d+) tflops/gpu ([\d.e+-]+) "
@@ -200,14 +200,15 @@ def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_mode
 def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_with(tiny_model, tmp_path, monkeypatch):
     """In-process, no training: --auto picks ZeRO-2 on this CPU machine for a new run, but a rerun into a directory
     whose run was ZeRO-3 keeps ZeRO-3 (DeepSpeed loads those shards only under it) and says so."""
-    from llmft.train import choose_automatically, make_parser
+    from llmft.train import RunSettings, choose_automatically, make_parser
 
     monkeypatch.setenv("LLMFT_HOST_RAM_GB", "16")
     out = tmp_path / "run"
     argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", "d.jsonl", "--output_dir", str(out), "--auto",
             "--global_batch_size", "4", "--per_device_train_batch_size", "2"]
     script_args, training_args, model_args, llmft_args = make_parser().parse_args_and_config(args=argv)
-    choose = lambda: choose_automatically(script_args, training_args, model_args, llmft_args, "fp32", None)  # noqa: E731
+    run = RunSettings(script_args, training_args, model_args, llmft_args)
+    choose = lambda: choose_automatically(run, "fp32", None)  # noqa: E731
     setting, line = choose()
     assert setting.zero_stage == 2 and "kept" not in line
     (out / "checkpoint-2").mkdir(parents=True)
@@ -219,7 +220,8 @@ def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_
 def test_the_checkpointing_auto_chooses_takes_effect_in_the_trainer_arguments(tmp_path):
     """TRL turns gradient checkpointing on by default; --auto's choice must win either way (transformers 5 keeps a
     copy's resolved `activation_checkpointing`, which once silently undid a changed `gradient_checkpointing`)."""
-    from llmft.train import make_parser, with_checkpointing
+    from llmft.train import make_parser
+    from llmft.training.model_files import with_checkpointing
 
     argv = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "o")]
     training_args = make_parser().parse_args_and_config(args=argv)[1]
@@ -254,7 +256,9 @@ def test_torch_compile_compiles_the_deepspeed_engine_and_trains_the_same(tiny_mo
 def test_torch_compile_that_did_not_take_effect_stops_the_run():
     from types import SimpleNamespace
 
-    from llmft.train import TrainError, compile_report
+    from llmft.errors import TrainError
+
+    from llmft.training.callbacks import compile_report
 
     args = SimpleNamespace(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode=None)
     report = compile_report(SimpleNamespace(model_wrapped=SimpleNamespace(is_compiled=False)))
@@ -394,7 +398,7 @@ def test_bad_input_from_the_llmft_command_exits_2_without_traceback(tiny_model, 
 STUCK_WORKER_RANK = """
 import sys, time
 from accelerate.data_loader import DataLoaderShard
-from llmft.train import _callbacks
+from llmft.training.callbacks import checkpoint_callbacks
 
 class OneItemHangs:  # a worker that never finishes its item, the case torch answers with SIGTERM
     def __len__(self):
@@ -404,7 +408,7 @@ class OneItemHangs:  # a worker that never finishes its item, the case torch ans
             time.sleep(10**6)
         return i
 
-_, GracefulStop = _callbacks()
+_, GracefulStop = checkpoint_callbacks()
 loader = DataLoaderShard(OneItemHangs(), batch_size=1, num_workers=2)
 GracefulStop(None).on_train_begin(None, None, None, train_dataloader=loader)
 batches = iter(loader)
@@ -437,8 +441,8 @@ from types import SimpleNamespace
 import torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-from llmft.train import _callbacks
-_, GracefulStop = _callbacks()
+from llmft.training.callbacks import checkpoint_callbacks
+_, GracefulStop = checkpoint_callbacks()
 votes, all_reduce = [0], dist.all_reduce
 def counted(*a, **k):
     votes[0] += 1
@@ -471,7 +475,7 @@ def test_stop_votes_are_spaced_by_step_time_and_every_rank_stops_at_the_same_ste
     """The ranks vote on a stop request (so all stop at one step) every k steps, k steps taking at most 0.5 s:
     fast steps do not pay a collective each, slow steps still vote every step, and a request seen by one rank
     stops every rank at the same step within that bound."""
-    from llmft.train import STOP_VOTE_MAX_DELAY_S, steps_between_stop_votes
+    from llmft.training.callbacks import STOP_VOTE_MAX_DELAY_S, steps_between_stop_votes
 
     assert steps_between_stop_votes(0.6, 10) == 8  # 60 ms steps: vote every 8th
     assert steps_between_stop_votes(30.0, 1) == steps_between_stop_votes(0.6, 1) == 1  # slow steps: every step
@@ -505,9 +509,9 @@ def test_dataloader_workers_leave_stop_signals_to_their_rank():
 
     from accelerate.data_loader import DataLoaderShard
 
-    from llmft.train import _callbacks
+    from llmft.training.callbacks import checkpoint_callbacks
 
-    _, GracefulStop = _callbacks()
+    _, GracefulStop = checkpoint_callbacks()
     stop = GracefulStop(None)
     loader = DataLoaderShard(list(range(40)), batch_size=1, num_workers=2)  # what the Trainer trains from
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}

@@ -124,7 +124,7 @@ def test_logits_match_deepspeed_reconstruction(ds_checkpoints, tiny_model, spec)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmft.infer import load
+    from llmft.checkpoint.loader import load
 
     loaded = load(_tag(ds_checkpoints, spec), model_name=str(tiny_model))
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
@@ -270,7 +270,7 @@ def _code_bearing(tag: Path):
 @pytest.fixture(scope="session")
 def other_model(tmp_path_factory) -> Path:
     """A tiny model with a different width: the wrong --model_name for the checkpoints above."""
-    from llmft.tiny import make_model_dir
+    from llmft.data.synthetic import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("other") / "model", n_embd=32)
 

@@ -20,13 +20,15 @@ import shutil
 import time
 from pathlib import Path
 
+from llmft.errors import LlmftError
+
 COMPLETE_MARKER = "llmft_complete.json"
 DONE_MARKER = "llmft_done.json"
 RUN_RECORD = "llmft_run.json"  # what defines the run (llmft.training.run_identity): present in every run llmft started
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LlmftError, ValueError):
     """A checkpoint that cannot be resumed from; the message says which and why."""
 
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
+from llmft.errors import LlmftError
+
 # Suffix -> datasets builder for local files.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 
@@ -38,7 +40,7 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-class DataError(ValueError):
+class DataError(LlmftError, ValueError):
     """The dataset cannot be used as given; the message names the problem and the fix."""
 
 

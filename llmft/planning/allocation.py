@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from llmft.errors import LlmftError
+from llmft.planning.fabric import fabric_missing
 from llmft.planning.world import LaunchEnvError, parse_gpu_count, slurm_cpus_per_node
 
 MIB = 2**20
@@ -212,7 +214,7 @@ def numa_nodes(sysfs: str = "/sys") -> int:
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 
 
-class AllocationError(ValueError):
+class AllocationError(LlmftError, ValueError):
     """The job's nodes cannot run the plan as allocated; the message names the node and the fix."""
 
 
@@ -313,7 +315,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     missing = ""
     if args.fabric:
-        from llmft.planning.fabric import fabric_missing
 
         missing = fabric_missing(args.fabric, os.environ) or ""
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]

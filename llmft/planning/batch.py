@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmft.errors import LlmftError
 
-class BatchError(ValueError):
+
+class BatchError(LlmftError, ValueError):
     """The requested batch sizes cannot be realised on this world."""
 
 

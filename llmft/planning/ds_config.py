@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmft.errors import LlmftError
 from llmft.planning.batch import BatchPlan
 
 ZERO_STAGES = (0, 1, 2, 3)
 RESOLVED_NAME = "ds_config.json"
 
 
-class DSConfigError(ValueError):
+class DSConfigError(LlmftError, ValueError):
     """A DeepSpeed config that cannot be found, read or resolved."""
 
 

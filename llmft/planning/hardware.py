@@ -20,10 +20,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from llmft.errors import LlmftError
+from llmft.planning.allocation import this_node_memory
+
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 
-class HardwareError(ValueError):
+class HardwareError(LlmftError, ValueError):
     """A hardware name or setting llmft does not know; the message lists the known ones."""
 
 
@@ -344,7 +347,6 @@ def local_host_ram_gib(env=None, meminfo: str = "/proc/meminfo") -> float:
 
 def local_host_memory(env=None, meminfo: str = "/proc/meminfo"):
     """local_host_ram_gib with what sets it (a MemoryLimit: GiB and source)."""
-    from llmft.planning.allocation import this_node_memory
 
     try:
         return this_node_memory(env, meminfo)

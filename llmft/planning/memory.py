@@ -101,6 +101,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from llmft.errors import LlmftError
+from llmft.planning.batch import BatchError, plan_batch
 from llmft.planning.hardware import GPU
 
 GIB = 2**30
@@ -118,7 +120,7 @@ CHECKPOINT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 HF_MAX_SHARD_BYTES = 50 * 10**9  # PreTrainedModel.save_pretrained(max_shard_size="50GB")
 
 
-class MemoryPlanError(ValueError):
+class MemoryPlanError(LlmftError, ValueError):
     """Numbers the planner cannot work with; the message says which and what to give instead."""
 
 
@@ -727,7 +729,6 @@ def _check_job(job: Job) -> None:
         if value is not None and (not isinstance(value, int) or value < 1):
             raise MemoryPlanError(f"--{name} must be a positive integer, got {value!r}")
     if job.global_batch is not None and job.micro_batch is not None:
-        from llmft.planning.batch import BatchError, plan_batch
 
         try:  # the same arithmetic, and the same message with the nearest batches that work, as the batch-only plan
             plan_batch(job.world, job.micro_batch, job.global_batch, job.grad_accum)

@@ -36,6 +36,21 @@ def load_model_config(model: str, trust_remote_code: bool = False):
         raise MemoryPlanError(f"--model {model}: cannot read its config ({first})") from None
 
 
+def model_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings cover (None: the config does not say)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def cap_max_length(config, requested: int | None) -> tuple[int | None, str | None]:
+    """The max_length a run uses: the request, capped at the model's positions. Returns (value, note when capped).
+
+    `llmft train`, `llmft prepare`, `llmft plan` and `--auto` all call this, so they plan and train the same length."""
+    positions = model_positions(config)
+    if positions and requested and requested > positions:
+        return positions, f"max_length {requested} exceeds the model's {positions} positions; using {positions}"
+    return requested, None
+
+
 def _lora_targets(targets):
     """TRL turns one --lora_target_modules value into a string that PEFT reads as a regex; a plain name means
     "modules called that" (as in llmft.train)."""
@@ -48,10 +63,10 @@ def _lora_targets(targets):
 
 def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target_modules=None) -> ModelShape:
     """Build the model on the meta device and read what the accounting needs."""
+    import warnings
+
     import torch
     from transformers import AutoModelForCausalLM
-
-    import warnings
 
     try:
         with torch.device("meta"), warnings.catch_warnings():

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmft.errors import LlmftError
 from llmft.planning.hardware import GPU
 
 MIN_BITSANDBYTES = (0, 43, 3)  # ZeRO-3 QLoRA (bnb_4bit_quant_storage) per PEFT's guide
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-class QuantizationError(ValueError):
+class QuantizationError(LlmftError, ValueError):
     """QLoRA cannot run as asked here; the message says why and what to change."""
 
 

@@ -12,8 +12,10 @@ import shlex
 from dataclasses import dataclass
 from typing import Mapping
 
+from llmft.errors import LlmftError
 
-class LaunchEnvError(ValueError):
+
+class LaunchEnvError(LlmftError, ValueError):
     """An environment variable holds something llmft cannot interpret."""
 
 
@@ -250,6 +252,12 @@ def rank0(env: Mapping[str, str] | None = None) -> bool:
     return env.get("RANK", "0") == "0"
 
 
+def log(msg: str) -> None:
+    """A progress line from rank 0 only: `llmft: MSG` (the prefix other tools read)."""
+    if rank0():
+        print(f"llmft: {msg}", flush=True)
+
+
 def free_port() -> int:
     import socket
 
@@ -258,100 +266,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def single_process_defaults(env: dict | None = None) -> bool:
-    """Outside torchrun, give this process the variables of a world of one (else DeepSpeed tries MPI).
-
-    Returns True when it set them.
-    """
-    env = os.environ if env is None else env
-    if "RANK" in env or "WORLD_SIZE" in env:
-        return False
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(free_port()))
-    return True
 
 
-def skip_deepspeed_shm_op(env: dict | None = None) -> bool:
-    """Keep DeepSpeed from building its CPU shared-memory all-reduce op when its comm layer starts.
-
-    On the CPU accelerator `deepspeed.init_distributed` JIT-compiles `deepspeed_shm_comm` (C++ with OpenMP, about
-    a minute on 2 cores, then a cached load on every start; a cache written by another environment is rebuilt).
-    Only `inference_all_reduce` (DeepSpeed's tensor-parallel inference) uses it; training's collectives go through
-    torch.distributed, so llmft never needs it (bench/bench_startup.py measures the difference).
-    LLMFT_DEEPSPEED_SHM_COMM=1 keeps DeepSpeed's default. Returns True when it was skipped.
-    """
-    env = os.environ if env is None else env
-    if env.get("LLMFT_DEEPSPEED_SHM_COMM") == "1":
-        return False
-    import deepspeed.ops
-
-    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
-    if not isinstance(compatible, dict) or "deepspeed_shm_comm" not in compatible:
-        return False
-    compatible["deepspeed_shm_comm"] = False  # deepspeed.comm.torch.build_shm_op then returns None
-    return True
 
 
-# py-cpuinfo's names for the machines /proc/cpuinfo answers for as it would (its _parse_arch)
-_CPUINFO_ARCH = {"x86_64": "X86_64", "amd64": "X86_64", "aarch64": "ARM_8", "arm64": "ARM_8"}
 
 
-def cpu_info_from_proc(cpuinfo_text: str, machine: str) -> dict | None:
-    """What DeepSpeed reads of py-cpuinfo's `get_cpu_info()` (arch, flags, vendor_id_raw), from /proc/cpuinfo.
-
-    py-cpuinfo answers from a fresh Python process that also times the clock and runs system tools: 1.1 s a call on
-    the 2-core machine, and DeepSpeed's CPU op builders call it twice each time they load an op (FusedAdam on CPU,
-    CPU Adam under ZeRO-Offload on GPU nodes), on every rank at every start. The compile flags DeepSpeed derives from
-    it (-march, the SIMD width) must not change, or the cached op is rebuilt: None wherever the answer could differ
-    (another architecture, no flags line)."""
-    arch = _CPUINFO_ARCH.get(machine.lower())
-    fields: dict[str, str] = {}
-    for line in cpuinfo_text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() and key.strip() not in fields:
-            fields[key.strip()] = value.strip()
-        if not line.strip() and fields:  # the first processor's block is enough
-            break
-    flags = fields.get("flags") if arch == "X86_64" else fields.get("Features")
-    if arch is None or not flags:
-        return None
-    info = {"arch": arch, "flags": sorted(set(flags.lower().split()))}
-    if fields.get("vendor_id"):
-        info["vendor_id_raw"] = fields["vendor_id"]
-    return info
 
 
-def use_proc_cpuinfo_for_deepspeed(path: str = "/proc/cpuinfo", env: dict | None = None) -> bool:
-    """Answer py-cpuinfo's `get_cpu_info()` from /proc/cpuinfo in this process (cpu_info_from_proc); True when it
-    does. Saves DeepSpeed's CPU op loads about 2 s per process (bench/README.md, bench_startup.py).
-    LLMFT_PY_CPUINFO=1 keeps py-cpuinfo."""
-    import platform
-
-    if (os.environ if env is None else env).get("LLMFT_PY_CPUINFO") == "1":
-        return False
-    try:
-        with open(path) as f:
-            info = cpu_info_from_proc(f.read(), platform.machine())
-        import cpuinfo
-    except (OSError, ImportError):
-        return False
-    if info is None:
-        return False
-    cpuinfo.get_cpu_info = lambda: {**info, "flags": list(info["flags"])}
-    return True
 
 
-def deepspeed_arch_list(value: str | None) -> str | None:
-    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it, or None when it can already (or is unset).
-
-    PyTorch accepts arch-specific and family targets such as `9.0a` (Hopper's wgmma) or `10.0f`, and CUDA images
-    for H100/B200 set them; DeepSpeed 0.19's JIT builder sorts the list with int() on each part and fails on the
-    first op it builds (FusedAdam, at the first step: `invalid literal for int() with base 10: '0a'`, seen on an
-    H100 machine with TORCH_CUDA_ARCH_LIST=9.0a). Its ops use no arch-specific instructions, so the plain
-    compute capability builds the same kernels: `9.0a` -> `9.0`, `8.0;9.0a+PTX` -> `8.0;9.0+PTX`."""
-    if not value or not value.strip():
-        return None
-    entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]
-    fixed = [re.sub(r"^(\d+\.\d+)[a-z](\+PTX)?$", r"\1\2", e) for e in entries]
-    return ";".join(dict.fromkeys(fixed)) if fixed != entries else None

@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmft.planning.batch import BatchError, BatchPlan, nearest_global_batches, nearest_micro_batches, plan_batch
 from llmft.checkpoint.run_dir import COMPLETE_MARKER, CheckpointError, tag_dir
+from llmft.planning.batch import BatchError, BatchPlan, nearest_global_batches, nearest_micro_batches, plan_batch
 
 UNIVERSAL_MARKER = "llmft_universal.json"
 LATEST_UNIVERSAL = "latest_universal"  # the file name DeepSpeed's engine reads (engine.load_checkpoint)

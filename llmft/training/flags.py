@@ -20,10 +20,13 @@ from pathlib import Path
 
 from trl import TrlParser
 
+from llmft.errors import LlmftError
+from llmft.planning.ds_config import load_config, template_path
+
 USED, PASSED, CHECKED, REFUSED, EVAL = "used", "passed", "checked", "refused", "eval"
 
 
-class FlagError(ValueError):
+class FlagError(LlmftError, ValueError):
     """A flag llmft cannot honour with this value; the message says why and what to do instead."""
 
 
@@ -216,7 +219,6 @@ class TrainParser(TrlParser):
             self.precision_flags = {"bf16": ns.bf16, "fp16": ns.fp16}
             ns.bf16, ns.fp16 = False, False
         if isinstance(getattr(ns, "deepspeed", None), str) and not ns.deepspeed.lstrip().startswith("{"):
-            from llmft.planning.ds_config import load_config, template_path
 
             load_config(template_path(None, deepspeed=ns.deepspeed))
         return ns, rest
@@ -231,3 +233,18 @@ class TrainParser(TrlParser):
             if hasattr(obj, "bf16_flag"):
                 obj.bf16_flag, obj.fp16_flag = self.precision_flags["bf16"], self.precision_flags["fp16"]
         return out
+
+
+def parse_train_flags(parser, argv: list[str] | None):
+    """Parse `llmft train`/`llmft prepare` flags (and --config YAML): the four argument objects, or the one-line
+    message for flags HF/TRL reject in __post_init__ or a --config file that cannot be read."""
+    import yaml
+
+    try:
+        return parser.parse_args_and_config(args=argv)
+    except (ValueError, OSError, yaml.YAMLError) as e:
+        if isinstance(e, OSError):
+            return f"cannot read {e.filename or 'the --config file'}: {e.strerror or e}"
+        if isinstance(e, yaml.YAMLError):
+            return f"the --config file is not valid YAML: {str(e).strip().splitlines()[0]}"
+        return str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

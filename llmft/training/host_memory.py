@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import resource
 
+from llmft.planning.world import rank0
+
 
 def peak_rss() -> int:
     """This process's peak resident memory in bytes (Linux reports ru_maxrss in KiB)."""
@@ -37,7 +39,6 @@ def report_callback(before_loading: int, after_loading: int):
     import torch.distributed as dist
     from transformers import TrainerCallback
 
-    from llmft.planning.world import rank0
 
     def gather(value):
         if dist.is_available() and dist.is_initialized():

@@ -22,13 +22,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Mapping
 
+from llmft.errors import LlmftError
+
 LOCK_SUBDIR = ".llmft-locks"
 # Formats transformers never loads: original checkpoints (Llama's original/consolidated.*.pth), other frameworks.
 SKIP_ALWAYS = ("original/*", "*.pth", "*.gguf", "*.onnx", "onnx/*", "*.msgpack", "*.h5", "*.ot", "*.tflite",
                "coreml/*", "openvino/*")
 
 
-class HubError(ValueError):
+class HubError(LlmftError, ValueError):
     """A model that cannot be found or fetched; the message says what to do."""
 
 

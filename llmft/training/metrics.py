@@ -37,6 +37,7 @@ MFU). MoE models would need active rather than total parameters; llmft counts al
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import time
@@ -446,3 +447,27 @@ def attach(trainer, clock: StartupClock, gpu) -> Meter:
     trainer.callback_handler.callbacks.insert(0, _callback_class()(meter))
     return meter
 
+
+def perplexity(nll_sum: float, tokens: int) -> float | None:
+    return math.exp(nll_sum / tokens) if tokens else None
+
+
+def add_perplexity(logs: dict) -> dict:
+    """eval_perplexity = exp(eval_loss) beside every evaluation loss the trainer logs."""
+    if "eval_loss" in logs and "eval_perplexity" not in logs:
+        logs["eval_perplexity"] = math.exp(min(logs["eval_loss"], 700.0))
+    return logs
+
+
+def log_perplexity(trainer) -> None:
+    """Make the trainer log perplexity with every evaluation (in its log history, W&B and on rank 0's console)."""
+    trainer_log = trainer.log
+
+    def log(logs, *args, **kwargs):
+        add_perplexity(logs)
+        if "eval_loss" in logs and trainer.state.is_world_process_zero:
+            print(f"llmft: step {trainer.state.global_step}/{trainer.state.max_steps} eval loss {logs['eval_loss']:.4f} "
+                  f"perplexity {logs['eval_perplexity']:.3f}", flush=True)
+        return trainer_log(logs, *args, **kwargs)
+
+    trainer.log = log

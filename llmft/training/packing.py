@@ -30,6 +30,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+from llmft.errors import LlmftError
+
 # Attention implementations that keep packed samples apart, given a model that builds its masks with masking_utils.
 PACKED_ATTENTIONS = ("flash_attention_2", "sdpa", "eager")
 SAFE_STRATEGIES = ("bfd", "bfd_split")
@@ -37,7 +39,7 @@ PACKED_SDPA = "llmft_sdpa_packed"  # SDPA per packed sample (registered by regis
 _SEQUENCE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-class PackingError(ValueError):
+class PackingError(LlmftError, ValueError):
     """Packing would let samples attend to each other; the message says what to change."""
 
 

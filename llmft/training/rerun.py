@@ -12,12 +12,14 @@ The run record (llmft_run.json, "hyperparameters") and ds_config.json are rewrit
 
 from __future__ import annotations
 
+from llmft.errors import LlmftError
+
 # flag -> what the checkpoint restores it into
 OPTIMIZER_FLAGS = ("learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
 SCHEDULE_FLAGS = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps")
 
 
-class RerunRefused(ValueError):
+class RerunRefused(LlmftError, ValueError):
     """A changed flag a resumed run cannot honour; the message names the flag, both values and the way out."""
 
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from llmft.checkpoint.run_dir import DONE_MARKER, RUN_RECORD, checkpoint_dirs, latest_complete
+from llmft.errors import LlmftError
 
 # key -> how a difference is named in the message
 LABELS = {
@@ -34,7 +35,7 @@ LABELS = {
 }
 
 
-class RunMismatch(ValueError):
+class RunMismatch(LlmftError, ValueError):
     """The output directory holds a different run; the message names the differences and the way out."""
 
 

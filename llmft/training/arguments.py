@@ -1,0 +1,48 @@
+"""The flags llmft adds to TRL's ScriptArguments, SFTConfig and ModelConfig (llmft.training.flags says what each does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LlmftArguments:
+    """What llmft adds to TRL's flags."""
+
+    zero_stage: int | None = field(default=None, metadata={"help": "ZeRO stage 0-3, using ds_configs/zeroN.json (default 2)."})
+    offload: bool = field(default=False, metadata={"help": "Offload optimizer state (and ZeRO-3 parameters) to CPU."})
+    global_batch_size: int | None = field(
+        default=None, metadata={"help": "Samples per optimizer step over all processes; accumulation is derived from it."}
+    )
+    data_percentage: float = field(default=100.0, metadata={"help": "Train on this percentage (0-100] of the training split."})
+    precision: str = field(default="auto", metadata={"help": "auto (bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU), bf16, fp16 or fp32."})
+    prompt_column: str | None = field(default=None, metadata={"help": "Dataset field holding the prompt (e.g. question)."})
+    completion_column: str | None = field(default=None, metadata={"help": "Dataset field holding the completion (e.g. answer)."})
+    messages_column: str | None = field(default=None, metadata={"help": "Dataset field holding chat messages."})
+    stop_file: str | None = field(
+        default=None,
+        metadata={"help": "When this file appears, save a complete checkpoint and stop (default: $LLMFT_STOP_FILE)."},
+    )
+    auto: bool = field(
+        default=False,
+        metadata={"help": "Let llmft's memory planner pick the ZeRO stage, CPU offload, micro-batch (up to "
+                          "--per_device_train_batch_size) and gradient checkpointing (never on with "
+                          "--gradient_checkpointing false) for this job's GPUs and RAM; see `llmft plan --model`."},
+    )
+    save_consolidated: bool = field(
+        default=False,
+        metadata={"help": "ZeRO-3: gather the 16-bit model on rank 0 into --output_dir at the end (needs about twice "
+                          "its 16-bit size in host RAM there; `llmft plan --save_consolidated` counts it)."},
+    )
+    # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.training.flags.TrainParser; not flags themselves.
+    bf16_flag: bool | None = field(default=None, init=False, repr=False)
+    fp16_flag: bool | None = field(default=None, init=False, repr=False)
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Evaluation data: a file/directory, or a hub dataset (its --dataset_test_split)."}
+    )
+    eval_split_ratio: float | None = field(
+        default=None, metadata={"help": "Hold out this fraction (0-1) of the training split for evaluation (deterministic)."}
+    )
+    prepare_timeout: float = field(
+        default=7200.0, metadata={"help": "Seconds the other ranks wait for rank 0 to prepare (tokenise) the data."}
+    )

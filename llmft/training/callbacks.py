@@ -1,0 +1,173 @@
+"""Trainer callbacks that make a run safe to stop and to resume: complete checkpoints only, and a stop every rank
+agrees on (SIGUSR1/SIGTERM from Slurm, or a stop file), plus the check that --torch_compile took effect."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+from llmft.checkpoint import run_dir
+from llmft.errors import TrainError
+from llmft.planning.world import log
+from llmft.training import save_checks
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+STOP_VOTE_MAX_DELAY_S = 0.5
+
+
+def steps_between_stop_votes(seconds: float, steps: int, max_delay_s: float = STOP_VOTE_MAX_DELAY_S) -> int:
+    """How many optimizer steps until the ranks next vote on stopping, from the time the last `steps` took.
+
+    Every rank must stop at the same step, so a stop request is voted on with an all-reduce; on every step that is a
+    collective and a host sync that costs a fast step 1-2% (bench/README.md, bench_overhead). Voting every k steps,
+    with k steps taking at most `max_delay_s`, bounds how much later a stop starts saving (against the 120 s the
+    Slurm script leaves before the time limit) and keeps a vote per step wherever a step takes longer."""
+    if steps <= 0 or seconds <= 0:
+        return 1
+    return max(1, min(1000, int(max_delay_s * steps / seconds)))
+
+
+def worker_ignores_stop_signals(init_fn, worker_id: int) -> None:
+    """A DataLoader worker leaves SIGTERM/SIGUSR1 to its rank. Slurm signals every process of a step (a requeue,
+    preemption, `scancel`), and a worker killed by it ends the rank with "DataLoader worker ... is killed by signal"
+    before the stop's checkpoint is written. The rank shuts its workers down itself; they exit when it dies."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if init_fn is not None:
+        init_fn(worker_id)
+
+
+def kill_leftover_workers() -> None:
+    """At the rank's exit, SIGKILL the DataLoader workers still alive. They ignore SIGTERM (above), and SIGTERM is what
+    multiprocessing sends them at exit before an unbounded join (a run stopped mid-epoch still holds its iterator
+    then), and what torch sends a worker that did not stop on request (pytorch#39570): the rank would never exit
+    (seen: a 2-node Slurm job held at torchrun's exit barrier after its stop checkpoint). Daemonic children are
+    ended at exit anyway; this only makes it certain."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]
+    if not workers:
+        return
+    # torch's SIGCHLD handler would raise "DataLoader worker ... killed" for workers of a live iterator (a run
+    # stopped mid-epoch keeps one until exit, when torch no longer shuts workers down itself)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in workers:
+        child.kill()
+    for child in workers:
+        child.join(timeout=5)
+
+
+def checkpoint_callbacks():
+    """Trainer callbacks, defined lazily so importing llmft.train stays cheap."""
+    import torch
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    def all_ranks_max(*values: int, device) -> list[int]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    class PublishCompleteCheckpoint(TrainerCallback):
+        """After every rank has written its shard and the saved weights hold the model, publish checkpoint-N/llmft_complete.json.
+
+        Weights that do not (empty, missing tensors, zeros): no marker, training stops, `refused` says why.
+        """
+
+        def __init__(self, zero_stage: int, batch, keep: int | None = None):
+            self.zero_stage, self.batch, self.keep = zero_stage, batch, keep  # keep: --save_total_limit
+            self.refused: str | None = None
+
+        def on_save(self, args, state, control, model=None, **kwargs):
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            report = run_dir.rank_report(ckpt, args.process_index)  # what this rank wrote, as its node sees it
+            reports = [report]
+            if dist.is_initialized():
+                reports = [None] * dist.get_world_size()
+                dist.all_gather_object(reports, report)  # also the barrier: every rank has finished saving
+            bad = save_checks.check_save(ckpt, model, state.is_world_process_zero)
+            if all_ranks_max(int(bool(bad)), device=args.device)[0]:
+                self.refused = f"{ckpt} not published as complete: {'; '.join(bad) or 'see rank 0'}"
+                control.should_training_stop = True
+            elif state.is_world_process_zero:
+                if run_dir.mark_complete(ckpt, args.world_size, self.zero_stage, reports, self.batch):
+                    log(f"saved complete checkpoint {ckpt}")
+                    # --save_total_limit, applied here (the Trainer gets None): only now is the new one complete
+                    for gone in run_dir.rotate(args.output_dir, self.keep, state.best_model_checkpoint):
+                        log(f"deleted {gone.name} (--save_total_limit {self.keep} counts complete checkpoints only)")
+                else:
+                    missing = [r for r, files in enumerate(reports) if not files]
+                    log(f"warning: not marking {ckpt} complete: rank(s) {missing} reported no files")
+            if dist.is_initialized():
+                dist.barrier()
+
+    class GracefulStop(TrainerCallback):
+        """On SIGUSR1/SIGTERM or when the stop file appears: finish this step, save, stop (for preemption).
+
+        The ranks vote at the first step, then every steps_between_stop_votes steps; the vote carries each rank's
+        proposal for the next interval and all take the smallest, so every rank votes (and stops) at the same step."""
+
+        def __init__(self, stop_file: str | None):
+            self.stop_file = stop_file
+            self.requested = False
+            self.stopped_at: int | None = None
+            self.next_vote: int | None = None  # the global step of the next vote; None: at the next step
+            self.last_vote: tuple[int, float] | None = None  # (global step, time) of the last vote
+
+        def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._request)
+            atexit.unregister(kill_leftover_workers)  # once, and after multiprocessing's own exit hook so it runs first
+            atexit.register(kill_leftover_workers)
+            # accelerate's DataLoaderShard wraps the torch DataLoader that forks the workers (per epoch, after this)
+            loader = getattr(train_dataloader, "base_dataloader", train_dataloader)
+            if loader is not None and loader.num_workers > 0:
+                loader.worker_init_fn = functools.partial(worker_ignores_stop_signals, loader.worker_init_fn)
+
+        def _request(self, signum, frame):
+            self.requested = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step, now = state.global_step, time.monotonic()
+            if self.next_vote is not None and step < self.next_vote:
+                return
+            interval = 1
+            if self.last_vote is not None:
+                interval = steps_between_stop_votes(now - self.last_vote[1], step - self.last_vote[0])
+            asked = self.requested or bool(state.is_world_process_zero and self.stop_file and os.path.exists(self.stop_file))
+            stop, smallest = all_ranks_max(int(asked), -interval, device=args.device)  # max of -interval: the smallest
+            self.next_vote, self.last_vote = step - smallest, (step, now)
+            if stop and step < state.max_steps:
+                control.should_save = True
+                control.should_training_stop = True
+                self.stopped_at = state.global_step
+
+    return PublishCompleteCheckpoint, GracefulStop
+
+
+def compile_report(trainer):
+    """A callback that says, when training starts, whether --torch_compile took effect: accelerate compiles the
+    DeepSpeed engine's module (DeepSpeedEngine.compile), and the first steps then pay the compilation (26 s for
+    the demo model on 2 CPU cores, bench/bench_compile.py; again when batch shapes change). Requested but not applied: an error."""
+    from transformers import TrainerCallback
+
+    class CompileReport(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if not args.torch_compile:
+                return
+            engine = trainer.model_wrapped
+            if not getattr(engine, "is_compiled", False):
+                raise TrainError(f"--torch_compile was not applied to the model ({type(engine).__name__}): "
+                                 "use accelerate and DeepSpeed versions that compile DeepSpeed engines, or drop --torch_compile")
+            mode = args.torch_compile_mode or "default"
+            log(f"torch.compile on (backend {args.torch_compile_backend or 'inductor'}, mode {mode}): "
+                "the first steps compile, and steps whose batch shapes are new may compile again")
+
+    return CompileReport()
