@@ -43,11 +43,11 @@ def make_parser(subparsers=None):
 def load_tokenizer(model_args, training_args):
     """Tokenizer and the max_length the run uses (capped at the model's positions), loaded as llmft train loads
     them (llmft.training.model_files: same revision, a hub model downloaded once), so the tokens are the same."""
-    config, tokenizer, _ = load_model_files(model_args, training_args)
-    max_length, note = cap_max_length(config, training_args.max_length)
+    files = load_model_files(model_args, training_args)
+    max_length, note = cap_max_length(files.config, training_args.max_length)
     if note:
         log(note)
-    return tokenizer, max_length, model_positions(config)
+    return files.tokenizer, max_length, model_positions(files.config)
 
 
 def main(script_args, training_args, model_args, llmft_args) -> int:
