@@ -14,7 +14,7 @@ from trl.data_utils import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from llmft.planning.hardware import GPU, GPUS
-from llmft.training.metrics import ModelShape, StartupClock, batch_counts, format_step_line, mfu, model_shape, training_flops
+from llmft.training.metrics import FlopShape, StartupClock, batch_counts, format_step_line, mfu, flop_shape, training_flops
 
 STEP_LINE = re.compile(
     r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+) padded/s (\d+) tflops/gpu ([\d.e+-]+) "
@@ -33,10 +33,10 @@ def llama():
 
 
 def test_flops_per_token_full_finetuning_is_6n_plus_attention():
-    shape = ModelShape(matmul_params=1_000, trainable_params=1_000, n_layers=2, attn_width=8)
+    shape = FlopShape(matmul_params=1_000, trainable_params=1_000, n_layers=2, attn_width=8)
     # two samples of 3 and 5 tokens: 6N per token, 12*L*A*s per token of a sample of length s
     assert training_flops(shape, tokens=8, sum_sq_lengths=3**2 + 5**2) == 6 * 1_000 * 8 + 12 * 2 * 8 * 34
-    lora = ModelShape(matmul_params=1_000, trainable_params=10, n_layers=2, attn_width=8)
+    lora = FlopShape(matmul_params=1_000, trainable_params=10, n_layers=2, attn_width=8)
     # frozen weights: forward and activation gradients (4N); adapters: weight gradients (2N_trainable)
     assert training_flops(lora, tokens=8, sum_sq_lengths=34) == (4 * 1_000 + 2 * 10) * 8 + 12 * 2 * 8 * 34
 
@@ -44,14 +44,14 @@ def test_flops_per_token_full_finetuning_is_6n_plus_attention():
 def test_model_shape_counts_matmul_parameters_once():
     model = gpt2()  # tied: the token embedding is also the LM head (a matmul); position embeddings are a look-up
     total = sum(p.numel() for p in model.parameters())
-    shape = model_shape(model)
+    shape = flop_shape(model)
     assert shape.matmul_params == total - model.transformer.wpe.weight.numel()
     assert shape.trainable_params == shape.matmul_params
     assert (shape.n_layers, shape.attn_width) == (3, 32)
 
     model = llama()  # untied: the input embedding is a look-up, lm_head a matmul; head_dim 16 x 4 heads != hidden 32
     total = sum(p.numel() for p in model.parameters())
-    shape = model_shape(model)
+    shape = flop_shape(model)
     assert shape.matmul_params == total - model.model.embed_tokens.weight.numel()
     assert (shape.n_layers, shape.attn_width) == (2, 64)
 
@@ -60,10 +60,10 @@ def test_model_shape_under_lora_and_zero3_partitioning():
     from peft import LoraConfig, get_peft_model
 
     base = llama()
-    n = model_shape(base).matmul_params
+    n = flop_shape(base).matmul_params
     model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     adapters = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
-    shape = model_shape(model)
+    shape = flop_shape(model)
     assert adapters > 0 and shape.trainable_params == adapters
     assert shape.matmul_params == n + adapters
 
@@ -71,7 +71,7 @@ def test_model_shape_under_lora_and_zero3_partitioning():
     for p in base.parameters():
         p.ds_numel = p.numel()
         p.data = torch.empty(0)
-    assert model_shape(model) == shape
+    assert flop_shape(model) == shape
 
 
 def test_batch_counts_padded_and_packed():
@@ -137,7 +137,7 @@ def test_summary_rates_start_after_torch_compile_stops_compiling(capsys):
     compiled = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
 
     def run(compile_at: set[int]):
-        meter = Meter(ModelShape(1000, 1000, 1, 8), None, StartupClock(start=time.time()), 1)
+        meter = Meter(FlopShape(1000, 1000, 1, 8), None, StartupClock(start=time.time()), 1)
         callback = _callback_class()(meter)
         state = SimpleNamespace(global_step=0, max_steps=12, is_world_process_zero=True)
         callback.on_train_begin(None, state, None)
@@ -177,7 +177,7 @@ def test_rates_leave_out_saving_and_evaluating_and_report_them_on_their_own(monk
     monkeypatch.setattr(metrics.time, "time", lambda: now[0])
 
     def run(save_every_step: bool):
-        meter = Meter(ModelShape(1000, 1000, 1, 8), None, StartupClock(start=now[0]), 1)
+        meter = Meter(FlopShape(1000, 1000, 1, 8), None, StartupClock(start=now[0]), 1)
         callback = _callback_class()(meter)
         state = SimpleNamespace(global_step=0, max_steps=6, is_world_process_zero=True)
         callback.on_train_begin(None, state, None)

@@ -57,7 +57,7 @@ NON_TRAINING = ("save", "eval")  # what the meter takes out of the training time
 # --- FLOPs ----------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class ModelShape:
+class FlopShape:
     """What the FLOP count needs to know about a model."""
 
     matmul_params: int  # N: parameters used in matrix multiplies
@@ -66,14 +66,14 @@ class ModelShape:
     attn_width: int  # A: attention heads x head dim (the width of QK^T and AV)
 
 
-def training_flops(shape: ModelShape, tokens: float, sum_sq_lengths: float) -> float:
+def training_flops(shape: FlopShape, tokens: float, sum_sq_lengths: float) -> float:
     """Model FLOPs of one training pass over `tokens` real tokens in samples whose squared lengths sum to `sum_sq_lengths`."""
     dense = (4 * shape.matmul_params + 2 * shape.trainable_params) * tokens
     attention = 12 * shape.n_layers * shape.attn_width * sum_sq_lengths
     return dense + attention
 
 
-def model_shape(model) -> ModelShape:
+def flop_shape(model) -> FlopShape:
     """N, N_trainable, L and A of a (possibly PEFT-wrapped, possibly ZeRO-3-partitioned) transformers model."""
     import torch
 
@@ -94,7 +94,7 @@ def model_shape(model) -> ModelShape:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
-    return ModelShape(matmul, trainable, int(layers), int(heads * head_dim))
+    return FlopShape(matmul, trainable, int(layers), int(heads * head_dim))
 
 
 def batch_counts(batch):
@@ -237,7 +237,7 @@ class Meter:
     """Counts every batch a rank trains on (without host syncs), times the data wait, and reduces over ranks only
     at logging steps and at the end. Built by `attach`."""
 
-    def __init__(self, shape: ModelShape, gpu, clock: StartupClock, world_size: int):
+    def __init__(self, shape: FlopShape, gpu, clock: StartupClock, world_size: int):
         import torch
 
         self.shape, self.gpu, self.clock, self.world_size = shape, gpu, clock, world_size
@@ -434,7 +434,7 @@ def attach(trainer, clock: StartupClock, gpu) -> Meter:
     """Meter a built SFTTrainer: time and count the micro-batches Trainer.get_batch_samples pulls, time checkpoint
     saves (the save and the on_save callbacks that check and publish it) and evaluations as non-training time, and
     put the callback first so its metrics are in the logs before W&B's callback sends them."""
-    meter = Meter(model_shape(trainer.model), gpu, clock, trainer.args.world_size)
+    meter = Meter(flop_shape(trainer.model), gpu, clock, trainer.args.world_size)
     time_outside_training(meter, trainer, "_save_checkpoint", "save")
     time_outside_training(meter, trainer.callback_handler, "on_save", "save")
     time_outside_training(meter, trainer, "evaluate", "eval")
