@@ -87,6 +87,9 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
             f" {d['gpu_total_gib']:6.1f} | {d['host_ram_gib_per_node']:9.1f} | {d['checkpoint_gib']:8.1f} {c.write_s:8.0f} |"
             f" {tps:>8} | {'yes' if c.fits else 'no: ' + c.why}"
         )
+    conversion = conversion_line(mplan, hardware)
+    if conversion:
+        out.append(conversion)
     out += [f"llmft plan: warning: {w}" for w in mplan.warnings]
     peak = (f"MFU {job.mfu:.0%} of {job.gpu.peak_tflops:g} TFLOP/s at every stage (ZeRO-3 and offload are slower: "
             "ZeRO-3 measured 2.8x slower than ZeRO-2 on one H100)" if job.gpu is not None and job.gpu.peak_tflops
@@ -98,6 +101,25 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     out.append(f"llmft plan: assumed: {device}; {peak}{lora}; checkpoints written at {job.write_mb_s:g} MB/s; "
                f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.planning.memory documents each term)")
     return out
+
+
+def conversion_line(mplan, hardware: Hardware) -> str | None:
+    """The recommended setting's elastic resume (llmft.training.elastic: a checkpoint continued on another world size
+    goes through DeepSpeed's universal format): ds_to_universal's workers, host RAM and time on one of these nodes,
+    beside the ranks of the node waiting for it."""
+    from llmft.planning.conversion import plan_conversion
+
+    est = mplan.recommended
+    if est is None or est.setting.zero_stage == 0:
+        return None
+    job = mplan.job
+    waiting = (job.nproc_per_node - 1) * memory.PROCESS_HOST_GIB["cpu" if job.gpu is None else "cuda"] * memory.GIB
+    cpus = hardware.cpus_per_node or discover_cpus()[0]
+    conv = plan_conversion(trainable=job.shape.trainable, largest_tensor=job.shape.largest_layer_params,
+                           saved_world=job.world, budget_bytes=int(job.host_ram_gib * memory.GIB - waiting), cpus=cpus,
+                           io_mb_s=job.write_mb_s)
+    verdict = "" if conv.fits else ": does not fit even with one worker of each (resume on the same world size)"
+    return f"llmft plan: elastic resume on another world size (ds_to_universal): {conv.describe()}{verdict}"
 
 
 def _table_rows(candidates):

@@ -50,7 +50,7 @@ from llmft.data.cache import DataOptions, Prepared, check_options, prepare, writ
 from llmft.errors import LlmftError, TrainError
 from llmft.planning import ds_config, world
 from llmft.planning.hardware import check_liger, choose_attention, flash_attn_installed, liger_model_types, local_gpu
-from llmft.planning.model_shape import cap_max_length, model_positions
+from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
 from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quantization
 from llmft.planning.run_plan import RunPlan, auto_choice, make_plan
 from llmft.planning.world import LaunchEnvError, discover_world, launch_problem, log, rank0
@@ -150,7 +150,7 @@ def train(run: RunSettings) -> int:
     if resume.finished:
         log(resume.finished)
         return 0
-    decided = announce_plan(run, decided, resume)
+    decided = announce_plan(run, decided, resume, files.config)
     run, attention = choose_attention_and_length(run, decided, files.config)
     with clock.phase("data"):
         prepared = prepare_data(run, decided, files)
@@ -258,7 +258,7 @@ def decide_resume(run: RunSettings, decided: Decisions) -> ResumeDecision:
     return ResumeDecision(checkpoint, identity, resuming or None, None, tuple(schedule_changes))
 
 
-def announce_plan(run: RunSettings, decided: Decisions, resume: ResumeDecision) -> Decisions:
+def announce_plan(run: RunSettings, decided: Decisions, resume: ResumeDecision, model_config=None) -> Decisions:
     """Print the plan every rank runs (another world keeps the checkpoint's global batch: the accumulation follows)."""
     plan = decided.plan
     if resume.elastic_resume:
@@ -266,7 +266,13 @@ def announce_plan(run: RunSettings, decided: Decisions, resume: ResumeDecision) 
     if rank0():
         print("\n".join(plan.lines()), flush=True)
     if resume.elastic_resume:
-        log(resume.elastic_resume.describe(elastic.prepare(resume.elastic_resume, rank0(), log)))
+        sizing = None
+        if resume.elastic_resume.universal and rank0() and model_config is not None:
+            # the conversion sized for this node: its memory and CPUs, and the ranks waiting here
+            shape = model_shape(model_config, use_peft=run.model.use_peft, lora_r=run.model.lora_r,
+                                lora_target_modules=run.model.lora_target_modules)
+            sizing = (shape.trainable, shape.largest_layer_params, plan.world.procs_per_node)
+        log(resume.elastic_resume.describe(elastic.prepare(resume.elastic_resume, rank0(), log, sizing=sizing)))
     else:
         log(f"starting a new run in {run.training.output_dir}")
     if resume.schedule_changes:

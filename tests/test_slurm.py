@@ -199,6 +199,9 @@ def test_a_job_stopped_on_two_nodes_resumes_on_one_node(cluster, tiny_model, tin
     assert m, text
     resumed = int(m.group(1))
     assert m.group(2) == str(ckpt / f"checkpoint-{resumed}" / f"universal_step{resumed}")
+    # The conversion was sized for the node it ran on: its workers and their memory said before it ran.
+    assert re.search(rf"llmft: converting {ckpt}/checkpoint-{resumed} \(2 ranks, ZeRO stage 2\) to a universal checkpoint with "
+                     r"[12] extract and [12] merge worker\(s\) \(about [\d.]+ GiB host RAM of the [\d.]+ free for it here\)\n", text), text
     assert step_lines(before)[-1] >= resumed >= 2
     assert resumed < max_steps, before
     assert step_lines(text) == list(range(resumed + 1, max_steps + 1))  # nothing trained twice, nothing skipped

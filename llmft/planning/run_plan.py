@@ -95,6 +95,7 @@ class Hardware:
     node_type: str | None
     host_ram_source: str = ""  # what limits this job's host RAM when it is the allocation (llmft.planning.allocation)
     node_ram_gib: float | None = None  # the node's own RAM (MemTotal), when the allocation is the limit
+    cpus_per_node: int | None = None  # a catalogue node type's vCPUs; None: this job's (llmft.planning.world.discover_cpus)
 
     def describe(self, nnodes: int, nproc: int) -> str:
         if self.gpu is None:
@@ -132,7 +133,7 @@ def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None,
             raise PlanError(f"--gpu {gpu} contradicts --node_type {node.name}, which has {node.gpu.name}; give one of them")
         return Hardware(node.gpu, node.gpu.memory_gib if gpu_memory_gb is None else gpu_memory_gb,
                         node.host_ram_gib if host_ram_gb is None else host_ram_gb, node.gpus,
-                        node.provider, node.name)
+                        node.provider, node.name, cpus_per_node=node.vcpus)
     if gpu or gpu_memory_gb is not None:
         if host_ram_gb is None:
             raise PlanError("--gpu/--gpu_memory_gb needs --host_ram_gb (the node's RAM), or use --node_type")

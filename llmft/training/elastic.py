@@ -233,10 +233,11 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def convert(ckpt: Path, workers: int | None = None) -> float:
+def convert(ckpt: Path, workers: int | None = None, merge_workers: int | None = None) -> float:
     """Convert checkpoint-N's shards with ds_to_universal (HF Trainer layout: --inject_missing_state).
 
-    Runs on one process. Stale or half-written attempts are removed first; the result appears under its
+    Runs on one process (with DeepSpeed's worker processes: `workers` extract, `merge_workers` merge; see
+    conversion_workers). Stale or half-written attempts are removed first; the result appears under its
     final name only once complete. Returns the seconds it took.
     """
     from deepspeed.checkpoint import ds_to_universal
@@ -256,8 +257,9 @@ def convert(ckpt: Path, workers: int | None = None) -> float:
             f"or copy {ckpt} into this run's --output_dir and resume from the copy"
         ) from None
     workers = workers or max(1, min(4, (os.cpu_count() or 2) // 2))
+    merge_workers = merge_workers or max(1, workers // 2)
     args = argparse.Namespace(
-        input_folder=str(ckpt / tag), output_folder=str(staged), num_extract_workers=workers, num_merge_workers=max(1, workers // 2),
+        input_folder=str(ckpt / tag), output_folder=str(staged), num_extract_workers=workers, num_merge_workers=merge_workers,
         keep_temp_folder=False, strict=True, inject_missing_state=True,
     )
     log = tmp / "conversion.log"
@@ -279,11 +281,41 @@ def convert(ckpt: Path, workers: int | None = None) -> float:
     return time.time() - t0
 
 
-def prepare(resume: Resume, is_first_rank: bool, log=print, poll_s: float = 1.0) -> str | None:
+def conversion_workers(resume: Resume, trainable: int, largest_tensor: int, procs_per_node: int,
+                       env=None, meminfo: str = "/proc/meminfo"):
+    """ds_to_universal's workers for this node (llmft.planning.conversion): within the memory this job may use here
+    (llmft.planning.allocation) and the machine has available, less the node's other ranks waiting, on its CPUs.
+    Returns the ConversionPlan; CheckpointError, naming the numbers and the ways out, when one worker does not fit."""
+    from llmft.planning.world import discover_cpus
+    from llmft.planning.allocation import this_node_memory
+    from llmft.planning.conversion import GIB, plan_conversion
+
+    limit = this_node_memory(env, meminfo)
+    budget = limit.gib * GIB
+    try:
+        text = Path(meminfo).read_text()
+        available = next(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("MemAvailable:"))
+        budget = min(budget, available)
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    budget -= (procs_per_node - 1) * GIB  # the node's other ranks wait with torch loaded
+    conv = plan_conversion(trainable=trainable, largest_tensor=largest_tensor, saved_world=resume.saved_world or 1,
+                           budget_bytes=int(budget), cpus=discover_cpus(env)[0], io_mb_s=100.0)
+    if not conv.fits:
+        raise CheckpointError(
+            f"converting {resume.checkpoint} to a universal checkpoint needs about {conv.peak_bytes / GIB:.1f} GiB of host "
+            f"RAM with one worker, and {budget / GIB:.1f} GiB is free for it on this node (the job may use {limit.gib:g} GiB "
+            f"here: {limit.source}): resume on {resume.saved_world} ranks, or on a node with more memory (sbatch --mem=0)")
+    return conv
+
+
+def prepare(resume: Resume, is_first_rank: bool, log=print, poll_s: float = 1.0, sizing=None) -> str | None:
     """Make the universal checkpoint exist: the first rank converts (or reuses a complete one), the others wait.
 
     Called before any process group exists, so the ranks meet through the file system every node shares.
-    Returns how the universal checkpoint was obtained ('cached' or 'converted in N s'), or None when none is needed.
+    `sizing`: (trainable parameters, largest tensor, processes per node) to size the conversion for this node
+    (conversion_workers); None keeps the default workers. Returns how the universal checkpoint was obtained
+    ('cached' or 'converted in N s'), or None when none is needed.
     """
     if not resume.universal:
         return None
@@ -291,8 +323,16 @@ def prepare(resume: Resume, is_first_rank: bool, log=print, poll_s: float = 1.0)
         problem = conversion_problem(resume.checkpoint)
         if problem is None:
             return "cached"
-        log(f"converting {resume.checkpoint} ({resume.saved_world} ranks, ZeRO stage {resume.saved_stage}) to a universal checkpoint")
-        return f"converted in {convert(resume.checkpoint):.0f} s" + ("" if "does not exist" in problem else f"; redone: {problem}")
+        workers = merge = None
+        sized = ""
+        if sizing is not None:
+            conv = conversion_workers(resume, *sizing)
+            workers, merge = conv.extract_workers, conv.merge_workers
+            sized = f" with {conv.extract_workers} extract and {conv.merge_workers} merge worker(s) (about " \
+                    f"{conv.peak_bytes / 2**30:.1f} GiB host RAM of the {conv.budget_bytes / 2**30:.1f} free for it here)"
+        log(f"converting {resume.checkpoint} ({resume.saved_world} ranks, ZeRO stage {resume.saved_stage}) to a universal checkpoint{sized}")
+        seconds = convert(resume.checkpoint, workers, merge)
+        return f"converted in {seconds:.0f} s" + ("" if "does not exist" in problem else f"; redone: {problem}")
     while conversion_problem(resume.checkpoint) is not None:  # if the first rank fails, torchrun ends this one
         time.sleep(poll_s)
     return "cached"
