@@ -288,7 +288,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
     if args.write and mplan.recommended is not None:
         written = write_plan_files(Path(args.write), args, mplan, World(job.nnodes, job.nproc_per_node, world.source))
     if args.json:
-        print(json.dumps(memory_plan_json(mplan), indent=2))
+        print(json.dumps({**memory_plan_json(mplan), **getattr(args, "extra_json", {})}, indent=2))
     else:
         print("\n".join(format_memory_plan(mplan, hardware) + fit))
         for path in written:
@@ -364,6 +364,9 @@ def make_parser(subparsers=None):
                              "`python -m llmft.planning.allocation` on each): plan with the smallest node's memory, refuse "
                              "GPUs spread unevenly or a fabric a node lacks, and choose the NUMA binding")
     parser.add_argument("--numa_binding", default="auto", help="with --nodes: auto, off, node, socket, exclusive, core-complex")
+    parser.add_argument("--prepared", default=None, metavar="DIR",
+                        help="prepared data (the directory `llmft prepare` prints, or a run's --output_dir): its padding "
+                             "share and what padding-free batches and --packing would change")
     parser.add_argument("--print_launch", action="store_true",
                         help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)")
     mem = parser.add_argument_group("memory plan (--model)")
@@ -437,8 +440,12 @@ def main(args) -> int:
                 raise PlanError("give either --zero_stage/--offload or --deepspeed, not both")
             if args.json and args.print_launch:
                 raise PlanError("--print_launch adds a text line that --json output cannot hold: give one of them")
+            padding = prepared_padding(args)
+            if padding is not None:
+                args.extra_json = {"padding": padding.as_dict()}
             rc, world = memory_main(args, world)
             if rc == 0 and not args.json:
+                print_padding(padding)
                 print_launch_lines(world, args.print_launch, launch_extra)
             return rc
         given = [f"--{name}" for name in MEMORY_ONLY if getattr(args, name) is not None and getattr(args, name) is not False
@@ -468,6 +475,7 @@ def main(args) -> int:
                 print(line)
             if error:
                 raise PlanError(error)
+        print_padding(prepared_padding(args, plan.batch.micro_batch))
         print_launch_lines(plan.world, args.print_launch, launch_extra)
     except LlmftError as e:
         return report_error("plan", e, all_ranks=True)
@@ -496,6 +504,27 @@ def apply_node_facts(path: str, numa_request: str) -> dict[str, str]:
           f"planning with {memory.gib:g} GiB per node")
     print(f"llmft plan: NUMA binding {why}")
     return {"host_ram_gb": f"{memory.gib:g}", "numa_binding": mode or "off"}
+
+
+def prepared_padding(args, micro_batch: int | None = None):
+    """llmft.padding's report for --prepared (None without it), with the plan's micro-batch and --max_length."""
+    if not args.prepared:
+        return None
+    from llmft.data import padding
+    from llmft.data.cache import load_prepared_train
+
+    try:
+        train = load_prepared_train(args.prepared)
+    except (OSError, ValueError) as e:
+        raise PlanError(f"--prepared {args.prepared}: {e}") from None
+    micro = micro_batch or args.per_device_train_batch_size or 8
+    return padding.padding_report(padding.prepared_lengths(train), micro, getattr(args, "max_length", None) or 1024)
+
+
+def print_padding(report) -> None:
+    if report is not None:
+        for line in report.lines(packing=False, padding_free=False):
+            print(f"llmft plan: {line}")
 
 
 def print_launch_lines(world: World, print_launch: bool, extra: dict[str, str] | None = None) -> None:

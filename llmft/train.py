@@ -47,6 +47,7 @@ from llmft.checkpoint import run_dir
 from llmft.command import report_error
 from llmft.data import loading as data
 from llmft.data.cache import DataOptions, Prepared, check_options, prepare, write_run_record
+from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
 from llmft.planning import ds_config, world
 from llmft.planning.hardware import check_liger, choose_attention, flash_attn_installed, liger_model_types, local_gpu
@@ -298,10 +299,21 @@ def choose_attention_and_length(run: RunSettings, decided: Decisions, model_conf
     run = run.with_training(max_length=max_length)
     attention = choose_attention(model.attn_implementation, gpu, flash_attn_installed(),
                                  packing.model_attentions(model_config, training.trust_remote_code))
+    masks_from_positions = packing.masks_from_position_ids(model_config, training.trust_remote_code)
+    capability = gpu.compute_capability if gpu is not None else None
+    padding_free, why = packing.choose_padding_free(
+        requested=training.padding_free, packing=training.packing, cuda=decided.cuda,
+        micro_batch=decided.plan.batch.micro_batch, attention=attention,
+        kernel=packing.packed_kernel_for(model_config, cuda=decided.cuda, precision=decided.precision, capability=capability),
+        masks_from_positions=masks_from_positions, sliding_window=packing.uses_sliding_window(model_config))
+    run = run.with_training(padding_free=padding_free)
+    training = run.training
+    if why:
+        log(why)
     if training.packing or training.padding_free:
         attention = packing.check_packing(
             packing=training.packing, padding_free=training.padding_free, strategy=training.packing_strategy,
-            attention=attention, masks_from_positions=packing.masks_from_position_ids(model_config, training.trust_remote_code),
+            attention=attention, masks_from_positions=masks_from_positions,
             sliding_window=packing.uses_sliding_window(model_config),
         )
         if attention == packing.PACKED_SDPA:
@@ -311,7 +323,8 @@ def choose_attention_and_length(run: RunSettings, decided: Decisions, model_conf
     packed_note = ""
     if attention == packing.PACKED_SDPA:
         packed_note = (": PyTorch's varlen flash kernel on the packed samples"
-                       if packing.packed_kernel_for(model_config, cuda=decided.cuda, precision=decided.precision) == "varlen"
+                       if packing.packed_kernel_for(model_config, cuda=decided.cuda, precision=decided.precision,
+                                                    capability=capability) == "varlen"
                        else ": SDPA on each packed sample")
     log(f"attention {attention}" + (" (auto)" if model.attn_implementation in (None, "auto") else "") + packed_note)
     return run, attention
@@ -330,6 +343,9 @@ def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Pre
         + (f", {records['eval']} for evaluation" if prepared.eval is not None else ""))
     if rank0():
         write_run_record(run.training.output_dir, decided.data_options, prepared)
+        report = padding_report(prepared_lengths(prepared.train), decided.plan.batch.micro_batch, run.training.max_length)
+        for line in report.lines(packing=run.training.packing, padding_free=bool(run.training.padding_free)):
+            log(line)
     return prepared
 
 

@@ -6,6 +6,7 @@ The decision logic (llmft.training.packing, llmft.planning.hardware) is checked 
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -115,7 +116,10 @@ def test_packed_sdpa_attends_per_sample_from_the_boundaries():
 
 @pytest.mark.parametrize("facts, kernel", [
     (dict(device_type="cuda", dtype="bfloat16"), "varlen"),  # an A100/H100/L4 training in bf16
-    (dict(device_type="cuda", dtype="float16"), "varlen"),  # a T4 training in fp16
+    (dict(device_type="cuda", dtype="float16"), "varlen"),  # an A100/L4 training in fp16
+    (dict(device_type="cuda", dtype="float16", capability=GPUS["T4"].compute_capability), "per_sample"),  # no FA2 on a T4
+    (dict(device_type="cuda", dtype="bfloat16", capability=GPUS["H100-80GB"].compute_capability), "varlen"),
+    (dict(device_type="cuda", dtype="bfloat16", capability=GPUS["L4"].compute_capability), "varlen"),
     (dict(device_type="cpu", dtype="bfloat16"), "per_sample"),  # PyTorch's varlen kernel is CUDA-only
     (dict(device_type="cuda", dtype="float32"), "per_sample"),  # flash kernels are 16-bit only
     (dict(device_type="cuda", dtype="bfloat16", dropout=0.1), "per_sample"),  # varlen_attn has no dropout
@@ -137,6 +141,7 @@ def test_the_logged_packed_kernel_follows_the_model_and_machine():
     assert packed_kernel_for(LlamaConfig(), cuda=True, precision="fp32") == "per_sample"
     assert packed_kernel_for(GPT2Config(), cuda=True, precision="bf16") == "per_sample"
     assert packed_kernel_for(GPT2Config(attn_pdrop=0.0), cuda=True, precision="bf16") == "varlen"
+    assert packed_kernel_for(LlamaConfig(), cuda=True, precision="fp16", capability=(7, 5)) == "per_sample"  # T4
 
 
 def stand_in_varlen(signature: str):
@@ -174,8 +179,17 @@ def test_varlen_path_keeps_samples_apart_with_gqa_and_the_models_scale(monkeypat
     real = packing._varlen_forward
     monkeypatch.setattr(packing, "_varlen_forward", lambda *a: calls.append(1) or real(*a))
     seqs = samples()
-    reference, got = unpacked(model, seqs), packed(model, seqs)
+    reference = unpacked(model, seqs)
+    reads, tolist = [], torch.Tensor.tolist
+
+    def read(tensor, *args):  # host reads made by llmft's attention (a device-to-host sync per forward on a GPU)
+        reads.extend([1] if sys._getframe(1).f_code.co_filename.endswith("llmft/packing.py") else [])
+        return tolist(tensor, *args)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", read)
+    got = packed(model, seqs)
     assert len(calls) == len(model.model.layers)  # every layer went through the varlen path
+    assert reads == []  # the longest sample comes from the collator's host-side max_length_q
     for key, losses in reference.items():
         torch.testing.assert_close(got[key], losses, rtol=1e-4, atol=1e-5)
 
@@ -251,3 +265,37 @@ def test_attention_choice_follows_what_the_model_has():
     assert choose_attention("auto", a100, flash_installed=True, model_supports=frozenset({"sdpa", "eager"})) == "sdpa"
     with pytest.raises(HardwareError, match="this model has no sdpa attention; use one of eager"):
         choose_attention("sdpa", None, flash_installed=False, model_supports=eager_only)
+
+
+def test_padded_batches_go_padding_free_where_a_varlen_kernel_runs_them():
+    """The default for padded batches, from each machine's facts: an A100, L4 or H100 (bf16, PyTorch's varlen flash
+    kernel or flash-attention) trains padding-free; a T4 (no FA2 kernel), a CPU, fp32, sliding windows keep padding;
+    a flag as given, and --packing, always win."""
+    from llmft.hardware import choose_precision
+    from llmft.packing import choose_padding_free
+
+    def decide(gpu, attention="sdpa", **facts):
+        precision = choose_precision("auto", gpu)
+        kernel = packed_kernel(device_type="cuda" if gpu else "cpu", dtype={"bf16": "bfloat16", "fp16": "float16"}.get(
+            precision, "float32"), dropout=0.0, head_dim=64, varlen_available=True, capability=gpu and gpu.compute_capability)
+        args = dict(requested=None, packing=False, cuda=gpu is not None, micro_batch=8, attention=attention, kernel=kernel,
+                    masks_from_positions=True, sliding_window=False)
+        return choose_padding_free(**{**args, **facts})
+
+    for name in ("A100-40GB", "L4", "H100-80GB"):
+        on, why = decide(GPUS[name])
+        assert on and "PyTorch's varlen flash kernel" in why and "--padding_free false keeps padding" in why
+        on, why = decide(GPUS[name], attention="flash_attention_2")
+        assert on and "flash-attention's varlen kernel" in why
+        assert decide(GPUS[name], requested=False) == (False, "")  # --padding_free false: kept padded
+        assert decide(GPUS[name], packing=True) == (False, "")  # --packing is padding-free already (TRL)
+        assert decide(GPUS[name], micro_batch=1) == (False, "")  # one sample: nothing to remove
+        on, why = decide(GPUS[name], sliding_window=True)
+        assert not on and "sliding-window" in why
+        on, why = decide(GPUS[name], masks_from_positions=False)
+        assert not on and "position ids" in why
+    on, why = decide(GPUS["T4"])
+    assert not on and "compute capability 8.0+" in why
+    assert decide(GPUS["T4"], requested=True) == (True, "")  # asked for: check_packing decides if it is safe
+    assert decide(None) == (False, "")  # CPU: padded (per-sample SDPA is slower than padding there)
+    assert decide(None, requested=True) == (True, "")

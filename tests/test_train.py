@@ -292,13 +292,31 @@ def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
 
 def test_real_tokens_counted_the_same_padded_or_packed(tiny_model, tmp_path):
     """One epoch over the same samples: the padded run (attention masks) and the packed run (padding-free rows,
-    position ids) count the same real tokens; only the padded one feeds padding."""
+    position ids) count the same real tokens; only the padded one feeds padding. The padding-free run (the GPU
+    default where a varlen kernel runs it; asked for here) trains the same batches as the padded one: the same
+    losses step by step, without a pad token."""
     data = write_jsonl(as_format(make_examples(24), "prompt_completion"), tmp_path / "d.jsonl")
     flags = ("--zero_stage", 0, "--num_train_epochs", 1, "--save_strategy", "no", "--logging_steps", 1)
-    run(train_cmd(tiny_model, data, tmp_path / "padded", *flags, "--per_device_train_batch_size", 8, nproc=1), check=True)
-    proc = run(train_cmd(tiny_model, data, tmp_path / "packed", *flags, "--per_device_train_batch_size", 4, "--packing",
+    model = tmp_path / "no-dropout"  # dropout draws differ with the batch's shape: off, so the losses can be compared
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
+    padded_run = run(train_cmd(model, data, tmp_path / "padded", *flags, "--per_device_train_batch_size", 8, nproc=1),
+                     check=True)
+    free_run = run(train_cmd(model, data, tmp_path / "free", *flags, "--per_device_train_batch_size", 8,
+                             "--padding_free", "true", nproc=1), check=True)
+    free = summary(tmp_path / "free")
+    assert free["steps"] == 3 and free["tokens"] == free["padded_tokens"] == summary(tmp_path / "padded")["tokens"]
+    assert [loss for _, _, loss, _ in steps(free_run.stdout)] == pytest.approx(
+        [loss for _, _, loss, _ in steps(padded_run.stdout)], abs=2e-4)
+    proc = run(train_cmd(model, data, tmp_path / "packed", *flags, "--per_device_train_batch_size", 4, "--packing",
                          "--max_length", 128, nproc=1), check=True)
     assert "llmft: attention llmft_sdpa_packed (auto): SDPA on each packed sample" in proc.stdout
+    # the start lines say what padding costs this data, and what the run's batches do about it (llmft.padding)
+    assert re.search(r"llmft: data: 24 sequences, .* micro-batch of 8, \d+% of the tokens fed are padding: padding-free "
+                     r"batches would feed none", padded_run.stdout)
+    assert "would be padding (padding-free: none is fed" in free_run.stdout
+    assert re.search(r"would be padding; --packing: no padding, about \d+ samples per row of 128 tokens", proc.stdout)
     padded, packed = summary(tmp_path / "padded"), summary(tmp_path / "packed")
     assert padded["steps"] == 3 and packed["steps"] >= 1
     assert packed["tokens"] == padded["tokens"] == packed["padded_tokens"] < padded["padded_tokens"]

@@ -11,6 +11,8 @@ to test that the rates leave them out.
 $LLMFT_PROBE_MOMENTS=0: none of the files above (only what the variables below ask for).
 $LLMFT_PROBE_LISTING=1: listing-at-save-N.json, what --output_dir held when checkpoint-N's files were written and
   before it was published complete: {"checkpoint-K": true if complete else false}.
+$LLMFT_PROBE_SYNCS=1 counts the host reads of tensors inside each optimizer step's micro-batches, by call site
+(tests/sync_counter.py), and writes syncs.json: {"micro_batches": n, "sites": {site: count}}.
 """
 
 from __future__ import annotations
@@ -113,6 +115,31 @@ def _list_after_save(original):
     return save
 
 
+def count_syncs(out: Path) -> None:
+    """$LLMFT_PROBE_SYNCS: count host reads inside each step's micro-batches (tests/sync_counter.py) into syncs.json."""
+    import json
+
+    from sync_counter import SyncCounter
+
+    counter = SyncCounter()
+    installed = counter.installed()  # kept referenced: a collected generator would uninstall the counter
+    installed.__enter__()  # for the whole process
+
+    class Written(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "syncs.json").write_text(json.dumps({"micro_batches": counter.micro_batches, "sites": counter.sites}))
+
+    init = ProbedTrainer.__init__
+
+    def with_window(self, *args, callbacks=None, **kwargs):
+        init(self, *args, callbacks=[*(callbacks or []), counter.callback(), Written()], **kwargs)
+
+    ProbedTrainer.__init__ = with_window
+    ProbedTrainer._llmft_sync_counter = installed
+
+
 if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
 
@@ -121,6 +148,8 @@ if __name__ == "__main__":  # patched only in the probe's own processes, never i
         import transformers
 
         transformers.Trainer._save_checkpoint = _zero_lora_b_after_save(transformers.Trainer._save_checkpoint)
+    if os.environ.get("LLMFT_PROBE_SYNCS"):
+        count_syncs(Path(os.environ["LLMFT_PROBE_DIR"]))
     for name, variable in (("_save_checkpoint", "LLMFT_PROBE_SLOW_SAVE"), ("evaluate", "LLMFT_PROBE_SLOW_EVAL")):
         if os.environ.get(variable):
             import transformers

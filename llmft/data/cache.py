@@ -322,6 +322,20 @@ def read_marker(directory: Path) -> dict | None:
         return None
 
 
+def load_prepared_train(path: str | Path):
+    """The training split of a complete preparation: its directory (`llmft prepare` prints it), or a run's
+    --output_dir (its llmft_data.json names it). ValueError saying what is missing."""
+    path = Path(path)
+    record = path / "llmft_data.json"
+    if record.is_file():
+        path = Path(json.loads(record.read_text()).get("prepared_dir") or path)
+    if read_marker(path) is None:
+        raise ValueError(f"{path} is not complete prepared data: give the directory `llmft prepare` printed, or a run's --output_dir")
+    from datasets import load_from_disk
+
+    return load_from_disk(str(path / "train"))
+
+
 def open_prepared(directory: Path, info: dict, fp: str, reused: bool) -> Prepared:
     """Memory-map the Arrow files (nothing is read into memory until used)."""
     from datasets import load_from_disk

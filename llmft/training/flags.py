@@ -91,7 +91,9 @@ POLICY: dict[str, tuple[str, str]] = {
                      "gradient_checkpointing gradient_checkpointing_kwargs torch_compile torch_compile_backend "
                      "torch_compile_mode use_cache neftune_noise_alpha "
                      "torch_empty_cache_steps", "the Trainer's training loop and model set-up"),
-    **_table(PASSED, "logging_strategy logging_steps logging_first_step log_on_each_node logging_nan_inf_filter "
+    "logging_nan_inf_filter": (USED, "llmft's trainer applies it on the device (llmft.sync_free): the same logged loss, "
+                                     "without a host sync per micro-batch"),
+    **_table(PASSED, "logging_strategy logging_steps logging_first_step log_on_each_node "
                      "log_level log_level_replica disable_tqdm report_to run_name project trackio_space_id "
                      "trackio_bucket_id trackio_static_space_id skip_memory_metrics debug", "the Trainer's logging"),
     **_table(PASSED, "save_strategy save_steps push_to_hub hub_token hub_private_repo hub_model_id hub_strategy "
@@ -210,7 +212,9 @@ class TrainParser(TrlParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.set_defaults(fp16=None)  # None: not given (SFTConfig's default False cannot tell "not given" from "false")
+        # None: not given (SFTConfig's default False cannot tell "not given" from "false"); llmft decides padding_free
+        # itself when not given (llmft.packing.choose_padding_free)
+        self.set_defaults(fp16=None, padding_free=None)
         self.precision_flags: dict[str, bool | None] = {"bf16": None, "fp16": None}
 
     def parse_known_args(self, args=None, namespace=None):

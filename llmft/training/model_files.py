@@ -83,7 +83,8 @@ def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cud
         fp16=precision == "fp16",
         use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
         dataloader_pin_memory=training_args.dataloader_pin_memory and cuda,
-        max_length=max_length,
+        # padding-free without packing: TRL refuses a max_length it would not enforce; llmft.prepare truncated already
+        max_length=None if training_args.padding_free and not training_args.packing else max_length,
         resume_from_checkpoint=str(resume) if resume else None,
         save_total_limit=None,  # applied by llmft after each checkpoint is complete (PublishCompleteCheckpoint)
         dataset_kwargs={**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True},  # llmft.prepare did it

@@ -77,14 +77,23 @@ def uses_sliding_window(model_config) -> bool:
     return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True) is not False
 
 
-def packed_kernel(*, device_type: str, dtype: str, dropout: float, head_dim: int, varlen_available: bool) -> str:
+def packed_kernel(*, device_type: str, dtype: str, dropout: float, head_dim: int, varlen_available: bool,
+                  capability: tuple[int, int] | None = None) -> str:
     """Which kernel runs a padding-free batch's attention: "varlen" (PyTorch's own variable-length flash kernel,
-    `torch.nn.attention.varlen.varlen_attn`: one launch for all samples) where it can (CUDA, 16-bit, no dropout,
-    head_dim <= 256, PyTorch 2.9+), else "per_sample" (one SDPA call per sample and layer: any device and dtype)."""
-    if (varlen_available and device_type == "cuda" and dtype in ("bfloat16", "float16") and dropout == 0.0
-            and head_dim <= 256):
+    `torch.nn.attention.varlen.varlen_attn`: one launch for all samples) where it can (CUDA on compute capability
+    8.0+: it is aten's flash-attention 2, which a T4 or V100 lacks; 16-bit, no dropout, head_dim <= 256, PyTorch
+    2.9+), else "per_sample" (one SDPA call per sample and layer: any device and dtype)."""
+    if (varlen_available and device_type == "cuda" and (capability is None or tuple(capability) >= (8, 0))
+            and dtype in ("bfloat16", "float16") and dropout == 0.0 and head_dim <= 256):
         return "varlen"
     return "per_sample"
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device_index: int) -> tuple[int, int]:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(device_index))
 
 
 @functools.lru_cache(maxsize=1)
@@ -100,7 +109,7 @@ def _varlen():
     return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
-def packed_kernel_for(model_config, *, cuda: bool, precision: str) -> str:
+def packed_kernel_for(model_config, *, cuda: bool, precision: str, capability: tuple[int, int] | None = None) -> str:
     """packed_kernel for this run's model and machine (what `llmft train` logs; the forward decides per call)."""
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -108,10 +117,10 @@ def packed_kernel_for(model_config, *, cuda: bool, precision: str) -> str:
                          dtype={"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
                          dropout=float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", 0.0) or 0.0),
                          head_dim=head_dim,
-                         varlen_available=_varlen() is not None)
+                         varlen_available=_varlen() is not None, capability=capability)
 
 
-def _varlen_forward(module, query, key, value, bounds, cu, scaling):
+def _varlen_forward(module, query, key, value, longest: int, cu, scaling):
     """All samples in one varlen_attn call. query/key/value: (1, heads, tokens, head_dim) -> (1, tokens, heads, head_dim)."""
     import torch
 
@@ -128,7 +137,6 @@ def _varlen_forward(module, query, key, value, bounds, cu, scaling):
     elif groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu32 = cu.to(device=q.device, dtype=torch.int32)  # TRL's collator already gives int32 on the device: no copy
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     out = varlen_attn(q, k, v, cu32, cu32, longest, longest, **extra)
     return out.unsqueeze(0)
 
@@ -143,19 +151,54 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    bounds = getattr(cu, "_llmft_bounds", None)
-    if bounds is None:  # one host copy per forward, shared by the layers
-        bounds = cu.tolist()
-        cu._llmft_bounds = bounds
     dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
     kernel = packed_kernel(device_type=query.device.type, dtype=str(query.dtype).removeprefix("torch."), dropout=dropout,
-                           head_dim=query.shape[-1], varlen_available=_varlen() is not None)
+                           head_dim=query.shape[-1], varlen_available=_varlen() is not None,
+                           capability=_capability(query.device.index or 0) if query.device.type == "cuda" else None)
     if kernel == "varlen" and kwargs.get("position_bias") is None and kwargs.get("softcap") is None:
-        return _varlen_forward(module, query, key, value, bounds, cu, kwargs.get("scaling")), None
+        longest = kwargs.get("max_length_q")  # TRL's collator computes it on the host: no device-to-host copy
+        if not isinstance(longest, int):
+            longest = int(cu.diff().max())
+        return _varlen_forward(module, query, key, value, longest, cu, kwargs.get("scaling")), None
+    bounds = getattr(cu, "_llmft_bounds", None)
+    if bounds is None:  # one host copy per forward (none on a CPU), shared by the layers
+        bounds = cu.tolist()
+        cu._llmft_bounds = bounds
     rest = {k: v for k, v in kwargs.items() if k not in _SEQUENCE_KWARGS}
     pieces = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **rest)[0]
               for a, b in zip(bounds, bounds[1:]) if b > a]
     return torch.cat(pieces, dim=1), None
+
+
+def choose_padding_free(*, requested: bool | None, packing: bool, cuda: bool, micro_batch: int, attention: str,
+                        kernel: str, masks_from_positions: bool, sliding_window: bool) -> tuple[bool, str]:
+    """Whether a run's padded batches go padding-free, and why (a line for the log; empty when nothing changes).
+
+    Padding-free: each micro-batch's samples (the same ones, in the same order) flattened into one row with
+    position ids restarting per sample and no pad tokens; TRL's collator masks each sample's first label, which a
+    padded batch never trains on either (the shift), so the loss and its token count are the same (test_packing).
+    It pays where the attention runs the samples as variable-length sequences: flash-attention 2, or PyTorch's
+    varlen flash kernel (`kernel` "varlen", packed_kernel). Elsewhere (a CPU, a T4, fp32) the per-sample SDPA
+    fallback is slower than padding, so batches stay padded. `requested` is --padding_free as given (None: not
+    given); --packing already trains padding-free."""
+    if requested is not None or packing:
+        return bool(requested), ""
+    if not cuda:
+        return False, ""
+    keep = "padded batches: "
+    if micro_batch == 1:
+        return False, ""  # one sample per micro-batch: no padding to remove
+    if not masks_from_positions:
+        return False, keep + "this model's code does not build its masks from position ids (padding-free would mix samples)"
+    if attention == "flash_attention_2":
+        return True, ("padding-free batches (auto): the same samples per micro-batch without pad tokens, through "
+                      "flash-attention's varlen kernel; --padding_free false keeps padding")
+    if attention == "sdpa" and not sliding_window and kernel == "varlen":
+        return True, ("padding-free batches (auto): the same samples per micro-batch without pad tokens, through "
+                      "PyTorch's varlen flash kernel; --padding_free false keeps padding")
+    why = {"sdpa": "sliding-window layers need transformers' own SDPA mask" if sliding_window
+           else "no varlen flash kernel here (it needs compute capability 8.0+, bf16/fp16 and PyTorch 2.9+)"}
+    return False, keep + why.get(attention, f"attention {attention} has no varlen kernel")
 
 
 def register_packed_sdpa() -> None:

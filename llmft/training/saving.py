@@ -47,12 +47,15 @@ def trainable_state_dict(trainer) -> dict | None:
 
 
 def trainer_class(save_consolidated: bool = False):
-    """SFTTrainer whose save_model writes ZeRO-3 runs as described in the module docstring."""
+    """SFTTrainer whose save_model writes ZeRO-3 runs as described in the module docstring, and whose training
+    steps do not sync the GPU with the host (llmft.training.sync_free)."""
     from transformers.trainer_pt_utils import remove_dummy_checkpoint
     from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
     from trl import SFTTrainer
 
-    class LlmftSFTTrainer(SFTTrainer):
+    from llmft.training import sync_free
+
+    class LlmftSFTTrainer(sync_free.mixin_class(SFTTrainer)):
         def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
             if not is_zero3(self):
                 if _internal_call and self.is_deepspeed_enabled and not _is_peft(self.model):
