@@ -31,7 +31,7 @@ from llmft.command import command_parser, report_error
 from llmft.data import cache
 from llmft.data.loading import DataError
 from llmft.errors import LlmftError
-from llmft.planning import ds_config, memory
+from llmft.planning import comm, ds_config, memory
 from llmft.planning.allocation import AllocationError, job_nodes, numa_binding, parse_node_lines
 from llmft.planning.batch import plan_batch
 from llmft.planning.ds_config import load_config, template_path
@@ -98,7 +98,11 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
               f"{memory.PROCESS_HOST_GIB['cuda']:g} GiB host per process" if job.gpu is not None
               else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process")
     lora = "; LoRA dropout on (TRL's default 0.05; 0 keeps less)" if job.shape.lora else ""
-    out.append(f"llmft plan: assumed: {device}; {peak}{lora}; checkpoints written at {job.write_mb_s:g} MB/s; "
+    network = ("no node type: communication not modelled" if job.network is None else
+               f"communication over the node's {job.network.network_gbps:g} Gbps network, or {job.network.intra_link} "
+               f"inside one node, at {comm.LINK_EFFICIENCY:.0%} of the link, ZeRO-2/3's per-micro-batch traffic hidden "
+               "behind compute up to its length, ZeRO-0/1's reduction and the parameter all-gather not (llmft.planning.comm)")
+    out.append(f"llmft plan: assumed: {device}; {peak}{lora}; {network}; checkpoints written at {job.write_mb_s:g} MB/s; "
                f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.planning.memory documents each term)")
     return out
 

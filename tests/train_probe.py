@@ -13,6 +13,8 @@ $LLMFT_PROBE_LISTING=1: listing-at-save-N.json, what --output_dir held when chec
   before it was published complete: {"checkpoint-K": true if complete else false}.
 $LLMFT_PROBE_SYNCS=1 counts the host reads of tensors inside each optimizer step's micro-batches, by call site
 (tests/sync_counter.py), and writes syncs.json: {"micro_batches": n, "sites": {site: count}}.
+$LLMFT_PROBE_COMMS=1 (with a DeepSpeed config whose comms_logger is enabled): comms.json, the collectives DeepSpeed
+logged in optimizer steps 2 and 3: {op: {message bytes: count}}.
 """
 
 from __future__ import annotations
@@ -140,6 +142,33 @@ def count_syncs(out: Path) -> None:
     ProbedTrainer._llmft_sync_counter = installed
 
 
+def record_comms(out: Path) -> None:
+    """$LLMFT_PROBE_COMMS: DeepSpeed's comms logger, emptied when step 2 begins and written when step 3 ends."""
+    import json
+
+    class Comms(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                from deepspeed.comm import comm
+
+                comm.comms_logger.comms_dict.clear()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3 and state.is_world_process_zero:
+                from deepspeed.comm import comm
+
+                logged = {op: {str(size): v[0] for size, v in sizes.items()} for op, sizes in comm.comms_logger.comms_dict.items()}
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "comms.json").write_text(json.dumps(logged))
+
+    init = ProbedTrainer.__init__
+
+    def with_comms(self, *args, callbacks=None, **kwargs):
+        init(self, *args, callbacks=[*(callbacks or []), Comms()], **kwargs)
+
+    ProbedTrainer.__init__ = with_comms
+
+
 if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
 
@@ -150,6 +179,8 @@ if __name__ == "__main__":  # patched only in the probe's own processes, never i
         transformers.Trainer._save_checkpoint = _zero_lora_b_after_save(transformers.Trainer._save_checkpoint)
     if os.environ.get("LLMFT_PROBE_SYNCS"):
         count_syncs(Path(os.environ["LLMFT_PROBE_DIR"]))
+    if os.environ.get("LLMFT_PROBE_COMMS"):
+        record_comms(Path(os.environ["LLMFT_PROBE_DIR"]))
     for name, variable in (("_save_checkpoint", "LLMFT_PROBE_SLOW_SAVE"), ("evaluate", "LLMFT_PROBE_SLOW_EVAL")):
         if os.environ.get(variable):
             import transformers

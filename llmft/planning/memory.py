@@ -92,8 +92,12 @@ it must fit, with the step in flight, inside the Slurm script's USR1 warning (--
 Throughput (`tokens_per_second`): FLOPs per token = 6 P (forward 2 P, backward 4 P; with LoRA the frozen weights
 need no weight gradient: 4 P + 2 T) + 12 x layers x hidden x sequence (attention, PaLM's appendix B), plus another
 forward (2 P) with recomputation; tokens/s = MFU x peak x GPUs / FLOPs per token, at a stated MFU (default 35%).
-Communication is not modelled: ZeRO-3 rows (parameters gathered for every layer, forward and backward; 2.8x slower
-than ZeRO-2 for a 1.1B model on one H100, bench/README.md) and CPU offload rows are slower than they show.
+Communication (llmft.planning.comm, when the node type is known): the bytes each rank moves per optimizer step by ZeRO stage
+(ZeRO-1 reduces gradients once per step, ZeRO-2/3 at every micro-batch, ZeRO-3 also gathers the parameters; LoRA
+moves the adapters' gradients only), over the node's network or NVLink/PCIe inside one node; the step takes its
+compute plus the communication DeepSpeed does not overlap with it, and tokens/s follows. Kernel-level slowdowns are
+not modelled: ZeRO-3 (2.8x slower than ZeRO-2 for a 1.1B model on one H100, bench/README.md) and CPU offload
+rows are slower than they show.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ from dataclasses import dataclass, field, replace
 
 from llmft.errors import LlmftError
 from llmft.planning.batch import BatchError, plan_batch
+from llmft.planning import comm
 from llmft.planning.hardware import GPU
 
 GIB = 2**30
@@ -212,6 +217,7 @@ class Job:
     mfu: float = DEFAULT_MFU
     preempt_window_s: float = PREEMPT_WINDOW_S
     save_consolidated: bool = False
+    network: comm.NodeNetwork | None = None  # the node type's links (llmft.planning.comm.NETWORKS); None: not modelled
 
     @property
     def world(self) -> int:
@@ -240,6 +246,8 @@ class Estimate:
     tokens_per_s: float | None
     fits: bool
     why: str
+    comm_bytes: float = 0.0  # per rank per optimizer step, on the wire (llmft.planning.comm.wire_bytes)
+    time: comm.StepTime | None = None  # compute and communication of one step (None: no peak known)
 
     @property
     def gpu_total(self) -> int:
@@ -263,6 +271,10 @@ class Estimate:
             "checkpoint_gib": gib(self.checkpoint),
             "checkpoint_write_s": round(self.write_s, 1),
             "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s),
+            "comm_gib_per_step": gib(self.comm_bytes),
+            "step_s": None if self.time is None else round(self.time.step_s, 3),
+            "comm_s": None if self.time is None else round(self.time.comm_s, 3),
+            "network_bound": None if self.time is None else self.time.network_bound,
             "fits": self.fits,
             "why": self.why,
         }
@@ -535,9 +547,17 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     ckpt = checkpoint_bytes(shape, setting.zero_stage, job.precision)
     write_s = ckpt / (job.write_mb_s * 1e6)
     tps = tokens_per_second(job, setting)
-    step_s = None
+    w = element_bytes(job.precision)["w"]
+    msgs = comm.messages(setting.zero_stage, accumulation=setting.grad_accum, world=job.world,
+                         gradient_bytes=shape.trainable * w, param_bytes=shape.trainable * w,
+                         frozen_bytes=frozen_bytes(shape, job.precision, job.load_in_4bit), params=shape.total)
+    wire = comm.wire_bytes(setting.zero_stage, msgs, job.world)
+    step_s, time = None, None
     if tps:
-        step_s = setting.micro_batch * setting.grad_accum * job.world * job.max_length / tps
+        tokens = setting.micro_batch * setting.grad_accum * job.world * job.max_length
+        time = comm.step_time(setting.zero_stage, msgs, world=job.world, nnodes=job.nnodes, compute_s=tokens / tps,
+                              network=job.network)
+        step_s, tps = time.step_s, tokens / time.step_s
 
     problems = []
     limit = job.device_gib
@@ -551,7 +571,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
                         f"({names[worst]}: {gib(host[worst])} GiB)")
     fits = not problems
     why = "; ".join(problems) if problems else "fits"
-    return Estimate(setting, states, acts, loss, overhead, host, ckpt, write_s, step_s, tps, fits, why)
+    return Estimate(setting, states, acts, loss, overhead, host, ckpt, write_s, step_s, tps, fits, why, wire, time)
 
 
 def micro_batch_choices(job: Job) -> list[int]:
@@ -635,6 +655,12 @@ def plan_memory(job: Job) -> MemoryPlan:
         candidates.append(best)
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
+    if recommended is not None and recommended.setting.zero_stage == 2 and recommended.setting.grad_accum > 1:
+        same = [c for c in fitting if c.setting.zero_stage == 1 and c.setting.offload == recommended.setting.offload
+                and c.setting.gradient_checkpointing == recommended.setting.gradient_checkpointing]
+        if same:  # ZeRO-1 reduces gradients once per step, ZeRO-2 at every micro-batch
+            fitting = same + [c for c in fitting if c is not same[0]]
+            recommended = same[0]
     if recommended is not None:
         recommended = replace(recommended, why=_reason(recommended, candidates))
         candidates = [recommended] + [c for c in candidates if c is not fitting[0]]
@@ -679,6 +705,8 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
         tried_recompute = any(c.setting.gradient_checkpointing for c in lower)
         parts.append(("ZeRO-3 because ZeRO-0/1/2 do not fit" + (", even with gradient checkpointing" if tried_recompute else ""))
                      if lower else "ZeRO-3")
+    elif s.zero_stage == 1 and s.grad_accum > 1:
+        parts.append(f"ZeRO-1 reduces gradients once per step (ZeRO-2: at each of the {s.grad_accum} micro-batches)")
     else:
         parts.append(f"ZeRO-{s.zero_stage} moves no more data than plain data parallelism (ZeRO-3: 1.5x)")
     parts.append(f"micro-batch {s.micro_batch} is the largest that fits")
@@ -710,6 +738,13 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
     if job.free_disk_gib is not None and not job.save_total_limit:
         out.append("--save_total_limit is not set: every checkpoint is kept "
                    f"({gib(chosen.checkpoint)} GiB each, {job.free_disk_gib:.1f} GiB free)")
+    t = chosen.time
+    if t is not None and t.network_bound:
+        out.append(
+            f"the network decides this job's speed: each GPU moves {gib(chosen.comm_bytes)} GiB per step over the {t.link} "
+            f"({t.comm_s:.1f} s, {t.exposed_comm_s:.1f} s not hidden) against {t.compute_s:.1f} s of compute; what helps: "
+            "fewer, larger nodes (NVLink or PCIe inside a node), LoRA (only the adapters' gradients move), a larger "
+            "micro-batch (fewer gradient reductions per step under ZeRO-2/3)")
     needed = chosen.write_s + (chosen.step_s or 0)
     if needed > job.preempt_window_s:
         out.append(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
-from llmft.planning import memory
+from llmft.planning import comm, memory
 from llmft.planning.batch import BatchError, BatchPlan, plan_batch
 from llmft.planning.ds_config import DSConfigError, load_config, offload_mode, offloads, template_path, zero_stage_of
 from llmft.planning.hardware import GPU, gpu_by_name, local_gpu, local_host_memory, node_type_by_name
@@ -199,6 +199,7 @@ def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, prec
         save_total_limit=save_total_limit, free_disk_gib=free,
         write_mb_s=memory.WRITE_MB_S.get(hardware.provider, memory.WRITE_MB_S[None]) if write_mb_s is None else write_mb_s,
         mfu=memory.DEFAULT_MFU if mfu is None else mfu, save_consolidated=save_consolidated,
+        network=comm.NETWORKS.get(hardware.node_type) if hardware.node_type else None,
     )
 
 
