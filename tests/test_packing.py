@@ -271,8 +271,8 @@ def test_padded_batches_go_padding_free_where_a_varlen_kernel_runs_them():
     """The default for padded batches, from each machine's facts: an A100, L4 or H100 (bf16, PyTorch's varlen flash
     kernel or flash-attention) trains padding-free; a T4 (no FA2 kernel), a CPU, fp32, sliding windows keep padding;
     a flag as given, and --packing, always win."""
-    from llmft.hardware import choose_precision
-    from llmft.packing import choose_padding_free
+    from llmft.planning.hardware import choose_precision
+    from llmft.training.packing import choose_padding_free
 
     def decide(gpu, attention="sdpa", **facts):
         precision = choose_precision("auto", gpu)
