@@ -159,7 +159,7 @@ def tokenise_for_scoring(examples: list[Example], shape: str, tokenizer, text_fi
         return []
     with tempfile.TemporaryDirectory() as tmp, _quiet_datasets():
         # max_length None here: TRL would drop examples truncation leaves without a scored token; they stay, scoring 0.
-        args = SFTConfig(output_dir=tmp, report_to="none", bf16=False, use_cpu=True, max_length=None,
+        args = SFTConfig(output_dir=tmp, report_to="none", activation_checkpointing=False, bf16=False, use_cpu=True, max_length=None,
                          dataset_text_field=text_field, packing=False, completion_only_loss=True)
         prepared = trl_prepare(scoring_dataset(examples, shape, text_field), tokenizer, args, packing=False, name="eval",
                                completion_only=True)

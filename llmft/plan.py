@@ -220,7 +220,7 @@ def data_fit_lines(args, positions: int | None) -> list[str]:
                                text_field=args.dataset_text_field or "text", data_percentage=args.data_percentage)
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="llmft-plan-") as tmp:
-        sft = SFTConfig(output_dir=tmp, report_to="none", use_cpu=True, bf16=False, max_length=args.max_length,
+        sft = SFTConfig(output_dir=tmp, report_to="none", activation_checkpointing=False, use_cpu=True, bf16=False, max_length=args.max_length,
                         dataset_text_field=args.dataset_text_field or "text")
         try:
             cache.check_options(opts)

@@ -65,6 +65,7 @@ from llmft.training import (
     run_identity,
     save_checks,
     saving,
+    upstream_noise,
 )
 from llmft.training.arguments import LlmftArguments
 from llmft.training.callbacks import checkpoint_callbacks, compile_report
@@ -158,6 +159,7 @@ def train(run: RunSettings) -> int:
     resolved = write_deepspeed_config(run, decided, resume, files.config)
     with clock.phase("import"):
         prepare_process()
+    upstream_noise.quiet_accumulation_mismatch(decided.plan.batch.grad_accum)  # the Trainer gives accelerate 1 by design
     with clock.phase("deepspeed_init"):
         trainer, callbacks = build_trainer(run, decided, resume, files, prepared, resolved, attention, clock)
     result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
@@ -376,6 +378,8 @@ def prepare_process() -> None:
     """This process's environment before DeepSpeed starts: a world of one outside torchrun, stale op-build locks
     cleared (once per node), and DeepSpeed's op builds kept from slow or failing paths."""
     single_process_defaults()  # outside torchrun: a world of one, before DeepSpeed reads the environment
+    upstream_noise.use_keyed_extensions_dir(log)  # this environment's op cache, unless TORCH_EXTENSIONS_DIR is set
+    upstream_noise.say_op_builds(log)  # a line before DeepSpeed compiles an op (minutes, silent otherwise)
     if os.environ.get("LOCAL_RANK", "0") == "0":  # before any rank can load an op (they build after rendezvous)
         for finding in build_locks.clear_stale_build_locks(build_locks.extensions_root()):
             print(f"llmft: {socket.gethostname()}: {finding.message}", flush=True)  # every node's, not rank 0's

@@ -219,6 +219,12 @@ class TrainParser(TrlParser):
 
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "activation_checkpointing", False) is None and hasattr(ns, "gradient_checkpointing"):
+            # transformers 5 renamed it: the value (TRL's default, --gradient_checkpointing or the YAML key) goes to the
+            # new name, so TrainingArguments does not warn "`gradient_checkpointing` is deprecated" on every rank
+            ns.activation_checkpointing, ns.gradient_checkpointing = ns.gradient_checkpointing, None
+            if getattr(ns, "activation_checkpointing_kwargs", False) is None:
+                ns.activation_checkpointing_kwargs, ns.gradient_checkpointing_kwargs = ns.gradient_checkpointing_kwargs, None
         if hasattr(ns, "bf16") and hasattr(ns, "fp16"):
             self.precision_flags = {"bf16": ns.bf16, "fp16": ns.fp16}
             ns.bf16, ns.fp16 = False, False
