@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import os
 from pathlib import Path
 
 from conftest import PYTHON, run
@@ -67,15 +68,25 @@ def test_extensions_root_follows_torch():
     assert build_locks.extensions_root({"XDG_CACHE_HOME": "/c"}) == Path("/c/torch_extensions")
 
 
-def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(tiny_model, tiny_data, tmp_path):
+def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(tiny_model, tiny_data, tmp_path, monkeypatch):
     """ZeRO-2 with optimizer offload loads DeepSpeed's cpu_adam op; with a stale lock and without llmft's check,
     torch waits on it forever (measured: still waiting after 100 s; the timeout below fails the test).
 
     The lock goes where this machine's DeepSpeed ops really are built (a fresh extensions directory would cost a
     cold build of about 90 s); it is removed afterwards whatever happens.
     """
+    import sys
+
+    import deepspeed
+    import torch
     from torch.utils.cpp_extension import _get_build_directory
 
+    from llmft import upstream_noise
+    from llmft.build_locks import extensions_root
+
+    keyed = upstream_noise.keyed_extensions_dir(os.environ, sys.prefix, torch.__version__, deepspeed.__version__, extensions_root())
+    if keyed is not None:  # where llmft train builds: this environment's own op cache
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(keyed))
     locks = [Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"]
     planted = [lock for lock in locks if not lock.exists()]
     for lock in planted:

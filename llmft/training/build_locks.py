@@ -77,7 +77,9 @@ def paths_held_open(proc_root: Path = Path("/proc")) -> set[str]:
 def clear_stale_build_locks(root: Path, *, mounts_text: str | None = None, held: set[str] | None = None,
                             now: float | None = None) -> list[LockFinding]:
     """Find the op build locks under `root` that no process holds; remove those on a local filesystem."""
-    locks = sorted(root.glob("*/*/lock")) if root.is_dir() else []
+    # <root>/<pyXY_cuZZ>/<op>/lock under torch's default root; <root>/<op>/lock when TORCH_EXTENSIONS_DIR is set (torch
+    # then builds directly in it: the Slurm script's node-local directory, llmft's per-environment one)
+    locks = sorted(set(root.glob("*/*/lock")) | set(root.glob("*/lock"))) if root.is_dir() else []
     if not locks:
         return []
     if mounts_text is None:
