@@ -77,14 +77,15 @@ def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(t
     """
     import sys
 
-    import deepspeed
+    from importlib.metadata import version
+
     import torch
     from torch.utils.cpp_extension import _get_build_directory
 
-    from llmft import upstream_noise
-    from llmft.build_locks import extensions_root
+    from llmft.training import upstream_noise
+    from llmft.training.build_locks import extensions_root
 
-    keyed = upstream_noise.keyed_extensions_dir(os.environ, sys.prefix, torch.__version__, deepspeed.__version__, extensions_root())
+    keyed = upstream_noise.keyed_extensions_dir(os.environ, sys.prefix, torch.__version__, version("deepspeed"), extensions_root())
     if keyed is not None:  # where llmft train builds: this environment's own op cache
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(keyed))
     locks = [Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"]
