@@ -88,8 +88,8 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
 
 def test_a_run_that_saves_and_evaluates_every_step_reports_the_rate_of_one_that_does_not(tiny_model, tiny_data, tmp_path):
     """Saves and evaluations made 3 s and 2 s slower (tests/train_probe.py) at every step of a tiny model whose steps
-    take a fraction of that: were they counted, the rate would drop many times. It matches the run without them
-    (within 2x: timing on a shared machine), and the time is reported on its own, in the summary and step lines."""
+    take a fraction of that: were they counted, the rate would drop ~50x. It matches the run without them (within
+    5x: timing of tiny steps on a shared machine), and the time is reported on its own, in the summary and step lines."""
     flags = ("--max_steps", 4, "--global_batch_size", 4, "--per_device_train_batch_size", 2, "--zero_stage", 2,
              "--eval_split_ratio", "0.05")
     plain_out, saving_out = tmp_path / "plain", tmp_path / "saving"
@@ -100,7 +100,10 @@ def test_a_run_that_saves_and_evaluates_every_step_reports_the_rate_of_one_that_
                  LLMFT_PROBE_SLOW_SAVE="3", LLMFT_PROBE_SLOW_EVAL="2")
     plain, saved = summary(plain_out), summary(saving_out)
     assert saved["steps"] == plain["steps"] == 4 and saved["tokens"] == plain["tokens"]
-    assert 0.5 < saved["tokens_per_second"] / plain["tokens_per_second"] < 2, (saved, plain)
+    # steps of ~0.1 s on a shared machine vary 3x between runs; counted, 5 s of saving and evaluating per step would
+    # make the rate ~50x lower
+    assert 0.2 < saved["tokens_per_second"] / plain["tokens_per_second"] < 5, (saved, plain)
+    assert saved["train_seconds"] < saved["save_seconds"] / 4, saved  # the rates' time holds none of the saves
     assert saved["save_seconds"] >= 4 * 3 and saved["eval_seconds"] >= 4 * 2 and plain["eval_seconds"] < 2
     assert saved["train_seconds"] + saved["save_seconds"] + saved["eval_seconds"] < saved["wall_seconds"]
     lines = [line for line in saving.stdout.splitlines() if STEP_RE.match(line)]
