@@ -50,6 +50,7 @@ from llmft.data.cache import DataOptions, Prepared, check_options, prepare, writ
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
 from llmft.planning import ds_config, world
+from llmft.planning.final_save import estimated_save_s
 from llmft.planning.hardware import check_liger, choose_attention, flash_attn_installed, liger_model_types, local_gpu
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
 from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quantization
@@ -59,6 +60,7 @@ from llmft.training import (
     build_locks,
     elastic,
     host_memory,
+    job_deadline,
     metrics,
     packing,
     rerun,
@@ -431,6 +433,10 @@ def build_trainer(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
     log_perplexity(trainer)
     guard_wandb(trainer, log)
     meter = metrics.attach(trainer, clock, decided.gpu)  # step line, W&B metrics, run_summary.json
+    stop.deadline = job_deadline.JobDeadline.for_this_job(
+        lambda: estimated_save_s(*job_deadline.parameter_counts(trainer.model), decided.plan.zero_stage, decided.precision),
+        args.output_dir)
+    job_deadline.time_each_save(trainer, stop.deadline, log)
     return trainer, RunCallbacks(publish, stop, meter)
 
 
@@ -441,7 +447,7 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
     if callbacks.publish.refused:
         raise TrainError(callbacks.publish.refused)
     if callbacks.stop.stopped_at is not None:
-        log(f"stop requested; saved checkpoint-{step}")
+        log(f"{'stopped for the time limit' if callbacks.stop.for_time_limit else 'stop requested'}; saved checkpoint-{step}")
     else:
         if prepared.eval is not None and args.eval_strategy == "no":
             trainer.evaluate()  # evaluation data without --eval_strategy: scored once, at the end

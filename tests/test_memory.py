@@ -315,7 +315,11 @@ def test_8b_on_a2_highgpu_8g_fits_without_offload_and_warns_about_the_preemption
     plan = plan_memory(node_job(full, "a2-highgpu-8g", 1, global_batch=64))
     rec = plan.recommended
     assert rec.setting.offload == "none" and rec.setting.micro_batch * rec.setting.grad_accum * 8 == 64
-    assert any("USR1" in w for w in plan.warnings)  # ~90 GiB of shards at Filestore's 100 MB/s
+    [warning] = [w for w in plan.warnings if "USR1" in w]  # ~90 GiB of shards at Filestore's 100 MB/s
+    # A Slurm run stops early enough for that save: 1.5 x the write time + the step + 60 s before the time limit.
+    lead = 1.5 * rec.write_s + rec.step_s + 60
+    assert f"a Slurm run stops for its final save {lead:.0f} s ({lead / 60:.0f} min) before the time limit instead" in warning
+    assert 1400 < lead < 1600, lead  # 964 s to write
 
 
 def test_save_total_limit_beyond_free_disk_is_warned(llama8b):

@@ -77,16 +77,21 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
     # The user's command: sbatch slurm/run_llm.slurm --export=ALL,EPOCHS=1,... (sbatch hands --export=... to the script).
     cwd = tmp_path_factory.mktemp("users_job")
     knobs = f"--export=ALL,EPOCHS=1,MODEL={tiny_model},DATASET={tiny_data},DATA_PERCENTAGE=25,GLOBAL_BATCH=4,MICRO_BATCH=2"
-    submitted["users"] = (cluster.sbatch([str(SCRIPT), knobs], cwd=cwd), cwd, None)
+    # Its own llmft cache: the other jobs here train on the same file at the same time, and the one that hashes it
+    # first keeps the fingerprint for all (the test counts this job's hashing).
+    submitted["users"] = (cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, LLMFT_CACHE=str(cwd / "llmft-cache")), cwd, None)
 
     # Preemption twice over: Slurm's time-limit signal (USR1 to the batch shell, as --signal=B:USR1@120 sends it,
     # with no periodic checkpoints, so the only one before the end is the one the signal asks for), and an
     # outside `scontrol requeue` (SIGTERM to every process of the job, checkpoints every 2 steps).
+    # The USR1 job holds at step 2 until the stop file appears (sent once step 1 is logged): the stop lands at step 2
+    # however loaded the machine (it once finished all its steps before the signal arrived).
     # The requeued job also logs to W&B, with the mode left to the job: the server (a closed local port) does not answer.
     wandb = {"WANDB_MODE": "", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": WANDB_SECRET}
     for name, save_steps, min_step, command, extra, env in (
-        ("usr1", 1000, 2, ["scancel", "--signal=USR1", "--batch"], "", {}),
-        ("requeue", 2, 5, ["scontrol", "requeue"], ",WANDB_PROJECT=llmft-test", wandb),
+        ("usr1", 1000, 1, ["scancel", "--signal=USR1", "--batch"], "", {"LLMFT_TEST_HOLD_AT_STEP": "2"}),
+        # every checkpoint kept (the script keeps 2 by default), so the test can inspect the one resumed from
+        ("requeue", 2, 5, ["scontrol", "requeue"], ",WANDB_PROJECT=llmft-test,SAVE_TOTAL_LIMIT=0", wandb),
     ):
         cwd = tmp_path_factory.mktemp(name)
         knobs = (
@@ -95,6 +100,16 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
         )
         job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, **env)
         submitted[name] = (job, cwd, signal_when_training(cluster, job, cwd / f"llmft-{job}.out", min_step, [*command, job]))
+
+    # The time limit, with a checkpoint that takes longer to write (12 s) than the USR1 lead (5 s): at step 3 the job's
+    # time left becomes 40 s (a test hook; the job's real limit is 30 min, read from squeue at the start), less than
+    # the run's final-save lead (1.5 x the estimated save + a step + 60 s): it stops, saves, and requeues itself.
+    cwd = tmp_path_factory.mktemp("time_limit")
+    knobs = (f"--export=ALL,MAX_STEPS={TOTAL},GLOBAL_BATCH=16,MICRO_BATCH=2,SAVE_STEPS=1000,DATA_PERCENTAGE=100,MODEL={tiny_model},"
+             f"DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1")
+    job = cluster.sbatch(["--time=30", "--signal=B:USR1@5", str(SCRIPT), knobs], cwd=cwd,
+                         LLMFT_TEST_TIME_LEFT_AT_STEP="3:40", LLMFT_TEST_SAVE_DELAY_S="12")
+    submitted["time_limit"] = (job, cwd, None)
 
     # A user's plain `scancel`: the job must end, not requeue itself.
     cwd = tmp_path_factory.mktemp("cancel")
@@ -150,7 +165,7 @@ def test_time_limit_signal_checkpoints_every_rank_requeues_and_resumes(cluster, 
     m = re.search(r"llmft: stop requested; saved checkpoint-(\d+)\n", text)
     assert m, text
     stop = int(m.group(1))
-    assert signal["at_step"] <= stop < TOTAL
+    assert signal["at_step"] < stop == 2  # held at step 2 until the signal's stop file appeared
     assert "got SIGUSR1" in text
     assert f"requeueing job {job}" in text
     # Every rank exited cleanly after its stop checkpoint (a rank whose DataLoader workers outlived it once held
@@ -159,6 +174,49 @@ def test_time_limit_signal_checkpoints_every_rank_requeues_and_resumes(cluster, 
     # It resumed from exactly the checkpoint the signal asked for, and the first run trained up to it.
     assert assert_resumed_without_losing_or_repeating(text, ckpt) == stop
     assert step_lines(text[: text.index("restart 1,")]) == list(range(1, stop + 1))
+
+
+def test_a_save_longer_than_the_usr1_lead_starts_early_enough_and_the_job_requeues_and_resumes(cluster, jobs):
+    job, cwd, _ = jobs["time_limit"]
+    info = cluster.wait(job, timeout=600)
+    text = read(cwd / f"llmft-{job}.out")
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
+    first = text[: text.index("restart 1,")]
+    # The kill chain: torchrun waits longer for its ranks than Slurm's KillWait (10 s in slurm/local).
+    assert "kill chain: Slurm's KillWait 10 s after a SIGTERM; torchrun waits 40 s for its ranks" in first
+    # The job's end, read from squeue: 30 min from its start.
+    m = re.search(rf"llmft: Slurm job {job} ends in (\d+) s; the final save starts (\d+) s before that", first)
+    assert m and 1500 < int(m.group(1)) <= 1800 and 60 <= int(m.group(2)) < 120, first
+    assert re.search(rf"llmft: Slurm job {job} ends in 40 s: starting the final save now, \d+ s before the time limit "
+                     r"\(no save measured yet, estimated 0 s; x1.5 \+ a [\d.]+ s step \+ 60 s\)", first), first
+    saved = re.search(r"llmft: checkpoint-3 written and published in ([\d.]+) s; the final save now starts (\d+) s before", first)
+    assert saved and float(saved.group(1)) >= 12 and int(saved.group(2)) >= 1.5 * 12 + 60, first
+    assert "llmft: stopped for the time limit; saved checkpoint-3\n" in first
+    assert f"llmft stopped for its final save before the time limit (exit 0); requeueing job {job}" in first
+    assert "got SIGUSR1" not in text  # the USR1 (5 s before a 30 min limit) never came: the run stopped itself
+    # The requeued attempt starts from the save the first one measured, not from the estimate.
+    again = re.search(rf"llmft: Slurm job {job} ends in \d+ s; the final save starts (\d+) s before that \(the longest "
+                      r"save so far took ([\d.]+) s", text[len(first):])
+    assert again and abs(float(again.group(2)) - float(saved.group(1))) <= 0.1 and int(again.group(1)) >= 78, text[len(first):]
+    assert assert_resumed_without_losing_or_repeating(text, cwd / "ckpt") == 3
+    assert not list((cwd / "ckpt").glob(".llmft-requeue-*")), "the requeue file must be cleaned up"
+
+
+def test_the_job_end_is_read_from_slurm_and_again_after_a_time_limit_change(cluster, tmp_path, monkeypatch):
+    from llmft.training.job_deadline import query_time_left
+
+    job = cluster.cmd(["sbatch", "--parsable", "--time=5", "--wrap", "sleep 300"], cwd=tmp_path).stdout.strip()
+    try:
+        deadline = time.time() + 60
+        while cluster.job(job)["JobState"] != "RUNNING" and time.time() < deadline:
+            time.sleep(0.5)
+        monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+        assert 240 < query_time_left(job) <= 300
+        cluster.cmd(["scontrol", "update", f"JobId={job}", "TimeLimit=10"])
+        assert 540 < query_time_left(job) <= 600
+    finally:
+        cluster.cmd(["scancel", job])
+    assert query_time_left("999999") is None  # no such job: squeue fails, no limit is made up
 
 
 def test_scontrol_requeue_resumes_from_the_newest_complete_checkpoint(cluster, jobs):

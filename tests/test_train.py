@@ -588,3 +588,42 @@ def test_save_total_limit_never_deletes_the_last_complete_checkpoint_for_an_inco
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
     assert "llmft: deleted checkpoint-4 (--save_total_limit 2 counts complete checkpoints only)" in second.stdout
     assert [s for s, *_ in steps(second.stdout)] == [5, 6, 7, 8]
+
+
+STOP_FILE_SCRIPT = """
+import json, sys
+from types import SimpleNamespace
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+from llmft.training.callbacks import checkpoint_callbacks
+_, GracefulStop = checkpoint_callbacks()
+stop = GracefulStop(sys.argv[1 + rank])  # each rank's view of the stop file: rank 1's node sees it, rank 0's not yet
+state = SimpleNamespace(global_step=0, max_steps=10**6, is_world_process_zero=rank == 0)
+stopped = None
+while state.global_step < 20 and stopped is None:
+    dist.barrier()  # the gradient all-reduce: the ranks step together
+    state.global_step += 1
+    control = SimpleNamespace(should_save=False, should_training_stop=False)
+    stop.on_step_end(SimpleNamespace(device="cpu"), state, control)
+    if control.should_training_stop:
+        stopped = state.global_step
+with open(f"{sys.argv[3]}.{rank}", "w") as f:
+    json.dump(stopped, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_reads_the_stop_file_and_the_vote_stops_them_all(tmp_path):
+    """Rank 0 is often on another node than the batch shell that wrote the stop file, and NFS can hide a new file
+    there for up to a minute: a 2-process run in which only rank 1 sees the file stops both, at the first vote."""
+    seen, unseen = tmp_path / "rank1-node" / "STOP", tmp_path / "rank0-node" / "STOP"
+    seen.parent.mkdir()
+    unseen.parent.mkdir()
+    seen.touch()
+    script = tmp_path / "stopfile.py"
+    script.write_text(STOP_FILE_SCRIPT)
+    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(unseen), str(seen),
+         str(tmp_path / "stopped")], check=True, timeout=120)
+    assert [json.loads((tmp_path / f"stopped.{r}").read_text()) for r in (0, 1)] == [1, 1]

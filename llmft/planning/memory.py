@@ -747,11 +747,17 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
             "micro-batch (fewer gradient reductions per step under ZeRO-2/3)")
     needed = chosen.write_s + (chosen.step_s or 0)
     if needed > job.preempt_window_s:
+        from llmft.planning.final_save import FINAL_SAVE_FACTOR, FINAL_SAVE_MARGIN_S, final_save_lead
+
+        lead = final_save_lead(None, chosen.write_s, chosen.step_s or 0)
         out.append(
             f"a checkpoint ({gib(chosen.checkpoint)} GiB) takes {chosen.write_s:.0f} s to write at {job.write_mb_s:g} MB/s"
             + (f" after a {chosen.step_s:.0f} s step" if chosen.step_s else "")
             + f": more than the {job.preempt_window_s:g} s the Slurm script's USR1 warning leaves before the time limit; "
-            "the stop checkpoint will be cut off (use faster storage, or LoRA)"
+            f"a Slurm run stops for its final save {lead:.0f} s ({lead / 60:.0f} min) before the time limit instead "
+            f"({FINAL_SAVE_FACTOR:g} x {chosen.write_s:.0f} s + the step + {FINAL_SAVE_MARGIN_S:.0f} s; after its first save, "
+            f"{FINAL_SAVE_FACTOR:g} x the longest it measured), and trains that much less per job (faster storage, or LoRA, "
+            "shortens it)"
         )
     return out
 

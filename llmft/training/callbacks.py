@@ -14,7 +14,7 @@ from pathlib import Path
 from llmft.checkpoint import run_dir
 from llmft.errors import TrainError
 from llmft.planning.world import log
-from llmft.training import save_checks
+from llmft.training import job_deadline, save_checks
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -32,6 +32,20 @@ def steps_between_stop_votes(seconds: float, steps: int, max_delay_s: float = ST
     if steps <= 0 or seconds <= 0:
         return 1
     return max(1, min(1000, int(max_delay_s * steps / seconds)))
+
+
+def stop_file_present(path: str | None) -> bool:
+    """Whether the stop file exists, as this node sees it now. Every rank looks (rank 0 may be on another node than the
+    batch shell that wrote it) and the vote merges the answers. Listing the directory, rather than a stat of the name:
+    an NFS client that cached the name as missing can answer a stat from that cache for up to acdirmax (60 s), while
+    opening the directory revalidates it (close-to-open consistency)."""
+    if not path:
+        return False
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        return name in os.listdir(parent)
+    except OSError:
+        return False
 
 
 def worker_ignores_stop_signals(init_fn, worker_id: int) -> None:
@@ -87,6 +101,8 @@ def checkpoint_callbacks():
 
         def on_save(self, args, state, control, model=None, **kwargs):
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if state.is_world_process_zero and job_deadline.save_delay_s():  # a test hook: a slow filesystem
+                time.sleep(job_deadline.save_delay_s())
             report = run_dir.rank_report(ckpt, args.process_index)  # what this rank wrote, as its node sees it
             reports = [report]
             if dist.is_initialized():
@@ -114,10 +130,14 @@ def checkpoint_callbacks():
         The ranks vote at the first step, then every steps_between_stop_votes steps; the vote carries each rank's
         proposal for the next interval and all take the smallest, so every rank votes (and stops) at the same step."""
 
-        def __init__(self, stop_file: str | None):
+        def __init__(self, stop_file: str | None, deadline=None):
             self.stop_file = stop_file
+            self.deadline = deadline  # llmft.training.job_deadline.JobDeadline on rank 0 of a Slurm job, else None
             self.requested = False
             self.stopped_at: int | None = None
+            self.for_time_limit = False  # stopped for the final save before the job's time limit
+            self.forced_votes = job_deadline.forced_vote_steps()  # test hooks' steps
+            self.hold_at = job_deadline.hold_step()
             self.next_vote: int | None = None  # the global step of the next vote; None: at the next step
             self.last_vote: tuple[int, float] | None = None  # (global step, time) of the last vote
 
@@ -130,24 +150,45 @@ def checkpoint_callbacks():
             loader = getattr(train_dataloader, "base_dataloader", train_dataloader)
             if loader is not None and loader.num_workers > 0:
                 loader.worker_init_fn = functools.partial(worker_ignores_stop_signals, loader.worker_init_fn)
+            if self.deadline is not None:
+                left = self.deadline.time_left()
+                log(f"Slurm job {self.deadline.job_id} " + ("has no time limit llmft can read: no early final save"
+                    if left is None else f"ends in {left:.0f} s; the final save starts {self.deadline.lead(0):.0f} s "
+                    "before that (" + (f"the longest save so far took {self.deadline.longest_save_s:.1f} s"
+                                       if self.deadline.longest_save_s is not None else "estimated")
+                    + "; re-measured at each save)"))
+
+        def _hold(self, step: int) -> None:
+            """LLMFT_TEST_HOLD_AT_STEP: wait here until a stop is requested (bounded)."""
+            until = time.monotonic() + job_deadline.HOLD_LIMIT_S
+            while not (self.requested or stop_file_present(self.stop_file)) and time.monotonic() < until:
+                time.sleep(0.2)
 
         def _request(self, signum, frame):
             self.requested = True
 
         def on_step_end(self, args, state, control, **kwargs):
             step, now = state.global_step, time.monotonic()
-            if self.next_vote is not None and step < self.next_vote:
+            if self.next_vote is not None and step < self.next_vote and step not in self.forced_votes:
                 return
-            interval = 1
-            if self.last_vote is not None:
+            if step == self.hold_at:
+                self._hold(step)
+            interval, step_s = 1, 0.0
+            if self.last_vote is not None and step > self.last_vote[0]:
                 interval = steps_between_stop_votes(now - self.last_vote[1], step - self.last_vote[0])
-            asked = self.requested or bool(state.is_world_process_zero and self.stop_file and os.path.exists(self.stop_file))
-            stop, smallest = all_ranks_max(int(asked), -interval, device=args.device)  # max of -interval: the smallest
+                step_s = (now - self.last_vote[1]) / (step - self.last_vote[0])
+            asked = self.requested or stop_file_present(self.stop_file)
+            late = self.deadline.due(step, step_s) if self.deadline is not None and not asked else None
+            stop, smallest = all_ranks_max(int(asked or bool(late)), -interval, device=args.device)  # max of -interval: the smallest
             self.next_vote, self.last_vote = step - smallest, (step, now)
             if stop and step < state.max_steps:
                 control.should_save = True
                 control.should_training_stop = True
                 self.stopped_at = state.global_step
+                if late:
+                    self.for_time_limit = True
+                    log(late)
+                    job_deadline.ask_for_requeue(late)
 
     return PublishCompleteCheckpoint, GracefulStop
 
