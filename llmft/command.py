@@ -12,6 +12,7 @@ import sys
 
 from llmft.errors import LlmftError
 from llmft.planning.world import rank0
+from llmft.training.launcher import write_error_line
 
 USER_ERROR_EXIT = 2
 
@@ -25,6 +26,9 @@ def command_parser(subparsers, name: str, description: str) -> argparse.Argument
 
 def report_error(command: str, error: LlmftError | str, *, all_ranks: bool = False) -> int:
     """Print `llmft COMMAND: error: MESSAGE` (rank 0 only, unless every rank's message matters) and return the exit code."""
+    line = f"llmft {command}: error: {error}"
+    if write_error_line(line):  # under `llmft train --nproc_per_node N`: the launcher prints it once
+        return USER_ERROR_EXIT
     if all_ranks or rank0():
-        print(f"llmft {command}: error: {error}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
     return USER_ERROR_EXIT

@@ -61,6 +61,7 @@ from llmft.training import (
     elastic,
     host_memory,
     job_deadline,
+    launcher,
     metrics,
     packing,
     rerun,
@@ -488,6 +489,11 @@ def make_parser(subparsers=None):
 
 def cli(parser, argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    nproc_per_node, argv, problem = launcher.take_nproc_per_node(argv)
+    if problem:
+        return report_error("train", problem)
+    if nproc_per_node is not None and not {"-h", "--help"} & set(argv):  # torchrun's agent in this process
+        return launcher.launch(nproc_per_node, argv)
     if not {"-h", "--help"} & set(argv):
         try:
             problem = launch_problem(os.environ, world._cuda_device_count(), argv)

@@ -340,3 +340,64 @@ def test_bad_input_is_one_line_a_nonzero_exit_no_traceback_and_nothing_written(c
     assert not w.out.exists()
     if runner.in_process:
         assert dict(os.environ) == env_before  # failed before any distributed set-up
+
+
+def _missing_data_flags(w: Workspace) -> tuple[list[str], str]:
+    """Flags of a 2-process run on the tiny model whose dataset file does not exist, and the line it must print."""
+    missing = w.inputs / "missing.jsonl"
+    flags = ["--model_name_or_path", str(w.model), "--dataset_name", str(missing), "--output_dir", str(w.out),
+             "--max_steps", "2", "--per_device_train_batch_size", "1", "--report_to", "none", "--zero_stage", "2"]
+    return flags, str(missing)
+
+
+def _nonempty_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def test_llmft_train_nproc_per_node_turns_a_bad_input_into_one_line_under_a_real_torchrun(tiny_model, tiny_data, tmp_path):
+    """`llmft train --nproc_per_node 2`: torchrun's agent in llmft's process (gloo, 2 ranks); stderr is llmft's line
+    first and last (no ChildFailedError traceback, no failure table), exit code 2, nothing written."""
+    from conftest import PYTHON, run
+
+    w = Workspace(tmp_path / "ws", tiny_model, tiny_data)
+    flags, missing = _missing_data_flags(w)
+    before = _snapshot(w.root)
+    proc = run([PYTHON, "-m", "llmft.cli", "train", "--nproc_per_node", "2", *flags], timeout=300)
+    lines = _nonempty_lines(proc.stderr)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines and lines[0] == lines[-1], proc.stderr[-3000:]
+    assert lines[0].startswith("llmft train: error: ") and missing in lines[0], proc.stderr[-3000:]
+    assert sum(line.startswith("llmft train: error:") for line in lines) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert _snapshot(w.root) == before and not w.out.exists()
+
+
+def test_plain_torchrun_shows_llmfts_line_as_the_root_cause_instead_of_a_link(tiny_model, tiny_data, tmp_path):
+    """Plain `torchrun -m llmft.train` still prints its own traceback (its process, not llmft's), but the failure
+    table it prints names llmft's line as the root cause (written to TORCHELASTIC_ERROR_FILE), not a docs link."""
+    from conftest import PYTHON, run
+
+    w = Workspace(tmp_path / "ws", tiny_model, tiny_data)
+    flags, missing = _missing_data_flags(w)
+    proc = run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "llmft.train", *flags],
+               timeout=300)
+    assert proc.returncode != 0
+    root_cause = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert f"traceback : llmft train: error: " in root_cause and missing in root_cause, proc.stderr[-3000:]
+    assert "To enable traceback see" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, nproc, rest, problem", [
+    (["--nproc_per_node", "4", "--output_dir", "x"], 4, ["--output_dir", "x"], None),
+    (["--output_dir", "x", "--nproc_per_node=2"], 2, ["--output_dir", "x"], None),
+    (["--output_dir", "x"], None, ["--output_dir", "x"], None),
+    (["--nproc_per_node", "four"], None, [], "'four' is not a number of processes"),
+    (["--nproc_per_node", "0"], None, [], "'0' is not a number of processes"),
+    (["--output_dir", "x", "--nproc_per_node"], None, ["--output_dir", "x", "--nproc_per_node"], "needs a number"),
+])
+def test_nproc_per_node_is_taken_off_the_training_flags(argv, nproc, rest, problem):
+    from llmft.training.launcher import take_nproc_per_node
+
+    got_nproc, got_rest, got_problem = take_nproc_per_node(argv)
+    assert (got_nproc, got_rest) == (nproc, rest)
+    assert (problem is None and got_problem is None) or problem in got_problem
