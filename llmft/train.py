@@ -47,6 +47,7 @@ from llmft.checkpoint import run_dir
 from llmft.command import report_error
 from llmft.data import loading as data
 from llmft.data.cache import DataOptions, Prepared, check_options, prepare, write_run_record
+from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
 from llmft.planning import ds_config, world
@@ -175,8 +176,8 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
     script, training, model, extra = run.script, run.training, run.model, run.llmft
     if not model.model_name_or_path:
         raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
-    if not script.dataset_name:
-        raise TrainError("--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
+    if not script.dataset_name and not extra.dataset_mixture:
+        raise TrainError("--dataset_name (or --dataset_mixture) is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
     check_flags(script, training, model, cuda=cuda)
     precision = train_precision(training, extra, gpu)
     grad_accum = training.gradient_accumulation_steps if training.gradient_accumulation_steps != 1 else None
@@ -240,7 +241,8 @@ def decide_resume(run: RunSettings, decided: Decisions) -> ResumeDecision:
     identity = run_identity.run_identity(
         run.script, training, run.model, run.llmft, zero_stage=plan.zero_stage,
         global_batch=elastic.kept_global_batch(checkpoint, plan.batch.global_batch, global_batch_given=given),
-        dataset_fingerprint=data.content_fingerprint(run.script.dataset_name, run.script.dataset_config),
+        dataset_fingerprint=(mixture_fingerprint(read_mixture(run.llmft.dataset_mixture, decided.data_options.seed))
+                             if run.llmft.dataset_mixture else data.content_fingerprint(run.script.dataset_name, run.script.dataset_config)),
     )
     identity["hyperparameters"] = rerun.hyperparameters(training)  # recorded, not compared: rerun.decide
     accepted = run_identity.check_same_run(training.output_dir, identity, training.resume_from_checkpoint)
@@ -343,9 +345,11 @@ def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Pre
     if prepared.shape == "messages":
         data.ensure_chat_template(tokenizer)
     records = prepared.info["records"]
-    log(f"dataset {run.script.dataset_name}: {records['train']} records ({prepared.shape}, "
-        f"{run.llmft.data_percentage:g}% of the split)"
-        + (f", {records['eval']} for evaluation" if prepared.eval is not None else ""))
+    mixed = prepared.info.get("mixture")
+    where = (", ".join(f"{s['records']} from {s['path']}" for s in mixed["sources"]) if mixed
+             else f"{run.llmft.data_percentage:g}% of the split")
+    log(f"dataset {run.script.dataset_name or 'mixture ' + run.llmft.dataset_mixture}: {records['train']} records ({prepared.shape}, "
+        f"{where})" + (f", {records['eval']} for evaluation" if prepared.eval is not None else ""))
     if rank0():
         write_run_record(run.training.output_dir, decided.data_options, prepared)
         report = padding_report(prepared_lengths(prepared.train), decided.plan.batch.micro_batch, run.training.max_length)

@@ -56,6 +56,7 @@ class DataOptions:
     text_field: str = "text"
     data_percentage: float = 100.0
     seed: int = 42
+    dataset_mixture: str | None = None  # a mixture YAML (llmft.data.mixture) instead of dataset_name
 
     @classmethod
     def from_args(cls, script_args, training_args, llmft_args) -> "DataOptions":
@@ -72,6 +73,7 @@ class DataOptions:
             text_field=training_args.dataset_text_field,
             data_percentage=llmft_args.data_percentage,
             seed=training_args.seed,
+            dataset_mixture=getattr(llmft_args, "dataset_mixture", None),
         )
 
     @property
@@ -81,7 +83,9 @@ class DataOptions:
 
 def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: dict | None = None) -> None:
     """Cheap checks before anything loads: percentages, ratios, evaluation flags that need evaluation data."""
-    if not opts.dataset_name:
+    if opts.dataset_mixture:
+        check_mixture_options(opts)
+    elif not opts.dataset_name:
         raise DataError("--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
     data.check_percentage(opts.data_percentage)
     if opts.eval_split_ratio is not None:
@@ -93,6 +97,22 @@ def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: 
         raise DataError(f"--eval_strategy {strategy} needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05")
     if (dataset_kwargs or {}).get("skip_prepare_dataset"):
         raise DataError("llmft prepares the data itself (tokenised once, cached): drop skip_prepare_dataset from --dataset_kwargs")
+
+
+def check_mixture_options(opts: DataOptions) -> None:
+    """A mixture replaces --dataset_name and the per-dataset flags (they go per source in its YAML); its sources
+    are read and mapped here, so a bad mixture stops the run before any model loads."""
+    from llmft.data import mixture
+
+    given = [flag for flag, value in (("--dataset_name", opts.dataset_name), ("--dataset_config", opts.dataset_config),
+                                      ("--prompt_column", opts.prompt_column), ("--completion_column", opts.completion_column),
+                                      ("--messages_column", opts.messages_column)) if value]
+    if opts.data_percentage != 100:
+        given.append("--data_percentage")
+    if given:
+        raise DataError(f"--dataset_mixture lists the datasets: drop {', '.join(given)} (per source in the mixture YAML: "
+                        "path, config, columns, percentage)")
+    mixture.load_sources(mixture.read_mixture(opts.dataset_mixture, opts.seed), opts.text_field)
 
 
 def apply_tokenizer_options(tokenizer, args) -> None:
@@ -142,11 +162,17 @@ def fingerprint(opts: DataOptions, tokenizer, args) -> tuple[str, dict]:
     else:
         evaluation = None
     subset = opts.data_percentage < 100 or args.shuffle_dataset
+    if opts.dataset_mixture:
+        from llmft.data import mixture
+
+        train = {"mixture": mixture.mixture_key(mixture.read_mixture(opts.dataset_mixture, opts.seed))}
+    else:
+        train = {"data": data.content_fingerprint(opts.dataset_name, opts.dataset_config), "config": opts.dataset_config,
+                 "split": opts.train_split}
     key = {
         "version": PREPARE_VERSION,
         "libraries": {m.__name__: m.__version__ for m in (trl, transformers, tokenizers, datasets)},
-        "train": {"data": data.content_fingerprint(opts.dataset_name, opts.dataset_config), "config": opts.dataset_config,
-                  "split": opts.train_split},
+        "train": train,
         "eval": evaluation,
         "columns": {"prompt": opts.prompt_column, "completion": opts.completion_column, "messages": opts.messages_column,
                     "text": opts.text_field},
@@ -229,12 +255,22 @@ def fit_lines(info: dict, positions: int | None = None) -> list[str]:
     return out
 
 
-def load_records(opts: DataOptions):
-    """(train, eval or None, shape, records per split): loaded, checked, mapped to TRL's columns, the eval split
-    held out (before --data_percentage, so it does not move with it), then the training percentage taken."""
+def load_records(opts: DataOptions, mixed: dict | None = None):
+    """(train, eval or None, shape): loaded, checked, mapped to TRL's columns, the eval split held out (before
+    --data_percentage, so it does not move with it), then the training percentage taken. A mixture's record
+    (its sources and the records each gave) goes into `mixed`."""
     columns = dict(prompt_column=opts.prompt_column, completion_column=opts.completion_column,
                    messages_column=opts.messages_column, text_field=opts.text_field)
-    train, shape = data.shape_for_sft(data.load_train_split(opts.dataset_name, opts.dataset_config, opts.train_split), **columns)
+    if opts.dataset_mixture:
+        from llmft.data import mixture
+
+        spec = mixture.read_mixture(opts.dataset_mixture, opts.seed)
+        sources, shape = mixture.load_sources(spec, opts.text_field)
+        train, counts = mixture.mix(sources, spec)
+        if mixed is not None:
+            mixed.update(mixture.record(spec, counts))
+    else:
+        train, shape = data.shape_for_sft(data.load_train_split(opts.dataset_name, opts.dataset_config, opts.train_split), **columns)
     evaluation = None
     if opts.eval_split_ratio:
         train, evaluation = data.held_out_split(train, opts.eval_split_ratio)
@@ -249,7 +285,8 @@ def load_records(opts: DataOptions):
 def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], None]) -> dict:
     """Prepare into `out` (a fresh directory): train/ and eval/ Arrow datasets, and the marker written last."""
     t0 = time.time()
-    train, evaluation, shape = load_records(opts)
+    mixed: dict = {}
+    train, evaluation, shape = load_records(opts, mixed)
     if args.assistant_only_loss and shape != "messages":
         raise DataError("--assistant_only_loss needs chat data (a messages column); this dataset is " + shape)
     if shape == "messages" and data.ensure_chat_template(tokenizer):
@@ -273,6 +310,8 @@ def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], No
     info = {"shape": shape, "records": records, "sequences": {k: len(v) for k, v in prepared.items()},
             "tokens": {k: _token_count(v) for k, v in prepared.items()}, "fit": fit, "seconds": round(time.time() - t0, 2),
             "created": time.time(), "files": files}
+    if mixed:
+        info["mixture"] = mixed
     return info
 
 
@@ -304,6 +343,9 @@ def write_run_record(output_dir: str | Path, opts: DataOptions, prepared: Prepar
               "data_percentage": opts.data_percentage, "shape": prepared.shape, "fingerprint": prepared.fingerprint,
               "prepared_dir": str(prepared.directory), "records": info.get("records"), "sequences": info.get("sequences"),
               "tokens": info.get("tokens"), "fit": info.get("fit")}
+    if opts.dataset_mixture:
+        record["dataset_name"] = f"mixture {opts.dataset_mixture}"
+        record["mixture"] = info.get("mixture")
     path = Path(output_dir) / "llmft_data.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json(path, record)

@@ -46,3 +46,7 @@ class LlmftArguments:
     prepare_timeout: float = field(
         default=7200.0, metadata={"help": "Seconds the other ranks wait for rank 0 to prepare (tokenise) the data."}
     )
+    dataset_mixture: str | None = field(
+        default=None, metadata={"help": "A YAML listing several datasets (path, columns, split, percentage, weight or all) "
+                                        "to train on as one weighted mixture, instead of --dataset_name; see llmft.data.mixture."}
+    )

@@ -124,7 +124,7 @@ POLICY: dict[str, tuple[str, str]] = {
              "HF's evaluation loop on the prepared eval data; an eval strategy without eval data is refused (llmft.prepare)"),
     # ---- LlmftArguments
     **_table(USED, "zero_stage offload global_batch_size data_percentage precision prompt_column completion_column "
-                   "messages_column stop_file eval_dataset_name eval_split_ratio prepare_timeout", "llmft's own flags"),
+                   "messages_column stop_file eval_dataset_name eval_split_ratio prepare_timeout dataset_mixture", "llmft's own flags"),
     "auto": (CHECKED, "llmft.plan.auto_choice picks ZeRO stage, offload, micro-batch and gradient checkpointing; "
                       "refused with --zero_stage/--offload/--deepspeed"),
     "save_consolidated": (CHECKED, "ZeRO-3: the gathered 16-bit model at the end (llmft.training.saving); refused on other "

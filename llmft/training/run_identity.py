@@ -64,7 +64,7 @@ def run_identity(script_args, training_args, model_args, llmft_args, *, dataset_
     return {
         "model": _model_id(model_args.model_name_or_path),
         "model_revision": model_args.model_revision,
-        "dataset": _model_id(script_args.dataset_name),  # shown, not compared: the fingerprint is the content
+        "dataset": _model_id(script_args.dataset_name or getattr(llmft_args, "dataset_mixture", None) or ""),  # shown, not compared
         "dataset_fingerprint": dataset_fingerprint,
         "dataset_config": script_args.dataset_config,
         "dataset_split": script_args.dataset_train_split,
