@@ -4,7 +4,7 @@
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --nnodes 2 --nproc_per_node 4
     llmft prepare --model_name_or_path gpt2 --dataset_name data.jsonl --max_length 1024 --packing
     llmft infer runs/x/checkpoint-100/global_step100 --prompt "Hello"
-    llmft eval runs/x --dataset_name test.jsonl --prompt_column question --completion_column answer
+    llmft eval runs/x --tasks gsm8k,minerva_math
     llmft report runs/x runs/y
     llmft tiny --out runs/tiny
     llmft demo --out runs/demo
@@ -23,7 +23,7 @@ COMMANDS = {
     "prepare": ("llmft.prepare", "tokenise (and pack) the data once into the shared cache; takes llmft train's flags"),
     "plan": ("llmft.plan", "print the run plan (world, batch math, ZeRO config) without loading a model"),
     "infer": ("llmft.infer", "generate text from a ZeRO checkpoint, or export it as a Hugging Face model"),
-    "eval": ("llmft.eval", "perplexity and exact match (GSM8K-style) of checkpoints on a dataset"),
+    "eval": ("llmft.eval", "standard benchmarks (lm-evaluation-harness: gsm8k, minerva_math, mmlu, ...) on checkpoints"),
     "report": ("llmft.report", "plots (PNG) and a Markdown summary of one or more runs"),
     "tiny": ("llmft.tiny", "write a tiny offline model, tokenizer and dataset"),
     "demo": ("llmft.demo", "tiny model + data, a 2-process ZeRO-2 fine-tune on CPU, then inference"),

@@ -1,54 +1,46 @@
-"""Did the model get better? Perplexity on reference answers and exact match of the final answer.
+"""Standard benchmarks on a checkpoint through lm-evaluation-harness.
 
 ```bash
-llmft eval runs/x --dataset_name gsm8k_test.jsonl --prompt_column question --completion_column answer
-llmft eval runs/x/checkpoint-100 runs/x/checkpoint-200 runs/y exported/ --dataset_name test.jsonl --limit 200
-python -m llmft.eval runs/x --dataset_name openai/gsm8k --dataset_config main --prompt_column question \
-    --completion_column answer --max_new_tokens 256 --batch_size 16 --output gsm8k.json
-torchrun --nproc_per_node 4 -m llmft.eval runs/x --dataset_name test.jsonl   # records split over 4 GPUs
+llmft eval runs/x --tasks gsm8k,minerva_math,mmlu                 # the run's newest complete checkpoint
+llmft eval runs/x/checkpoint-500 runs/x/checkpoint-1000 exported/ --tasks gsm8k --limit 200
+llmft eval runs/x --tasks gsm8k --task_data gsm8k=gsm8k_test.jsonl --task_data gsm8k:train=gsm8k_train.jsonl  # offline
+llmft eval runs/x --tasks mmlu_abstract_algebra --task_data mmlu_abstract_algebra=mmlu/abstract_algebra/   # test.jsonl, dev.jsonl
 ```
 
 A checkpoint is a ZeRO `global_stepN` directory, a `checkpoint-N` directory or a run directory (its newest
-complete checkpoint), read by llmft's inference loader without a DeepSpeed engine, or an exported Hugging
-Face model directory. The data takes the formats and column mapping of training: prompt/completion (the
-completion is the reference), chat (the last assistant message is the reference, the messages before it
-the prompt) or plain text (perplexity only).
+complete checkpoint), read by llmft's inference loader (exact fp32 masters from the shards, no DeepSpeed, no
+export), or a Hugging Face model directory. The model is handed in memory to the harness's `HFLM`; the tasks,
+prompts, few-shot examples, answer extraction and metrics are the harness's own (`lm-eval` 0.4). Device and
+precision are chosen as `llmft infer` chooses them; batch size `auto` is the harness's search for the largest
+batch that fits on a GPU, 8 on the CPU.
 
-Metrics, as lm-evaluation-harness reports them for GSM8K:
-  - perplexity: exp of the mean negative log-likelihood of the reference tokens given the prompt, tokenised
-    exactly as training tokenises them (TRL's preparation, end-of-sequence token included);
-  - exact_match_strict: the number after `####` in the output (`--answer_pattern` changes the extractor);
-  - exact_match_flexible: the last number in the output;
-both compared with the reference's answer after the harness's normalisation (commas, `$`, a trailing period
-and case ignored). Generation is greedy, in left-padded batches, and stops at the end-of-sequence token.
-One JSON per checkpoint (default: `eval-<data>-step<N>.json` in its run directory, where `llmft report`
-finds it); several checkpoints also print a comparison table.
+`--task_data TASK=FILE` points a task's evaluated split (test, else validation) at a local file in the task's
+own format, `TASK:SPLIT=FILE` another split (e.g. `gsm8k:train`, where GSM8K draws its few-shot examples),
+`TASK=DIR` every split with a file `DIR/<split>.jsonl` (or .json, .parquet, .csv). The harness's YAML is not
+edited: llmft writes a task file that `include:`s it and changes only where the data comes from.
+
+Results go to `<run>/eval/` (`--output` elsewhere): the harness's JSON (`results-step<N>-<time>.json`), with
+`--log_samples` every prompt, response and score (`samples-step<N>-<task>-<time>.jsonl`), and one line per task
+appended to `summary.jsonl`, which `llmft report` plots across runs and checkpoints.
 """
 
 from __future__ import annotations
 
-import contextlib
+import difflib
 import json
+import math
 import os
-import re
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from llmft.checkpoint.loader import DTYPES, Model, generate, load_model, pick_device, pick_dtype
+from llmft.checkpoint.loader import DTYPES, Model, load_model, pick_device, pick_dtype
 from llmft.checkpoint.zero import CheckpointError
-from llmft.command import command_parser
-from llmft.data import loading as data
-from llmft.data.cache import attempt_id, trl_prepare
-from llmft.data.loading import DataError
+from llmft.command import command_parser, report_error
 from llmft.errors import LlmftError
-from llmft.planning.model_shape import model_positions
-from llmft.training.metrics import perplexity
 
-STRICT_PATTERN = r"#### (\-?[0-9\.\,]+)"  # lm-evaluation-harness gsm8k "strict-match"
-FLEXIBLE_PATTERN = r"(-?[$0-9.,]{2,})|(-?[0-9]+)"  # gsm8k "flexible-extract", last match
-IGNORE_REGEXES = (",", r"\$", r"(?s).*#### ", r"\.$")  # gsm8k exact_match regexes_to_ignore (ignore_case: true)
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split")
 
 
 class EvalError(LlmftError, ValueError):
@@ -56,273 +48,225 @@ class EvalError(LlmftError, ValueError):
 
 
 # --------------------------------------------------------------------------------------------------
-# Scoring (pure)
+# --task_data: a standard task read from local files (pure but for reading the first record)
 
 
-def extract(pattern: str | re.Pattern, text: str, select: int = 0) -> str | None:
-    """The harness's regex filter: all matches, the `select`-th (0 first, -1 last), the first non-empty group."""
-    matches = re.findall(pattern, text)
-    if not matches:
-        return None
-    match = matches[select]
-    if isinstance(match, tuple):
-        match = next((m for m in match if m), "")
-    return match.strip()
-
-
-def normalize(answer: str) -> str:
-    """The harness's exact_match for GSM8K: drop the ignored regexes, then compare case-insensitively."""
-    for regex in IGNORE_REGEXES:
-        answer = re.sub(regex, "", answer)
-    return answer.lower()
-
-
-def reference_answer(reference: str, pattern: str = STRICT_PATTERN) -> str:
-    """The answer a reference states: what the extractor finds in it, else its last number, else all of it."""
-    found = extract(pattern, reference, 0)
-    if found is None:
-        found = extract(FLEXIBLE_PATTERN, reference, -1)
-    return normalize(found if found is not None else reference)
-
-
-def score(prediction: str, reference: str, pattern: str = STRICT_PATTERN) -> tuple[bool, bool]:
-    """(strict, flexible) exact match of one prediction."""
-    target = reference_answer(reference, pattern)
-    strict = extract(pattern, prediction, 0)
-    flexible = extract(FLEXIBLE_PATTERN, prediction, -1)
-    return (strict is not None and normalize(strict) == target, flexible is not None and normalize(flexible) == target)
-
-
-
-
-
-
-
-
-# --------------------------------------------------------------------------------------------------
-# Data: prompts and references from the training formats
-
-
-@dataclass
-class Example:
-    prompt: object  # a string, or the chat messages before the reference
-    reference: object  # a string, or the reference assistant message
-    prompt_text: str | None  # what generation starts from (None: plain text, nothing to generate)
-    reference_text: str
-
-
-def load_examples(args, tokenizer) -> tuple[list[Example], str]:
-    """Records in one of the training shapes, mapped with the training column options, first --limit of them."""
-    ds = data.load_train_split(args.dataset_name, args.dataset_config, args.dataset_split)
-    ds, shape = data.shape_for_sft(ds, prompt_column=args.prompt_column, completion_column=args.completion_column,
-                                   messages_column=args.messages_column, text_field=args.dataset_text_field)
-    if args.limit is not None:
-        ds = ds.select(range(min(args.limit, len(ds))))
-    if shape == "messages":
-        data.ensure_chat_template(tokenizer)
-    examples = []
-    for i, row in enumerate(ds):
-        if shape == "prompt_completion":
-            examples.append(Example(row["prompt"], row["completion"], row["prompt"], row["completion"]))
-        elif shape == "messages":
-            messages = row["messages"]
-            if not messages or messages[-1].get("role") != "assistant" or len(messages) < 2:
-                raise EvalError(f"record {i} of {args.dataset_name} does not end with an assistant message after a prompt: "
-                                "the last assistant message is the reference answer")
-            prompt_text = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-            examples.append(Example(messages[:-1], messages[-1], prompt_text, messages[-1]["content"]))
-        else:
-            examples.append(Example(None, row[args.dataset_text_field], None, row[args.dataset_text_field]))
-    return examples, shape
-
-
-def scoring_dataset(examples: list[Example], shape: str, text_field: str):
-    """The examples as TRL prompt/completion (or text) records: the loss mask then covers the reference only."""
-    from datasets import Dataset
-
-    if shape == "text":
-        return Dataset.from_dict({text_field: [e.reference for e in examples]})
-    if shape == "messages":
-        return Dataset.from_list([{"prompt": e.prompt, "completion": [e.reference]} for e in examples])
-    return Dataset.from_dict({"prompt": [e.prompt for e in examples], "completion": [e.reference for e in examples]})
-
-
-def tokenise_for_scoring(examples: list[Example], shape: str, tokenizer, text_field: str, max_length: int | None):
-    """input_ids and labels per example, by TRL's own preparation (as training tokenises), without packing,
-    truncated to `max_length` (the model's positions) from the end."""
-    import tempfile
-
-    from trl import SFTConfig
-
-
-    if not examples:
-        return []
-    with tempfile.TemporaryDirectory() as tmp, _quiet_datasets():
-        # max_length None here: TRL would drop examples truncation leaves without a scored token; they stay, scoring 0.
-        args = SFTConfig(output_dir=tmp, report_to="none", activation_checkpointing=False, bf16=False, use_cpu=True, max_length=None,
-                         dataset_text_field=text_field, packing=False, completion_only_loss=True)
-        prepared = trl_prepare(scoring_dataset(examples, shape, text_field), tokenizer, args, packing=False, name="eval",
-                               completion_only=True)
-    cut = slice(None, max_length)
-    return [(row["input_ids"][cut], row["labels"][cut]) for row in prepared]
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    import datasets
-
-    enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if enabled:
-            datasets.enable_progress_bars()
-
-
-# --------------------------------------------------------------------------------------------------
-# Model: ZeRO checkpoint (llmft's inference loader) or an exported directory
-
-
-
-
-
-
-
-
-
-
-
-
-# --------------------------------------------------------------------------------------------------
-# Evaluation
-
-
-def nll_per_example(model, tokenizer, scored: list[tuple[list[int], list[int]]], batch_size: int) -> list[tuple[float, int]]:
-    """(sum of negative log-likelihoods, tokens) over each example's labelled tokens: teacher forcing, right padding."""
-    import torch
-    import torch.nn.functional as F
-
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = []
-    for start in range(0, len(scored), batch_size):
-        batch = scored[start : start + batch_size]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (x, y) in enumerate(batch):
-            ids[i, : len(x)] = torch.tensor(x)
-            labels[i, : len(y)] = torch.tensor(y)
-            mask[i, : len(x)] = 1
-        ids, labels, mask = ids.to(device), labels.to(device), mask.to(device)
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
-        shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-        loss = F.cross_entropy(shift_logits.transpose(1, 2), shift_labels, ignore_index=-100, reduction="none")
-        counted = shift_labels != -100
-        for i in range(len(batch)):
-            out.append((float(loss[i][counted[i]].sum()), int(counted[i].sum())))
+def parse_task_data(values: list[str]) -> dict[str, dict[str | None, Path]]:
+    """`TASK=PATH` / `TASK:SPLIT=FILE` values -> {task: {split or None (the evaluated split): path}}."""
+    out: dict[str, dict[str | None, Path]] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise EvalError(f"--task_data {value!r}: use TASK=FILE, TASK:SPLIT=FILE or TASK=DIR (e.g. gsm8k=gsm8k_test.jsonl)")
+        task, _, split = name.partition(":")
+        p = Path(path)
+        if not p.exists():
+            raise EvalError(f"--task_data {value}: {p} does not exist: check the path")
+        if p.is_file() and p.suffix not in DATA_SUFFIXES:
+            raise EvalError(f"--task_data {value}: {p.name} is not a {', '.join(DATA_SUFFIXES)} file")
+        if p.is_dir() and split:
+            raise EvalError(f"--task_data {value}: a split names one file, not a directory")
+        splits = out.setdefault(task, {})
+        key = split or None
+        if key in splits:
+            raise EvalError(f"--task_data gives {task}{':' + split if split else ''} twice: give each task split once")
+        splits[key] = p
     return out
 
 
-def stop_at_eos(model, tokenizer) -> list[int]:
-    """Generation stops at the tokenizer's end-of-sequence token as well as the model's own (chat models often
-    end a turn with a token the bare config does not name); returns the ids."""
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    model.generation_config.eos_token_id = ids
-    return ids
+def split_files(task: str, cfg: dict, given: dict[str | None, Path]) -> dict[str, Path]:
+    """{split name: file} for a task whose (include-resolved) YAML config is `cfg`."""
+    used = [cfg[k] for k in SPLIT_KEYS if cfg.get(k)]
+    evaluated = cfg.get("test_split") or cfg.get("validation_split")
+    files: dict[str, Path] = {}
+    for split, path in given.items():
+        if path.is_dir():
+            for name in dict.fromkeys(used):
+                found = [path / f"{name}{s}" for s in DATA_SUFFIXES if (path / f"{name}{s}").is_file()]
+                if found:
+                    files[name] = found[0]
+            continue
+        name = split or evaluated
+        if name not in used:
+            raise EvalError(f"--task_data {task}:{split}: {task} has no split {split!r}; its splits are {', '.join(dict.fromkeys(used))}")
+        files[name] = path
+    if evaluated not in files:
+        where = next(iter(given.values()))
+        raise EvalError(f"--task_data {task}: no file for {task}'s evaluated split {evaluated!r} (looked for {where}/{evaluated}.jsonl): "
+                        f"give {task}={evaluated}.jsonl")
+    builders = {DATA_SUFFIXES[p.suffix] for p in files.values()}
+    if len(builders) > 1:
+        raise EvalError(f"--task_data {task}: its files mix formats ({', '.join(sorted(p.name for p in files.values()))}): use one format")
+    return files
 
 
-def evaluate_examples(m: Model, examples: list[Example], shape: str, args, pattern: str) -> list[dict]:
-    """Per example: prompt, reference, prediction, strict/flexible correctness, and its NLL and token count."""
-
-    tokenizer = m.tokenizer
-    positions = model_positions(m.model.config)
-    scored = tokenise_for_scoring(examples, shape, tokenizer, args.dataset_text_field, positions)
-    nll = nll_per_example(m.model, tokenizer, scored, args.batch_size)
-    predictions: list[str | None] = [None] * len(examples)
-    stop_at_eos(m.model, tokenizer)
-    todo = [i for i, e in enumerate(examples) if e.prompt_text is not None]
-    too_long = []
-    if positions and args.max_new_tokens >= positions:
-        raise EvalError(f"--max_new_tokens {args.max_new_tokens} exceeds the model's {positions} positions: lower --max_new_tokens")
-    if positions:  # a prompt with no room for --max_new_tokens is not generated for (counted), the others are
-        lengths = {i: len(tokenizer(examples[i].prompt_text)["input_ids"]) for i in todo}
-        too_long = [i for i in todo if lengths[i] + args.max_new_tokens > positions]
-        todo = [i for i in todo if i not in set(too_long)]
-        if too_long:
-            print(f"llmft eval: {len(too_long)} of {len(examples)} records skipped for generation: their prompt "
-                  f"(up to {max(lengths[i] for i in too_long)} tokens) + --max_new_tokens {args.max_new_tokens} exceeds the "
-                  f"model's {positions} positions (their perplexity still counts); lower --max_new_tokens to score more",
-                  file=sys.stderr, flush=True)
-    for start in range(0, len(todo), args.batch_size):
-        chunk = todo[start : start + args.batch_size]
-        gens = generate(m.model, tokenizer, [examples[i].prompt_text for i in chunk], max_new_tokens=args.max_new_tokens)
-        for i, g in zip(chunk, gens):
-            predictions[i] = g["completion"]
-    results = []
-    for e, pred, (loss, tokens) in zip(examples, predictions, nll):
-        strict, flexible = score(pred, e.reference_text, pattern) if pred is not None else (None, None)
-        results.append({"prompt": e.prompt_text if e.prompt_text is not None else "", "reference": e.reference_text,
-                        "prediction": pred, "correct_strict": strict, "correct_flexible": flexible, "_nll": loss, "_tokens": tokens})
-    for i in too_long:
-        results[i]["skipped"] = "prompt too long"
-    return results
+def fewshot_split_needed(cfg: dict, num_fewshot: int | None) -> str | None:
+    """The split a task draws its few-shot examples from, when it draws any and they are not fixed in its YAML."""
+    shots = cfg.get("num_fewshot", 0) if num_fewshot is None else num_fewshot
+    fewshot_config = cfg.get("fewshot_config") or {}
+    if not shots or fewshot_config.get("samples") is not None:
+        return None
+    return fewshot_config.get("split") or cfg.get("fewshot_split") or cfg.get("training_split") or cfg.get("validation_split")
 
 
-def summarise(checkpoint: str, step: int | None, results: list[dict]) -> dict:
-    """The output document: metrics over all examples, then the examples (without the scoring internals)."""
-    tokens = sum(r["_tokens"] for r in results)
-    generated = [r for r in results if r["prediction"] is not None]
-    def rate(key):
-        return sum(bool(r[key]) for r in generated) / len(generated) if generated else None
-    metrics = {"perplexity": perplexity(sum(r["_nll"] for r in results), tokens), "exact_match_strict": rate("correct_strict"),
-               "exact_match_flexible": rate("correct_flexible"), "n": len(results),
-               "skipped_too_long": sum(1 for r in results if r.get("skipped"))}
-    examples = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
-    return {"checkpoint": checkpoint, "step": step, "metrics": metrics, "examples": examples}
+def template_fields(cfg: dict) -> set[str]:
+    """The record fields the task's Jinja templates read (none when it preprocesses records in Python)."""
+    if cfg.get("process_docs") is not None:
+        return set()
+    import jinja2
+    from jinja2 import meta
+
+    env = jinja2.Environment()
+    fields: set[str] = set()
+    for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+        value = cfg.get(key)
+        if isinstance(value, str) and "{" in value:
+            try:
+                fields |= meta.find_undeclared_variables(env.parse(value))
+            except jinja2.TemplateSyntaxError:
+                pass
+    return fields
+
+
+def first_record(path: Path) -> dict | None:
+    """The first record of a JSON Lines / JSON file (None for other formats: the harness reads those)."""
+    if path.suffix not in (".jsonl", ".json"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            if path.suffix == ".jsonl":
+                line = next((line for line in f if line.strip()), None)
+                if line is None:
+                    raise EvalError(f"{path} is empty: it needs the task's records, one JSON object a line")
+                record = json.loads(line)
+            else:
+                data = json.load(f)
+                record = (data[0] if data else None) if isinstance(data, list) else data
+    except (ValueError, UnicodeDecodeError) as e:
+        raise EvalError(f"{path} is not valid JSON ({str(e).splitlines()[0]}): give the task's records as JSON Lines") from None
+    return record if isinstance(record, dict) else None
+
+
+def task_override(task: str, cfg: dict, yaml_path: Path, files: dict[str, Path]) -> dict:
+    """A task config that includes the harness's YAML and changes only the data source: local files for the
+    splits given, the splits not given removed (so nothing is fetched for them)."""
+    override = {"include": str(yaml_path), "task": task, "dataset_path": DATA_SUFFIXES[next(iter(files.values())).suffix],
+                "dataset_name": None, "dataset_kwargs": {"data_files": {s: str(p.resolve()) for s, p in files.items()}}}
+    for key in SPLIT_KEYS:
+        if cfg.get(key) and cfg[key] not in files:
+            override[key] = None
+    fewshot_config = cfg.get("fewshot_config") or {}
+    if fewshot_config.get("split") and fewshot_config["split"] not in files:
+        override["fewshot_config"] = {k: v for k, v in fewshot_config.items() if k != "split"}
+    return override
+
+
+def write_overrides(task_data: dict, num_fewshot: int | None, manager, directory: Path) -> Path:
+    """Check every --task_data task against its YAML and its files; write the including YAMLs into `directory`."""
+    import yaml
+    from lm_eval.tasks._index import Kind
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for task, given in task_data.items():
+        entry = manager.task_index.get(task)
+        if entry is None or entry.yaml_path is None or entry.kind not in (Kind.TASK,):
+            if entry is not None and entry.kind in (Kind.GROUP, Kind.TAG):
+                raise EvalError(f"--task_data {task}: {task} is a group of tasks; give data for each of its tasks "
+                                f"(e.g. --task_data {task}_<name>=FILE)")
+            if entry is not None:
+                raise EvalError(f"--task_data {task}: {task} is defined in Python, not YAML: its data source cannot be changed")
+            raise EvalError(f"--task_data {task}: {unknown_task(task, manager)}")
+        cfg = load_yaml(entry.yaml_path, resolve_func=False, recursive=True)
+        files = split_files(task, cfg, given)
+        needed = fewshot_split_needed(cfg, num_fewshot)
+        if needed and needed not in files:
+            shots = cfg.get("num_fewshot", 0) if num_fewshot is None else num_fewshot
+            raise EvalError(f"--task_data {task}: {task} draws its {shots} few-shot examples from its {needed!r} split: "
+                            f"add --task_data {task}:{needed}=FILE, or pass --num_fewshot 0")
+        fields = template_fields(cfg)
+        for split, path in files.items():
+            record = first_record(path)
+            missing = sorted(f for f in fields if record is not None and f not in record)
+            if missing:
+                raise EvalError(f"--task_data {task}:{split}: {path.name}'s records lack {', '.join(missing)} "
+                                f"(the fields {task}'s prompts read: {', '.join(sorted(fields))}); they have {', '.join(record)}")
+        (directory / f"{task}.yaml").write_text(yaml.safe_dump(task_override(task, cfg, Path(entry.yaml_path), files), sort_keys=False))
+    return directory
+
+
+def unknown_task(name: str, manager) -> str:
+    close = difflib.get_close_matches(name, manager.all_tasks, n=3)
+    return (f"unknown task {name!r} in lm-evaluation-harness" + (f" (close: {', '.join(close)})" if close else "")
+            + ": see `lm-eval ls tasks`, or --include_path DIR for your own task YAMLs")
+
+
+def parse_tasks(value: str) -> list[str]:
+    tasks = [t.strip() for t in value.split(",") if t.strip()]
+    if not tasks:
+        raise EvalError("--tasks names no task: e.g. --tasks gsm8k,minerva_math,mmlu")
+    return list(dict.fromkeys(tasks))
+
+
+def eval_batch_size(requested: str, device: str) -> int | str:
+    """--batch_size: a number as given; auto is the harness's search for the largest batch that fits on a GPU,
+    and 8 on the CPU (no memory to search against there)."""
+    if requested == "auto":
+        return "auto" if device.startswith("cuda") else 8
+    try:
+        size = int(requested)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise EvalError(f"--batch_size {requested}: give a positive number or auto")
+    return size
 
 
 # --------------------------------------------------------------------------------------------------
-# Several processes: each scores every world-th record, rank 0 merges (files, no process group)
+# Results: the harness's JSON, and llmft's one line per task
 
 
-def shard(n: int, rank: int, world: int) -> list[int]:
-    return list(range(rank, n, world))
+def summary_lines(results: dict, meta: dict) -> list[dict]:
+    """One record per task (and group) the harness scored: its metrics, their standard errors, the shots and n."""
+    parent = {t: g for g, subtasks in (results.get("group_subtasks") or {}).items() for t in subtasks}
+    lines = []
+    for task, values in results["results"].items():
+        metrics, stderr = {}, {}
+        for key, value in values.items():
+            if "," not in key or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            metric, _, flt = key.partition(",")
+            name = metric.removesuffix("_stderr") + ("" if flt == "none" else f",{flt}")
+            (stderr if metric.endswith("_stderr") else metrics)[name] = float(value)
+        n = (results.get("n-samples") or {}).get(task, {}).get("effective")
+        lines.append({**meta, "task": task, "group": parent.get(task), "num_fewshot": (results.get("n-shot") or {}).get(task),
+                      "n": n, "metrics": metrics, "stderr": stderr})
+    return lines
 
 
-def ranks(env) -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun, else from srun's task variables, else a world of one."""
-    def get(names, default):
-        return int(next((env[n] for n in names if env.get(n, "").strip()), default))
-    return (get(("RANK", "SLURM_PROCID"), 0), get(("WORLD_SIZE", "SLURM_NTASKS"), 1), get(("LOCAL_RANK", "SLURM_LOCALID"), 0))
+def describe_line(line: dict) -> str:
+    shots = f"{line['num_fewshot']}-shot" if line["num_fewshot"] is not None else "-"
+    values = ", ".join(f"{k} {v:.4f}" + (f" ± {line['stderr'][k]:.4f}" if isinstance(line["stderr"].get(k), float) and
+                                         math.isfinite(line["stderr"][k]) else "") for k, v in line["metrics"].items())
+    return f"{line['task']} ({shots}, n={line['n']}) step {line['step']}: {values or 'no numeric metric'}"
 
 
-def _fresh_part(path: Path, since: float) -> dict | None:
-    """A rank's results written by this launch (not a leftover of an earlier, failed one)."""
-    try:
-        part = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return part["results"] if part.get("time", 0) >= since - 10 else None
+def write_results(results: dict, meta: dict, out_dir: Path, stamp: str) -> tuple[Path, list[dict]]:
+    """The harness's results (samples apart) as JSON, the samples as JSON Lines per task, the summary lines appended."""
+    from lm_eval.utils import handle_non_serializable
 
-
-def _wait_for_parts(parts: list[Path], since: float, timeout: float) -> list[dict]:
-    deadline = time.time() + timeout
-    while True:
-        found = [_fresh_part(p, since) for p in parts]
-        if all(f is not None for f in found):
-            return found
-        if time.time() > deadline:
-            missing = next(str(p) for p, f in zip(parts, found) if f is None)
-            raise EvalError(f"waited {timeout:.0f}s for the other ranks' results ({missing} missing): "
-                            "did a rank fail, or is the output on storage every node shares?")
-        time.sleep(0.5)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    step = f"step{meta['step']}" if meta["step"] is not None else "final"
+    samples = results.pop("samples", None) or {}
+    path = out_dir / f"results-{step}-{stamp}.json"
+    path.write_text(json.dumps({**results, "llmft": meta}, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    for task, rows in samples.items():
+        with open(out_dir / f"samples-{step}-{task}-{stamp}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n" for row in rows)
+    lines = summary_lines(results, {**meta, "results_file": path.name})
+    with open(out_dir / "summary.jsonl", "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    return path, lines
 
 
 # --------------------------------------------------------------------------------------------------
@@ -330,143 +274,144 @@ def _wait_for_parts(parts: list[Path], since: float, timeout: float) -> list[dic
 
 
 def make_parser(subparsers=None):
-
-    parser = command_parser(subparsers, "eval", "Perplexity and exact match of one or more checkpoints on a dataset.")
-    parser.add_argument("checkpoint", nargs="+", help="global_stepN dir, checkpoint-N dir, run dir or exported model dir (several: compared)")
-    parser.add_argument("--dataset_name", required=True, help="a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset")
-    parser.add_argument("--dataset_config", default=None, help="hub dataset configuration (e.g. main for openai/gsm8k)")
-    parser.add_argument("--dataset_split", default="test", help="split of a hub dataset or a directory (default test)")
-    parser.add_argument("--prompt_column", default=None, help="field holding the prompt (e.g. question)")
-    parser.add_argument("--completion_column", default=None, help="field holding the reference answer (e.g. answer)")
-    parser.add_argument("--messages_column", default=None, help="field holding chat messages")
-    parser.add_argument("--dataset_text_field", default="text", help="field holding plain text (perplexity only)")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N records")
-    parser.add_argument("--max_new_tokens", type=int, default=256)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--answer_pattern", default=STRICT_PATTERN,
-                        help=f"regex whose first group is the final answer, for exact_match_strict (default GSM8K: {STRICT_PATTERN!r})")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="JSON file (one checkpoint) or directory (several); default: eval-<data>-step<N>.json in each run directory")
+    parser = command_parser(subparsers, "eval", "Standard benchmarks (lm-evaluation-harness tasks) on one or more checkpoints.")
+    parser.add_argument("checkpoint", nargs="+", help="global_stepN dir, checkpoint-N dir, run dir or Hugging Face model dir (several: each evaluated)")
+    parser.add_argument("--tasks", required=True, help="comma-separated harness tasks or groups, e.g. gsm8k,minerva_math,mmlu")
+    parser.add_argument("--task_data", action="append", default=[], metavar="TASK[:SPLIT]=PATH",
+                        help="read a task's data from a local file in its format (repeat): TASK=FILE (evaluated split), "
+                             "TASK:SPLIT=FILE, TASK=DIR (DIR/<split>.jsonl)")
+    parser.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples per prompt (default: each task's own)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N documents of each task")
+    parser.add_argument("--batch_size", default="auto", help="a number, or auto: the largest that fits on a GPU, 8 on the CPU")
+    parser.add_argument("--gen_kwargs", default=None, help="generation settings over the tasks' own, e.g. max_gen_toks=256")
+    parser.add_argument("--apply_chat_template", action="store_true", help="wrap prompts in the tokenizer's chat template")
+    parser.add_argument("--fewshot_as_multiturn", action="store_true", help="with --apply_chat_template: few-shot examples as turns")
+    parser.add_argument("--include_path", default=None, help="a directory of your own task YAMLs (harness format)")
+    parser.add_argument("--log_samples", action="store_true", help="also write every prompt, response and score")
+    parser.add_argument("--seed", type=int, default=1234, help="seed for few-shot sampling and the harness's random state")
+    parser.add_argument("--output", type=Path, default=None, help="results directory (default: <run>/eval for each checkpoint)")
     parser.add_argument("--model_name", "--model_name_or_path", dest="model_name", default=None,
                         help="base model for config and tokenizer (plain DeepSpeed checkpoints)")
-    parser.add_argument("--device", default=None, help="cuda:<local rank> when available, else cpu")
+    parser.add_argument("--device", default=None, help="cuda:0 when available, else cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on Ampere+ GPUs, fp16 on older ones, fp32 on CPU")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds rank 0 waits for the other ranks' results")
     parser.add_argument("--trust_checkpoint", action="store_true", help="unpickle shards with full pickle (only for checkpoints you trust)")
     parser.set_defaults(func=main)
     return parser
 
 
-def check_args(args) -> None:
-    """Bad numbers and patterns, before any model loads."""
+def check_args(args, env) -> None:
+    """Bad numbers and launches, before any model loads."""
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be at least 1, got {args.limit}")
-    if args.max_new_tokens < 1:
-        raise EvalError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    if args.batch_size < 1:
-        raise EvalError(f"--batch_size must be at least 1, got {args.batch_size}")
-    try:
-        re.compile(args.answer_pattern)
-    except re.error as e:
-        raise EvalError(f"--answer_pattern {args.answer_pattern!r} is not a valid regular expression ({e})") from None
-
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise EvalError(f"--num_fewshot must be 0 or more, got {args.num_fewshot}")
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise EvalError(f"--dtype {args.dtype}: use auto, float32, bfloat16 or float16")
-    if args.output is not None and len(args.checkpoint) > 1 and args.output.suffix == ".json":
-        raise EvalError(f"--output {args.output}: with {len(args.checkpoint)} checkpoints it names a directory (one JSON each), not a .json file")
+    if args.fewshot_as_multiturn and not args.apply_chat_template:
+        raise EvalError("--fewshot_as_multiturn needs --apply_chat_template")
+    world = next((env[n] for n in ("WORLD_SIZE", "SLURM_NTASKS") if env.get(n, "").strip()), "1")
+    if world != "1":
+        raise EvalError(f"llmft eval runs in one process (the harness scores one in-memory model), but this launch has {world}: "
+                        "run it without torchrun, or with srun --ntasks 1")
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise EvalError(f"--include_path {args.include_path} is not a directory of task YAMLs")
 
 
-def output_path(args, m: Model, index: int) -> Path:
-    data_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(args.dataset_name.rstrip("/")).stem or "data")
-    name = f"eval-{data_name}" + (f"-step{m.step}" if m.step is not None else "") + ".json"
-    if args.output is None:
-        return m.run_dir / name
-    if len(args.checkpoint) == 1:
-        return args.output
-    return args.output / f"{index:02d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', m.run_dir.name)}-{name}"
+def task_manager(args, work: Path):
+    """The harness's task index with --include_path and the --task_data overrides (later paths win)."""
+    from lm_eval.tasks import TaskManager
+
+    base = TaskManager(include_path=args.include_path)
+    requested = parse_tasks(args.tasks)
+    for task in requested:
+        if task not in base.task_index:
+            raise EvalError(f"--tasks: {unknown_task(task, base)}")
+    task_data = parse_task_data(args.task_data)
+    if not task_data:
+        return base, requested
+    overrides = write_overrides(task_data, args.num_fewshot, base, work)
+    paths = [p for p in (args.include_path, str(overrides)) if p]
+    return TaskManager(include_path=paths), requested
 
 
-def table(rows: list[dict]) -> str:
-    """The comparison of several checkpoints, one line each."""
-    def fmt(v, pct=False):
-        return "-" if v is None else (f"{100 * v:.1f}%" if pct else f"{v:.3f}")
-    lines = [f"{'checkpoint':<60} {'step':>6} {'perplexity':>11} {'strict':>8} {'flexible':>9} {'n':>5}"]
-    for r in rows:
-        m = r["metrics"]
-        lines.append(f"{r['checkpoint'][-60:]:<60} {str(r['step']):>6} {fmt(m['perplexity']):>11} "
-                     f"{fmt(m['exact_match_strict'], True):>8} {fmt(m['exact_match_flexible'], True):>9} {m['n']:>5}")
-    return "\n".join(lines)
+def counting_hflm():
+    """The harness's HFLM, counting the generation prompts it cuts from the left to fit the model's positions
+    (the harness only logs a warning per batch)."""
+    from lm_eval.models.huggingface import HFLM
+
+    class CountingHFLM(HFLM):
+        left_truncated = 0
+
+        def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
+            ids, mask = super().tok_batch_encode(strings, padding_side, None, truncation)
+            if left_truncate_len and ids.size(1) > left_truncate_len:
+                self.left_truncated += int((mask.sum(dim=1) > left_truncate_len).sum())
+                ids, mask = ids[:, -left_truncate_len:], mask[:, -left_truncate_len:]
+            return ids, mask
+
+    return CountingHFLM
+
+
+def evaluate(m: Model, args, manager, tasks: list[str], device: str, batch_size) -> tuple[dict, int]:
+    """The harness's simple_evaluate on the in-memory model; (results, generation prompts cut to fit)."""
+    import lm_eval
+
+    lm = counting_hflm()(pretrained=m.model, tokenizer=m.tokenizer, batch_size=batch_size, device=device)
+    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
+                                   gen_kwargs=args.gen_kwargs, apply_chat_template=args.apply_chat_template,
+                                   fewshot_as_multiturn=args.fewshot_as_multiturn, log_samples=args.log_samples,
+                                   random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
+                                   fewshot_random_seed=args.seed)
+    return results, lm.left_truncated
 
 
 def run(args, env=None) -> list[dict]:
-    """Evaluate each checkpoint; returns the documents rank 0 wrote (other ranks: [])."""
+    """Evaluate each checkpoint on the tasks; returns one {meta, results file, summary lines} per checkpoint."""
+    import tempfile
 
     env = os.environ if env is None else env
-    rank, world, local_rank = ranks(env)
-    since = time.time()
-    say = (lambda msg: print(f"llmft eval: {msg}", file=sys.stderr, flush=True)) if rank == 0 else (lambda msg: None)
-    check_args(args)
-    device = pick_device(args.device or (f"cuda:{local_rank}" if _cuda() else None))
-    dtype = pick_dtype(args.dtype if args.dtype != "auto" else None, device, exporting=False)
-    documents = []
-    for index, path in enumerate(args.checkpoint):
-        t0 = time.time()
+    check_args(args, env)
+
+    def say(msg):
+        print(f"llmft eval: {msg}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="llmft-eval-tasks-") as work:
+        manager, tasks = task_manager(args, Path(work))
         try:
-            m = load_model(path, args.model_name, device, dtype, args.trust_checkpoint)
-            examples, shape = load_examples(args, m.tokenizer)
-        except (CheckpointError, DataError) as e:
+            device = pick_device(args.device)
+            dtype = pick_dtype(args.dtype if args.dtype != "auto" else None, device, exporting=False)
+        except CheckpointError as e:
             raise EvalError(str(e)) from None
-        mine = shard(len(examples), rank, world)
-        say(f"{m.checkpoint} (step {m.step}): {len(examples)} {shape} records on {device}"
-            + (f", {world} ranks" if world > 1 else ""))
-        results = evaluate_examples(m, [examples[i] for i in mine], shape, args, args.answer_pattern)
-        out = output_path(args, m, index)
-        if world > 1:
-            tag = attempt_id(env) + env.get("SLURM_STEP_ID", "")
-            parts = [out.with_name(f".{out.name}.{tag}.part{r}-of-{world}") for r in range(world)]
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = parts[rank].with_name(parts[rank].name + ".tmp")
-            tmp.write_text(json.dumps({"time": time.time(), "results": dict(zip(map(str, mine), results))}))
-            os.replace(tmp, parts[rank])
-            if rank != 0:
-                continue
-            merged = {}
-            for part in _wait_for_parts(parts, since, args.timeout):
-                merged.update(part)
-            results = [merged[str(i)] for i in range(len(examples))]
-            for p in parts:
-                p.unlink(missing_ok=True)
-        doc = summarise(m.checkpoint, m.step, results)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
-        mt = doc["metrics"]
-        say(f"perplexity {_fmt(mt['perplexity'])} exact_match strict {_fmt(mt['exact_match_strict'])} flexible "
-            f"{_fmt(mt['exact_match_flexible'])} n {mt['n']} in {time.time() - t0:.1f}s -> {out}")
-        documents.append(doc)
-        del m
-    if rank == 0 and len(documents) > 1:
-        print(table(documents), flush=True)
-    return documents
-
-
-def _fmt(v):
-    return "-" if v is None else f"{v:.4f}"
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+        batch_size = eval_batch_size(str(args.batch_size), device)
+        done = []
+        for path in args.checkpoint:
+            t0 = time.time()
+            try:
+                m = load_model(path, args.model_name, device, dtype, args.trust_checkpoint)
+            except CheckpointError as e:
+                raise EvalError(str(e)) from None
+            say(f"{m.checkpoint} (step {m.step}) on {device} as {str(dtype).replace('torch.', '')}, batch size {batch_size}: {', '.join(tasks)}")
+            results, cut = evaluate(m, args, manager, tasks, device, batch_size)
+            if cut:
+                say(f"{cut} generation prompt(s) were longer than the model's positions less the tokens to generate and lost "
+                    "their beginning (the harness cuts from the left): fewer --num_fewshot or a smaller max_gen_toks keeps them whole")
+            meta = {"checkpoint": m.checkpoint, "step": m.step, "run": str(m.run_dir), "device": device,
+                    "dtype": str(dtype).replace("torch.", ""), "batch_size": batch_size, "seconds": round(time.time() - t0, 1),
+                    "prompts_left_truncated": cut, "task_data": args.task_data, "lm_eval_version": results.get("lm_eval_version")}
+            out_dir = args.output or (m.run_dir / "eval")
+            path_written, lines = write_results(results, meta, out_dir, time.strftime("%Y%m%dT%H%M%S"))
+            for line in lines:
+                say(describe_line(line))
+            say(f"wrote {path_written}")
+            done.append({"meta": meta, "results_file": path_written, "lines": lines})
+            del m
+    return done
 
 
 def main(args) -> int:
-
     try:
         run(args)
     except (EvalError, CheckpointError) as e:
-        if ranks(os.environ)[0] == 0:
-            print(f"llmft eval: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(report_error("eval", e, all_ranks=True)) from None
     return 0
 
 

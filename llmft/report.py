@@ -8,8 +8,9 @@ python -m llmft.report runs/x
 
 It reads what a run leaves in its output directory: the trainer state (log history: training and eval
 loss, learning rate, and tokens/s and GPU memory when the run logged them), `run_summary.json` (GPUs, time,
-throughput), `llmft_data.json` (the data), the DeepSpeed config, and `eval-*.json` from `llmft eval`. What a
-run lacks (older runs, runs stopped early) is left out of the plots and named in the summary, never an error.
+throughput), `llmft_data.json` (the data), the DeepSpeed config, and `eval/summary.jsonl` from `llmft eval`
+(lm-evaluation-harness scores per task and checkpoint: a bar chart across runs and checkpoints). What a run
+lacks (older runs, runs stopped early) is left out of the plots and named in the summary, never an error.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Run:
     data: dict = field(default_factory=dict)
     ds_config: dict = field(default_factory=dict)
     model_config: dict = field(default_factory=dict)
-    evals: list[dict] = field(default_factory=list)
+    benchmarks: list[dict] = field(default_factory=list)
     done: dict | None = None
     world_size: int | None = None
     state_file: Path | None = None
@@ -70,8 +71,8 @@ def read_run(path: Path, name: str) -> Run:
         raise ReportError(f"{path} is not a directory: pass a run's --output_dir")
     ckpts = _checkpoints(path)
     state_file = next((p for p in [path / "trainer_state.json", *(c / "trainer_state.json" for c in reversed(ckpts))] if p.is_file()), None)
-    if state_file is None and not (path / "run_summary.json").is_file() and not list(path.glob("eval-*.json")):
-        raise ReportError(f"{path} holds no trainer_state.json, run_summary.json or eval-*.json: pass a run's --output_dir "
+    if state_file is None and not (path / "run_summary.json").is_file() and not (path / "eval" / "summary.jsonl").is_file():
+        raise ReportError(f"{path} holds no trainer_state.json, run_summary.json or eval/summary.jsonl: pass a run's --output_dir "
                           "(it has them once a checkpoint was saved)")
     run = Run(name=name, path=path, state_file=state_file)
     state = _json(state_file) if state_file else None
@@ -83,11 +84,25 @@ def read_run(path: Path, name: str) -> Run:
     run.done = _json(path / "llmft_done.json")
     marker = next((m for m in (_json(c / "llmft_complete.json") for c in reversed(ckpts)) if m), None)
     run.world_size = run.summary.get("world_size") or (marker or {}).get("world_size")
-    for f in sorted(path.glob("eval-*.json")):
-        doc = _json(f)
-        if doc and isinstance(doc.get("metrics"), dict):
-            run.evals.append({**doc, "file": f.name})
+    run.benchmarks = read_benchmarks(path / "eval" / "summary.jsonl")
     return run
+
+
+def read_benchmarks(path: Path) -> list[dict]:
+    """llmft eval's summary lines, the newest per (checkpoint step, task); lines that do not parse are skipped."""
+    latest: dict[tuple, dict] = {}
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    for raw in text.splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and isinstance(line.get("metrics"), dict) and line.get("task"):
+            latest[(line.get("step"), line["task"])] = line
+    return sorted(latest.values(), key=lambda x: (x.get("step") if isinstance(x.get("step"), int) else math.inf, x["task"]))
 
 
 def run_names(paths: list[Path]) -> list[str]:
@@ -108,15 +123,9 @@ def series(history: list[dict], keys) -> tuple[str | None, list[tuple[int, float
     return None, []
 
 
-def latest_evals(run: Run) -> list[dict]:
-    """The newest llmft eval result per dataset file name prefix (eval-<data>-step<N>.json)."""
-    best: dict[str, dict] = {}
-    for doc in run.evals:
-        data_name = re.sub(r"(-step\d+)?\.json$", "", doc["file"])
-        step = doc.get("step") if isinstance(doc.get("step"), int) else -1
-        if data_name not in best or step >= (best[data_name].get("step") if isinstance(best[data_name].get("step"), int) else -1):
-            best[data_name] = doc
-    return [best[k] for k in sorted(best)]
+def variant(run: Run, line: dict) -> str:
+    """A bar's name: the run, and the checkpoint's step when it has one."""
+    return f"{run.name} step {line['step']}" if line.get("step") is not None else run.name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,72 +201,72 @@ def _discard(fig) -> None:
     return None
 
 
-def final_metrics(run: Run) -> dict:
-    """The numbers compared across runs: llmft eval results first, else the trainer's last evaluation."""
-    evals = latest_evals(run)
-    if evals:
-        m = evals[-1]["metrics"]
-        return {"exact_match_strict": m.get("exact_match_strict"), "exact_match_flexible": m.get("exact_match_flexible"),
-                "perplexity": m.get("perplexity"), "source": "llmft eval"}
+def final_perplexity(run: Run) -> float | None:
+    """The training run's last evaluation perplexity (exp of its eval loss)."""
     _, ppl = series(run.history, ("eval_perplexity",))
     _, loss = series(run.history, ("eval_loss",))
-    value = ppl[-1][1] if ppl else (math.exp(loss[-1][1]) if loss else None)
-    return {"exact_match_strict": None, "exact_match_flexible": None, "perplexity": value, "source": "training eval" if value else None}
+    return ppl[-1][1] if ppl else (math.exp(loss[-1][1]) if loss else None)
 
 
 def plot_eval_bars(runs: list[Run], out: Path) -> Path | None:
-    """Across runs: exact match (strict and flexible, %) and perplexity side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = [final_metrics(r) for r in runs]
-    has_em = any(m["exact_match_strict"] is not None or m["exact_match_flexible"] is not None for m in metrics)
-    has_ppl = any(m["perplexity"] is not None for m in metrics)
-    if not (has_em or has_ppl):
+    """Across runs: the perplexity of each run's last evaluation during training."""
+    values = [final_perplexity(r) for r in runs]
+    if all(v is None for v in values):
         return None
-    panels = int(has_em) + int(has_ppl)
-    width = max(7.5, 1.2 * len(runs) * panels + 2)
-    fig, axes = plt.subplots(1, panels, figsize=(width, 4.8), dpi=120, squeeze=False)
-    axes = list(axes[0])
+    fig, ax = _axes("Perplexity at the last evaluation during training", "run", "perplexity (lower is better)")
     x = list(range(len(runs)))
+    heights = [v if v is not None else 0.0 for v in values]
+    bars = ax.bar(x, heights, width=0.6, color=_colors(len(runs)))
+    ax.bar_label(bars, labels=[f"{v:.3g}" if v is not None else "n/a" for v in values], fontsize="small")
+    ax.set_ylim(0, 1.2 * max(heights))
     names = [r.name for r in runs]
-    rotate = 30 if max(len(n) for n in names) > 10 or len(runs) > 4 else 0
-    if has_em:
-        ax = axes.pop(0)
-        for offset, key, label in ((-0.2, "exact_match_strict", "strict (answer pattern)"), (0.2, "exact_match_flexible", "flexible (last number)")):
-            values = [100 * m[key] if m[key] is not None else 0.0 for m in metrics]
-            bars = ax.bar([i + offset for i in x], values, width=0.4, label=label)
-            ax.bar_label(bars, labels=[f"{v:.1f}" if m[key] is not None else "n/a" for v, m in zip(values, metrics)], fontsize="small")
-        ax.set_ylim(0, 122)  # room above 100% for the legend and the labels
-        ax.set_yticks(range(0, 101, 20))
-        ax.set_ylabel("exact match (%)")
-        ax.set_title("Exact match")
-        ax.legend(loc="upper left", fontsize="small")
-        _run_ticks(ax, x, names, rotate)
-    if has_ppl:
-        ax = axes.pop(0)
-        values = [m["perplexity"] if m["perplexity"] is not None else 0.0 for m in metrics]
-        bars = ax.bar(x, values, width=0.6, color=_colors(len(runs)))
-        for bar, m in zip(bars, metrics):
-            if m["source"] == "training eval":  # not the same measurement as llmft eval: marked
-                bar.set_hatch("//")
-        ax.bar_label(bars, labels=[f"{v:.3g}" if m["perplexity"] is not None else "n/a" for v, m in zip(values, metrics)], fontsize="small")
-        if any(m["source"] == "training eval" for m in metrics):
-            from matplotlib.patches import Patch
+    _run_ticks(ax, x, names, 30 if max(len(n) for n in names) > 10 or len(runs) > 4 else 0)
+    return _save(fig, ax, out / "eval_metrics.png")
 
-            ax.legend(handles=[Patch(facecolor="white", edgecolor="black", hatch="//", label="from the training run's last eval loss")],
-                      loc="upper left", fontsize="small")
-        ax.set_ylim(0, 1.3 * max(values))  # room for the legend above the bars
-        ax.set_ylabel("perplexity (lower is better)")
-        ax.set_title("Perplexity on the evaluation data")
-        _run_ticks(ax, x, names, rotate)
-    fig.tight_layout()
-    path = out / "eval_metrics.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+
+def benchmark_scores(runs: list[Run]) -> tuple[list[str], list[str], dict[tuple[str, str], float]]:
+    """(bar groups "task metric", variants "run step N", {(group, variant): value}) from the runs' llmft eval
+    summaries: the tasks and groups asked for, not a group's subtasks."""
+    groups: list[str] = []
+    variants: list[str] = []
+    values: dict[tuple[str, str], float] = {}
+    for run in runs:
+        for line in run.benchmarks:
+            if line.get("group"):
+                continue
+            name = variant(run, line)
+            if name not in variants:
+                variants.append(name)
+            for metric, value in line["metrics"].items():
+                if not isinstance(value, (int, float)) or not math.isfinite(value):
+                    continue
+                group = f"{line['task']}\n{metric}"
+                if group not in groups:
+                    groups.append(group)
+                values[(group, name)] = float(value)
+    return groups, variants, values
+
+
+def plot_benchmarks(runs: list[Run], out: Path) -> Path | None:
+    """The accuracy-per-variant figure: one group of bars per task and metric, one bar per run and checkpoint."""
+    groups, variants, values = benchmark_scores(runs)
+    if not values:
+        return None
+    fig, ax = _axes("Benchmarks (lm-evaluation-harness)", "task and metric", "score")
+    fig.set_size_inches(max(7.5, 0.5 * len(groups) * len(variants) + 2), 4.8)
+    width = 0.8 / len(variants)
+    for i, (name, color) in enumerate(zip(variants, _colors(len(variants)))):
+        xs = [g + (i - (len(variants) - 1) / 2) * width for g in range(len(groups))]
+        heights = [values.get((group, name), 0.0) for group in groups]
+        bars = ax.bar(xs, heights, width=width, color=color, label=name)
+        ax.bar_label(bars, labels=[f"{values[(group, name)]:.3f}" if (group, name) in values else "n/a" for group in groups],
+                     fontsize="x-small")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize="small")
+    top = max(values.values())
+    ax.set_ylim(0, 1.3 * top if top > 0 else 1.0)  # room above the bars for the legend and the labels
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, ax, out / "benchmarks.png")
 
 
 def _run_ticks(ax, x, names, rotate):
@@ -318,17 +327,18 @@ def markdown(runs: list[Run], plots: dict[str, Path | None], out: Path) -> str:
     lines = ["# llmft report", "", f"{len(runs)} run(s): " + ", ".join(f"`{r.path}`" for r in runs), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(row[c]) for c in cols) + " |" for row in rows]
-    evals = [(r, doc) for r in runs for doc in latest_evals(r)]
-    if evals:
-        lines += ["", "## llmft eval", "", "| run | file | step | perplexity | exact match strict | exact match flexible | n |", "|---|---|---|---|---|---|---|"]
-        for r, doc in evals:
-            m = doc["metrics"]
-            pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-            lines.append(f"| {r.name} | {doc['file']} | {doc.get('step', '-')} | {_fmt(m.get('perplexity'))} | "
-                         f"{pct(m.get('exact_match_strict'))} | {pct(m.get('exact_match_flexible'))} | {m.get('n', '-')} |")
+    scored = [(r, line) for r in runs for line in r.benchmarks]
+    if scored:
+        lines += ["", "## Benchmarks (llmft eval, lm-evaluation-harness)", "", "| run | step | task | shots | n | metric | value | stderr |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r, line in scored:
+            for metric, value in line["metrics"].items():
+                err = (line.get("stderr") or {}).get(metric)
+                lines.append(f"| {r.name} | {line.get('step', '-')} | {line['task']} | {_fmt(line.get('num_fewshot'))} | {_fmt(line.get('n'))} "
+                             f"| {metric} | {_fmt(value)} | {_fmt(err)} |")
     lines += ["", "## Plots", ""]
     titles = {"loss": "Training and eval loss", "learning_rate": "Learning rate", "tokens_per_second": "Throughput",
-              "gpu_memory": "GPU memory", "eval_metrics": "Eval metrics across runs"}
+              "gpu_memory": "GPU memory", "eval_metrics": "Eval perplexity across runs", "benchmarks": "Benchmarks across runs and checkpoints"}
     missing = []
     for key, title in titles.items():
         path = plots.get(key)
@@ -364,7 +374,8 @@ def report(run_dirs: list[Path], out: Path) -> dict:
         "learning_rate": plot_series(runs, ("learning_rate",), "Learning rate", "learning rate", out / "learning_rate.png"),
         "tokens_per_second": plot_series(runs, TOKENS_PER_SECOND_KEYS, "Throughput", "tokens per second", out / "tokens_per_second.png"),
         "gpu_memory": plot_series(runs, MEMORY_KEYS, "GPU memory", "peak GPU memory (GiB)", out / "gpu_memory.png"),
-        "eval_metrics": plot_eval_bars(runs, out) if len(runs) > 1 or any(latest_evals(r) for r in runs) else None,
+        "eval_metrics": plot_eval_bars(runs, out) if len(runs) > 1 else None,
+        "benchmarks": plot_benchmarks(runs, out),
     }
     summary = out / "report.md"
     summary.write_text(markdown(runs, plots, out) + "\n")

@@ -160,16 +160,31 @@ CASES = [
          "--export " + "{inputs}/model.safetensors is a file: give a new or empty directory"),
     Case("infer", "dtype_unknown", lambda w: [w.run_dir(), "--prompt", "hi", "--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
     # ---------------------------------------------------------------- llmft eval
-    Case("eval", "checkpoint_missing", lambda w: [str(w.inputs / "nope"), "--dataset_name", str(w.data)], "nope does not exist: check the path"),
-    Case("eval", "answer_pattern_not_a_regex", lambda w: [w.run_dir(), "--dataset_name", str(w.data), "--answer_pattern", "(unclosed"],
-         "--answer_pattern '(unclosed' is not a valid regular expression"),
-    Case("eval", "limit_zero", lambda w: [w.run_dir(), "--dataset_name", str(w.data), "--limit", "0"], "--limit must be at least 1"),
-    Case("eval", "dtype_unknown", lambda w: [w.run_dir(), "--dataset_name", str(w.data), "--dtype", "int4"],
-         "--dtype int4: use auto, float32, bfloat16 or float16"),
-    Case("eval", "corrupt_shard", lambda w: [w.run_dir(), "--dataset_name", str(w.data)], "is truncated or corrupt"),
-    Case("eval", "half_written_checkpoint", lambda w: [w.run_dir(complete=False), "--dataset_name", str(w.data)],
-         "holds no complete checkpoint"),
-    Case("eval", "dataset_name_missing", lambda w: [w.run_dir()], "the following arguments are required: --dataset_name"),
+    Case("eval", "checkpoint_missing", lambda w: [str(w.inputs / "nope"), "--tasks", "gsm8k", "--task_data", f"gsm8k={w.qa()}",
+                                                  "--num_fewshot", "0"], "nope does not exist: check the path"),
+    Case("eval", "task_unknown", lambda w: [w.run_dir(), "--tasks", "gsm9k"], "unknown task 'gsm9k' in lm-evaluation-harness (close: gsm8k"),
+    Case("eval", "task_data_not_a_pair", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--task_data", "gsm8k"],
+         "--task_data 'gsm8k': use TASK=FILE, TASK:SPLIT=FILE or TASK=DIR"),
+    Case("eval", "task_data_missing_file", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--task_data", f"gsm8k={w.inputs / 'no.jsonl'}"],
+         "no.jsonl does not exist: check the path"),
+    Case("eval", "task_data_fewshot_split_missing", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--task_data", f"gsm8k={w.qa()}"],
+         "gsm8k draws its 5 few-shot examples from its 'train' split: add --task_data gsm8k:train=FILE, or pass --num_fewshot 0"),
+    Case("eval", "task_data_wrong_columns", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--num_fewshot", "0", "--task_data", f"gsm8k={w.data}"],
+         "train.jsonl's records lack answer, question (the fields gsm8k's prompts read: answer, question); they have prompt, completion"),
+    Case("eval", "task_data_unknown_split", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--task_data", f"gsm8k:dev={w.qa()}"],
+         "--task_data gsm8k:dev: gsm8k has no split 'dev'; its splits are test, train"),
+    Case("eval", "task_data_for_a_group", lambda w: [w.run_dir(), "--tasks", "minerva_math", "--task_data", f"minerva_math={w.qa()}"],
+         "minerva_math is a group of tasks; give data for each of its tasks"),
+    Case("eval", "limit_zero", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--limit", "0"], "--limit must be at least 1"),
+    Case("eval", "batch_size_zero", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--num_fewshot", "0", "--task_data", f"gsm8k={w.qa()}",
+                                               "--batch_size", "0"], "--batch_size 0: give a positive number or auto"),
+    Case("eval", "dtype_unknown", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--dtype", "int4"], "--dtype int4: use auto, float32, bfloat16 or float16"),
+    Case("eval", "launched_on_two_ranks", lambda w: [w.run_dir(), "--tasks", "gsm8k"], "llmft eval runs in one process", env={"WORLD_SIZE": "2"}),
+    Case("eval", "corrupt_shard", lambda w: [w.run_dir(), "--tasks", "gsm8k", "--num_fewshot", "0", "--task_data", f"gsm8k={w.qa()}"],
+         "is truncated or corrupt"),
+    Case("eval", "half_written_checkpoint", lambda w: [w.run_dir(complete=False), "--tasks", "gsm8k", "--num_fewshot", "0",
+                                                       "--task_data", f"gsm8k={w.qa()}"], "holds no complete checkpoint"),
+    Case("eval", "tasks_missing", lambda w: [w.run_dir()], "the following arguments are required: --tasks"),
     # ---------------------------------------------------------------- llmft plan
     Case("plan", "global_batch_not_divisible", lambda w: ["--global_batch_size", "30", "--per_device_train_batch_size", "2", "--nnodes", "1",
                                                          "--nproc_per_node", "4"],
@@ -339,7 +354,10 @@ def test_bad_input_is_one_line_a_nonzero_exit_no_traceback_and_nothing_written(c
     assert _snapshot(w.root) == before  # nothing written: no output dir, no checkpoint dir, no deployment, no cloud call log
     assert not w.out.exists()
     if runner.in_process:
-        assert dict(os.environ) == env_before  # failed before any distributed set-up
+        # failed before any distributed set-up (importing lm_eval sets its hub download mode, HF_XET_HIGH_PERFORMANCE)
+        env_after = dict(os.environ)
+        assert {k: v for k, v in env_after.items() if k != "HF_XET_HIGH_PERFORMANCE"} == {
+            k: v for k, v in env_before.items() if k != "HF_XET_HIGH_PERFORMANCE"}
 
 
 def _missing_data_flags(w: Workspace) -> tuple[list[str], str]:

@@ -1,10 +1,12 @@
-"""`llmft eval`: GSM8K-style exact match as lm-evaluation-harness scores it, perplexity on the references, batched
-greedy generation equal to one-at-a-time generation, several checkpoints, several processes, exported models."""
+"""`llmft eval`: lm-evaluation-harness tasks on ZeRO checkpoints, run directories and exported models, read from
+local files (--task_data) with nothing fetched; GSM8K scored as llmft's own scorer scored it before the harness
+replaced it; perplexity logged during training."""
 
 from __future__ import annotations
 
 import json
 import math
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,15 +14,16 @@ import pytest
 
 from conftest import PYTHON, run
 from llmft import eval as ev
+from llmft.data.synthetic import make_examples, write_jsonl
 from llmft.training.metrics import add_perplexity
-from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
 GSM8K_REFERENCE = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
 )
 
-
-@pytest.mark.parametrize("prediction, strict, flexible", [
+# llmft's own GSM8K scorer (removed: the harness scores now) was tested on these predictions of GSM8K_REFERENCE:
+# (prediction, strict match, flexible match). The harness must give the same figures.
+OLD_LLMFT_CASES = [
     ("She sold 24 in May, so 48+24=72.\n#### 72", True, True),
     ("The answer is 72.", False, True),                    # no '####': only the last number counts
     ("#### 72\nThen she bought 5 more.", True, False),     # strict takes the first '####', flexible the last number
@@ -29,20 +32,7 @@ GSM8K_REFERENCE = (
     ("#### 1,072", False, False),
     ("I don't know.", False, False),                       # nothing extracted: wrong, not an error
     ("#### 72.00", False, False),                          # the harness compares strings, not values
-])
-def test_exact_match_follows_lm_evaluation_harness_gsm8k(prediction, strict, flexible):
-    assert ev.score(prediction, GSM8K_REFERENCE) == (strict, flexible)
-
-
-def test_reference_answers_and_custom_extractors():
-    assert ev.reference_answer(GSM8K_REFERENCE) == "72"
-    assert ev.reference_answer("Total: #### 1,234.") == "1234"
-    assert ev.reference_answer("-3") == "-3"
-    assert ev.reference_answer("4 plus 8 is 12.") == "12"  # no '####': the reference's last number
-    assert ev.score("The answer is 12", "4 plus 8 is 12.", r"answer is (\d+)") == (True, True)
-    assert ev.score("4 plus 8 is 13.", "4 plus 8 is 12.", r"is (\-?[0-9]+)") == (False, False)
-    assert ev.extract(ev.FLEXIBLE_PATTERN, "a 1 b 22 c 3", -1) == "3"  # single digits match the second group
-    assert ev.extract(ev.FLEXIBLE_PATTERN, "costs $1,000.", -1) == "$1,000."
+]
 
 
 def test_training_logs_perplexity_beside_eval_loss():
@@ -50,155 +40,243 @@ def test_training_logs_perplexity_beside_eval_loss():
     assert "eval_perplexity" not in add_perplexity({"loss": 1.0})
 
 
-def eval_data(tmp_path: Path, fmt: str = "prompt_completion", n: int = 6) -> Path:
-    return write_jsonl(as_format(make_examples(n, seed=5), fmt), tmp_path / f"eval_{fmt}.jsonl")
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any connection to a non-local address fails the test: the harness must read only the local files."""
+    real_connect = socket.socket.connect
+
+    def connect(sock, address, *args):
+        host = address[0] if isinstance(address, tuple) else address
+        if isinstance(host, str) and host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("/"):
+            raise AssertionError(f"llmft eval tried to reach {address}")
+        return real_connect(sock, address, *args)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def one_at_a_time(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """Reference generation: a single unpadded prompt, greedy."""
-    import torch
-
-    enc = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
-def reference_nll(model, tokenizer, prompt: str, completion: str) -> tuple[float, int]:
-    """Reference perplexity terms, computed by the model's own loss: prompt tokens masked, EOS appended as in training."""
-    import torch
-
-    p_ids = tokenizer(prompt)["input_ids"]
-    ids = tokenizer(prompt + completion + tokenizer.eos_token)["input_ids"]
-    k = next((i for i, (a, b) in enumerate(zip(p_ids, ids)) if a != b), min(len(p_ids), len(ids)))
-    labels = [-100] * k + ids[k:]
-    with torch.no_grad():
-        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss
-    return float(loss) * (len(ids) - k), len(ids) - k
+def gsm8k_records(n: int, seed: int) -> list[dict]:
+    """Records in GSM8K's format (question; answer ending in '#### N'), generated in code."""
+    rows = []
+    for e in make_examples(n, seed=seed):
+        last = e["completion"].rstrip(".").split()[-1]
+        rows.append({"question": e["prompt"], "answer": f"{e['completion']}\n#### {last}"})
+    return rows
 
 
-@pytest.fixture(scope="module")
-def compared(run_with_eval, tmp_path_factory):
-    """One `llmft eval` of two checkpoints of the shared run (prompt/completion data, batches of 4)."""
-    out, _, _ = run_with_eval
-    tmp = tmp_path_factory.mktemp("eval")
-    data = eval_data(tmp)
-    proc = run([str(Path(PYTHON).parent / "llmft"), "eval", str(out / "checkpoint-3"), str(out), "--dataset_name", str(data),
-                "--max_new_tokens", "8", "--batch_size", "4", "--answer_pattern", r"is (\-?[0-9]+)", "--output", str(tmp / "results")],
-               check=True, timeout=300)
-    return out, data, tmp / "results", proc
-
-
-def test_several_checkpoints_give_a_table_and_one_json_each_with_the_documented_fields(compared):
-    out, data, results, proc = compared
-    files = sorted(results.glob("*.json"))
-    assert [f.name for f in files] == ["00-run-eval-eval_prompt_completion-step3.json", "01-run-eval-eval_prompt_completion-step6.json"]
-    docs = [json.loads(f.read_text()) for f in files]
-    for doc, step in zip(docs, (3, 6)):
-        assert list(doc) == ["checkpoint", "step", "metrics", "examples"]
-        assert doc["step"] == step and doc["checkpoint"].endswith(f"checkpoint-{step}/global_step{step}")
-        assert list(doc["metrics"]) == ["perplexity", "exact_match_strict", "exact_match_flexible", "n"]
-        assert doc["metrics"]["n"] == 6 == len(doc["examples"])
-        assert list(doc["examples"][0]) == ["prompt", "reference", "prediction", "correct_strict", "correct_flexible"]
-    table = [line for line in proc.stdout.splitlines() if "global_step" in line]
-    assert len(table) == 2 and table[0].split()[1] == "3" and table[1].split()[1] == "6"
-    assert docs[0]["metrics"]["perplexity"] != docs[1]["metrics"]["perplexity"]
-
-
-def test_batched_left_padded_generation_and_perplexity_match_one_example_at_a_time(compared):
-    from llmft.checkpoint.loader import load
-
-    out, data, results, _ = compared
-    doc = json.loads(sorted(results.glob("*.json"))[-1].read_text())
-    loaded = load(Path(doc["checkpoint"]))
-    records = [json.loads(line) for line in data.read_text().splitlines()]
-    nll = tokens = 0
-    for ex, rec in zip(doc["examples"], records):
-        assert ex["prompt"] == rec["prompt"] and ex["reference"] == rec["completion"]
-        assert ex["prediction"] == one_at_a_time(loaded.model, loaded.tokenizer, rec["prompt"], 8)
-        assert (ex["correct_strict"], ex["correct_flexible"]) == ev.score(ex["prediction"], rec["completion"], r"is (\-?[0-9]+)")
-        a, b = reference_nll(loaded.model, loaded.tokenizer, rec["prompt"], rec["completion"])
-        nll, tokens = nll + a, tokens + b
-    assert doc["metrics"]["perplexity"] == pytest.approx(math.exp(nll / tokens), rel=1e-4)
-    strict = sum(e["correct_strict"] for e in doc["examples"]) / 6
-    assert doc["metrics"]["exact_match_strict"] == pytest.approx(strict)
-
-
-def test_two_processes_split_the_records_and_rank_0_writes_the_same_result(compared, tmp_path):
-    out, data, results, _ = compared
-    single = json.loads(sorted(results.glob("*.json"))[-1].read_text())
-    target = tmp_path / "two.json"
-    proc = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "llmft.eval", str(out), "--dataset_name", str(data),
-                "--max_new_tokens", "8", "--batch_size", "4", "--answer_pattern", r"is (\-?[0-9]+)", "--output", str(target)],
-               check=True, timeout=300)
-    two = json.loads(target.read_text())
-    assert two["examples"] == single["examples"]
-    assert two["metrics"]["perplexity"] == pytest.approx(single["metrics"]["perplexity"], rel=1e-6)
-    assert two["metrics"]["n"] == 6
-    assert proc.stderr.count("llmft eval: perplexity") == 1  # rank 0 only
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["two.json"]  # the ranks' partial files are gone
-
-
-def args_for(path, data, **overrides):
-    values = dict(checkpoint=[str(path)], dataset_name=str(data), dataset_config=None, dataset_split="test", prompt_column=None,
-                  completion_column=None, messages_column=None, dataset_text_field="text", limit=None, max_new_tokens=6,
-                  batch_size=3, answer_pattern=ev.STRICT_PATTERN, output=None, model_name=None, device="cpu", dtype="auto",
-                  timeout=60, trust_checkpoint=False)
+def eval_args(checkpoints, tmp_path: Path, **overrides) -> SimpleNamespace:
+    test = write_jsonl(gsm8k_records(6, seed=5), tmp_path / "gsm8k" / "test.jsonl")
+    train = write_jsonl(gsm8k_records(4, seed=6), tmp_path / "gsm8k" / "train.jsonl")
+    values = dict(checkpoint=[str(c) for c in checkpoints], tasks="gsm8k", task_data=[f"gsm8k={test}", f"gsm8k:train={train}"],
+                  num_fewshot=2, limit=None, batch_size="auto", gen_kwargs="max_gen_toks=12", apply_chat_template=False,
+                  fewshot_as_multiturn=False, include_path=None, log_samples=True, seed=1234, output=None, model_name=None,
+                  device="cpu", dtype="auto", trust_checkpoint=False)
     values.update(overrides)
     return SimpleNamespace(**values)
 
 
-def test_an_exported_model_chat_and_text_data(run_with_eval, tmp_path):
-    from llmft.infer import export
-    from llmft.checkpoint.loader import load, resolve_checkpoint
+def test_gsm8k_through_the_harness_gives_the_old_llmft_exact_match_figures(tmp_path, no_network):
+    """The harness's gsm8k task (its prompt, filters and metric), fed the predictions llmft's scorer was tested on,
+    scores each one as llmft did: strict 2/8, flexible 4/8."""
+    import lm_eval
+    from lm_eval.api.model import LM
 
-    out, _, _ = run_with_eval
+    records = [{"question": f"Natalia sold clips to {i} of her friends. How many clips?", "answer": GSM8K_REFERENCE}
+               for i in range(len(OLD_LLMFT_CASES))]
+    data = write_jsonl(records, tmp_path / "gsm8k_test.jsonl")
+
+    class Replay(LM):
+        """A model whose answer to the i-th question is the i-th old prediction."""
+
+        def generate_until(self, requests):
+            out = []
+            for r in requests:
+                context, gen_kwargs = r.args
+                assert context.startswith("Question: Natalia sold clips to ") and context.endswith("\nAnswer:")
+                assert "Question:" in gen_kwargs["until"]  # the harness's own stop sequences
+                out.append(OLD_LLMFT_CASES[int(context.split("to ")[1].split()[0])][0])
+            return out
+
+        def loglikelihood(self, requests):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+    args = eval_args([], tmp_path, task_data=[f"gsm8k={data}"], num_fewshot=0)
+    manager, tasks = ev.task_manager(args, tmp_path / "tasks")
+    results = lm_eval.simple_evaluate(model=Replay(), tasks=tasks, task_manager=manager, num_fewshot=0, log_samples=True)
+    scores = results["results"]["gsm8k"]
+    assert scores["exact_match,strict-match"] == pytest.approx(2 / 8)
+    assert scores["exact_match,flexible-extract"] == pytest.approx(4 / 8)
+    by_filter = {}
+    for sample in results["samples"]["gsm8k"]:
+        by_filter.setdefault(sample["filter"], {})[sample["doc_id"]] = bool(sample["exact_match"])
+    assert [by_filter["strict-match"][i] for i in range(8)] == [c[1] for c in OLD_LLMFT_CASES]
+    assert [by_filter["flexible-extract"][i] for i in range(8)] == [c[2] for c in OLD_LLMFT_CASES]
+    assert results["configs"]["gsm8k"]["dataset_path"] == "json" and results["n-samples"]["gsm8k"]["effective"] == 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, tiny_model, tiny_data) -> Path:
+    """A real 2-process ZeRO-3 `llmft train` run (4 steps, a checkpoint at step 4)."""
+    out = tmp_path_factory.mktemp("zero3") / "run"
+    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "llmft.train",
+         "--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out), "--max_steps", "4",
+         "--save_steps", "4", "--global_batch_size", "8", "--per_device_train_batch_size", "2", "--learning_rate", "5e-3",
+         "--report_to", "none", "--logging_steps", "1", "--zero_stage", "3"], timeout=600, check=True)
+    return out
+
+
+def samples(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def comparable(result_file: Path) -> dict:
+    doc = json.loads(result_file.read_text())
+    return {"results": doc["results"], "n-shot": doc["n-shot"], "n-samples": doc["n-samples"]}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_checkpoint_scores_equal_its_exported_model(stage, run_with_eval, zero3_run, tmp_path, no_network):
+    """gsm8k from local files on a ZeRO-2 (run_with_eval) and a ZeRO-3 run, read from the shards in memory, gives
+    exactly the prompts, responses and scores of the same weights exported as a Hugging Face model."""
+    from llmft.checkpoint.loader import load, resolve_checkpoint
+    from llmft.infer import export
+
+    out = run_with_eval[0] if stage == 2 else zero3_run
     tag, _ = resolve_checkpoint([str(out)])
     exported = export(load(tag), tmp_path / "exported")
-    chat = eval_data(tmp_path, "messages", n=4)
-    [doc] = ev.run(args_for(exported, chat))
-    assert doc["checkpoint"] == str(exported) and doc["metrics"]["n"] == 4
-    assert doc["examples"][0]["prompt"].endswith("<|assistant|>\n")  # the chat template's generation prompt
-    assert doc["examples"][0]["reference"] == json.loads(chat.read_text().splitlines()[0])["messages"][-1]["content"]
-    assert doc["metrics"]["exact_match_strict"] is not None and doc["metrics"]["perplexity"] > 1
-    assert (exported / "eval-eval_messages.json").is_file()  # default: beside the model
+    [zero] = ev.run(eval_args([out], tmp_path, output=tmp_path / "zero"))
+    [hf] = ev.run(eval_args([exported], tmp_path, output=tmp_path / "hf"))
 
-    [zero] = ev.run(args_for(out, chat, output=tmp_path / "z.json"))  # same weights from the ZeRO shards: same answers
-    assert [e["prediction"] for e in zero["examples"]] == [e["prediction"] for e in doc["examples"]]
-
-    [text] = ev.run(args_for(exported, eval_data(tmp_path, "text", n=3), output=tmp_path / "t.json"))
-    assert text["metrics"]["exact_match_strict"] is None and text["metrics"]["perplexity"] > 1
-    assert all(e["prediction"] is None for e in text["examples"])
-
-
-def test_bad_input_is_one_clear_line(run_with_eval, tmp_path, capsys):
-    out, _, _ = run_with_eval
-    data = eval_data(tmp_path)
-    not_chat = write_jsonl([{"messages": [{"role": "user", "content": "hi"}]}], tmp_path / "one_turn.jsonl")
-    cases = [
-        (args_for(tmp_path / "missing", data), "does not exist: check the path"),
-        (args_for(out, data, answer_pattern="(unclosed"), "--answer_pattern '(unclosed' is not a valid regular expression"),
-        (args_for(out, data, limit=0), "--limit must be at least 1"),
-        (args_for(out, data, checkpoint=[str(out), str(out)], output=tmp_path / "x.json"), "names a directory (one JSON each)"),
-        (args_for(out, tmp_path / "nope.jsonl"), "nope.jsonl not found"),
-        (args_for(out, not_chat), "does not end with an assistant message"),
-        (args_for(out, data, max_new_tokens=400), "exceeds the model's 256 positions: lower --max_new_tokens"),
-    ]
-    for args, message in cases:
-        with pytest.raises(SystemExit) as e:
-            ev.main(args)
-        assert e.value.code == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("llmft eval: error: ") and message in err[-1], (message, err[-3:])
+    assert zero["meta"]["checkpoint"] == str(tag) and zero["meta"]["step"] == (6 if stage == 2 else 4)
+    assert (zero["meta"]["device"], zero["meta"]["dtype"], zero["meta"]["batch_size"]) == ("cpu", "float32", 8)
+    assert comparable(zero["results_file"]) == comparable(hf["results_file"])
+    [zs] = (tmp_path / "zero").glob("samples-step*-gsm8k-*.jsonl")
+    [hs] = (tmp_path / "hf").glob("samples-*-gsm8k-*.jsonl")
+    zero_samples, hf_samples = samples(zs), samples(hs)
+    assert len(zero_samples) == 12  # 6 documents x 2 filters
+    assert [(s["arguments"], s["resps"], s["filtered_resps"], s["exact_match"]) for s in zero_samples] == \
+           [(s["arguments"], s["resps"], s["filtered_resps"], s["exact_match"]) for s in hf_samples]
+    prompt = zero_samples[0]["arguments"][0][0]
+    assert prompt.count("Question: ") == 3 and prompt.endswith("\nAnswer:")  # 2 shots from the train file, then the question
+    assert any(s["resps"][0][0].strip() for s in zero_samples)  # the model generated something to compare
+    [line] = zero["lines"]
+    assert line["task"] == "gsm8k" and line["num_fewshot"] == 2 and line["n"] == 6
+    assert set(line["metrics"]) == {"exact_match,strict-match", "exact_match,flexible-extract"}
 
 
-def test_an_over_long_record_is_skipped_and_counted_not_the_whole_evaluation(run_with_eval, tmp_path, capsys):
-    out, _, _ = run_with_eval
-    rows = as_format(make_examples(4, seed=5), "prompt_completion")
-    rows.insert(1, {"prompt": " ".join(["apple river stone"] * 100) + "\n", "completion": "#### 1"})
-    data = write_jsonl(rows, tmp_path / "one_long.jsonl")
-    got = ev.run(args_for(out, data, max_new_tokens=20))[0]
-    assert "1 of 5 records skipped for generation" in capsys.readouterr().err
-    assert got["metrics"]["skipped_too_long"] == 1 and got["metrics"]["n"] == 5
-    assert got["examples"][1]["skipped"] == "prompt too long" and got["examples"][1]["prediction"] is None
-    assert all(e["prediction"] is not None for i, e in enumerate(got["examples"]) if i != 1)
+def test_the_cli_writes_the_harness_json_and_a_summary_line_into_the_run(run_with_eval, tmp_path):
+    """`llmft eval RUN` in a fresh process (offline): <run>/eval/ gets the harness's JSON and summary.jsonl, and
+    the one-line summary is printed."""
+    import shutil
+
+    out = Path(shutil.copytree(run_with_eval[0], tmp_path / "run"))
+    args = eval_args([out], tmp_path)
+    proc = run([str(Path(PYTHON).parent / "llmft"), "eval", str(out), "--tasks", "gsm8k", *[f for t in args.task_data for f in ("--task_data", t)],
+                "--num_fewshot", "2", "--limit", "4", "--gen_kwargs", "max_gen_toks=8", "--batch_size", "3"], check=True, timeout=600)
+    [result] = (out / "eval").glob("results-step6-*.json")
+    doc = json.loads(result.read_text())
+    assert doc["llmft"]["checkpoint"].endswith("checkpoint-6/global_step6") and doc["llmft"]["batch_size"] == 3
+    assert doc["configs"]["gsm8k"]["num_fewshot"] == 2 and doc["n-samples"]["gsm8k"]["effective"] == 4
+    assert set(doc["results"]["gsm8k"]) >= {"exact_match,strict-match", "exact_match_stderr,flexible-extract"}
+    [line] = samples(out / "eval" / "summary.jsonl")
+    assert line["step"] == 6 and line["task"] == "gsm8k" and line["results_file"] == result.name
+    assert line["metrics"]["exact_match,strict-match"] == doc["results"]["gsm8k"]["exact_match,strict-match"]
+    assert "llmft eval: gsm8k (2-shot, n=4) step 6: exact_match,strict-match " in proc.stderr
+    assert not list((out / "eval").glob("samples-*"))  # only with --log_samples
+
+
+def test_prompts_cut_to_fit_the_model_are_counted(tiny_model, tmp_path, no_network, capsys):
+    """A question longer than the tiny model's 256 positions: the harness cuts it from the left; llmft counts it."""
+    rows = gsm8k_records(3, seed=5)
+    rows.insert(1, {"question": " ".join(["apple river stone"] * 100), "answer": "#### 1"})
+    data = write_jsonl(rows, tmp_path / "long.jsonl")
+    [got] = ev.run(eval_args([tiny_model], tmp_path, task_data=[f"gsm8k={data}"], num_fewshot=0, output=tmp_path / "out",
+                             gen_kwargs="max_gen_toks=8", log_samples=False))
+    assert got["meta"]["prompts_left_truncated"] == 1
+    assert json.loads(got["results_file"].read_text())["llmft"]["prompts_left_truncated"] == 1
+    assert "1 generation prompt(s) were longer than the model's positions" in capsys.readouterr().err
+
+
+def test_task_data_paths_and_overrides(tmp_path):
+    """--task_data parsing and the YAML llmft writes: it includes the harness's file and changes only the data."""
+    from lm_eval.tasks import TaskManager
+
+    test = write_jsonl(gsm8k_records(2, 1), tmp_path / "d" / "test.jsonl")
+    train = write_jsonl(gsm8k_records(2, 2), tmp_path / "d" / "train.jsonl")
+    assert ev.parse_task_data([f"gsm8k={test}", f"gsm8k:train={train}"]) == {"gsm8k": {None: test, "train": train}}
+    manager = TaskManager()
+    cfg = {"test_split": "test", "training_split": "train", "fewshot_split": "train", "num_fewshot": 5}
+    assert ev.split_files("gsm8k", cfg, {None: tmp_path / "d"}) == {"test": test, "train": train}  # a directory: every split found
+    assert ev.fewshot_split_needed(cfg, None) == "train" and ev.fewshot_split_needed(cfg, 0) is None
+    assert ev.fewshot_split_needed({**cfg, "fewshot_config": {"samples": "fn"}}, 4) is None  # minerva_math: fixed examples
+    written = ev.write_overrides({"gsm8k": {None: test}}, 0, manager, tmp_path / "tasks")
+    import yaml
+
+    override = yaml.safe_load((written / "gsm8k.yaml").read_text())
+    assert override == {"include": str(manager.task_index["gsm8k"].yaml_path), "task": "gsm8k", "dataset_path": "json",
+                        "dataset_name": None, "dataset_kwargs": {"data_files": {"test": str(test.resolve())}},
+                        "training_split": None, "fewshot_split": None}
+    assert ev.eval_batch_size("auto", "cuda:0") == "auto" and ev.eval_batch_size("auto", "cpu") == 8 and ev.eval_batch_size("4", "cpu") == 4
+
+
+def test_minerva_math_and_mmlu_read_local_files_in_their_formats(tmp_path, no_network):
+    """The two other tasks a math fine-tune reports, from local files: MATH (hendrycks_math records; the harness's
+    own answer extraction and fixed 4-shot examples) and an MMLU subject (a directory: test.jsonl, and dev.jsonl for shots)."""
+    import lm_eval
+    from lm_eval.api.model import LM
+
+    algebra = write_jsonl([{"problem": "What is $1+1$?", "level": "Level 1", "type": "Algebra", "solution": "It is $\\boxed{2}$."},
+                           {"problem": "What is $2+3$?", "level": "Level 1", "type": "Algebra", "solution": "It is $\\boxed{5}$."}],
+                          tmp_path / "algebra.jsonl")
+    row = {"question": "2+2?", "subject": "abstract_algebra", "choices": ["3", "4", "5", "6"], "answer": 1}
+    mmlu_test = write_jsonl([row] * 3, tmp_path / "mmlu" / "test.jsonl")
+    write_jsonl([row] * 5, tmp_path / "mmlu" / "dev.jsonl")
+
+    class Fixed(LM):
+        def generate_until(self, requests):  # right for the first MATH problem only
+            return ["The answer is $2$.\nFinal Answer: The final answer is $2$. I hope it is correct."] * len(requests)
+
+        def loglikelihood(self, requests):  # prefers choice B ("4", right)
+            return [(0.0 if r.args[1].strip() == "B" else -1.0, False) for r in requests]
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+    args = eval_args([], tmp_path, tasks="minerva_math_algebra,mmlu_abstract_algebra", num_fewshot=None,
+                     task_data=[f"minerva_math_algebra={algebra}", f"mmlu_abstract_algebra={mmlu_test.parent}"])
+    manager, tasks = ev.task_manager(args, tmp_path / "tasks")
+    results = lm_eval.simple_evaluate(model=Fixed(), tasks=tasks, task_manager=manager)
+    assert results["results"]["minerva_math_algebra"]["exact_match,none"] == pytest.approx(0.5)
+    assert results["results"]["mmlu_abstract_algebra"]["acc,none"] == pytest.approx(1.0)
+    assert results["n-shot"] == {"minerva_math_algebra": 4, "mmlu_abstract_algebra": 0}  # the tasks' own defaults
+
+
+def test_the_docs_walkthrough_runs(tmp_path):
+    """docs/evaluation.md's CPU walkthrough, run as written: a mixture fine-tune, the harness's GSM8K on two
+    checkpoints from a local file, and the report's bar chart across them."""
+    import os
+    import re
+    import subprocess
+
+    from conftest import REPO, subprocess_env
+
+    text = (REPO / "docs" / "evaluation.md").read_text()
+    block = re.search(r"<!-- walkthrough -->\n```bash\n(.*?)```\n<!-- /walkthrough -->", text, re.S).group(1)
+    env = subprocess_env(PATH=f"{Path(PYTHON).parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO))
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    walk = tmp_path / "walk"
+    assert json.loads((walk / "run" / "llmft_data.json").read_text())["mixture"]["sources"][0]["weight"] == 3.0
+    lines = samples(walk / "run" / "eval" / "summary.jsonl")
+    assert [(line["step"], line["task"], line["n"]) for line in lines] == [(2, "gsm8k", 8), (4, "gsm8k", 8)]
+    assert (walk / "report" / "benchmarks.png").is_file() and "| run | 4 | gsm8k |" in (walk / "report" / "report.md").read_text()

@@ -12,7 +12,7 @@ import pytest
 from llmft import report
 
 
-def fake_run(path: Path, lr: float, steps: int = 30, speed: bool = True, eval_json: dict | None = None) -> Path:
+def fake_run(path: Path, lr: float, steps: int = 30, speed: bool = True, benchmarks: list[dict] | None = None) -> Path:
     """A run directory as llmft train + llmft eval leave it (numbers generated in code)."""
     (path / f"checkpoint-{steps}").mkdir(parents=True)
     history = []
@@ -30,14 +30,17 @@ def fake_run(path: Path, lr: float, steps: int = 30, speed: bool = True, eval_js
     if speed:
         (path / "run_summary.json").write_text(json.dumps({"world_size": 8, "gpu": "NVIDIA A100-SXM4-40GB", "wall_seconds": 3725,
                                                            "tokens_per_second": 24000.0, "peak_gpu_memory_gib": 31.2, "steps": steps}))
-    if eval_json:
-        (path / f"eval-gsm8k_test-step{steps}.json").write_text(json.dumps(eval_json))
+    if benchmarks:
+        (path / "eval").mkdir()
+        (path / "eval" / "summary.jsonl").write_text("".join(json.dumps(line) + "\n" for line in benchmarks))
     return path
 
 
-def eval_doc(step, strict, flexible, ppl):
-    return {"checkpoint": "x", "step": step, "metrics": {"perplexity": ppl, "exact_match_strict": strict,
-                                                         "exact_match_flexible": flexible, "n": 50}, "examples": []}
+def summary_line(step, task, group=None, **metrics):
+    """One line of llmft eval's eval/summary.jsonl."""
+    return {"checkpoint": f"x/checkpoint-{step}/global_step{step}", "step": step, "task": task, "group": group, "num_fewshot": 5,
+            "n": 50, "metrics": {k.replace("__", ","): v for k, v in metrics.items()},
+            "stderr": {k.replace("__", ","): 0.05 for k in metrics}}
 
 
 @pytest.fixture
@@ -70,12 +73,15 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_several_runs_give_labelled_plots_a_bar_chart_and_a_summary(tmp_path, legends):
-    a = fake_run(tmp_path / "lr-1e-4", 0.05, eval_json=eval_doc(30, 0.30, 0.42, 2.4))
-    b = fake_run(tmp_path / "lr-3e-4", 0.15, eval_json=eval_doc(30, 0.36, 0.50, 2.1))
+    a = fake_run(tmp_path / "lr-1e-4", 0.05, benchmarks=[
+        summary_line(20, "gsm8k", exact_match__strict_match=0.20), summary_line(30, "gsm8k", exact_match__strict_match=0.25),
+        summary_line(30, "gsm8k", exact_match__strict_match=0.30),  # evaluated again: the newest line counts
+        summary_line(30, "minerva_math", exact_match=0.08), summary_line(30, "minerva_math_algebra", group="minerva_math", exact_match=0.1)])
+    b = fake_run(tmp_path / "lr-3e-4", 0.15, benchmarks=[summary_line(30, "gsm8k", exact_match__strict_match=0.36)])
     old = fake_run(tmp_path / "older", 0.1, speed=False)  # no summary, no tokens/s, no llmft eval
     written = report.report([a, b, old], tmp_path / "out")
 
-    assert set(written["plots"]) == {"loss", "learning_rate", "tokens_per_second", "gpu_memory", "eval_metrics"}
+    assert set(written["plots"]) == {"loss", "learning_rate", "tokens_per_second", "gpu_memory", "eval_metrics", "benchmarks"}
     for path in written["plots"].values():
         width, height = png_size(path)
         assert width >= 800 and height >= 500  # readable at default size
@@ -84,9 +90,14 @@ def test_several_runs_give_labelled_plots_a_bar_chart_and_a_summary(tmp_path, le
     assert loss["legend"] == ["lr-1e-4 train", "lr-1e-4 eval", "lr-3e-4 train", "lr-3e-4 eval", "older train", "older eval"]
     assert legends["tokens_per_second.png"][0]["legend"] == ["lr-1e-4", "lr-3e-4"]  # the older run has none: left out
     assert legends["gpu_memory.png"][0]["y"] == "peak GPU memory (GiB)"
-    em, ppl = legends["eval_metrics.png"]
-    assert em["ticks"] == ppl["ticks"] == ["lr-1e-4", "lr-3e-4", "older"] and em["y"] == "exact match (%)"
-    assert ppl["legend"] == ["from the training run's last eval loss"]  # the older run's bar is a different measurement
+    [ppl] = legends["eval_metrics.png"]
+    assert ppl["ticks"] == ["lr-1e-4", "lr-3e-4", "older"] and ppl["y"] == "perplexity (lower is better)"
+    [bench] = legends["benchmarks.png"]  # across runs and checkpoints; a group's subtasks stay out of the chart
+    assert bench["ticks"] == ["gsm8k\nexact_match,strict_match", "minerva_math\nexact_match"]
+    assert bench["legend"] == ["lr-1e-4 step 20", "lr-1e-4 step 30", "lr-3e-4 step 30"]
+    _, _, values = report.benchmark_scores([report.read_run(p, p.name) for p in (a, b)])
+    assert values[("gsm8k\nexact_match,strict_match", "lr-1e-4 step 30")] == 0.30
+    assert ("minerva_math\nexact_match", "lr-3e-4 step 30") not in values  # not evaluated: an n/a bar, not a zero
 
     md = written["summary"].read_text()
     rows = {}
@@ -95,7 +106,7 @@ def test_several_runs_give_labelled_plots_a_bar_chart_and_a_summary(tmp_path, le
             rows.setdefault(line.split("|")[1].strip(), line)
     assert "8 x NVIDIA A100-SXM4-40GB" in rows["lr-1e-4"] and "1h02m" in rows["lr-1e-4"] and "ZeRO-2" in rows["lr-1e-4"]
     assert "| 2 |" in rows["older"]  # GPUs from the checkpoint marker when there is no run summary
-    assert "| lr-3e-4 | eval-gsm8k_test-step30.json | 30 | 2.1 | 36.0% | 50.0% | 50 |" in md
+    assert "| lr-3e-4 | 30 | gsm8k | 5 | 50 | exact_match,strict_match | 0.36 | 0.05 |" in md
     for path in written["plots"].values():
         assert f"]({path.name})" in md
 
@@ -104,7 +115,8 @@ def test_an_older_run_alone_degrades_and_says_what_is_missing(tmp_path):
     old = fake_run(tmp_path / "old", 0.1, speed=False)
     written = report.report([old], tmp_path / "out")
     assert set(written["plots"]) == {"loss", "learning_rate"}  # one run, no llmft eval: nothing to compare in bars
-    assert "Not plotted (not in these runs' logs): throughput, gpu memory, eval metrics across runs." in written["summary"].read_text()
+    assert ("Not plotted (not in these runs' logs): throughput, gpu memory, eval perplexity across runs, benchmarks across runs and "
+            "checkpoints.") in written["summary"].read_text()
 
 
 def test_not_a_run_directory_is_one_clear_line(tmp_path):
@@ -115,25 +127,31 @@ def test_not_a_run_directory_is_one_clear_line(tmp_path):
         assert str(e.value).startswith("llmft report: error: ") and message in str(e.value)
 
 
-def test_a_real_run_and_its_llmft_eval_result(run_with_eval, tmp_path, legends):
-    """The shared 2-process run, then `llmft eval` writing its default file into the run: the report shows both."""
+def test_a_real_run_and_its_llmft_eval_result(run_with_eval, tmp_path, legends, monkeypatch):
+    """The shared 2-process run, then `llmft eval` (gsm8k from a local file) writing into <run>/eval: the report
+    shows both."""
     import shutil
 
     from llmft import eval as ev
-    from llmft.data.synthetic import as_format, make_examples, write_jsonl
+    from llmft.data.synthetic import make_examples, write_jsonl
 
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = Path(shutil.copytree(run_with_eval[0], tmp_path / "run"))
-    data = write_jsonl(as_format(make_examples(3, seed=9), "prompt_completion"), tmp_path / "heldout.jsonl")
-    ev.run(SimpleNamespace(checkpoint=[str(out)], dataset_name=str(data), dataset_config=None, dataset_split="test", prompt_column=None,
-                           completion_column=None, messages_column=None, dataset_text_field="text", limit=None, max_new_tokens=4,
-                           batch_size=3, answer_pattern=ev.STRICT_PATTERN, output=None, model_name=None, device="cpu", dtype="auto",
-                           timeout=60, trust_checkpoint=False))
-    assert (out / "eval-heldout-step6.json").is_file()
+    data = write_jsonl([{"question": e["prompt"], "answer": e["completion"] + "\n#### 1"} for e in make_examples(3, seed=9)],
+                       tmp_path / "gsm8k.jsonl")
+    ev.run(SimpleNamespace(checkpoint=[str(out), str(out / "checkpoint-3")], tasks="gsm8k", task_data=[f"gsm8k={data}"], num_fewshot=0,
+                           limit=None, batch_size="3", gen_kwargs="max_gen_toks=4", apply_chat_template=False, fewshot_as_multiturn=False,
+                           include_path=None, log_samples=False, seed=1234, output=None, model_name=None, device="cpu", dtype="auto",
+                           trust_checkpoint=False))
+    assert len(list((out / "eval").glob("results-step*.json"))) == 2
     written = report.report([out], tmp_path / "report")
-    assert {"loss", "learning_rate", "eval_metrics"} <= set(written["plots"])
+    assert {"loss", "learning_rate", "benchmarks"} <= set(written["plots"])
     [loss] = legends["loss.png"]
     assert loss["legend"] == ["run train", "run eval"]
+    [bench] = legends["benchmarks.png"]
+    assert bench["legend"] == ["run step 3", "run step 6"] and bench["ticks"][0] == "gsm8k\nexact_match,strict-match"
     md = written["summary"].read_text()
     row = next(line for line in md.splitlines() if "GPT2LMHeadModel" in line)
     assert "ZeRO-2" in row and "| yes |" in row and "| 6 |" in row and "| 2 |" in row
-    assert "| run | eval-heldout-step6.json | 6 |" in md
+    assert "| run | 6 | gsm8k | 0 | 3 | exact_match,strict-match |" in md
