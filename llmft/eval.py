@@ -248,7 +248,8 @@ def describe_line(line: dict) -> str:
     shots = f"{line['num_fewshot']}-shot" if line["num_fewshot"] is not None else "-"
     values = ", ".join(f"{k} {v:.4f}" + (f" ± {line['stderr'][k]:.4f}" if isinstance(line["stderr"].get(k), float) and
                                          math.isfinite(line["stderr"][k]) else "") for k, v in line["metrics"].items())
-    return f"{line['task']} ({shots}, n={line['n']}) step {line['step']}: {values or 'no numeric metric'}"
+    at = f"step {line['step']}" if line['step'] is not None else 'the model'
+    return f"{line['task']} ({shots}, n={line['n']}) {at}: {values or 'no numeric metric'}"
 
 
 def write_results(results: dict, meta: dict, out_dir: Path, stamp: str) -> tuple[Path, list[dict]]:
