@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 
 from llmft.data import fit as data_fit
 from llmft.data import loading as data
+from llmft.data import mixture
 from llmft.data.loading import DataError
 
 PREPARE_VERSION = 2  # bump when what is stored changes
@@ -102,8 +103,6 @@ def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: 
 def check_mixture_options(opts: DataOptions) -> None:
     """A mixture replaces --dataset_name and the per-dataset flags (they go per source in its YAML); its sources
     are read and mapped here, so a bad mixture stops the run before any model loads."""
-    from llmft.data import mixture
-
     given = [flag for flag, value in (("--dataset_name", opts.dataset_name), ("--dataset_config", opts.dataset_config),
                                       ("--prompt_column", opts.prompt_column), ("--completion_column", opts.completion_column),
                                       ("--messages_column", opts.messages_column)) if value]
@@ -163,8 +162,6 @@ def fingerprint(opts: DataOptions, tokenizer, args) -> tuple[str, dict]:
         evaluation = None
     subset = opts.data_percentage < 100 or args.shuffle_dataset
     if opts.dataset_mixture:
-        from llmft.data import mixture
-
         train = {"mixture": mixture.mixture_key(mixture.read_mixture(opts.dataset_mixture, opts.seed))}
     else:
         train = {"data": data.content_fingerprint(opts.dataset_name, opts.dataset_config), "config": opts.dataset_config,
@@ -262,8 +259,6 @@ def load_records(opts: DataOptions, mixed: dict | None = None):
     columns = dict(prompt_column=opts.prompt_column, completion_column=opts.completion_column,
                    messages_column=opts.messages_column, text_field=opts.text_field)
     if opts.dataset_mixture:
-        from llmft.data import mixture
-
         spec = mixture.read_mixture(opts.dataset_mixture, opts.seed)
         sources, shape = mixture.load_sources(spec, opts.text_field)
         train, counts = mixture.mix(sources, spec)
