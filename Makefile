@@ -10,7 +10,7 @@ DEMO_DIR ?= runs/demo
 TEST_DEPS := system-deps
 TEST_DEPS += .venv-pcluster/.installed
 
-.PHONY: venv demo test test-other-pythons system-deps check-python clean
+.PHONY: venv demo test test-other-pythons system-deps check-python clean format
 
 venv: check-python $(VENV)/.installed
 
@@ -35,6 +35,11 @@ demo: venv
 
 test: venv $(TEST_DEPS)
 	$(PY) -m pytest -q --durations=15 tests
+
+# Formatting and import order by ruff (settings in pyproject.toml); the tests fail on a file it would change.
+format: venv
+	$(PY) -m ruff check --fix -q llmft tests bench inference
+	$(PY) -m ruff format -q llmft tests bench inference
 
 # System tools the tests need (shellcheck, Slurm, munge): installed once here, before pytest starts.
 system-deps:

@@ -142,3 +142,13 @@ def test_every_command_runs_as_a_module(command):
     tree = ast.parse(MODULES[f"llmft.{command}"].read_text())
     mains = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert mains, f"llmft/{command}.py has no `if __name__ == '__main__':` entry point"
+
+
+def test_the_code_is_formatted_by_the_tool():
+    """Formatting and import order are ruff's (pyproject.toml); `make format` fixes what this finds."""
+    root = PACKAGE.parent
+    paths = ["llmft", "tests", "bench", "inference"]
+    fmt = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", *paths], cwd=root, capture_output=True, text=True)
+    assert fmt.returncode == 0, f"run `make format`:\n{fmt.stdout}{fmt.stderr}"
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", *paths], cwd=root, capture_output=True, text=True)
+    assert lint.returncode == 0, f"run `make format`:\n{lint.stdout}{lint.stderr}"
