@@ -48,6 +48,9 @@ from llmft.planning.run_plan import (
     resolve_hardware,
 )
 from llmft.planning.world import CpuSplit, World, cpu_split, discover_cpus, discover_world
+from llmft.planning.conversion import plan_conversion
+from llmft.data import padding
+from llmft.data.cache import load_prepared_train
 
 # ---- the memory plan (--model): llmft.planning.memory on a model shape and the hardware --------------------------------------
 
@@ -111,7 +114,6 @@ def conversion_line(mplan, hardware: Hardware) -> str | None:
     """The recommended setting's elastic resume (llmft.training.elastic: a checkpoint continued on another world size
     goes through DeepSpeed's universal format): ds_to_universal's workers, host RAM and time on one of these nodes,
     beside the ranks of the node waiting for it."""
-    from llmft.planning.conversion import plan_conversion
 
     est = mplan.recommended
     if est is None or est.setting.zero_stage == 0:
@@ -514,8 +516,6 @@ def prepared_padding(args, micro_batch: int | None = None):
     """llmft.padding's report for --prepared (None without it), with the plan's micro-batch and --max_length."""
     if not args.prepared:
         return None
-    from llmft.data import padding
-    from llmft.data.cache import load_prepared_train
 
     try:
         train = load_prepared_train(args.prepared)

@@ -26,13 +26,6 @@ def parse_time_left(text: str) -> float | None:
     return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
-def estimated_save_s(params: int, trainable: int, zero_stage: int, precision: str) -> float:
-    """The planner's write time for this model's checkpoint (llmft.memory.checkpoint_bytes at its default bandwidth)."""
-    from llmft.planning.memory import WRITE_MB_S, ModelShape, checkpoint_bytes
-
-    lora = trainable if trainable < params else 0
-    shape = ModelShape("", params, 0, 0, 0, 0, 0, 0, 0, 0, lora_params=lora)
-    return checkpoint_bytes(shape, zero_stage, precision) / (WRITE_MB_S[None] * 1e6)
 
 
 def final_save_lead(longest_save_s: float | None, estimate_s: float | None, step_s: float) -> float:

@@ -109,6 +109,7 @@ from llmft.errors import LlmftError
 from llmft.planning.batch import BatchError, plan_batch
 from llmft.planning import comm
 from llmft.planning.hardware import GPU
+from llmft.planning.final_save import FINAL_SAVE_FACTOR, FINAL_SAVE_MARGIN_S, final_save_lead
 
 GIB = 2**30
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -747,7 +748,6 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
             "micro-batch (fewer gradient reductions per step under ZeRO-2/3)")
     needed = chosen.write_s + (chosen.step_s or 0)
     if needed > job.preempt_window_s:
-        from llmft.planning.final_save import FINAL_SAVE_FACTOR, FINAL_SAVE_MARGIN_S, final_save_lead
 
         lead = final_save_lead(None, chosen.write_s, chosen.step_s or 0)
         out.append(
@@ -796,3 +796,11 @@ def _check_job(job: Job) -> None:
     if job.attention not in ("sdpa", "flash_attention_2"):
         raise MemoryPlanError(f"unknown attention {job.attention!r}; use sdpa or flash_attention_2")
     element_bytes(job.precision)
+
+
+def estimated_save_s(params: int, trainable: int, zero_stage: int, precision: str) -> float:
+    """The planner's write time for this model's checkpoint (llmft.memory.checkpoint_bytes at its default bandwidth)."""
+
+    lora = trainable if trainable < params else 0
+    shape = ModelShape("", params, 0, 0, 0, 0, 0, 0, 0, 0, lora_params=lora)
+    return checkpoint_bytes(shape, zero_stage, precision) / (WRITE_MB_S[None] * 1e6)

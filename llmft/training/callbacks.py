@@ -76,19 +76,27 @@ def kill_leftover_workers() -> None:
         child.join(timeout=5)
 
 
-def checkpoint_callbacks():
-    """Trainer callbacks, defined lazily so importing llmft.train stays cheap."""
+def all_ranks_max(*values: int, device) -> list[int]:
+    """The element-wise maximum over every rank (the values themselves outside a process group)."""
     import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def checkpoint_callbacks():
+    """The two callback classes, defined lazily so importing llmft.train stays cheap (no transformers, no torch)."""
     import torch.distributed as dist
     from transformers import TrainerCallback
 
-    def all_ranks_max(*values: int, device) -> list[int]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return list(values)
-        t = torch.tensor(values, dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
+    return _publish_complete_checkpoint_class(TrainerCallback, dist), _graceful_stop_class(TrainerCallback)
 
+
+def _publish_complete_checkpoint_class(TrainerCallback, dist):
     class PublishCompleteCheckpoint(TrainerCallback):
         """After every rank has written its shard and the saved weights hold the model, publish checkpoint-N/llmft_complete.json.
 
@@ -124,6 +132,10 @@ def checkpoint_callbacks():
             if dist.is_initialized():
                 dist.barrier()
 
+    return PublishCompleteCheckpoint
+
+
+def _graceful_stop_class(TrainerCallback):
     class GracefulStop(TrainerCallback):
         """On SIGUSR1/SIGTERM or when the stop file appears: finish this step, save, stop (for preemption).
 
@@ -190,7 +202,7 @@ def checkpoint_callbacks():
                     log(late)
                     job_deadline.ask_for_requeue(late)
 
-    return PublishCompleteCheckpoint, GracefulStop
+    return GracefulStop
 
 
 def compile_report(trainer):

@@ -33,6 +33,9 @@ from pathlib import Path
 
 from llmft.checkpoint.run_dir import COMPLETE_MARKER, CheckpointError, tag_dir
 from llmft.planning.batch import BatchError, BatchPlan, nearest_global_batches, nearest_micro_batches, plan_batch
+from llmft.planning.world import discover_cpus
+from llmft.planning.allocation import this_node_memory
+from llmft.planning.conversion import GIB, plan_conversion
 
 UNIVERSAL_MARKER = "llmft_universal.json"
 LATEST_UNIVERSAL = "latest_universal"  # the file name DeepSpeed's engine reads (engine.load_checkpoint)
@@ -286,9 +289,6 @@ def conversion_workers(resume: Resume, trainable: int, largest_tensor: int, proc
     """ds_to_universal's workers for this node (llmft.planning.conversion): within the memory this job may use here
     (llmft.planning.allocation) and the machine has available, less the node's other ranks waiting, on its CPUs.
     Returns the ConversionPlan; CheckpointError, naming the numbers and the ways out, when one worker does not fit."""
-    from llmft.planning.world import discover_cpus
-    from llmft.planning.allocation import this_node_memory
-    from llmft.planning.conversion import GIB, plan_conversion
 
     limit = this_node_memory(env, meminfo)
     budget = limit.gib * GIB

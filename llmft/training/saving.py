@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from llmft.training import sync_free
 
 
 def is_zero3(trainer) -> bool:
@@ -53,7 +54,6 @@ def trainer_class(save_consolidated: bool = False):
     from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
     from trl import SFTTrainer
 
-    from llmft.training import sync_free
 
     class LlmftSFTTrainer(sync_free.mixin_class(SFTTrainer)):
         def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

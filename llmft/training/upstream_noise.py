@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Callable, Mapping
+from llmft.training.build_locks import extensions_root
 
 # measured order of magnitude for a first build (8-16 cores); printed as a hint, never used to decide anything
 USUAL_BUILD_TIME = {"cpu_adam": "about 1 minute", "fused_adam": "1-3 minutes", "cpu_adagrad": "about 1 minute"}
@@ -37,7 +38,6 @@ def use_keyed_extensions_dir(log: Callable[[str], None]) -> Path | None:
     import deepspeed
     import torch
 
-    from llmft.training.build_locks import extensions_root
 
     path = keyed_extensions_dir(os.environ, sys.prefix, torch.__version__, deepspeed.__version__, extensions_root())
     if path is not None:
