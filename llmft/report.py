@@ -7,8 +7,9 @@ python -m llmft.report runs/x
 ```
 
 It reads what a run leaves in its output directory: the trainer state (log history: training and eval
-loss, learning rate, and tokens/s and GPU memory when the run logged them), `run_summary.json` (GPUs, time,
-throughput), `llmft_data.json` (the data), the DeepSpeed config, and `eval/summary.jsonl` from `llmft eval`
+loss, learning rate, and per logging step tokens/s, MFU and GPU memory when the run logged them; a resume
+restores it from the checkpoint), `run_summary.json` (GPUs, throughput), `run_summaries.jsonl` (each attempt's
+time: a requeued or resumed run's whole time), `llmft_data.json` (the data), the DeepSpeed config, and `eval/summary.jsonl` from `llmft eval`
 (lm-evaluation-harness scores per task and checkpoint: a bar chart across runs and checkpoints). What a run
 lacks (older runs, runs stopped early) is left out of the plots and named in the summary, never an error.
 """
@@ -26,6 +27,7 @@ from llmft.command import command_parser
 from llmft.errors import LlmftError
 
 TOKENS_PER_SECOND_KEYS = ("tokens_per_second", "train_tokens_per_second_step", "tokens_per_sec")
+MFU_KEYS = ("mfu",)
 MEMORY_KEYS = ("peak_gpu_memory_gib", "gpu_memory_gib", "gpu_peak_memory_gib", "memory_gib")
 
 
@@ -43,6 +45,7 @@ class Run:
     path: Path
     history: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
+    attempts: list[dict] = field(default_factory=list)  # run_summaries.jsonl: one run summary per attempt, oldest first
     data: dict = field(default_factory=dict)
     ds_config: dict = field(default_factory=dict)
     model_config: dict = field(default_factory=dict)
@@ -78,6 +81,7 @@ def read_run(path: Path, name: str) -> Run:
     state = _json(state_file) if state_file else None
     run.history = list((state or {}).get("log_history") or [])
     run.summary = _json(path / "run_summary.json") or {}
+    run.attempts = read_attempts(path / "run_summaries.jsonl") or ([run.summary] if run.summary else [])
     run.data = _json(path / "llmft_data.json") or {}
     run.ds_config = _json(path / "ds_config.json") or {}
     run.model_config = _json(path / "config.json") or next((c for c in (_json(c / "config.json") for c in reversed(ckpts)) if c), {})
@@ -103,6 +107,31 @@ def read_benchmarks(path: Path) -> list[dict]:
         if isinstance(line, dict) and isinstance(line.get("metrics"), dict) and line.get("task"):
             latest[(line.get("step"), line["task"])] = line
     return sorted(latest.values(), key=lambda x: (x.get("step") if isinstance(x.get("step"), int) else math.inf, x["task"]))
+
+
+def read_attempts(path: Path) -> list[dict]:
+    """Every attempt's run summary (llmft.training.metrics.ATTEMPTS_FILE); unreadable lines are skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    attempts = []
+    for line in lines:
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            attempts.append(doc)
+    return attempts
+
+
+def run_time(attempts: list[dict]) -> tuple[float | None, int]:
+    """(wall seconds summed over the attempts that trained, how many): a requeued or resumed run's whole time.
+    An attempt of 0 steps (a rerun of a finished run) is not counted."""
+    timed = [a for a in attempts if isinstance(a.get("wall_seconds"), (int, float))]
+    trained = [a for a in timed if a.get("steps") != 0] or timed
+    return (sum(a["wall_seconds"] for a in trained) if trained else None), len(trained)
 
 
 def run_names(paths: list[Path]) -> list[str]:
@@ -301,7 +330,10 @@ def describe(run: Run) -> dict:
     _, loss = series(hist, ("loss",))
     _, eval_loss = series(hist, ("eval_loss",))
     runtime = next((e["train_runtime"] for e in reversed(hist) if "train_runtime" in e), None)
-    steps = s.get("steps") or next((e["step"] for e in reversed(hist) if "step" in e), None)
+    # The optimizer step reached: the log history (restored from the checkpoint on resume) spans every attempt;
+    # run_summary.json's `steps` counts only the last attempt's.
+    steps = max((e["step"] for e in hist if isinstance(e.get("step"), int)), default=None) or s.get("global_step") or s.get("steps")
+    wall, attempts = run_time(run.attempts)
     zero = (run.ds_config.get("zero_optimization") or {}).get("stage")
     model = run.model_config.get("architectures", ["-"])[0] if run.model_config.get("architectures") else run.model_config.get("model_type", "-")
     gpus = run.world_size
@@ -313,7 +345,7 @@ def describe(run: Run) -> dict:
         "zero": f"ZeRO-{zero}" if zero is not None else "-",
         "steps": _fmt(steps),
         "finished": "yes" if run.done is not None else "no",
-        "time": _duration(s["wall_seconds"]) if "wall_seconds" in s else (f"{_duration(runtime)} (training only)" if runtime else "-"),
+        "time": (_duration(wall) + (f" ({attempts} attempts)" if attempts > 1 else "")) if wall is not None else (f"{_duration(runtime)} (training only)" if runtime else "-"),
         "tokens/s": _fmt(s.get("tokens_per_second"), digits=5),
         "peak GPU GiB": _fmt(s.get("peak_gpu_memory_gib"), digits=3),
         "train loss": _fmt(loss[-1][1] if loss else s.get("train_loss")),
@@ -338,7 +370,7 @@ def markdown(runs: list[Run], plots: dict[str, Path | None], out: Path) -> str:
                              f"| {metric} | {_fmt(value)} | {_fmt(err)} |")
     lines += ["", "## Plots", ""]
     titles = {"loss": "Training and eval loss", "learning_rate": "Learning rate", "tokens_per_second": "Throughput",
-              "gpu_memory": "GPU memory", "eval_metrics": "Eval perplexity across runs", "benchmarks": "Benchmarks across runs and checkpoints"}
+              "mfu": "Model FLOPs utilisation", "gpu_memory": "GPU memory", "eval_metrics": "Eval perplexity across runs", "benchmarks": "Benchmarks across runs and checkpoints"}
     missing = []
     for key, title in titles.items():
         path = plots.get(key)
@@ -373,6 +405,7 @@ def report(run_dirs: list[Path], out: Path) -> dict:
         "loss": plot_loss(runs, out),
         "learning_rate": plot_series(runs, ("learning_rate",), "Learning rate", "learning rate", out / "learning_rate.png"),
         "tokens_per_second": plot_series(runs, TOKENS_PER_SECOND_KEYS, "Throughput", "tokens per second", out / "tokens_per_second.png"),
+        "mfu": plot_series(runs, MFU_KEYS, "Model FLOPs utilisation", "MFU (% of the GPU's dense 16-bit peak)", out / "mfu.png", scale=100),
         "gpu_memory": plot_series(runs, MEMORY_KEYS, "GPU memory", "peak GPU memory (GiB)", out / "gpu_memory.png"),
         "eval_metrics": plot_eval_bars(runs, out) if len(runs) > 1 else None,
         "benchmarks": plot_benchmarks(runs, out),

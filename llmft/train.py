@@ -467,7 +467,7 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
         log(f"training complete at step {step}; " + saving.final_model_note(
             args.output_dir, step, decided.plan.zero_stage, run.model.use_peft, run.llmft.save_consolidated))
     if rank0():
-        log(f"run summary written to {callbacks.meter.write_summary(args.output_dir, result.training_loss)}")
+        log(f"run summary written to {callbacks.meter.write_summary(args.output_dir, result.training_loss, trainer.state.global_step)}")
     if hasattr(trainer, "end"):
         trainer.end()
     return 0

@@ -139,7 +139,7 @@ def test_summary_rates_start_after_torch_compile_stops_compiling(capsys):
     def run(compile_at: set[int]):
         meter = Meter(FlopShape(1000, 1000, 1, 8), None, StartupClock(start=time.time()), 1)
         callback = _callback_class()(meter)
-        state = SimpleNamespace(global_step=0, max_steps=12, is_world_process_zero=True)
+        state = SimpleNamespace(global_step=0, max_steps=12, is_world_process_zero=True, log_history=[])
         callback.on_train_begin(None, state, None)
         for step in range(1, 13):
             next(meter.timed(iter([{"input_ids": torch.ones(2, 5, dtype=torch.long)}])))  # 10 tokens a step
@@ -179,7 +179,7 @@ def test_rates_leave_out_saving_and_evaluating_and_report_them_on_their_own(monk
     def run(save_every_step: bool):
         meter = Meter(FlopShape(1000, 1000, 1, 8), None, StartupClock(start=now[0]), 1)
         callback = _callback_class()(meter)
-        state = SimpleNamespace(global_step=0, max_steps=6, is_world_process_zero=True)
+        state = SimpleNamespace(global_step=0, max_steps=6, is_world_process_zero=True, log_history=[])
         callback.on_train_begin(None, state, None)
         logs = []
         for step in range(1, 7):

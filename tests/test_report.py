@@ -19,7 +19,7 @@ def fake_run(path: Path, lr: float, steps: int = 30, speed: bool = True, benchma
     for s in range(1, steps + 1):
         entry = {"loss": 3 * math.exp(-s * lr) + 0.5, "learning_rate": lr * 1e-3 * (1 - s / steps), "step": s}
         if speed:
-            entry.update(tokens_per_second=3000.0 + s, peak_gpu_memory_gib=10.5)
+            entry.update(tokens_per_second=3000.0 + s, mfu=0.38, peak_gpu_memory_gib=10.5)
         history.append(entry)
         if s % 10 == 0:
             history.append({"eval_loss": 3 * math.exp(-s * lr) + 0.7, "eval_perplexity": math.exp(3 * math.exp(-s * lr) + 0.7), "step": s})
@@ -81,7 +81,7 @@ def test_several_runs_give_labelled_plots_a_bar_chart_and_a_summary(tmp_path, le
     old = fake_run(tmp_path / "older", 0.1, speed=False)  # no summary, no tokens/s, no llmft eval
     written = report.report([a, b, old], tmp_path / "out")
 
-    assert set(written["plots"]) == {"loss", "learning_rate", "tokens_per_second", "gpu_memory", "eval_metrics", "benchmarks"}
+    assert set(written["plots"]) == {"loss", "learning_rate", "tokens_per_second", "mfu", "gpu_memory", "eval_metrics", "benchmarks"}
     for path in written["plots"].values():
         width, height = png_size(path)
         assert width >= 800 and height >= 500  # readable at default size
@@ -90,6 +90,7 @@ def test_several_runs_give_labelled_plots_a_bar_chart_and_a_summary(tmp_path, le
     assert loss["legend"] == ["lr-1e-4 train", "lr-1e-4 eval", "lr-3e-4 train", "lr-3e-4 eval", "older train", "older eval"]
     assert legends["tokens_per_second.png"][0]["legend"] == ["lr-1e-4", "lr-3e-4"]  # the older run has none: left out
     assert legends["gpu_memory.png"][0]["y"] == "peak GPU memory (GiB)"
+    assert legends["mfu.png"][0]["legend"] == ["lr-1e-4", "lr-3e-4"] and legends["mfu.png"][0]["y"].startswith("MFU (%")
     [ppl] = legends["eval_metrics.png"]
     assert ppl["ticks"] == ["lr-1e-4", "lr-3e-4", "older"] and ppl["y"] == "perplexity (lower is better)"
     [bench] = legends["benchmarks.png"]  # across runs and checkpoints; a group's subtasks stay out of the chart
@@ -115,7 +116,7 @@ def test_an_older_run_alone_degrades_and_says_what_is_missing(tmp_path):
     old = fake_run(tmp_path / "old", 0.1, speed=False)
     written = report.report([old], tmp_path / "out")
     assert set(written["plots"]) == {"loss", "learning_rate"}  # one run, no llmft eval: nothing to compare in bars
-    assert ("Not plotted (not in these runs' logs): throughput, gpu memory, eval perplexity across runs, benchmarks across runs and "
+    assert ("Not plotted (not in these runs' logs): throughput, model flops utilisation, gpu memory, eval perplexity across runs, benchmarks across runs and "
             "checkpoints.") in written["summary"].read_text()
 
 
@@ -146,7 +147,13 @@ def test_a_real_run_and_its_llmft_eval_result(run_with_eval, tmp_path, legends, 
                            trust_checkpoint=False))
     assert len(list((out / "eval").glob("results-step*.json"))) == 2
     written = report.report([out], tmp_path / "report")
-    assert {"loss", "learning_rate", "benchmarks"} <= set(written["plots"])
+    assert {"loss", "learning_rate", "tokens_per_second", "benchmarks"} <= set(written["plots"])
+    # Tokens/s per logging step kept in trainer_state.json (not only printed); CPU: no GPU memory, no MFU peak.
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    losses = [e for e in history if "loss" in e and "step" in e]
+    assert len(losses) == 6 and all(e["tokens_per_second"] > 0 for e in losses)
+    [attempt] = report.read_attempts(out / "run_summaries.jsonl")
+    assert attempt["global_step"] == 6 and attempt["steps"] == 6
     [loss] = legends["loss.png"]
     assert loss["legend"] == ["run train", "run eval"]
     [bench] = legends["benchmarks.png"]
@@ -155,3 +162,30 @@ def test_a_real_run_and_its_llmft_eval_result(run_with_eval, tmp_path, legends, 
     row = next(line for line in md.splitlines() if "GPT2LMHeadModel" in line)
     assert "ZeRO-2" in row and "| yes |" in row and "| 6 |" in row and "| 2 |" in row
     assert "| run | 6 | gsm8k | 0 | 3 | exact_match,strict-match |" in md
+
+
+def test_throughput_metrics_join_the_log_history_entry_of_their_loss_log():
+    """HF appends a copy of the logs to log_history before callbacks run: the metrics are added to that entry."""
+    from llmft.training.metrics import keep_in_log_history
+
+    history = [{"loss": 2.0, "step": 4}, {"eval_loss": 2.5, "step": 5}]
+    keep_in_log_history(history, 5, {"tokens_per_second": 100.0})
+    assert history[1] == {"eval_loss": 2.5, "step": 5}  # not a loss log: left alone
+    history.append({"loss": 1.9, "learning_rate": 1e-3, "step": 6})
+    keep_in_log_history(history, 6, {"tokens_per_second": 100.0, "mfu": 0.4, "peak_gpu_memory_gib": 12.0})
+    assert history[-1] == {"loss": 1.9, "learning_rate": 1e-3, "step": 6, "tokens_per_second": 100.0, "mfu": 0.4,
+                           "peak_gpu_memory_gib": 12.0}
+
+
+def test_a_requeued_run_shows_all_its_steps_and_the_time_of_every_attempt(tmp_path):
+    """An 80-step run preempted after 40 steps and resumed (its last attempt ran 47 steps in 55 s, from step 33's
+    checkpoint): the table shows step 80 and both attempts' time, not the last attempt's 47 steps and 55 s."""
+    run = fake_run(tmp_path / "requeued", 0.05, steps=80)  # the log history HF restored from the checkpoint: steps 1-80
+    attempts = [{"steps": 40, "global_step": 40, "wall_seconds": 65.0, "tokens_per_second": 2000.0},
+                {"steps": 47, "global_step": 80, "wall_seconds": 55.0, "tokens_per_second": 2100.0},
+                {"steps": 0, "global_step": 80, "wall_seconds": 9.0}]  # a rerun of the finished run: trains nothing
+    (run / "run_summaries.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attempts))
+    (run / "run_summary.json").write_text(json.dumps(attempts[-1]))
+    md = report.report([run], tmp_path / "out")["summary"].read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| requeued"))
+    assert "| 80 |" in row and "| 2m00s (2 attempts) |" in row, row

@@ -49,7 +49,7 @@ STARTUP_PHASES = ("import", "data", "model_load", "deepspeed_init", "first_step"
 SUMMARY_FIELDS = (
     "steps", "tokens", "padded_tokens", "tokens_per_second", "padded_tokens_per_second", "tflops_per_gpu", "mfu",
     "peak_gpu_memory_gib", "peak_host_rss_gib", "train_loss", "world_size", "gpu", "train_seconds", "save_seconds",
-    "eval_seconds", "wall_seconds", "startup_seconds",
+    "eval_seconds", "wall_seconds", "startup_seconds", "global_step",
 )
 NON_TRAINING = ("save", "eval")  # what the meter takes out of the training time and reports on its own
 
@@ -332,7 +332,7 @@ class Meter:
             **outside,
         }
 
-    def summary(self, train_loss: float | None) -> dict:
+    def summary(self, train_loss: float | None, global_step: int | None = None) -> dict:
         """run_summary.json's fields (SUMMARY_FIELDS); `reduce_totals` must have run on every rank."""
         t = self.totals
         if t is None:
@@ -356,15 +356,30 @@ class Meter:
             **{f"{kind}_seconds": round(self.outside[kind], 3) for kind in NON_TRAINING},  # the final save included
             "wall_seconds": round(time.time() - self.clock.start, 3),
             "startup_seconds": self.clock.rounded(),
+            "global_step": None if global_step is None else int(global_step),  # the run's step (`steps`: this attempt's)
         }
 
-    def write_summary(self, output_dir: str | Path, train_loss: float | None) -> Path:
-        """Write <output_dir>/run_summary.json atomically (rank 0 calls this)."""
+    def write_summary(self, output_dir: str | Path, train_loss: float | None, global_step: int | None = None) -> Path:
+        """Write <output_dir>/run_summary.json atomically (rank 0 calls this): this attempt's summary; and append it
+        to run_summaries.jsonl, one line per attempt (a requeued or resumed run keeps every attempt's time)."""
+        summary = self.summary(train_loss, global_step)
         path = Path(output_dir) / "run_summary.json"
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.summary(train_loss), indent=2) + "\n")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, path)
+        with open(path.with_name(ATTEMPTS_FILE), "a") as f:
+            f.write(json.dumps({**summary, "ended_at": round(time.time(), 3)}) + "\n")
         return path
+
+
+ATTEMPTS_FILE = "run_summaries.jsonl"  # one run_summary per attempt of the run, oldest first
+
+
+def keep_in_log_history(log_history: list[dict], step: int, metrics: dict) -> None:
+    """Add the interval's throughput metrics to the Trainer's log-history entry of this loss log, so
+    trainer_state.json (and `llmft report`) keep them: HF appends a copy of the logs before callbacks see them."""
+    if log_history and log_history[-1].get("step") == step and "loss" in log_history[-1]:
+        log_history[-1].update(metrics)
 
 
 def _callback_class():
@@ -403,7 +418,9 @@ def _callback_class():
             if m.any_compiled and m.steps > 1:  # torch.compile was at work on some rank: the steady state starts here
                 m.first, m.steady_from = now, m.steps
             rates = m.rates(before, after)
-            logs.update({k: round(v, 6) for k, v in rates.items() if v is not None})  # save/eval_seconds too (W&B)
+            kept = {k: round(v, 6) for k, v in rates.items() if v is not None}
+            logs.update(kept)  # save/eval_seconds too (W&B)
+            keep_in_log_history(state.log_history, state.global_step, kept)
             if state.is_world_process_zero:
                 print(format_step_line(state.global_step, state.max_steps, logs["loss"], logs.get("learning_rate", 0.0), rates), flush=True)
 
