@@ -174,6 +174,8 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
         extra.append("--load_in_4bit")
     if args.save_consolidated:
         extra.append("--save_consolidated")
+    if args.async_save:
+        extra.append("--async_save")
     knobs.append("EXTRA_ARGS=" + " ".join(extra))
     export = "--export=ALL," + ",".join(knobs)
     # The host memory the plan needs per node (rounded up), not the whole node: others' jobs may share it.
@@ -283,7 +285,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
         zero_stage=args.zero_stage, offload=args.offload or None, deepspeed=args.deepspeed,
         load_in_4bit=args.load_in_4bit, attention=args.attn_implementation or "sdpa", save_total_limit=args.save_total_limit,
         output_dir=args.output_dir or None, write_mb_s=args.write_mb_s, mfu=args.mfu,
-        save_consolidated=args.save_consolidated,
+        save_consolidated=args.save_consolidated, async_save=args.async_save,
     )
     try:
         mplan = plan_memory(job)
@@ -333,7 +335,7 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
             gradient_checkpointing=bool(args.gradient_checkpointing),  # llmft train's default: off
             zero_stage=None if args.deepspeed else plan.zero_stage, offload=None if args.deepspeed else plan.offload_mode,
             deepspeed=args.deepspeed, load_in_4bit=args.load_in_4bit, attention=args.attn_implementation or "sdpa",
-            save_consolidated=args.save_consolidated,
+            save_consolidated=args.save_consolidated, async_save=args.async_save,
         )
         mplan = plan_memory(job)
     except MemoryPlanError as e:
@@ -391,6 +393,7 @@ def make_parser(subparsers=None):
     mem.add_argument("--attn_implementation", default=None, choices=["sdpa", "flash_attention_2"], help="default sdpa")
     mem.add_argument("--save_total_limit", type=int, default=None, help="checkpoints kept (checked against --output_dir's free space)")
     mem.add_argument("--save_consolidated", action="store_true", help="count the 16-bit model gathered at the end (ZeRO-3 rows)")
+    mem.add_argument("--async_save", action="store_true", help="count the host RAM of checkpoints written in the background")
     mem.add_argument("--write_mb_s", type=float, default=None, help="checkpoint write bandwidth, MB/s (default: the provider's shared filesystem in llmft's blueprints)")
     mem.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the tokens/s estimate (default 0.35)")
     mem.add_argument("--check_memory", action="store_true",
@@ -425,7 +428,7 @@ def _bool(value: str, flag: str) -> bool:
 
 MEMORY_ONLY = ("gpu", "gpu_memory_gb", "node_type", "host_ram_gb", "max_length", "gradient_checkpointing", "use_peft",
                "lora_r", "lora_target_modules", "load_in_4bit", "attn_implementation", "save_total_limit",
-               "save_consolidated", "write_mb_s", "mfu", "auto", "json", "write", "trust_remote_code", "dataset_name",
+               "save_consolidated", "async_save", "write_mb_s", "mfu", "auto", "json", "write", "trust_remote_code", "dataset_name",
                "prompt_column", "completion_column", "messages_column", "dataset_text_field", "max_steps",
                "check_memory")
 

@@ -58,6 +58,7 @@ from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quan
 from llmft.planning.run_plan import RunPlan, auto_choice, make_plan
 from llmft.planning.world import LaunchEnvError, discover_world, launch_problem, log, rank0
 from llmft.training import (
+    async_save,
     build_locks,
     elastic,
     host_memory,
@@ -220,7 +221,7 @@ def choose_automatically(run: RunSettings, precision: str, grad_accum: int | Non
         save_total_limit=training.save_total_limit, output_dir=training.output_dir,
         attention=model.attn_implementation, load_in_4bit=model.load_in_4bit,
         save_consolidated=extra.save_consolidated, trust_remote_code=training.trust_remote_code,
-        keep_zero_stage=keep if isinstance(keep, int) else None,
+        keep_zero_stage=keep if isinstance(keep, int) else None, async_save=extra.async_save,
     )
 
 
@@ -424,7 +425,17 @@ def build_trainer(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
     PublishCompleteCheckpoint, GracefulStop = checkpoint_callbacks()
     before_loading = host_memory.current_rss()
     stop = GracefulStop(run.llmft.stop_file or os.environ.get("LLMFT_STOP_FILE"))
-    publish = PublishCompleteCheckpoint(decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit)
+    make_writer = None
+    if run.llmft.async_save:
+        def make_writer():
+            """The background writer in the DeepSpeed engine's place; a save is synchronous when training stops after it."""
+            try:
+                return async_save.install(trainer.model_wrapped, synchronous=lambda: (
+                    trainer.control.should_training_stop or trainer.state.global_step >= trainer.state.max_steps))
+            except ValueError as e:
+                raise TrainError(str(e)) from None
+    publish = PublishCompleteCheckpoint(decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit,
+                                        make_writer)
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
         trainer = saving.trainer_class(run.llmft.save_consolidated)(
             model=files.weights, args=args, train_dataset=prepared.train, eval_dataset=prepared.eval,

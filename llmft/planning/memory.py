@@ -77,7 +77,9 @@ allocations; 1 GiB on CPU), plus the larger of
              already offloaded or on a CPU run), and under ZeRO-0/1/2 the first node also
              serialises the final model.safetensors (P w; the adapter, in every checkpoint, with LoRA). ZeRO-3 checkpoints are the ranks'
              shards only: nothing is gathered. The optional consolidated model at the end (--save_consolidated)
-             needs P w on the first node, plus the same again while safetensors serialises it.
+             needs P w on the first node, plus the same again while safetensors serialises it. With --async_save,
+             the first node holds its ranks' checkpoint files in memory while a thread writes them
+             (`async_save_bytes`; one checkpoint at a time, and never at the same time as a synchronous save).
   The ZeRO-3 loading and the offload terms carry DeepSpeed's additional_buffer_factor 1.5 (pinned buffers,
   fragmentation), which makes the ZeRO-3 offload figure equal DeepSpeed's zero_init estimate. DeepSpeed's ZeRO-2
   host figure (4 bytes x P per GPU, the optimizer not divided over nodes) assumes fp32 loading; llmft loads in
@@ -218,6 +220,7 @@ class Job:
     mfu: float = DEFAULT_MFU
     preempt_window_s: float = PREEMPT_WINDOW_S
     save_consolidated: bool = False
+    async_save: bool = False  # --async_save: each rank holds its checkpoint files' bytes while they are written
     network: comm.NodeNetwork | None = None  # the node type's links (llmft.planning.comm.NETWORKS); None: not modelled
 
     @property
@@ -466,6 +469,16 @@ def checkpoint_bytes(shape: ModelShape, zero_stage: int, precision: str) -> int:
     return size
 
 
+def async_save_bytes(shape: ModelShape, zero_stage: int, precision: str, nproc_per_node: int, world: int) -> int:
+    """Host RAM on the first node while an --async_save checkpoint is written (llmft.training.async_save): the files its
+    ranks write through DeepSpeed's checkpoint engine, serialised in memory: each rank's optimizer shard (12 T / N: the
+    fp32 masters are ZeRO-3's weights too) and, under ZeRO-0/1/2, rank 0's module states (w T). A LoRA adapter is
+    written by the Trainer itself, synchronously. One node: `checkpoint_bytes` of a full fine-tune."""
+    w = element_bytes(precision)["w"]
+    T = shape.trainable
+    return int(12 * T / world * nproc_per_node + (0 if zero_stage == 3 else w * T))
+
+
 def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     """Host RAM per node, by phase (module docstring); 'peak' is what the node must have."""
     shape, n, N = job.shape, job.nproc_per_node, job.world
@@ -502,7 +515,8 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     if job.save_consolidated and setting.zero_stage == 3:
         model = b["w"] * (T if shape.lora else shape.total)
         final = model + min(model, HF_MAX_SHARD_BYTES)
-    training = offload + on_cpu + max(saving, final)
+    snapshot = async_save_bytes(shape, setting.zero_stage, job.precision, n, N) if job.async_save else 0
+    training = offload + on_cpu + max(saving, snapshot, final)  # a synchronous save first waits for the snapshot's writes
     return {
         "runtime": int(runtime),
         "loading": int(loading),
@@ -510,6 +524,7 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
         "offload": int(offload),
         "device_on_host": int(on_cpu),
         "saving": int(saving),
+        "async_save": int(snapshot),
         "final_model": int(final),
         "peak": int(runtime + max(loading, training)),
     }
@@ -566,7 +581,8 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         problems.append(f"GPU memory: needs {gib(device)} GiB of {limit:g}")
     if host["peak"] > job.host_ram_gib * GIB:
         names = {"loading": "loading the weights", "offload": "offloaded states", "device_on_host": "the processes' tensors",
-                 "saving": "saving a checkpoint", "final_model": "the consolidated model"}
+                 "saving": "saving a checkpoint", "async_save": "--async_save's checkpoint in memory",
+                 "final_model": "the consolidated model"}
         worst = max(names, key=lambda k: host[k])
         problems.append(f"host RAM: needs {gib(host['peak'])} GiB per node of {job.host_ram_gib:g} "
                         f"({names[worst]}: {gib(host[worst])} GiB)")

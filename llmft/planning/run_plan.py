@@ -161,7 +161,7 @@ def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, prec
                zero_stage: int | None = None, offload: bool | str | None = None, deepspeed: str | None = None,
                load_in_4bit: bool = False, attention: str = "sdpa", save_total_limit: int | None = None,
                output_dir: str | None = None, write_mb_s: float | None = None, mfu: float | None = None,
-               save_consolidated: bool = False):
+               save_consolidated: bool = False, async_save: bool = False):
     """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given)."""
 
     stages, offload_modes = memory.Job.__dataclass_fields__["zero_stages"].default, memory.OFFLOADS
@@ -198,7 +198,7 @@ def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, prec
         offloads=offload_modes, load_in_4bit=load_in_4bit, attention=attention, zero_config=zero_config,
         save_total_limit=save_total_limit, free_disk_gib=free,
         write_mb_s=memory.WRITE_MB_S.get(hardware.provider, memory.WRITE_MB_S[None]) if write_mb_s is None else write_mb_s,
-        mfu=memory.DEFAULT_MFU if mfu is None else mfu, save_consolidated=save_consolidated,
+        mfu=memory.DEFAULT_MFU if mfu is None else mfu, save_consolidated=save_consolidated, async_save=async_save,
         network=comm.NETWORKS.get(hardware.node_type) if hardware.node_type else None,
     )
 
@@ -206,7 +206,7 @@ def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, prec
 def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: int, global_batch: int | None,
                 grad_accum: int | None, max_length: int, use_peft: bool, lora_r: int, lora_target_modules,
                 allow_gradient_checkpointing: bool, save_total_limit: int | None, output_dir: str,
-                attention: str | None, load_in_4bit: bool, save_consolidated: bool, trust_remote_code: bool = False,
+                attention: str | None, load_in_4bit: bool, save_consolidated: bool, trust_remote_code: bool = False, async_save: bool = False,
                 keep_zero_stage: int | None = None):
     """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
     computes the same answer: run_llm.slurm exports the smallest node's allocation as LLMFT_HOST_RAM_GB).
@@ -225,7 +225,7 @@ def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: in
             shape, hardware, world, max_length=max_length, precision=precision, global_batch=global_batch,
             max_micro_batch=max_micro_batch, gradient_checkpointing=None if allow_gradient_checkpointing else False,
             load_in_4bit=load_in_4bit, attention=attention or "sdpa", save_total_limit=save_total_limit,
-            output_dir=output_dir, save_consolidated=save_consolidated,
+            output_dir=output_dir, save_consolidated=save_consolidated, async_save=async_save,
         )
         if keep_zero_stage is not None:
             job = dataclasses.replace(job, zero_stages=(keep_zero_stage,))

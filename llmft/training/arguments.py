@@ -34,6 +34,12 @@ class LlmftArguments:
         metadata={"help": "ZeRO-3: gather the 16-bit model on rank 0 into --output_dir at the end (needs about twice "
                           "its 16-bit size in host RAM there; `llmft plan --save_consolidated` counts it)."},
     )
+    async_save: bool = field(
+        default=False,
+        metadata={"help": "Write periodic checkpoints in the background while training goes on (llmft.training.async_save); "
+                          "the stop save and the last save stay synchronous. Holds a checkpoint's files in host RAM "
+                          "while they are written (`llmft plan --async_save` counts it)."},
+    )
     # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.training.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
     fp16_flag: bool | None = field(default=None, init=False, repr=False)

@@ -101,26 +101,68 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
         """After every rank has written its shard and the saved weights hold the model, publish checkpoint-N/llmft_complete.json.
 
         Weights that do not (empty, missing tensors, zeros): no marker, training stops, `refused` says why.
+        With --async_save (`make_writer` set: llmft.training.async_save), a checkpoint whose files some rank is still
+        writing is published at the first step end at which every rank's writes have finished, or at the end of training.
         """
 
-        def __init__(self, zero_stage: int, batch, keep: int | None = None):
+        def __init__(self, zero_stage: int, batch, keep: int | None = None, make_writer=None):
             self.zero_stage, self.batch, self.keep = zero_stage, batch, keep  # keep: --save_total_limit
+            self.make_writer = make_writer
             self.refused: str | None = None
+            self.writer = None  # llmft.training.async_save.BackgroundWriter, installed once the DeepSpeed engine exists
+            self.pending: Path | None = None  # a checkpoint whose files are being written in the background
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if self.make_writer is not None and self.writer is None:
+                self.writer = self.make_writer()
 
         def on_save(self, args, state, control, model=None, **kwargs):
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if state.is_world_process_zero and job_deadline.save_delay_s():  # a test hook: a slow filesystem
                 time.sleep(job_deadline.save_delay_s())
+            if self.pending is not None:  # every rank waited for its writes before this save (BackgroundWriter.create)
+                self._publish_written(args, state, control)
+            bad = save_checks.check_save(ckpt, model, state.is_world_process_zero)
+            writing = self.writer is not None and self.writer.busy()
+            refuse, in_flight = all_ranks_max(int(bool(bad)), int(writing), device=args.device)
+            if refuse:
+                self.refused = f"{ckpt} not published as complete: {'; '.join(bad) or 'see rank 0'}"
+                control.should_training_stop = True
+            elif in_flight:
+                self.pending = ckpt
+            else:
+                self._publish(ckpt, args, state)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.pending is not None:
+                busy, = all_ranks_max(int(self.writer.busy()), device=args.device)
+                if not busy:
+                    self._publish_written(args, state, control)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.writer is not None:
+                self.writer.synchronous = lambda: True  # the final save_model (ZeRO-3 shards) is on disk when it returns
+                self.writer.wait()
+                if self.pending is not None:
+                    self._publish_written(args, state, control)
+
+        def _publish_written(self, args, state, control):
+            """Publish the pending checkpoint, whose background writes have finished on every rank, unless one failed."""
+            ckpt, self.pending = self.pending, None
+            failed, = all_ranks_max(int(self.writer.failure() is not None), device=args.device)
+            if failed:
+                self.refused = f"{ckpt} not published as complete: {self.writer.failure() or 'a write failed on another rank'}"
+                control.should_training_stop = True
+            else:
+                self._publish(ckpt, args, state)
+
+        def _publish(self, ckpt: Path, args, state):
             report = run_dir.rank_report(ckpt, args.process_index)  # what this rank wrote, as its node sees it
             reports = [report]
             if dist.is_initialized():
                 reports = [None] * dist.get_world_size()
                 dist.all_gather_object(reports, report)  # also the barrier: every rank has finished saving
-            bad = save_checks.check_save(ckpt, model, state.is_world_process_zero)
-            if all_ranks_max(int(bool(bad)), device=args.device)[0]:
-                self.refused = f"{ckpt} not published as complete: {'; '.join(bad) or 'see rank 0'}"
-                control.should_training_stop = True
-            elif state.is_world_process_zero:
+            if state.is_world_process_zero:
                 if run_dir.mark_complete(ckpt, args.world_size, self.zero_stage, reports, self.batch):
                     log(f"saved complete checkpoint {ckpt}")
                     # --save_total_limit, applied here (the Trainer gets None): only now is the new one complete

@@ -129,6 +129,8 @@ POLICY: dict[str, tuple[str, str]] = {
                       "refused with --zero_stage/--offload/--deepspeed"),
     "save_consolidated": (CHECKED, "ZeRO-3: the gathered 16-bit model at the end (llmft.training.saving); refused on other "
                                    "stages and with LoRA"),
+    "async_save": (CHECKED, "periodic checkpoints written in the background (llmft.training.async_save); refused with a "
+                            "DeepSpeed config that chose its own checkpoint writer"),
 }
 
 LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",

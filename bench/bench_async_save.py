@@ -1,0 +1,70 @@
+"""The training stall per checkpoint, synchronous saves against --async_save, side by side.
+
+    python bench/bench_async_save.py            # GPT-2 124M shape, 1 process, ZeRO-2, fp32 (CPU), 3 checkpoints per run
+
+Three `llmft train` runs through bench/timed_train.py, alternated: no checkpoints, synchronous checkpoints, and
+--async_save, all with the same steps. The checkpoints (2 GB each here) go to this machine's disk, where one takes
+several training steps to write. Stall per checkpoint = (the run's loop time - the no-checkpoint run's loop time) /
+checkpoints, the loop time running from the first step's end to the last step's end; it holds everything a save
+costs training: the write itself (synchronous), the serialisation into memory (async), and any slowdown of the
+steps while a background write goes on. The last step is no save step, so every checkpoint measured is a periodic
+one (a stop save and the last save are synchronous in both modes). Also printed: how long Trainer._save_checkpoint
+held training each time, and the run's peak host RSS (the async snapshot's memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from pathlib import Path
+
+from benchlib import REPO, demo_model, environment, gpt2_124m_model, launcher, run
+
+SAVE_RE = re.compile(r"bench: checkpoint-(\d+) save ([\d.]+) s")
+STEP_END_RE = re.compile(r"bench: step (\d+) end ([\d.]+)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--root", type=Path, default=REPO / "runs" / "bench_async_save")
+    p.add_argument("--save_steps", type=int, default=30)
+    p.add_argument("--checkpoints", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1)
+    a = p.parse_args()
+
+    model = gpt2_124m_model(a.root)
+    _, data = demo_model(a.root)
+    max_steps = a.save_steps * a.checkpoints + a.save_steps // 2
+    print(environment())
+    print(f"model {model.name}, 1 process, ZeRO-2, {max_steps} steps, a checkpoint every {a.save_steps}")
+    print(f"{'run':<10} {'loop s':>8} {'median step s':>14} {'stall/ckpt s':>13} {'save call s (each)':>28} {'peak RSS GiB':>13}")
+    loops: dict[str, list[float]] = {}
+    for i in range(a.repeats):
+        for name in ("none", "sync", "async"):
+            out = a.root / name
+            cmd = launcher(1) + [
+                str(REPO / "bench" / "timed_train.py"), "--model_name_or_path", str(model), "--dataset_name", str(data),
+                "--output_dir", str(out), "--zero_stage", "2", "--per_device_train_batch_size", "1",
+                "--global_batch_size", "1", "--max_length", "64", "--max_steps", str(max_steps), "--learning_rate", "1e-4",
+                "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "10",
+            ] + (["--save_strategy", "no"] if name == "none" else ["--save_steps", str(a.save_steps)])
+            cmd += ["--async_save"] if name == "async" else []
+            r = run(name, cmd, out)
+            ends = {int(s): float(t) for s, t in STEP_END_RE.findall(r.stdout)}
+            loop = ends[max_steps] - ends[1]
+            steps = [ends[s] - ends[s - 1] for s in range(2, max_steps + 1) if (s - 1) % a.save_steps]
+            saves = [float(s) for _, s in SAVE_RE.findall(r.stdout)]
+            loops.setdefault(name, []).append(loop)
+            stall = (loop - loops["none"][-1]) / a.checkpoints if name != "none" else 0.0
+            rss = r.summary()["peak_host_rss_gib"]
+            print(f"{name + str(i):<10} {loop:>8.1f} {statistics.median(steps):>14.3f} {stall:>13.2f} "
+                  f"{' '.join(f'{s:.2f}' for s in saves) or '-':>28} {rss:>13.2f}")
+    sync = statistics.median(loops["sync"]) - statistics.median(loops["none"])
+    asyn = statistics.median(loops["async"]) - statistics.median(loops["none"])
+    print(f"stall per checkpoint: synchronous {sync / a.checkpoints:.2f} s, async {asyn / a.checkpoints:.2f} s "
+          f"({asyn / sync:.3f}x)" if sync > 0 else "no stall measured for synchronous saves")
+
+
+if __name__ == "__main__":
+    main()

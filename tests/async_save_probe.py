@@ -1,0 +1,56 @@
+"""`llmft train` whose background checkpoint writes (llmft.training.async_save) wait for a known step, to test publishing.
+
+Run it like `python -m llmft.train` (under torchrun too). Each rank holds the writes of checkpoint-$LLMFT_PROBE_HOLD_CKPT
+until the end of step $LLMFT_PROBE_RELEASE_STEP; at that step end, before releasing them, rank 0 records in
+$LLMFT_PROBE_DIR/held.json whether the checkpoint's marker and shard files existed then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import trl
+from transformers import TrainerCallback
+
+from llmft.training import async_save
+
+HOLD, RELEASE = f"checkpoint-{os.environ['LLMFT_PROBE_HOLD_CKPT']}", int(os.environ["LLMFT_PROBE_RELEASE_STEP"])
+released = threading.Event()
+
+
+def held_write(path, data):
+    if HOLD in Path(path).parts:
+        released.wait(timeout=600)
+    return original_write(path, data)
+
+
+class Release(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != RELEASE:
+            return
+        if state.is_world_process_zero:
+            ckpt = Path(args.output_dir) / HOLD
+            seen = {"marker": (ckpt / "llmft_complete.json").exists(),
+                    "shards": sorted(p.name for p in ckpt.glob("global_step*/*.pt"))}
+            out = Path(os.environ["LLMFT_PROBE_DIR"])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "held.json").write_text(json.dumps(seen))
+        released.set()
+
+
+class ProbedTrainer(trl.SFTTrainer):
+    def __init__(self, *args, callbacks=None, **kwargs):
+        super().__init__(*args, callbacks=[*(callbacks or []), Release()], **kwargs)
+
+
+if __name__ == "__main__":
+    from llmft.train import cli, make_parser
+
+    original_write = async_save.write_file
+    async_save.write_file = held_write
+    trl.SFTTrainer = ProbedTrainer  # llmft.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    sys.exit(cli(make_parser()))

@@ -1,0 +1,154 @@
+"""--async_save: periodic checkpoints written by a thread while training goes on (llmft.training.async_save), published
+complete only once every rank's files are written; the same training and the same resumed losses as synchronous saves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, REPO, run
+from llmft.training.async_save import BackgroundWriter, partial_path
+from llmft.checkpoint.run_dir import RUN_RECORD
+from test_train import steps
+
+PROBE = str(REPO / "tests" / "async_save_probe.py")
+FLAGS = ("--zero_stage", 2, "--max_steps", 6, "--save_steps", 2, "--global_batch_size", 8,
+         "--per_device_train_batch_size", 2, "--learning_rate", "5e-3")
+LOSS_TOL = 5e-4  # tests/test_elastic.py: the same state gives the same losses to the 4 printed decimals
+
+
+def test_a_background_save_returns_before_its_file_is_written_and_keeps_the_state_as_saved(tmp_path):
+    import torch
+
+    gate, written = threading.Event(), []
+
+    def slow_write(path, data):
+        gate.wait(timeout=60)
+        from llmft.training.async_save import write_file
+
+        write_file(path, data)
+        written.append(path)
+
+    sync = {"now": False}
+    writer = BackgroundWriter(lambda: sync["now"], write=slow_write)
+    state = {"w": torch.arange(6.0), "step": 3}
+    state["tied"] = state["w"][:3]  # a view of the same storage: saved once, as torch.save does
+    target = tmp_path / "optim_states.pt"
+    writer.save(state, str(target))
+    state["w"].add_(100)  # the next optimizer step changes the tensor in place: the snapshot keeps the saved values
+    assert writer.busy() and not target.exists() and not partial_path(target).exists()
+    gate.set()
+    writer.wait()
+    assert not writer.busy() and written == [target] and not partial_path(target).exists()
+    loaded = torch.load(target)
+    assert torch.equal(loaded["w"], torch.arange(6.0)) and loaded["step"] == 3
+    assert loaded["tied"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
+
+    sync["now"] = True  # the stop save and the last save: on disk when save() returns
+    writer.save(state, str(tmp_path / "sync.pt"))
+    assert not writer.busy() and torch.equal(torch.load(tmp_path / "sync.pt")["w"], torch.arange(6.0) + 100)
+
+
+def test_a_failed_background_write_is_reported_not_hidden(tmp_path):
+    import torch
+
+    writer = BackgroundWriter(lambda: False)
+    writer.save({"x": torch.ones(2)}, str(tmp_path / "missing-dir" / "x.pt"))
+    writer.wait()
+    assert writer.failure() is not None and "missing-dir/x.pt" in writer.failure()
+
+
+@pytest.fixture(scope="module")
+def nodrop_model(tiny_model, tmp_path_factory) -> Path:
+    from transformers import AutoConfig
+
+    out = tmp_path_factory.mktemp("nodrop") / "model"
+    shutil.copytree(tiny_model, out)
+    config = AutoConfig.from_pretrained(out)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    config.save_pretrained(out)
+    return out
+
+
+def train(script: list[str], model, data, out: Path, *extra, **env):
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", *script,
+           "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none",
+           "--logging_steps", "1", "--disable_tqdm", "true", *map(str, FLAGS), *map(str, extra)]
+    return run(cmd, check=True, **env).stdout
+
+
+def test_async_checkpoints_are_published_after_their_files_and_resume_like_synchronous_ones(nodrop_model, tiny_data, tmp_path):
+    import torch
+
+    from llmft.checkpoint.zero import load_fp32_state_dict
+
+    sync_out, async_out = tmp_path / "sync", tmp_path / "async"
+    sync = train(["-m", "llmft.train"], nodrop_model, tiny_data, sync_out)
+    # checkpoint-2's writes are held (every rank) until step 3 has ended: training goes on meanwhile
+    held = train([PROBE], nodrop_model, tiny_data, async_out, "--async_save",
+                 LLMFT_PROBE_HOLD_CKPT="2", LLMFT_PROBE_RELEASE_STEP="3", LLMFT_PROBE_DIR=str(tmp_path / "probe"))
+    seen = json.loads((tmp_path / "probe" / "held.json").read_text())
+    assert seen == {"marker": False, "shards": []}, seen  # at step 3: no marker while the shards are unwritten
+    lines = held.splitlines()
+    published = lines.index(f"llmft: saved complete checkpoint {async_out / 'checkpoint-2'}")
+    assert published > next(i for i, line in enumerate(lines) if line.startswith("llmft: step 3/6 "))
+    for step in (2, 4, 6):
+        ckpt = async_out / f"checkpoint-{step}"
+        marker = json.loads((ckpt / "llmft_complete.json").read_text())
+        assert {f"global_step{step}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(marker["files"])
+        assert not list(ckpt.rglob(".*.partial"))
+    assert [(s, loss) for s, _, loss, _ in steps(held)] == [(s, loss) for s, _, loss, _ in steps(sync)]
+    ours, theirs = load_fp32_state_dict(async_out / "checkpoint-4" / "global_step4"), load_fp32_state_dict(
+        sync_out / "checkpoint-4" / "global_step4")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    # what the planner counts for the snapshot (llmft.memory.async_save_bytes, the first node = both ranks here) is
+    # what the ranks serialise: the checkpoint's shard files
+    from llmft.planning.memory import async_save_bytes
+    from llmft.planning.model_shape import load_model_config, model_shape
+
+    files = sum(f.stat().st_size for f in (async_out / "checkpoint-4" / "global_step4").iterdir())
+    counted = async_save_bytes(model_shape(load_model_config(str(nodrop_model))), 2, "fp32", 2, 2)
+    assert 0.97 * files <= counted <= 1.03 * files, (counted, files)
+
+    resumed = tmp_path / "resumed"  # the async run's checkpoint-2 (written while steps 3 went on) resumed
+    resumed.mkdir()
+    shutil.copytree(async_out / "checkpoint-2", resumed / "checkpoint-2")
+    shutil.copy2(async_out / RUN_RECORD, resumed / RUN_RECORD)
+    again = train(["-m", "llmft.train"], nodrop_model, tiny_data, resumed, "--async_save")
+    assert f"resuming from {resumed / 'checkpoint-2'}" in again
+    whole = {s: loss for s, _, loss, _ in steps(sync)}
+    after = {s: loss for s, _, loss, _ in steps(again)}
+    assert sorted(after) == [3, 4, 5, 6]
+    for s in after:
+        assert after[s] == pytest.approx(whole[s], abs=LOSS_TOL), (s, after, whole)
+
+
+def test_the_planner_counts_the_async_snapshot_in_host_ram():
+    """8B full fine-tune, bf16, 8 x H100 per node: on one node the snapshot is the whole checkpoint; on two nodes the
+    first node holds its ranks' optimizer shards and rank 0's module states; the host column grows by it."""
+    from transformers import LlamaConfig
+
+    from llmft.planning import memory
+    from llmft.planning.hardware import GPUS
+    from llmft.planning.model_shape import model_shape
+
+    shape = model_shape(LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                    intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False))
+    for stage in (2, 3):
+        assert memory.async_save_bytes(shape, stage, "bf16", 8, 8) == memory.checkpoint_bytes(shape, stage, "bf16")
+        two_nodes = memory.async_save_bytes(shape, stage, "bf16", 8, 16)
+        assert two_nodes == 6 * shape.trainable + (0 if stage == 3 else 2 * shape.trainable)
+
+    def host(async_save: bool) -> dict:
+        job = memory.Job(shape, gpu=GPUS["H100-80GB"], host_ram_gib=1800, nnodes=1, nproc_per_node=8, max_length=2048,
+                         precision="bf16", global_batch=64, zero_stages=(3,), offloads=("none",), async_save=async_save)
+        return memory.plan_memory(job).recommended.host
+
+    off, on = host(False), host(True)
+    assert off["async_save"] == 0 and on["async_save"] == memory.checkpoint_bytes(shape, 3, "bf16")
+    assert on["peak"] - off["peak"] >= on["async_save"] - max(off["saving"], off["final_model"])
