@@ -59,5 +59,5 @@ def test_every_command_of_the_your_data_page_runs_in_order(tmp_path):
     assert "knobs are valid" in outputs["sbatch slurm/run_llm.slurm"]
     # infer, eval, report read the run
     assert "What is 4 plus 8?" in outputs["llmft infer"]
-    assert list((tmp_path / "runs" / "mine").glob("eval-*.json"))
+    assert (tmp_path / "runs" / "mine" / "eval" / "summary.jsonl").exists()
     assert {p.name for p in (tmp_path / "runs" / "mine" / "report").iterdir()} >= {"report.md", "loss.png", "learning_rate.png"}
