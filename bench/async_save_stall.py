@@ -27,7 +27,6 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from llmft.training.async_save import BackgroundWriter  # noqa: E402

@@ -39,8 +39,8 @@ class BenchTrainer(trl.SFTTrainer):
 
 
 if __name__ == "__main__":
-    from llmft.training import saving
     from llmft.train import cli, make_parser
+    from llmft.training import saving
 
     transformers.Trainer._save_checkpoint = timed_save(transformers.Trainer._save_checkpoint)
     trl.SFTTrainer = BenchTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer

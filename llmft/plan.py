@@ -28,12 +28,14 @@ import tempfile
 from pathlib import Path
 
 from llmft.command import command_parser, report_error
-from llmft.data import cache
+from llmft.data import cache, padding
+from llmft.data.cache import load_prepared_train
 from llmft.data.loading import DataError
 from llmft.errors import LlmftError
 from llmft.planning import comm, ds_config, memory
 from llmft.planning.allocation import AllocationError, job_nodes, numa_binding, parse_node_lines
 from llmft.planning.batch import plan_batch
+from llmft.planning.conversion import plan_conversion
 from llmft.planning.ds_config import load_config, template_path
 from llmft.planning.hardware import AUTO_PRECISION, PRECISIONS, choose_precision
 from llmft.planning.memory import MemoryPlanError, plan_memory
@@ -48,9 +50,6 @@ from llmft.planning.run_plan import (
     resolve_hardware,
 )
 from llmft.planning.world import CpuSplit, World, cpu_split, discover_cpus, discover_world
-from llmft.planning.conversion import plan_conversion
-from llmft.data import padding
-from llmft.data.cache import load_prepared_train
 
 # ---- the memory plan (--model): llmft.planning.memory on a model shape and the hardware --------------------------------------
 

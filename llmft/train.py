@@ -51,8 +51,8 @@ from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
 from llmft.planning import ds_config, world
-from llmft.planning.memory import estimated_save_s
 from llmft.planning.hardware import check_liger, choose_attention, flash_attn_installed, liger_model_types, local_gpu
+from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
 from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quantization
 from llmft.planning.run_plan import RunPlan, auto_choice, make_plan

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import require_tool, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from llmft.planning.allocation import (AllocationError, MemoryLimit, NodeFacts, cgroup_memory_limit, gpus_on_node, job_memory,
-                                       job_nodes, numa_binding, parse_node_lines)
+from llmft.planning.allocation import (
+    AllocationError,
+    MemoryLimit,
+    NodeFacts,
+    cgroup_memory_limit,
+    gpus_on_node,
+    job_memory,
+    job_nodes,
+    numa_binding,
+    parse_node_lines,
+)
 from llmft.planning.fabric import fabric_problem
 
 GIB = 2**30
@@ -148,10 +157,10 @@ def test_a_cgroup_limit_below_memtotal_changes_the_plan_and_names_the_flag(llama
     import re
 
     from llmft.planning.hardware import GPUS, choose_precision
-    from llmft.planning.world import World
     from llmft.planning.memory import plan_memory
     from llmft.planning.model_shape import model_shape
     from llmft.planning.run_plan import Hardware, memory_job
+    from llmft.planning.world import World
 
     shape = model_shape(llama_8b, use_peft=lora, lora_r=16, lora_target_modules=None)
     cgroup = "0::/job_9/step_0\n"

@@ -9,11 +9,11 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, REPO, run
-from llmft.training.async_save import BackgroundWriter, partial_path
-from llmft.checkpoint.run_dir import RUN_RECORD
 from test_train import steps
+
+from llmft.checkpoint.run_dir import RUN_RECORD
+from llmft.training.async_save import BackgroundWriter, partial_path
 
 PROBE = str(REPO / "tests" / "async_save_probe.py")
 FLAGS = ("--zero_stage", 2, "--max_steps", 6, "--save_steps", 2, "--global_batch_size", 8,

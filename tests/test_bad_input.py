@@ -292,7 +292,7 @@ def run_slurm(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
 
 def run_manage_cluster(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
     from conftest import AWS_PLACEHOLDER_ENV
-    from test_manage_cluster import GCP_ENV, Cli
+    from test_manage_cluster import GCP_ENV
 
     proc = w.cli.run(*args, **{**GCP_ENV, **AWS_PLACEHOLDER_ENV, "POLL_SECONDS": "0", **env})
     return proc.returncode, proc.stderr
@@ -403,7 +403,7 @@ def test_plain_torchrun_shows_llmfts_line_as_the_root_cause_instead_of_a_link(ti
                timeout=300)
     assert proc.returncode != 0
     root_cause = proc.stderr.split("Root Cause (first observed failure):", 1)[1]
-    assert f"traceback : llmft train: error: " in root_cause and missing in root_cause, proc.stderr[-3000:]
+    assert "traceback : llmft train: error: " in root_cause and missing in root_cause, proc.stderr[-3000:]
     assert "To enable traceback see" not in proc.stderr
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
-import os
 from pathlib import Path
 
 from conftest import PYTHON, run
+
 from llmft.training import build_locks
+
 LOCAL_MOUNTS = "/dev/vda / ext4 rw,relatime 0 0\nproc /proc proc rw 0 0\n"
 
 
@@ -76,7 +78,6 @@ def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(t
     cold build of about 90 s); it is removed afterwards whatever happens.
     """
     import sys
-
     from importlib.metadata import version
 
     import torch

@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, run
-from llmft.checkpoint.run_dir import RUN_RECORD
 from test_train import steps, train_cmd
+
+from llmft.checkpoint.run_dir import RUN_RECORD
 
 FLAGS = ("--zero_stage", 2, "--max_steps", 4, "--save_steps", 2, "--global_batch_size", 8,
          "--per_device_train_batch_size", 2, "--learning_rate", "5e-3")

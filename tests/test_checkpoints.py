@@ -152,8 +152,8 @@ def test_no_marker_when_a_rank_reports_nothing(tmp_path):
 
 def test_training_inference_and_the_demo_pick_the_same_checkpoint(tmp_path, capsys):
     """One decision (checkpoints.choose_checkpoint): resume, `llmft infer RUN_DIR` and the demo agree."""
-    from llmft.demo import newest_tag_dir
     from llmft.checkpoint.loader import resolve_checkpoint
+    from llmft.demo import newest_tag_dir
 
     fake_checkpoint(tmp_path, 10)
     good = fake_checkpoint(tmp_path, 20)

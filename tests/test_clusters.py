@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import AWS_PLACEHOLDER_ENV, require_tool
 
 REPO = Path(__file__).resolve().parents[1]

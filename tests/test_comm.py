@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import PYTHON, REPO, run
+
 from llmft.planning.comm import NETWORKS, messages, step_time, wire_bytes
 from llmft.planning.hardware import NODE_TYPES
 

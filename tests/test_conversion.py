@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from llmft.training import elastic
-from llmft.planning.batch import BatchPlan
 from llmft.checkpoint.run_dir import CheckpointError
+from llmft.planning.batch import BatchPlan
 from llmft.planning.conversion import GIB, plan_conversion
+from llmft.training import elastic
 
 B8 = dict(trainable=8_030_000_000, largest_tensor=525_336_576)  # Llama-3.1-8B: its embedding is the largest tensor
 

@@ -9,9 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from llmft.data import fit as data_fit
-
 from llmft.data import cache
+from llmft.data import fit as data_fit
 from llmft.data.synthetic import write_jsonl
 
 WORDS = "apple river stone cloud garden window silver forest candle bridge ocean paper".split()

@@ -4,8 +4,8 @@ import json
 import re
 
 import pytest
-
 from conftest import PYTHON, run
+
 from llmft.planning.batch import plan_batch
 from llmft.planning.ds_config import DSConfigError, load_config, resolve, template_path, templates_dir
 

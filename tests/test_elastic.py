@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, REPO, run
-from llmft.training import elastic
-from llmft.planning.batch import BatchPlan
+
 from llmft.checkpoint.run_dir import RUN_RECORD, CheckpointError, mark_complete
+from llmft.planning.batch import BatchPlan
+from llmft.training import elastic
 
 PROBE = str(REPO / "tests" / "train_probe.py")
 STEP_RE = re.compile(r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+)")

@@ -11,8 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import PYTHON, run
+
 from llmft import eval as ev
 from llmft.data.synthetic import make_examples, write_jsonl
 from llmft.training.metrics import add_perplexity

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from llmft.planning.final_save import (
+    FINAL_SAVE_MARGIN_S,
+    UNMEASURED_SAVE_S,
+    final_save_due,
+    final_save_lead,
+    parse_time_left,
+)
 from llmft.planning.memory import estimated_save_s
-from llmft.planning.final_save import (FINAL_SAVE_MARGIN_S, UNMEASURED_SAVE_S, final_save_due,
-                                       final_save_lead, parse_time_left)
 from llmft.training.job_deadline import JOB_END_POLL_S, JobDeadline
 
 

@@ -208,7 +208,6 @@ def test_a_users_own_optimizer_block_decides_when_optim_is_left_alone():
 def test_sgd_really_trains_as_the_trainers_optimizer_under_zero2(tiny_model, tiny_data, tmp_path):
     """--optim sgd --optim_args momentum=0.9: the checkpoint's optimizer state is SGD's (momentum buffers, no Adam moments)."""
     import torch
-
     from conftest import PYTHON, run
 
     out = tmp_path / "sgd"
@@ -288,8 +287,8 @@ def test_load_in_4bit_on_this_cpu_machine_is_one_line_before_anything_loads(tiny
 
 
 def test_an_unknown_flag_names_the_closest_known_one():
-    from llmft.training.flags import unknown_flag_message
     from llmft.train import make_parser
+    from llmft.training.flags import unknown_flag_message
 
     parser = make_parser()
     known = [s for a in parser._actions for s in a.option_strings]

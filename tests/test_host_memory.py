@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import run
 from test_train import train_cmd
 

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, run
+
 from llmft.training.hub import HubError, fetch_once, job_token, resolve_model, skip_patterns
 
 RANKS = 4

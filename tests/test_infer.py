@@ -258,8 +258,8 @@ def test_bad_options_are_one_line_errors(trained, argv, expected, capsys):
 
 
 def test_the_new_token_budget_stops_at_the_models_positions():
-    from llmft.checkpoint.run_dir import CheckpointError
     from llmft.checkpoint.loader import new_token_budget
+    from llmft.checkpoint.run_dir import CheckpointError
 
     assert new_token_budget(100, 50, 256) == (50, None)
     assert new_token_budget(218, 60, 256) == (38, "the prompt has 218 tokens: generating at most 38 new tokens, up to the "

@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, REPO, run
-from llmft.training import save_checks as saved_weights
+
 from llmft.checkpoint.run_dir import COMPLETE_MARKER, DONE_MARKER
+from llmft.training import save_checks as saved_weights
 
 PROBE = str(REPO / "tests" / "train_probe.py")
 R, LAYERS, EMBD = 4, 2, 64  # llmft.tiny's model: 2 layers, width 64; c_attn maps 64 -> 192
@@ -72,10 +72,10 @@ def test_saved_adapters_give_the_logits_the_model_had_in_training(lora_run, tiny
     """PEFT loading the adapter file, and llmft infer reading the ZeRO-3 shards with and without --merge."""
     import torch
     from peft import PeftModel
+    from train_probe import PROBE_IDS
     from transformers import AutoModelForCausalLM
 
     from llmft import infer
-    from train_probe import PROBE_IDS
 
     trained = torch.load(lora_run / "probe" / "logits-4.pt")
     for where in (lora_run, lora_run / "checkpoint-4"):

@@ -16,7 +16,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import AWS_PLACEHOLDER_ENV
 from test_clusters import pcluster_python
 

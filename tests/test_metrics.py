@@ -14,7 +14,15 @@ from trl.data_utils import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from llmft.planning.hardware import GPU, GPUS
-from llmft.training.metrics import FlopShape, StartupClock, batch_counts, format_step_line, mfu, flop_shape, training_flops
+from llmft.training.metrics import (
+    FlopShape,
+    StartupClock,
+    batch_counts,
+    flop_shape,
+    format_step_line,
+    mfu,
+    training_flops,
+)
 
 STEP_LINE = re.compile(
     r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+) padded/s (\d+) tflops/gpu ([\d.e+-]+) "

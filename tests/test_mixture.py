@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import PYTHON, run
+
 from llmft.data import cache as prepare
 from llmft.data import mixture
 from llmft.data.loading import DataError
@@ -101,8 +101,9 @@ def test_the_fingerprint_changes_with_any_weight_source_percentage_or_seed_and_n
     assert fp(copies, name="other.yaml") == reference  # the same data from other paths and another file name
 
     # the preparation's cache key follows the mixture too
-    from llmft.data.synthetic import make_tokenizer
     from trl import SFTConfig
+
+    from llmft.data.synthetic import make_tokenizer
 
     args = SFTConfig(output_dir=str(tmp_path / "out"), report_to="none", bf16=False, use_cpu=True, max_length=32)
     tokenizer = make_tokenizer()

@@ -17,7 +17,13 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from llmft.planning.hardware import GPUS, HardwareError, check_liger, choose_attention
 from llmft.training.packing import (
-    PACKED_SDPA, PackingError, check_packing, masks_from_position_ids, model_attentions, packed_kernel, register_packed_sdpa,
+    PACKED_SDPA,
+    PackingError,
+    check_packing,
+    masks_from_position_ids,
+    model_attentions,
+    packed_kernel,
+    register_packed_sdpa,
     uses_sliding_window,
 )
 

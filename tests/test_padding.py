@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import PYTHON, run
 from datasets import Dataset
 
-from conftest import PYTHON, run
 from llmft.data.padding import expected_longest, padding_report, prepared_lengths
 
 

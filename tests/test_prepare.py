@@ -46,8 +46,9 @@ def test_the_trainer_gets_the_same_tokens_and_loss_masks_as_trl_preparing_on_the
     """The hand-off llmft train makes (prepared data + skip_prepare_dataset) against SFTTrainer tokenising itself."""
     import dataclasses
 
-    from llmft.data import loading as data
     from trl import SFTTrainer
+
+    from llmft.data import loading as data
 
     path = write_jsonl(as_format(make_examples(40), fmt), tmp_path / f"{fmt}.jsonl")
     opts = cache.DataOptions(dataset_name=str(path), eval_split_ratio=0.2, data_percentage=75)

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from slurm_cluster import REPO, SCRIPT, start_cluster, step_lines, stop_cluster
 
 from llmft.planning.world import expand_hostlist
-from slurm_cluster import SCRIPT, REPO, start_cluster, step_lines, stop_cluster
-
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import PYTHON, REPO, run
 from datasets import Dataset
+from sync_counter import MODEL_CODE, SyncCounter
 from transformers import AutoTokenizer
 
-from conftest import PYTHON, REPO, run
+from llmft.tiny import as_format, make_examples
 from llmft.training import saving
 from llmft.training.sync_free import reduce_metrics
-from llmft.tiny import as_format, make_examples
-from sync_counter import MODEL_CODE, SyncCounter
 
 PROBE = str(REPO / "tests" / "train_probe.py")
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")

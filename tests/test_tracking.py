@@ -7,11 +7,11 @@ import socket
 import subprocess
 import sys
 import time
-
-import pytest
 from types import SimpleNamespace
 
+import pytest
 from conftest import REPO, subprocess_env
+
 from llmft.training.wandb_env import reachable, server_url, slurm_wandb_env
 
 JOB = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NAME": "llmft", "SLURM_CLUSTER_NAME": "c1", "SLURM_RESTART_COUNT": "0"}

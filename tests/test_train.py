@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, REPO, run
-from llmft.training.metrics import STARTUP_PHASES, SUMMARY_FIELDS
+
 from llmft.data.synthetic import as_format, make_examples, write_jsonl
+from llmft.training.metrics import STARTUP_PHASES, SUMMARY_FIELDS
 
 STEP_RE = re.compile(
     r"llmft: step (\d+)/(\d+) loss ([\d.]+) lr ([\d.e+-]+) tokens/s (\d+) padded/s (\d+) tflops/gpu ([\d.e+-]+) "
@@ -261,7 +261,6 @@ def test_torch_compile_that_did_not_take_effect_stops_the_run():
     from types import SimpleNamespace
 
     from llmft.errors import TrainError
-
     from llmft.training.callbacks import compile_report
 
     args = SimpleNamespace(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode=None)

@@ -108,10 +108,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from llmft.errors import LlmftError
-from llmft.planning.batch import BatchError, plan_batch
 from llmft.planning import comm
-from llmft.planning.hardware import GPU
+from llmft.planning.batch import BatchError, plan_batch
 from llmft.planning.final_save import FINAL_SAVE_FACTOR, FINAL_SAVE_MARGIN_S, final_save_lead
+from llmft.planning.hardware import GPU
 
 GIB = 2**30
 OFFLOADS = ("none", "optimizer", "optimizer+params")

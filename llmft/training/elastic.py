@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.checkpoint.run_dir import COMPLETE_MARKER, CheckpointError, tag_dir
-from llmft.planning.batch import BatchError, BatchPlan, nearest_global_batches, nearest_micro_batches, plan_batch
-from llmft.planning.world import discover_cpus
 from llmft.planning.allocation import this_node_memory
+from llmft.planning.batch import BatchError, BatchPlan, nearest_global_batches, nearest_micro_batches, plan_batch
 from llmft.planning.conversion import GIB, plan_conversion
+from llmft.planning.world import discover_cpus
 
 UNIVERSAL_MARKER = "llmft_universal.json"
 LATEST_UNIVERSAL = "latest_universal"  # the file name DeepSpeed's engine reads (engine.load_checkpoint)

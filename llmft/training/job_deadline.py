@@ -33,8 +33,14 @@ import threading
 import time
 from pathlib import Path
 
-from llmft.planning.final_save import (FINAL_SAVE_FACTOR, FINAL_SAVE_MARGIN_S, UNMEASURED_SAVE_S, final_save_due,
-                                       final_save_lead, parse_time_left)
+from llmft.planning.final_save import (
+    FINAL_SAVE_FACTOR,
+    FINAL_SAVE_MARGIN_S,
+    UNMEASURED_SAVE_S,
+    final_save_due,
+    final_save_lead,
+    parse_time_left,
+)
 
 JOB_END_POLL_S = 60.0  # how often rank 0 asks Slurm again
 HOLD_LIMIT_S = 600.0

@@ -135,7 +135,7 @@ def check_same_run(output_dir: str | Path, identity: dict, resume_requested: str
     if not diffs or resume_requested not in (None, "", "latest"):
         return diffs
     ckpt = latest_complete(output_dir)
-    way_out = f"use a new --output_dir" + (
+    way_out = "use a new --output_dir" + (
         f", or continue this run with the new settings on purpose: --resume_from_checkpoint {ckpt}" if ckpt else "")
     raise RunMismatch(f"{output_dir} holds another run ({'; '.join(diffs)}): {way_out}")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
 from llmft.training import sync_free
 
 

@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Callable, Mapping
+
 from llmft.training.build_locks import extensions_root
 
 # measured order of magnitude for a first build (8-16 cores); printed as a hint, never used to decide anything
