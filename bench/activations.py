@@ -50,12 +50,16 @@ def build(config, kind: str, dropout: float, device, workdir: Path):
         if not path.is_dir():
             AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16, device_map={"": 0})
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=quant, dtype=torch.bfloat16, device_map={"": 0}
+        )
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device)
     if kind != "full":
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules="all-linear",
-                                                 task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM"),
+        )
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
@@ -83,30 +87,46 @@ def main() -> int:
     tokens = a.tokens if cuda else min(a.tokens, 256)
 
     def config(layers):
-        c = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_attention_heads=a.heads,
-                        num_key_value_heads=a.kv_heads, num_hidden_layers=layers, vocab_size=1024, max_position_embeddings=8192)
+        c = LlamaConfig(
+            hidden_size=a.hidden,
+            intermediate_size=a.intermediate,
+            num_attention_heads=a.heads,
+            num_key_value_heads=a.kv_heads,
+            num_hidden_layers=layers,
+            vocab_size=1024,
+            max_position_embeddings=8192,
+        )
         c._attn_implementation = "sdpa"
         return c
 
     shape = model_shape(config(1))
     linear_inputs = 6 * a.hidden + a.intermediate  # q, k, v, o, gate, up take hidden; down takes the MLP width
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
-    print(f"{where}, torch {torch.__version__}; layer {a.hidden} hidden, {a.intermediate} MLP, {a.heads}/{a.kv_heads} heads; "
-          f"{tokens} tokens (one packed row, no mask), bf16")
-    print(f"llmft.planning.memory per token and layer (sdpa / flash): {layer_activation_bytes_per_token(shape, 'bf16', 'sdpa')} / "
-          f"{layer_activation_bytes_per_token(shape, 'bf16', 'flash_attention_2')} bytes; adapted linears' inputs: "
-          f"{linear_inputs} elements")
+    print(
+        f"{where}, torch {torch.__version__}; layer {a.hidden} hidden, {a.intermediate} MLP, {a.heads}/{a.kv_heads} heads; "
+        f"{tokens} tokens (one packed row, no mask), bf16"
+    )
+    print(
+        f"llmft.planning.memory per token and layer (sdpa / flash): {layer_activation_bytes_per_token(shape, 'bf16', 'sdpa')} / "
+        f"{layer_activation_bytes_per_token(shape, 'bf16', 'flash_attention_2')} bytes; adapted linears' inputs: "
+        f"{linear_inputs} elements"
+    )
     print("| run | bytes per token and layer | vs full | extra per adapted-input element |\n|---|---|---|---|")
     kinds = [("full", 0.0), ("lora", 0.05), ("lora", 0.0)] + ([("qlora", 0.05), ("qlora", 0.0)] if cuda else [])
     full = None
     with tempfile.TemporaryDirectory() as tmp:
         for kind, dropout in kinds:
-            per_layer = [saved_bytes(build(config(n), kind, dropout, device, Path(tmp)), tokens, device) for n in (1, 2)]
+            per_layer = [
+                saved_bytes(build(config(n), kind, dropout, device, Path(tmp)), tokens, device) for n in (1, 2)
+            ]
             per_token_layer = (per_layer[1] - per_layer[0]) / tokens
             full = per_token_layer if kind == "full" else full
             name = kind if kind == "full" else f"{kind} r=16 all-linear, dropout {dropout}"
-            print(f"| {name} | {per_token_layer:.0f} | {per_token_layer / full:.2f}x | "
-                  f"{(per_token_layer - full) / linear_inputs:+.2f} |", flush=True)
+            print(
+                f"| {name} | {per_token_layer:.0f} | {per_token_layer / full:.2f}x | "
+                f"{(per_token_layer - full) / linear_inputs:+.2f} |",
+                flush=True,
+            )
     return 0
 
 

@@ -33,8 +33,12 @@ from llmft.training.async_save import BackgroundWriter  # noqa: E402
 
 deepspeed.init_distributed(dist_backend="gloo")
 model = GPT2LMHeadModel(GPT2Config(n_layer=a.layers))
-cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
-       "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+cfg = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 ids = torch.randint(0, 1000, (1, 64))
 engine.backward(engine(input_ids=ids, labels=ids).loss)

@@ -38,17 +38,44 @@ def main() -> None:
     max_steps = a.save_steps * a.checkpoints + a.save_steps // 2
     print(environment())
     print(f"model {model.name}, 1 process, ZeRO-2, {max_steps} steps, a checkpoint every {a.save_steps}")
-    print(f"{'run':<10} {'loop s':>8} {'median step s':>14} {'stall/ckpt s':>13} {'save call s (each)':>28} {'peak RSS GiB':>13}")
+    print(
+        f"{'run':<10} {'loop s':>8} {'median step s':>14} {'stall/ckpt s':>13} {'save call s (each)':>28} {'peak RSS GiB':>13}"
+    )
     loops: dict[str, list[float]] = {}
     for i in range(a.repeats):
         for name in ("none", "sync", "async"):
             out = a.root / name
-            cmd = launcher(1) + [
-                str(REPO / "bench" / "timed_train.py"), "--model_name_or_path", str(model), "--dataset_name", str(data),
-                "--output_dir", str(out), "--zero_stage", "2", "--per_device_train_batch_size", "1",
-                "--global_batch_size", "1", "--max_length", "64", "--max_steps", str(max_steps), "--learning_rate", "1e-4",
-                "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "10",
-            ] + (["--save_strategy", "no"] if name == "none" else ["--save_steps", str(a.save_steps)])
+            cmd = (
+                launcher(1)
+                + [
+                    str(REPO / "bench" / "timed_train.py"),
+                    "--model_name_or_path",
+                    str(model),
+                    "--dataset_name",
+                    str(data),
+                    "--output_dir",
+                    str(out),
+                    "--zero_stage",
+                    "2",
+                    "--per_device_train_batch_size",
+                    "1",
+                    "--global_batch_size",
+                    "1",
+                    "--max_length",
+                    "64",
+                    "--max_steps",
+                    str(max_steps),
+                    "--learning_rate",
+                    "1e-4",
+                    "--report_to",
+                    "none",
+                    "--disable_tqdm",
+                    "true",
+                    "--logging_steps",
+                    "10",
+                ]
+                + (["--save_strategy", "no"] if name == "none" else ["--save_steps", str(a.save_steps)])
+            )
             cmd += ["--async_save"] if name == "async" else []
             r = run(name, cmd, out)
             ends = {int(s): float(t) for s, t in STEP_END_RE.findall(r.stdout)}
@@ -58,12 +85,18 @@ def main() -> None:
             loops.setdefault(name, []).append(loop)
             stall = (loop - loops["none"][-1]) / a.checkpoints if name != "none" else 0.0
             rss = r.summary()["peak_host_rss_gib"]
-            print(f"{name + str(i):<10} {loop:>8.1f} {statistics.median(steps):>14.3f} {stall:>13.2f} "
-                  f"{' '.join(f'{s:.2f}' for s in saves) or '-':>28} {rss:>13.2f}")
+            print(
+                f"{name + str(i):<10} {loop:>8.1f} {statistics.median(steps):>14.3f} {stall:>13.2f} "
+                f"{' '.join(f'{s:.2f}' for s in saves) or '-':>28} {rss:>13.2f}"
+            )
     sync = statistics.median(loops["sync"]) - statistics.median(loops["none"])
     asyn = statistics.median(loops["async"]) - statistics.median(loops["none"])
-    print(f"stall per checkpoint: synchronous {sync / a.checkpoints:.2f} s, async {asyn / a.checkpoints:.2f} s "
-          f"({asyn / sync:.3f}x)" if sync > 0 else "no stall measured for synchronous saves")
+    print(
+        f"stall per checkpoint: synchronous {sync / a.checkpoints:.2f} s, async {asyn / a.checkpoints:.2f} s "
+        f"({asyn / sync:.3f}x)"
+        if sync > 0
+        else "no stall measured for synchronous saves"
+    )
 
 
 if __name__ == "__main__":

@@ -38,16 +38,39 @@ def main() -> None:
     _, data = demo_model(a.root)
     print(environment())
     print(f"model {model.name}, {a.nproc} process(es), ZeRO-{a.zero_stage}, {a.checkpoints} checkpoints per run")
-    print(f"{'run':<8} {'checkpoint MB':>14} {'of which model.safetensors MB':>30} {'median save s':>14} {'saves s':>30}")
+    print(
+        f"{'run':<8} {'checkpoint MB':>14} {'of which model.safetensors MB':>30} {'median save s':>14} {'saves s':>30}"
+    )
     results: dict[str, list[tuple[int, float]]] = {"before": [], "after": []}
     for i in range(a.repeats):
         for name in ("before", "after"):
             out = a.root / name
             cmd = launcher(a.nproc) + [
-                str(REPO / "bench" / "timed_train.py"), "--model_name_or_path", str(model), "--dataset_name", str(data),
-                "--output_dir", str(out), "--zero_stage", str(a.zero_stage), "--per_device_train_batch_size", "1",
-                "--global_batch_size", str(a.nproc), "--max_length", "64", "--max_steps", str(a.checkpoints),
-                "--save_steps", "1", "--report_to", "none", "--disable_tqdm", "true", "--logging_steps", "1",
+                str(REPO / "bench" / "timed_train.py"),
+                "--model_name_or_path",
+                str(model),
+                "--dataset_name",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--zero_stage",
+                str(a.zero_stage),
+                "--per_device_train_batch_size",
+                "1",
+                "--global_batch_size",
+                str(a.nproc),
+                "--max_length",
+                "64",
+                "--max_steps",
+                str(a.checkpoints),
+                "--save_steps",
+                "1",
+                "--report_to",
+                "none",
+                "--disable_tqdm",
+                "true",
+                "--logging_steps",
+                "1",
             ]
             r = run(name, cmd, out, **({"BENCH_HF_CHECKPOINT_MODEL": "1"} if name == "before" else {}))
             saves = [float(s) for _, s in SAVE_RE.findall(r.stdout)]
@@ -55,8 +78,10 @@ def main() -> None:
             size = dir_bytes(ckpt)
             safetensors = sum(f.stat().st_size for f in ckpt.glob("model*.safetensors"))
             results[name].append((size, statistics.median(saves)))
-            print(f"{name + str(i):<8} {size / 1e6:>14.1f} {safetensors / 1e6:>30.1f} {statistics.median(saves):>14.3f} "
-                  f"{' '.join(f'{s:.2f}' for s in saves):>30}")
+            print(
+                f"{name + str(i):<8} {size / 1e6:>14.1f} {safetensors / 1e6:>30.1f} {statistics.median(saves):>14.3f} "
+                f"{' '.join(f'{s:.2f}' for s in saves):>30}"
+            )
     before, after = results["before"], results["after"]
     size_ratio = statistics.median(s for s, _ in after) / statistics.median(s for s, _ in before)
     time_ratio = statistics.median(t for _, t in after) / statistics.median(t for _, t in before)

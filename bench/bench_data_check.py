@@ -45,17 +45,26 @@ def main() -> None:
         size_mb = path.stat().st_size / 2**20
         check = best_of(args.repeats, lambda: check_jsonl(path))
         fresh = iter(range(args.repeats))  # a new cache directory each time: a cached Arrow file is not a load
-        load = best_of(args.repeats, lambda: load_dataset("json", data_files=str(path), split="train", cache_dir=str(tmp / f"cache{next(fresh)}")))
+        load = best_of(
+            args.repeats,
+            lambda: load_dataset(
+                "json", data_files=str(path), split="train", cache_dir=str(tmp / f"cache{next(fresh)}")
+            ),
+        )
         print(f"file: {args.records} records, {size_mb:.1f} MiB (best of {args.repeats})")
         print(f"{'step':<32}{'seconds':>10}")
         print(f"{'llmft check_jsonl':<32}{check:>10.2f}")
         print(f"{'datasets load_dataset(json)':<32}{load:>10.2f}")
         utf8 = best_of(args.repeats, lambda: check_utf8(path))
         print(f"{'llmft check_utf8':<32}{utf8:>10.3f}")
-        print(f"check / load = {check / load:.2f}: checking up front would add {100 * check / load:.0f}% to every load; "
-              "llmft checks only after a load fails, so a good file pays nothing")
-        print(f"utf8 / load = {utf8 / load:.3f}: the UTF-8 pass runs before every load of a text file "
-              "(pyarrow accepts invalid UTF-8 in JSON strings without a word)")
+        print(
+            f"check / load = {check / load:.2f}: checking up front would add {100 * check / load:.0f}% to every load; "
+            "llmft checks only after a load fails, so a good file pays nothing"
+        )
+        print(
+            f"utf8 / load = {utf8 / load:.3f}: the UTF-8 pass runs before every load of a text file "
+            "(pyarrow accepts invalid UTF-8 in JSON strings without a word)"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

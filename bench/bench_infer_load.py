@@ -83,7 +83,9 @@ def child(kind: str, tag_dir: Path) -> None:
     seconds = time.perf_counter() - t0
     if kind != "llmft":
         n = sum(t.numel() for t in {id(t): t for t in sd.values()}.values())
-    print(json.dumps({"kind": kind, "seconds": seconds, "peak_mb": _maxrss_mb(), "baseline_mb": baseline, "params": n}))
+    print(
+        json.dumps({"kind": kind, "seconds": seconds, "peak_mb": _maxrss_mb(), "baseline_mb": baseline, "params": n})
+    )
 
 
 def _maxrss_mb() -> float:
@@ -97,11 +99,18 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+    )
 
 
 def measure(kind: str, tag_dir: Path) -> dict:
-    proc = subprocess.run([sys.executable, str(HERE), "--child", kind, "--tag", str(tag_dir)], capture_output=True, text=True, env=_env())
+    proc = subprocess.run(
+        [sys.executable, str(HERE), "--child", kind, "--tag", str(tag_dir)], capture_output=True, text=True, env=_env()
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{kind} loader failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -126,11 +135,30 @@ def main() -> None:
     for stage in args.stages:
         out = args.workdir / f"zero{stage}"
         if not (out / "latest").is_file():
-            print(f"writing a ZeRO-{stage} checkpoint of GPT-2 124M with {args.nproc} processes in {out} ...", flush=True)
+            print(
+                f"writing a ZeRO-{stage} checkpoint of GPT-2 124M with {args.nproc} processes in {out} ...", flush=True
+            )
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
-                            "--master_port", str(_free_port()), str(HERE), "--workdir", str(args.workdir), "--make", str(stage)],
-                           check=True, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    str(args.nproc),
+                    "--master_port",
+                    str(_free_port()),
+                    str(HERE),
+                    "--workdir",
+                    str(args.workdir),
+                    "--make",
+                    str(stage),
+                ],
+                check=True,
+                env=_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             print(f"  done in {time.perf_counter() - t0:.0f}s", flush=True)
         tag_dir = out / (out / "latest").read_text().strip()
         size_mb = sum(f.stat().st_size for f in tag_dir.iterdir()) / 2**20
@@ -145,19 +173,27 @@ def main() -> None:
 
     n = rows[0][2]["llmft"]["params"]
     model_mb = n * 4 / 2**20
-    print(f"\nGPT-2 124M: {n / 1e6:.1f}M parameters, fp32 weights = {model_mb:.0f} MiB; {args.nproc}-rank checkpoints; "
-          f"best time and highest peak of {args.repeat} loads each")
+    print(
+        f"\nGPT-2 124M: {n / 1e6:.1f}M parameters, fp32 weights = {model_mb:.0f} MiB; {args.nproc}-rank checkpoints; "
+        f"best time and highest peak of {args.repeat} loads each"
+    )
     print("peak = ru_maxrss; base = RSS after imports and warm-up; delta = peak - base (MiB)\n")
-    print(f"{'ZeRO':>4} {'ckpt MiB':>8}  {'loader':<13} {'seconds':>7} {'peak':>6} {'base':>5} {'delta':>6} {'delta/model':>11}")
+    print(
+        f"{'ZeRO':>4} {'ckpt MiB':>8}  {'loader':<13} {'seconds':>7} {'peak':>6} {'base':>5} {'delta':>6} {'delta/model':>11}"
+    )
     for stage, size_mb, r in rows:
         for kind in KINDS:
             x = r[kind]
             d = x["peak_mb"] - x["baseline_mb"]
-            print(f"{stage:>4} {size_mb:>8.0f}  {kind:<13} {x['seconds']:>7.2f} {x['peak_mb']:>6.0f} {x['baseline_mb']:>5.0f} {d:>6.0f} {d / model_mb:>11.2f}")
+            print(
+                f"{stage:>4} {size_mb:>8.0f}  {kind:<13} {x['seconds']:>7.2f} {x['peak_mb']:>6.0f} {x['baseline_mb']:>5.0f} {d:>6.0f} {d / model_mb:>11.2f}"
+            )
         a, b = r["llmft"], r["zero_to_fp32"]
         da, db = a["peak_mb"] - a["baseline_mb"], b["peak_mb"] - b["baseline_mb"]
-        print(f"{'':>14}zero_to_fp32 / llmft: time x{b['seconds'] / a['seconds']:.2f}, peak x{b['peak_mb'] / a['peak_mb']:.2f}, "
-              f"delta x{db / max(da, 1):.2f}  (above 1: llmft is faster / leaner)")
+        print(
+            f"{'':>14}zero_to_fp32 / llmft: time x{b['seconds'] / a['seconds']:.2f}, peak x{b['peak_mb'] / a['peak_mb']:.2f}, "
+            f"delta x{db / max(da, 1):.2f}  (above 1: llmft is faster / leaner)"
+        )
 
 
 if __name__ == "__main__":

@@ -37,9 +37,24 @@ def main() -> None:
     for i in range(-1, a.repeats):  # run -1: warm-up pair (caches, compiled ops, page cache), not counted
         out = a.root / f"llmft{i}"
         cmd = launcher(a.nproc) + [
-            "-m", "llmft.train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-            "--zero_stage", str(a.zero_stage), "--per_device_train_batch_size", str(a.micro_batch),
-            "--global_batch_size", str(a.micro_batch * a.grad_accum * a.nproc), "--report_to", "none", "--disable_tqdm", "true",
+            "-m",
+            "llmft.train",
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--zero_stage",
+            str(a.zero_stage),
+            "--per_device_train_batch_size",
+            str(a.micro_batch),
+            "--global_batch_size",
+            str(a.micro_batch * a.grad_accum * a.nproc),
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
             *[x for k, v in common.items() for x in (f"--{k}", str(v))],
         ]
         results["llmft"].append(run("llmft", cmd, out))
@@ -47,8 +62,15 @@ def main() -> None:
             ds_config.write_text((out / "ds_config.json").read_text())
         out = a.root / f"plain{i}"
         cmd = launcher(a.nproc) + [
-            str(REPO / "bench" / "plain_trl_sft.py"), str(model), str(data), str(out), str(ds_config),
-            "--micro_batch", str(a.micro_batch), "--grad_accum", str(a.grad_accum),
+            str(REPO / "bench" / "plain_trl_sft.py"),
+            str(model),
+            str(data),
+            str(out),
+            str(ds_config),
+            "--micro_batch",
+            str(a.micro_batch),
+            "--grad_accum",
+            str(a.grad_accum),
             *[x for k, v in common.items() for x in (f"--{k}", str(v))],
         ]
         results["plain"].append(run("plain", cmd, out))
@@ -57,16 +79,23 @@ def main() -> None:
             continue
         for name in ("llmft", "plain"):
             r = results[name][-1]
-            print(f"run {i + 1} {name:5s}: {a.max_steps / r.train_runtime():7.3f} steps/s, wall {r.wall:6.1f} s", flush=True)
+            print(
+                f"run {i + 1} {name:5s}: {a.max_steps / r.train_runtime():7.3f} steps/s, wall {r.wall:6.1f} s",
+                flush=True,
+            )
 
     sps = {k: statistics.median(a.max_steps / r.train_runtime() for r in v) for k, v in results.items()}
     wall = {k: statistics.median(r.wall for r in v) for k, v in results.items()}
     print(f"\n{environment()}")
-    print(f"demo model, ZeRO-{a.zero_stage}, {a.nproc} processes, micro-batch {a.micro_batch} x accumulation {a.grad_accum}, "
-          f"{a.max_steps} steps, {a.repeats} runs each (A B A B), medians:")
+    print(
+        f"demo model, ZeRO-{a.zero_stage}, {a.nproc} processes, micro-batch {a.micro_batch} x accumulation {a.grad_accum}, "
+        f"{a.max_steps} steps, {a.repeats} runs each (A B A B), medians:"
+    )
     print("| | llmft train | plain TRL | ratio | goal |\n|---|---|---|---|---|")
     print(f"| steps/s | {sps['llmft']:.3f} | {sps['plain']:.3f} | {sps['llmft'] / sps['plain']:.3f} | >= 0.98 |")
-    print(f"| process wall s | {wall['llmft']:.1f} | {wall['plain']:.1f} | {wall['plain'] / wall['llmft']:.3f} | >= 0.95 |")
+    print(
+        f"| process wall s | {wall['llmft']:.1f} | {wall['plain']:.1f} | {wall['plain'] / wall['llmft']:.3f} | >= 0.95 |"
+    )
 
 
 if __name__ == "__main__":

@@ -37,9 +37,30 @@ def main() -> None:
     if not (model / "config.json").is_file():
         make_model_dir(model, n_layer=2, n_embd=128, n_head=4, n_positions=1024)
     data = varied_texts(a.root / "texts.jsonl", 4000, 16, 512, make_tokenizer())
-    base = ["-m", "llmft.train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--zero_stage", "2",
-            "--max_steps", str(a.max_steps), "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none",
-            "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]
+    base = [
+        "-m",
+        "llmft.train",
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--zero_stage",
+        "2",
+        "--max_steps",
+        str(a.max_steps),
+        "--learning_rate",
+        "1e-3",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "no",
+        "--seed",
+        "0",
+    ]
     variants = {
         "padded": ["--per_device_train_batch_size", "8", "--max_length", "512"],
         "packed": ["--per_device_train_batch_size", "2", "--max_length", "1024", "--packing"],
@@ -51,20 +72,31 @@ def main() -> None:
             r = run(name, launcher(a.nproc) + base + ["--output_dir", str(out), *extra], out)
             runs[name].append(r)
             s = r.summary()
-            print(f"run {i + 1} {name}: {s['tokens_per_second']:8.0f} tokens/s, {s['padded_tokens_per_second']:8.0f} "
-                  f"all tokens/s, {s['tokens'] / a.max_steps:6.0f} real tokens/step, loss {s['train_loss']:.4f}", flush=True)
+            print(
+                f"run {i + 1} {name}: {s['tokens_per_second']:8.0f} tokens/s, {s['padded_tokens_per_second']:8.0f} "
+                f"all tokens/s, {s['tokens'] / a.max_steps:6.0f} real tokens/step, loss {s['train_loss']:.4f}",
+                flush=True,
+            )
 
-    med = {k: {f: statistics.median(r.summary()[f] for r in v) for f in ("tokens_per_second", "padded_tokens_per_second")}
-           for k, v in runs.items()}
+    med = {
+        k: {f: statistics.median(r.summary()[f] for r in v) for f in ("tokens_per_second", "padded_tokens_per_second")}
+        for k, v in runs.items()
+    }
     per_step = {k: statistics.median(r.summary()["tokens"] / a.max_steps for r in v) for k, v in runs.items()}
     print(f"\n{environment()}")
-    print(f"texts of 16-512 tokens, demo-shaped model with 1024 positions, ZeRO-2, {a.nproc} process(es), {a.max_steps} steps, "
-          f"{a.repeats} runs each (alternated), medians:")
+    print(
+        f"texts of 16-512 tokens, demo-shaped model with 1024 positions, ZeRO-2, {a.nproc} process(es), {a.max_steps} steps, "
+        f"{a.repeats} runs each (alternated), medians:"
+    )
     print("| | padded to longest | packed | packed / padded | goal |\n|---|---|---|---|---|")
     tps = med["packed"]["tokens_per_second"] / med["padded"]["tokens_per_second"]
-    print(f"| non-padding tokens/s | {med['padded']['tokens_per_second']:.0f} | {med['packed']['tokens_per_second']:.0f} | {tps:.2f} | >= 1.5 |")
-    print(f"| all tokens/s (padding included) | {med['padded']['padded_tokens_per_second']:.0f} | "
-          f"{med['packed']['padded_tokens_per_second']:.0f} | | |")
+    print(
+        f"| non-padding tokens/s | {med['padded']['tokens_per_second']:.0f} | {med['packed']['tokens_per_second']:.0f} | {tps:.2f} | >= 1.5 |"
+    )
+    print(
+        f"| all tokens/s (padding included) | {med['padded']['padded_tokens_per_second']:.0f} | "
+        f"{med['packed']['padded_tokens_per_second']:.0f} | | |"
+    )
     print(f"| real tokens per step | {per_step['padded']:.0f} | {per_step['packed']:.0f} | | |")
 
     curves = {k: dict(v[0].losses()) for k, v in runs.items()}

@@ -48,11 +48,24 @@ print(json.dumps({"seconds": time.perf_counter() - t1, "imports": t_import, "seq
 """
 
 
-def measure(mode: str, model: Path, data: Path, work: Path, packing: bool, datasets_cache: Path, llmft_cache: Path) -> dict:
-    env = {**os.environ, "HF_DATASETS_CACHE": str(datasets_cache), "LLMFT_CACHE": str(llmft_cache), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(model), str(data), str(work / "out"), "1" if packing else "0"],
-                          env=env, capture_output=True, text=True, timeout=3600)
+def measure(
+    mode: str, model: Path, data: Path, work: Path, packing: bool, datasets_cache: Path, llmft_cache: Path
+) -> dict:
+    env = {
+        **os.environ,
+        "HF_DATASETS_CACHE": str(datasets_cache),
+        "LLMFT_CACHE": str(llmft_cache),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(model), str(data), str(work / "out"), "1" if packing else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{mode} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -74,11 +87,16 @@ def main() -> None:
         rows = [
             ("trl-on-the-fly (cold)", measure("trl", model, data, work, args.packing, warm, work / "unused")),
             ("trl-on-the-fly (warm)", measure("trl", model, data, work, args.packing, warm, work / "unused")),
-            ("llmft prepare (first)", measure("prepare", model, data, work, args.packing, work / "datasets-2", work / "cache")),
+            (
+                "llmft prepare (first)",
+                measure("prepare", model, data, work, args.packing, work / "datasets-2", work / "cache"),
+            ),
             ("llmft reuse", measure("reuse", model, data, work, args.packing, work / "datasets-3", work / "cache")),
         ]
     base = rows[0][1]["seconds"]
-    print(f"{args.records} records, {data.stat().st_size / 2**20:.1f} MiB, packing={args.packing}, python {sys.version.split()[0]}")
+    print(
+        f"{args.records} records, {data.stat().st_size / 2**20:.1f} MiB, packing={args.packing}, python {sys.version.split()[0]}"
+    )
     print(f"{'what':<24} {'seconds':>9} {'x cold on-the-fly':>18} {'sequences':>10}")
     for name, r in rows:
         print(f"{name:<24} {r['seconds']:>9.2f} {r['seconds'] / base:>18.3f} {r['sequences']:>10}")

@@ -51,19 +51,50 @@ def main() -> None:
                 shutil.rmtree(ext, ignore_errors=True)
             out = a.root / f"{name}-{variant.replace(', ', '-')}"
             cmd = launcher(a.nproc) + [
-                "-m", "llmft.train", "--model_name_or_path", str(models[name]), "--dataset_name", str(data),
-                "--output_dir", str(out), "--zero_stage", "2", "--per_device_train_batch_size", "8",
-                "--max_steps", str(a.max_steps), "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+                "-m",
+                "llmft.train",
+                "--model_name_or_path",
+                str(models[name]),
+                "--dataset_name",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--zero_stage",
+                "2",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_steps",
+                str(a.max_steps),
+                "--save_strategy",
+                "no",
+                "--report_to",
+                "none",
+                "--disable_tqdm",
+                "true",
             ]
-            r = run(f"{name} {variant}", cmd, out, LLMFT_DEEPSPEED_SHM_COMM=shm, LLMFT_PY_CPUINFO=shm, TORCH_EXTENSIONS_DIR=str(ext))
+            r = run(
+                f"{name} {variant}",
+                cmd,
+                out,
+                LLMFT_DEEPSPEED_SHM_COMM=shm,
+                LLMFT_PY_CPUINFO=shm,
+                TORCH_EXTENSIONS_DIR=str(ext),
+            )
             s = r.summary()["startup_seconds"]
             rows.append((name, variant, s, r.wall))
-            print(f"{name:9s} {variant:12s}: " + ", ".join(f"{k} {s[k]:.1f}" for k in PHASES) + f"; wall {r.wall:.1f} s", flush=True)
+            print(
+                f"{name:9s} {variant:12s}: " + ", ".join(f"{k} {s[k]:.1f}" for k in PHASES) + f"; wall {r.wall:.1f} s",
+                flush=True,
+            )
 
     print(f"\n{environment()}")
-    print(f"{a.nproc} processes, ZeRO-2, micro-batch 8, {a.max_steps} steps; seconds (rank 0's run_summary.json; wall = "
-          f"the whole torchrun process tree)")
-    print("| model | variant | import | data | model load | DeepSpeed init | first step | wall |\n|---|---|---|---|---|---|---|---|")
+    print(
+        f"{a.nproc} processes, ZeRO-2, micro-batch 8, {a.max_steps} steps; seconds (rank 0's run_summary.json; wall = "
+        f"the whole torchrun process tree)"
+    )
+    print(
+        "| model | variant | import | data | model load | DeepSpeed init | first step | wall |\n|---|---|---|---|---|---|---|---|"
+    )
     for name, variant, s, wall in rows:
         print(f"| {name} | {variant} | " + " | ".join(f"{s[k]:.1f}" for k in PHASES) + f" | {wall:.1f} |")
     by = {(n, v): (s, w) for n, v, s, w in rows}
@@ -71,8 +102,11 @@ def main() -> None:
         for cache in ("cold", "warm"):
             if (name, f"before, {cache}") in by and (name, f"after, {cache}") in by:
                 (b, bw), (f, fw) = by[(name, f"before, {cache}")], by[(name, f"after, {cache}")]
-                print(f"{name}, {cache}: DeepSpeed init {b['deepspeed_init']:.1f} -> {f['deepspeed_init']:.1f} s, "
-                      f"whole run {bw:.1f} -> {fw:.1f} s ({fw / bw:.2f}x)")
+                print(
+                    f"{name}, {cache}: DeepSpeed init {b['deepspeed_init']:.1f} -> {f['deepspeed_init']:.1f} s, "
+                    f"whole run {bw:.1f} -> {fw:.1f} s ({fw / bw:.2f}x)"
+                )
+
 
 if __name__ == "__main__":
     main()

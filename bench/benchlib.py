@@ -20,8 +20,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 STEP_RE = re.compile(r"llmft: step (\d+)/\d+ loss ([\d.]+) lr \S+ tokens/s (\d+) padded/s (\d+)")
-ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
-       "PYTHONUNBUFFERED": "1"}
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "disabled",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def environment() -> str:
@@ -37,8 +42,10 @@ def environment() -> str:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {cpu}, {os.cpu_count()} cores, {gpu}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {cpu}, {os.cpu_count()} cores, {gpu}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, trl {trl.__version__}"
+    )
 
 
 def demo_model(root: Path) -> tuple[Path, Path]:
@@ -63,7 +70,11 @@ def gpt2_124m_model(root: Path) -> Path:
     model = root / "gpt2-124m"
     if not (model / "config.json").is_file():
         tokenizer = make_tokenizer()
-        config = GPT2Config(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        config = GPT2Config(
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         GPT2LMHeadModel(config).save_pretrained(model)
         tokenizer.save_pretrained(model)
     return model
@@ -112,8 +123,15 @@ class Run:
         return f"exit {self.returncode}: {(errors or lines or ['no output'])[-1].strip()[:300]}"
 
 
-def run(name: str, cmd: list[str], out: Path, check: bool = True, timeout: float | None = None, log: Path | None = None,
-        **env: str) -> Run:
+def run(
+    name: str,
+    cmd: list[str],
+    out: Path,
+    check: bool = True,
+    timeout: float | None = None,
+    log: Path | None = None,
+    **env: str,
+) -> Run:
     """Run one training process tree under a wall clock. check: fail loudly with its output if it fails; else the
     caller reads Run.failure(). log: append the run's command and output there (benches on a lent GPU machine)."""
     import shutil
@@ -121,15 +139,23 @@ def run(name: str, cmd: list[str], out: Path, check: bool = True, timeout: float
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **ENV, **env}, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            cmd, cwd=REPO, env={**os.environ, **ENV, **env}, capture_output=True, text=True, timeout=timeout
+        )
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as e:
         as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-        returncode, stdout, stderr = 124, as_text(e.stdout), as_text(e.stderr) + f"\nTimeout: killed after {timeout:.0f} s"
+        returncode, stdout, stderr = (
+            124,
+            as_text(e.stdout),
+            as_text(e.stderr) + f"\nTimeout: killed after {timeout:.0f} s",
+        )
     wall = time.perf_counter() - t
     if log is not None:
         with open(log, "a") as f:
-            f.write(f"\n===== {name}: exit {returncode}, {wall:.1f} s\n$ {' '.join(map(str, cmd))}\n{stdout}\n--- stderr\n{stderr[-20000:]}\n")
+            f.write(
+                f"\n===== {name}: exit {returncode}, {wall:.1f} s\n$ {' '.join(map(str, cmd))}\n{stdout}\n--- stderr\n{stderr[-20000:]}\n"
+            )
     if check and returncode != 0:
         sys.exit(f"{name}: {' '.join(map(str, cmd))} exited {returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}")
     return Run(name, wall, stdout, out, returncode, stderr)

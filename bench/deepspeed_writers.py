@@ -24,8 +24,12 @@ WRITERS = {
 
 mode, out = sys.argv[1], sys.argv[2]
 deepspeed.init_distributed(dist_backend="gloo")
-cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2},
-       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+cfg = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+}
 if WRITERS[mode] is not None:
     cfg["checkpoint"] = {"writer": WRITERS[mode]}
 torch.manual_seed(0)
@@ -44,4 +48,6 @@ for step in range(1, 5):
     tag = os.path.join(out, "global_step2")
     files = sorted(os.listdir(tag)) if os.path.isdir(tag) else []
     if engine.global_rank == 0:
-        print(f"RESULT {mode} step {step} train {t1 - t:.3f}s save_checkpoint {t2 - t1:.3f}s files {files}", flush=True)
+        print(
+            f"RESULT {mode} step {step} train {t1 - t:.3f}s save_checkpoint {t2 - t1:.3f}s files {files}", flush=True
+        )

@@ -55,6 +55,7 @@ def main() -> int:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from llmft.training import packing
+
     if not torch.cuda.is_available():
         print("bench/gpu_attention.py: needs CUDA (run it on a GPU machine); nothing measured on this machine")
         return 0
@@ -65,8 +66,12 @@ def main() -> int:
     index = torch.arange(a.tokens, device="cuda")
     mask = ((sample_of[:, None] == sample_of[None, :]) & (index[:, None] >= index[None, :]))[None, None]
     module = _Attention(a.heads, a.kv_heads)
-    scaling = a.head_dim ** -0.5
-    shapes = ((1, a.heads, a.tokens, a.head_dim), (1, a.kv_heads, a.tokens, a.head_dim), (1, a.kv_heads, a.tokens, a.head_dim))
+    scaling = a.head_dim**-0.5
+    shapes = (
+        (1, a.heads, a.tokens, a.head_dim),
+        (1, a.kv_heads, a.tokens, a.head_dim),
+        (1, a.kv_heads, a.tokens, a.head_dim),
+    )
 
     def fresh(cu_tensor):
         cu_new = cu_tensor.clone()  # a new tensor per step, as the collator makes (no cached host bounds)
@@ -77,16 +82,33 @@ def main() -> int:
 
     def per_sample(q, k, v, cu_):
         bounds = cu_.tolist()
-        pieces = [sdpa_attention_forward(module, q[:, :, x:y], k[:, :, x:y], v[:, :, x:y], None, scaling=scaling)[0]
-                  for x, y in zip(bounds, bounds[1:])]
+        pieces = [
+            sdpa_attention_forward(module, q[:, :, x:y], k[:, :, x:y], v[:, :, x:y], None, scaling=scaling)[0]
+            for x, y in zip(bounds, bounds[1:])
+        ]
         return torch.cat(pieces, dim=1)
 
     def varlen(q, k, v, cu_):
-        kernel = packing.packed_kernel(device_type="cuda", dtype="bfloat16", dropout=0.0, head_dim=a.head_dim,
-                                       varlen_available=packing._varlen() is not None)
+        kernel = packing.packed_kernel(
+            device_type="cuda",
+            dtype="bfloat16",
+            dropout=0.0,
+            head_dim=a.head_dim,
+            varlen_available=packing._varlen() is not None,
+        )
         assert kernel == "varlen", f"llmft would not use varlen here ({kernel}): PyTorch {torch.__version__}"
-        return packing.packed_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=cu_, cu_seq_lens_k=cu_,
-                                           max_length_q=max(lengths), max_length_k=max(lengths), scaling=scaling)[0]
+        return packing.packed_sdpa_forward(
+            module,
+            q,
+            k,
+            v,
+            None,
+            cu_seq_lens_q=cu_,
+            cu_seq_lens_k=cu_,
+            max_length_q=max(lengths),
+            max_length_k=max(lengths),
+            scaling=scaling,
+        )[0]
 
     ways = {"dense mask": dense, "per sample": per_sample, "varlen": varlen}
     # correctness: the same inputs through each way, against per sample
@@ -119,8 +141,10 @@ def main() -> int:
             if i >= 3:
                 samples.append(start.elapsed_time(end))
         times[name] = statistics.median(samples)
-    print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}; one packed row of {a.tokens} tokens, "
-          f"{len(lengths)} samples of {a.lo}-{a.hi} tokens; {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, bf16")
+    print(
+        f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}; one packed row of {a.tokens} tokens, "
+        f"{len(lengths)} samples of {a.lo}-{a.hi} tokens; {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, bf16"
+    )
     print("| attention | fwd+bwd ms (median) | vs per sample | max rel. error vs per sample |\n|---|---|---|---|")
     for name in ways:
         print(f"| {name} | {times[name]:.3f} | {times['per sample'] / times[name]:.2f}x | {errors[name]:.1e} |")

@@ -27,14 +27,26 @@ a = p.parse_args()
 
 cuda = torch.cuda.is_available()
 args = SFTConfig(
-    output_dir=a.out, deepspeed=a.ds_config, per_device_train_batch_size=a.micro_batch,
-    gradient_accumulation_steps=a.grad_accum, max_steps=a.max_steps, learning_rate=a.learning_rate,
-    logging_steps=a.logging_steps, report_to="none", disable_tqdm=True, bf16=cuda, use_cpu=not cuda,
+    output_dir=a.out,
+    deepspeed=a.ds_config,
+    per_device_train_batch_size=a.micro_batch,
+    gradient_accumulation_steps=a.grad_accum,
+    max_steps=a.max_steps,
+    learning_rate=a.learning_rate,
+    logging_steps=a.logging_steps,
+    report_to="none",
+    disable_tqdm=True,
+    bf16=cuda,
+    use_cpu=not cuda,
     dataloader_pin_memory=cuda,
 )
 _ = args.device
 deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-trainer = SFTTrainer(model=a.model, args=args, train_dataset=load_dataset("json", data_files=a.data, split="train"),
-                     processing_class=AutoTokenizer.from_pretrained(a.model))
+trainer = SFTTrainer(
+    model=a.model,
+    args=args,
+    train_dataset=load_dataset("json", data_files=a.data, split="train"),
+    processing_class=AutoTokenizer.from_pretrained(a.model),
+)
 trainer.train()
 trainer.save_model(a.out)

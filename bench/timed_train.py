@@ -43,7 +43,9 @@ if __name__ == "__main__":
     from llmft.training import saving
 
     transformers.Trainer._save_checkpoint = timed_save(transformers.Trainer._save_checkpoint)
-    trl.SFTTrainer = BenchTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    trl.SFTTrainer = (
+        BenchTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    )
     if os.environ.get("BENCH_HF_CHECKPOINT_MODEL") == "1":
         llmft_class = saving.trainer_class
 
@@ -53,7 +55,9 @@ if __name__ == "__main__":
             class HFCheckpointModel(cls):
                 def save_model(self, output_dir=None, _internal_call=False):
                     if _internal_call and not saving.is_zero3(self):
-                        return trl.SFTTrainer.save_model(self, output_dir, _internal_call)  # HF's: model.safetensors too
+                        return trl.SFTTrainer.save_model(
+                            self, output_dir, _internal_call
+                        )  # HF's: model.safetensors too
                     return super().save_model(output_dir, _internal_call)
 
             return HFCheckpointModel

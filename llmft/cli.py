@@ -23,7 +23,10 @@ COMMANDS = {
     "prepare": ("llmft.prepare", "tokenise (and pack) the data once into the shared cache; takes llmft train's flags"),
     "plan": ("llmft.plan", "print the run plan (world, batch math, ZeRO config) without loading a model"),
     "infer": ("llmft.infer", "generate text from a ZeRO checkpoint, or export it as a Hugging Face model"),
-    "eval": ("llmft.eval", "standard benchmarks (lm-evaluation-harness: gsm8k, minerva_math, mmlu, ...) on checkpoints"),
+    "eval": (
+        "llmft.eval",
+        "standard benchmarks (lm-evaluation-harness: gsm8k, minerva_math, mmlu, ...) on checkpoints",
+    ),
     "report": ("llmft.report", "plots (PNG) and a Markdown summary of one or more runs"),
     "tiny": ("llmft.tiny", "write a tiny offline model, tokenizer and dataset"),
     "demo": ("llmft.demo", "tiny model + data, a 2-process ZeRO-2 fine-tune on CPU, then inference"),
@@ -41,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    if argv[0] in ("train", "prepare"):  # TRL's parser (llmft.training.flags.TrainParser): every SFTConfig flag, --config YAML
+    if argv[0] in (
+        "train",
+        "prepare",
+    ):  # TRL's parser (llmft.training.flags.TrainParser): every SFTConfig flag, --config YAML
         return module.cli(module.make_parser(), argv[1:])
     subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers()
     args = module.make_parser(subparsers).parse_args(argv[1:])

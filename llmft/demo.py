@@ -43,7 +43,9 @@ def make_parser(subparsers=None):
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
     parser.add_argument("--nproc", type=int, default=2, help="processes for torchrun")
     parser.add_argument("--zero_stage", type=int, default=2)
-    parser.add_argument("--epochs", type=float, default=12, help="12 (about 2 minutes on 2 CPU cores) is enough for correct answers")
+    parser.add_argument(
+        "--epochs", type=float, default=12, help="12 (about 2 minutes on 2 CPU cores) is enough for correct answers"
+    )
     parser.set_defaults(func=main)
     return parser
 
@@ -56,14 +58,47 @@ def main(args) -> int:
         write_jsonl(as_format(make_examples(1024), "prompt_completion"), data)
         print(f"llmft demo: tiny model in {model_dir}, 1024 generated examples in {data}")
     run_dir = out / "run"
-    run([
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "-m", "llmft.train",
-        "--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--output_dir", str(run_dir),
-        "--zero_stage", str(args.zero_stage), "--global_batch_size", "32", "--per_device_train_batch_size", "8",
-        "--num_train_epochs", str(args.epochs), "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine",
-        "--warmup_steps", "5", "--logging_steps", "10", "--save_steps", "40", "--save_total_limit", "2",
-        "--report_to", "none", "--disable_tqdm", "true",
-    ])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(args.nproc),
+            "-m",
+            "llmft.train",
+            "--model_name_or_path",
+            str(model_dir),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(run_dir),
+            "--zero_stage",
+            str(args.zero_stage),
+            "--global_batch_size",
+            "32",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_train_epochs",
+            str(args.epochs),
+            "--learning_rate",
+            "3e-3",
+            "--lr_scheduler_type",
+            "cosine",
+            "--warmup_steps",
+            "5",
+            "--logging_steps",
+            "10",
+            "--save_steps",
+            "40",
+            "--save_total_limit",
+            "2",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     tag = newest_tag_dir(run_dir)
     cmd = [sys.executable, "-m", "llmft.infer", str(tag), "--max_new_tokens", "16"]
     for p in PROMPTS:

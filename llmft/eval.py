@@ -57,7 +57,9 @@ def parse_task_data(values: list[str]) -> dict[str, dict[str | None, Path]]:
     for value in values:
         name, sep, path = value.partition("=")
         if not sep or not name or not path:
-            raise EvalError(f"--task_data {value!r}: use TASK=FILE, TASK:SPLIT=FILE or TASK=DIR (e.g. gsm8k=gsm8k_test.jsonl)")
+            raise EvalError(
+                f"--task_data {value!r}: use TASK=FILE, TASK:SPLIT=FILE or TASK=DIR (e.g. gsm8k=gsm8k_test.jsonl)"
+            )
         task, _, split = name.partition(":")
         p = Path(path)
         if not p.exists():
@@ -88,15 +90,21 @@ def split_files(task: str, cfg: dict, given: dict[str | None, Path]) -> dict[str
             continue
         name = split or evaluated
         if name not in used:
-            raise EvalError(f"--task_data {task}:{split}: {task} has no split {split!r}; its splits are {', '.join(dict.fromkeys(used))}")
+            raise EvalError(
+                f"--task_data {task}:{split}: {task} has no split {split!r}; its splits are {', '.join(dict.fromkeys(used))}"
+            )
         files[name] = path
     if evaluated not in files:
         where = next(iter(given.values()))
-        raise EvalError(f"--task_data {task}: no file for {task}'s evaluated split {evaluated!r} (looked for {where}/{evaluated}.jsonl): "
-                        f"give {task}={evaluated}.jsonl")
+        raise EvalError(
+            f"--task_data {task}: no file for {task}'s evaluated split {evaluated!r} (looked for {where}/{evaluated}.jsonl): "
+            f"give {task}={evaluated}.jsonl"
+        )
     builders = {DATA_SUFFIXES[p.suffix] for p in files.values()}
     if len(builders) > 1:
-        raise EvalError(f"--task_data {task}: its files mix formats ({', '.join(sorted(p.name for p in files.values()))}): use one format")
+        raise EvalError(
+            f"--task_data {task}: its files mix formats ({', '.join(sorted(p.name for p in files.values()))}): use one format"
+        )
     return files
 
 
@@ -106,7 +114,12 @@ def fewshot_split_needed(cfg: dict, num_fewshot: int | None) -> str | None:
     fewshot_config = cfg.get("fewshot_config") or {}
     if not shots or fewshot_config.get("samples") is not None:
         return None
-    return fewshot_config.get("split") or cfg.get("fewshot_split") or cfg.get("training_split") or cfg.get("validation_split")
+    return (
+        fewshot_config.get("split")
+        or cfg.get("fewshot_split")
+        or cfg.get("training_split")
+        or cfg.get("validation_split")
+    )
 
 
 def template_fields(cfg: dict) -> set[str]:
@@ -143,15 +156,22 @@ def first_record(path: Path) -> dict | None:
                 data = json.load(f)
                 record = (data[0] if data else None) if isinstance(data, list) else data
     except (ValueError, UnicodeDecodeError) as e:
-        raise EvalError(f"{path} is not valid JSON ({str(e).splitlines()[0]}): give the task's records as JSON Lines") from None
+        raise EvalError(
+            f"{path} is not valid JSON ({str(e).splitlines()[0]}): give the task's records as JSON Lines"
+        ) from None
     return record if isinstance(record, dict) else None
 
 
 def task_override(task: str, cfg: dict, yaml_path: Path, files: dict[str, Path]) -> dict:
     """A task config that includes the harness's YAML and changes only the data source: local files for the
     splits given, the splits not given removed (so nothing is fetched for them)."""
-    override = {"include": str(yaml_path), "task": task, "dataset_path": DATA_SUFFIXES[next(iter(files.values())).suffix],
-                "dataset_name": None, "dataset_kwargs": {"data_files": {s: str(p.resolve()) for s, p in files.items()}}}
+    override = {
+        "include": str(yaml_path),
+        "task": task,
+        "dataset_path": DATA_SUFFIXES[next(iter(files.values())).suffix],
+        "dataset_name": None,
+        "dataset_kwargs": {"data_files": {s: str(p.resolve()) for s, p in files.items()}},
+    }
     for key in SPLIT_KEYS:
         if cfg.get(key) and cfg[key] not in files:
             override[key] = None
@@ -172,33 +192,46 @@ def write_overrides(task_data: dict, num_fewshot: int | None, manager, directory
         entry = manager.task_index.get(task)
         if entry is None or entry.yaml_path is None or entry.kind not in (Kind.TASK,):
             if entry is not None and entry.kind in (Kind.GROUP, Kind.TAG):
-                raise EvalError(f"--task_data {task}: {task} is a group of tasks; give data for each of its tasks "
-                                f"(e.g. --task_data {task}_<name>=FILE)")
+                raise EvalError(
+                    f"--task_data {task}: {task} is a group of tasks; give data for each of its tasks "
+                    f"(e.g. --task_data {task}_<name>=FILE)"
+                )
             if entry is not None:
-                raise EvalError(f"--task_data {task}: {task} is defined in Python, not YAML: its data source cannot be changed")
+                raise EvalError(
+                    f"--task_data {task}: {task} is defined in Python, not YAML: its data source cannot be changed"
+                )
             raise EvalError(f"--task_data {task}: {unknown_task(task, manager)}")
         cfg = load_yaml(entry.yaml_path, resolve_func=False, recursive=True)
         files = split_files(task, cfg, given)
         needed = fewshot_split_needed(cfg, num_fewshot)
         if needed and needed not in files:
             shots = cfg.get("num_fewshot", 0) if num_fewshot is None else num_fewshot
-            raise EvalError(f"--task_data {task}: {task} draws its {shots} few-shot examples from its {needed!r} split: "
-                            f"add --task_data {task}:{needed}=FILE, or pass --num_fewshot 0")
+            raise EvalError(
+                f"--task_data {task}: {task} draws its {shots} few-shot examples from its {needed!r} split: "
+                f"add --task_data {task}:{needed}=FILE, or pass --num_fewshot 0"
+            )
         fields = template_fields(cfg)
         for split, path in files.items():
             record = first_record(path)
             missing = sorted(f for f in fields if record is not None and f not in record)
             if missing:
-                raise EvalError(f"--task_data {task}:{split}: {path.name}'s records lack {', '.join(missing)} "
-                                f"(the fields {task}'s prompts read: {', '.join(sorted(fields))}); they have {', '.join(record)}")
-        (directory / f"{task}.yaml").write_text(yaml.safe_dump(task_override(task, cfg, Path(entry.yaml_path), files), sort_keys=False))
+                raise EvalError(
+                    f"--task_data {task}:{split}: {path.name}'s records lack {', '.join(missing)} "
+                    f"(the fields {task}'s prompts read: {', '.join(sorted(fields))}); they have {', '.join(record)}"
+                )
+        (directory / f"{task}.yaml").write_text(
+            yaml.safe_dump(task_override(task, cfg, Path(entry.yaml_path), files), sort_keys=False)
+        )
     return directory
 
 
 def unknown_task(name: str, manager) -> str:
     close = difflib.get_close_matches(name, manager.all_tasks, n=3)
-    return (f"unknown task {name!r} in lm-evaluation-harness" + (f" (close: {', '.join(close)})" if close else "")
-            + ": see `lm-eval ls tasks`, or --include_path DIR for your own task YAMLs")
+    return (
+        f"unknown task {name!r} in lm-evaluation-harness"
+        + (f" (close: {', '.join(close)})" if close else "")
+        + ": see `lm-eval ls tasks`, or --include_path DIR for your own task YAMLs"
+    )
 
 
 def parse_tasks(value: str) -> list[str]:
@@ -239,16 +272,32 @@ def summary_lines(results: dict, meta: dict) -> list[dict]:
             name = metric.removesuffix("_stderr") + ("" if flt == "none" else f",{flt}")
             (stderr if metric.endswith("_stderr") else metrics)[name] = float(value)
         n = (results.get("n-samples") or {}).get(task, {}).get("effective")
-        lines.append({**meta, "task": task, "group": parent.get(task), "num_fewshot": (results.get("n-shot") or {}).get(task),
-                      "n": n, "metrics": metrics, "stderr": stderr})
+        lines.append(
+            {
+                **meta,
+                "task": task,
+                "group": parent.get(task),
+                "num_fewshot": (results.get("n-shot") or {}).get(task),
+                "n": n,
+                "metrics": metrics,
+                "stderr": stderr,
+            }
+        )
     return lines
 
 
 def describe_line(line: dict) -> str:
     shots = f"{line['num_fewshot']}-shot" if line["num_fewshot"] is not None else "-"
-    values = ", ".join(f"{k} {v:.4f}" + (f" ± {line['stderr'][k]:.4f}" if isinstance(line["stderr"].get(k), float) and
-                                         math.isfinite(line["stderr"][k]) else "") for k, v in line["metrics"].items())
-    at = f"step {line['step']}" if line['step'] is not None else 'the model'
+    values = ", ".join(
+        f"{k} {v:.4f}"
+        + (
+            f" ± {line['stderr'][k]:.4f}"
+            if isinstance(line["stderr"].get(k), float) and math.isfinite(line["stderr"][k])
+            else ""
+        )
+        for k, v in line["metrics"].items()
+    )
+    at = f"step {line['step']}" if line["step"] is not None else "the model"
     return f"{line['task']} ({shots}, n={line['n']}) {at}: {values or 'no numeric metric'}"
 
 
@@ -260,7 +309,9 @@ def write_results(results: dict, meta: dict, out_dir: Path, stamp: str) -> tuple
     step = f"step{meta['step']}" if meta["step"] is not None else "final"
     samples = results.pop("samples", None) or {}
     path = out_dir / f"results-{step}-{stamp}.json"
-    path.write_text(json.dumps({**results, "llmft": meta}, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    path.write_text(
+        json.dumps({**results, "llmft": meta}, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n"
+    )
     for task, rows in samples.items():
         with open(out_dir / f"samples-{step}-{task}-{stamp}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n" for row in rows)
@@ -275,27 +326,63 @@ def write_results(results: dict, meta: dict, out_dir: Path, stamp: str) -> tuple
 
 
 def make_parser(subparsers=None):
-    parser = command_parser(subparsers, "eval", "Standard benchmarks (lm-evaluation-harness tasks) on one or more checkpoints.")
-    parser.add_argument("checkpoint", nargs="+", help="global_stepN dir, checkpoint-N dir, run dir or Hugging Face model dir (several: each evaluated)")
-    parser.add_argument("--tasks", required=True, help="comma-separated harness tasks or groups, e.g. gsm8k,minerva_math,mmlu")
-    parser.add_argument("--task_data", action="append", default=[], metavar="TASK[:SPLIT]=PATH",
-                        help="read a task's data from a local file in its format (repeat): TASK=FILE (evaluated split), "
-                             "TASK:SPLIT=FILE, TASK=DIR (DIR/<split>.jsonl)")
-    parser.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples per prompt (default: each task's own)")
+    parser = command_parser(
+        subparsers, "eval", "Standard benchmarks (lm-evaluation-harness tasks) on one or more checkpoints."
+    )
+    parser.add_argument(
+        "checkpoint",
+        nargs="+",
+        help="global_stepN dir, checkpoint-N dir, run dir or Hugging Face model dir (several: each evaluated)",
+    )
+    parser.add_argument(
+        "--tasks", required=True, help="comma-separated harness tasks or groups, e.g. gsm8k,minerva_math,mmlu"
+    )
+    parser.add_argument(
+        "--task_data",
+        action="append",
+        default=[],
+        metavar="TASK[:SPLIT]=PATH",
+        help="read a task's data from a local file in its format (repeat): TASK=FILE (evaluated split), "
+        "TASK:SPLIT=FILE, TASK=DIR (DIR/<split>.jsonl)",
+    )
+    parser.add_argument(
+        "--num_fewshot", type=int, default=None, help="few-shot examples per prompt (default: each task's own)"
+    )
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N documents of each task")
-    parser.add_argument("--batch_size", default="auto", help="a number, or auto: the largest that fits on a GPU, 8 on the CPU")
-    parser.add_argument("--gen_kwargs", default=None, help="generation settings over the tasks' own, e.g. max_gen_toks=256")
-    parser.add_argument("--apply_chat_template", action="store_true", help="wrap prompts in the tokenizer's chat template")
-    parser.add_argument("--fewshot_as_multiturn", action="store_true", help="with --apply_chat_template: few-shot examples as turns")
+    parser.add_argument(
+        "--batch_size", default="auto", help="a number, or auto: the largest that fits on a GPU, 8 on the CPU"
+    )
+    parser.add_argument(
+        "--gen_kwargs", default=None, help="generation settings over the tasks' own, e.g. max_gen_toks=256"
+    )
+    parser.add_argument(
+        "--apply_chat_template", action="store_true", help="wrap prompts in the tokenizer's chat template"
+    )
+    parser.add_argument(
+        "--fewshot_as_multiturn", action="store_true", help="with --apply_chat_template: few-shot examples as turns"
+    )
     parser.add_argument("--include_path", default=None, help="a directory of your own task YAMLs (harness format)")
     parser.add_argument("--log_samples", action="store_true", help="also write every prompt, response and score")
-    parser.add_argument("--seed", type=int, default=1234, help="seed for few-shot sampling and the harness's random state")
-    parser.add_argument("--output", type=Path, default=None, help="results directory (default: <run>/eval for each checkpoint)")
-    parser.add_argument("--model_name", "--model_name_or_path", dest="model_name", default=None,
-                        help="base model for config and tokenizer (plain DeepSpeed checkpoints)")
+    parser.add_argument(
+        "--seed", type=int, default=1234, help="seed for few-shot sampling and the harness's random state"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None, help="results directory (default: <run>/eval for each checkpoint)"
+    )
+    parser.add_argument(
+        "--model_name",
+        "--model_name_or_path",
+        dest="model_name",
+        default=None,
+        help="base model for config and tokenizer (plain DeepSpeed checkpoints)",
+    )
     parser.add_argument("--device", default=None, help="cuda:0 when available, else cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on Ampere+ GPUs, fp16 on older ones, fp32 on CPU")
-    parser.add_argument("--trust_checkpoint", action="store_true", help="unpickle shards with full pickle (only for checkpoints you trust)")
+    parser.add_argument(
+        "--trust_checkpoint",
+        action="store_true",
+        help="unpickle shards with full pickle (only for checkpoints you trust)",
+    )
     parser.set_defaults(func=main)
     return parser
 
@@ -312,8 +399,10 @@ def check_args(args, env) -> None:
         raise EvalError("--fewshot_as_multiturn needs --apply_chat_template")
     world = next((env[n] for n in ("WORLD_SIZE", "SLURM_NTASKS") if env.get(n, "").strip()), "1")
     if world != "1":
-        raise EvalError(f"llmft eval runs in one process (the harness scores one in-memory model), but this launch has {world}: "
-                        "run it without torchrun, or with srun --ntasks 1")
+        raise EvalError(
+            f"llmft eval runs in one process (the harness scores one in-memory model), but this launch has {world}: "
+            "run it without torchrun, or with srun --ntasks 1"
+        )
     if args.include_path is not None and not Path(args.include_path).is_dir():
         raise EvalError(f"--include_path {args.include_path} is not a directory of task YAMLs")
 
@@ -358,11 +447,21 @@ def evaluate(m: Model, args, manager, tasks: list[str], device: str, batch_size)
     import lm_eval
 
     lm = counting_hflm()(pretrained=m.model, tokenizer=m.tokenizer, batch_size=batch_size, device=device)
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot, limit=args.limit,
-                                   gen_kwargs=args.gen_kwargs, apply_chat_template=args.apply_chat_template,
-                                   fewshot_as_multiturn=args.fewshot_as_multiturn, log_samples=args.log_samples,
-                                   random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
-                                   fewshot_random_seed=args.seed)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        gen_kwargs=args.gen_kwargs,
+        apply_chat_template=args.apply_chat_template,
+        fewshot_as_multiturn=args.fewshot_as_multiturn,
+        log_samples=args.log_samples,
+        random_seed=args.seed,
+        numpy_random_seed=args.seed,
+        torch_random_seed=args.seed,
+        fewshot_random_seed=args.seed,
+    )
     return results, lm.left_truncated
 
 
@@ -375,6 +474,7 @@ def run(args, env=None) -> list[dict]:
 
     def say(msg):
         print(f"llmft eval: {msg}", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory(prefix="llmft-eval-tasks-") as work:
         manager, tasks = task_manager(args, Path(work))
         try:
@@ -390,14 +490,27 @@ def run(args, env=None) -> list[dict]:
                 m = load_model(path, args.model_name, device, dtype, args.trust_checkpoint)
             except CheckpointError as e:
                 raise EvalError(str(e)) from None
-            say(f"{m.checkpoint} (step {m.step}) on {device} as {str(dtype).replace('torch.', '')}, batch size {batch_size}: {', '.join(tasks)}")
+            say(
+                f"{m.checkpoint} (step {m.step}) on {device} as {str(dtype).replace('torch.', '')}, batch size {batch_size}: {', '.join(tasks)}"
+            )
             results, cut = evaluate(m, args, manager, tasks, device, batch_size)
             if cut:
-                say(f"{cut} generation prompt(s) were longer than the model's positions less the tokens to generate and lost "
-                    "their beginning (the harness cuts from the left): fewer --num_fewshot or a smaller max_gen_toks keeps them whole")
-            meta = {"checkpoint": m.checkpoint, "step": m.step, "run": str(m.run_dir), "device": device,
-                    "dtype": str(dtype).replace("torch.", ""), "batch_size": batch_size, "seconds": round(time.time() - t0, 1),
-                    "prompts_left_truncated": cut, "task_data": args.task_data, "lm_eval_version": results.get("lm_eval_version")}
+                say(
+                    f"{cut} generation prompt(s) were longer than the model's positions less the tokens to generate and lost "
+                    "their beginning (the harness cuts from the left): fewer --num_fewshot or a smaller max_gen_toks keeps them whole"
+                )
+            meta = {
+                "checkpoint": m.checkpoint,
+                "step": m.step,
+                "run": str(m.run_dir),
+                "device": device,
+                "dtype": str(dtype).replace("torch.", ""),
+                "batch_size": batch_size,
+                "seconds": round(time.time() - t0, 1),
+                "prompts_left_truncated": cut,
+                "task_data": args.task_data,
+                "lm_eval_version": results.get("lm_eval_version"),
+            }
             out_dir = args.output or (m.run_dir / "eval")
             path_written, lines = write_results(results, meta, out_dir, time.strftime("%Y%m%dT%H%M%S"))
             for line in lines:

@@ -42,38 +42,8 @@ from llmft.data.loading import DataError, check_utf8
 # Which checkpoint
 
 
-
-
-
-
-
-
 # --------------------------------------------------------------------------------------------------
 # Which model
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,9 +71,13 @@ def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise CheckpointError(f"{path} line {i} is not valid JSON ({e.msg}): write one JSON object per line, or plain text prompts") from None
+                raise CheckpointError(
+                    f"{path} line {i} is not valid JSON ({e.msg}): write one JSON object per line, or plain text prompts"
+                ) from None
             if not isinstance(row, dict):
-                raise CheckpointError(f"{path} line {i} is a JSON {type(row).__name__}, not an object: write one {{...}} per line, or plain text prompts")
+                raise CheckpointError(
+                    f"{path} line {i} is a JSON {type(row).__name__}, not an object: write one {{...}} per line, or plain text prompts"
+                )
             value = next((row[k] for k in ("messages", "prompt", "text", "question") if k in row), None)
             if value is None:
                 raise CheckpointError(f"{path} line {i} has no prompt, text, question or messages field: add one")
@@ -117,12 +91,12 @@ def render(tokenizer, prompt, chat: bool) -> str:
     """Chat prompts (or message lists) go through the tokenizer's chat template; plain text as is."""
     if isinstance(prompt, list) or chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise CheckpointError("the tokenizer has no chat template: drop --chat (and message-list prompts) or use a tokenizer that has one")
+            raise CheckpointError(
+                "the tokenizer has no chat template: drop --chat (and message-list prompts) or use a tokenizer that has one"
+            )
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return prompt
-
-
 
 
 def export(loaded: Loaded, out_dir: Path) -> Path:
@@ -140,25 +114,51 @@ def export(loaded: Loaded, out_dir: Path) -> Path:
 
 def make_parser(subparsers=None):
 
-    parser = command_parser(subparsers, "infer", "Generate from, or export, a DeepSpeed ZeRO checkpoint (stages 0-3) without DeepSpeed.")
-    parser.epilog = "Example: python -m llmft.infer runs/demo/run/checkpoint-40/global_step40 --prompt 'What is 2 plus 3?'"
-    parser.add_argument("checkpoint", nargs="+", help="global_stepN dir, checkpoint-N dir or run output dir (several: the highest step is used)")
-    parser.add_argument("--model_name", "--model_name_or_path", dest="model_name", default=None,
-                        help="base model (hub name or directory) for config and tokenizer; required for plain DeepSpeed checkpoints")
+    parser = command_parser(
+        subparsers, "infer", "Generate from, or export, a DeepSpeed ZeRO checkpoint (stages 0-3) without DeepSpeed."
+    )
+    parser.epilog = (
+        "Example: python -m llmft.infer runs/demo/run/checkpoint-40/global_step40 --prompt 'What is 2 plus 3?'"
+    )
+    parser.add_argument(
+        "checkpoint",
+        nargs="+",
+        help="global_stepN dir, checkpoint-N dir or run output dir (several: the highest step is used)",
+    )
+    parser.add_argument(
+        "--model_name",
+        "--model_name_or_path",
+        dest="model_name",
+        default=None,
+        help="base model (hub name or directory) for config and tokenizer; required for plain DeepSpeed checkpoints",
+    )
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     parser.add_argument("--prompt_file", help="one prompt per line, or JSONL with prompt/text/question/messages")
     parser.add_argument("--max_new_tokens", type=int, default=50)
-    parser.add_argument("--temperature", type=float, default=None, help="sample with this temperature (default: greedy)")
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="sample with this temperature (default: greedy)"
+    )
     parser.add_argument("--top_p", type=float, default=None, help="nucleus sampling (default: greedy)")
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--device", default=None, help="cuda:0 when available, else cpu")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on GPU, fp32 on CPU and for --export")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on GPU, fp32 on CPU and for --export"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document with all generations")
-    parser.add_argument("--export", type=Path, default=None, metavar="DIR", help="write a Hugging Face model directory (safetensors, config, tokenizer)")
+    parser.add_argument(
+        "--export",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write a Hugging Face model directory (safetensors, config, tokenizer)",
+    )
     parser.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base weights")
-    parser.add_argument("--trust_checkpoint", action="store_true",
-                        help="unpickle shards with full pickle (runs code stored in them); only for checkpoints you trust")
+    parser.add_argument(
+        "--trust_checkpoint",
+        action="store_true",
+        help="unpickle shards with full pickle (runs code stored in them); only for checkpoints you trust",
+    )
     parser.set_defaults(func=main)
     return parser
 
@@ -172,7 +172,9 @@ def run(args) -> dict:
         raise CheckpointError("nothing to do: give --prompt, --prompt_file or --export DIR")
     if args.export is not None and args.export.exists() and (not args.export.is_dir() or any(args.export.iterdir())):
         what = "a file" if not args.export.is_dir() else "a directory that is not empty"
-        raise CheckpointError(f"--export {args.export} is {what}: give a new or empty directory (nothing is overwritten)")
+        raise CheckpointError(
+            f"--export {args.export} is {what}: give a new or empty directory (nothing is overwritten)"
+        )
     tag_dir, note = resolve_checkpoint(args.checkpoint)
     if note:
         print(f"llmft infer: {note}", file=sys.stderr)
@@ -185,8 +187,16 @@ def run(args) -> dict:
         f"{ck.numel() / 1e6:.2f}M stored values) on {device} as {str(dtype).replace('torch.', '')} in {loaded.seconds:.1f}s",
         file=sys.stderr,
     )
-    result = {"checkpoint": str(tag_dir), "step": ck.step, "zero_stage": ck.stage, "world_size": ck.world_size,
-              "model": loaded.source.config, "device": device, "dtype": str(dtype).replace("torch.", ""), "generations": []}
+    result = {
+        "checkpoint": str(tag_dir),
+        "step": ck.step,
+        "zero_stage": ck.stage,
+        "world_size": ck.world_size,
+        "model": loaded.source.config,
+        "device": device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "generations": [],
+    }
     if args.export is not None:
         out = export(loaded, args.export)
         result["export"] = str(out)
@@ -196,8 +206,17 @@ def run(args) -> dict:
         stream = not args.json and len(texts) == 1
         if stream:
             print(texts[0], end="", flush=True)
-        gens = generate(loaded.model, loaded.tokenizer, texts, args.max_new_tokens, args.temperature, args.top_p, args.seed, stream,
-                        say=lambda note: print(f"llmft infer: {note}", file=sys.stderr, flush=True))
+        gens = generate(
+            loaded.model,
+            loaded.tokenizer,
+            texts,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_p,
+            args.seed,
+            stream,
+            say=lambda note: print(f"llmft infer: {note}", file=sys.stderr, flush=True),
+        )
         result["generations"] = gens
         if not args.json and not stream:
             for i, g in enumerate(gens):

@@ -54,13 +54,6 @@ from llmft.planning.world import CpuSplit, World, cpu_split, discover_cpus, disc
 # ---- the memory plan (--model): llmft.planning.memory on a model shape and the hardware --------------------------------------
 
 
-
-
-
-
-
-
-
 def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     """The memory plan as printed: the model and hardware, the recommendation and why, the candidate table,
     warnings, and the assumptions behind the numbers."""
@@ -79,7 +72,9 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
         out.append(f"llmft plan: why: {mplan.reason}")
     else:
         out.append(f"llmft plan: {mplan.reason}")
-    out.append("  stage offload           micro accum ckpt | states  activ   loss  other    GPU | host/node | ckpt GiB  write s | tokens/s | fits")
+    out.append(
+        "  stage offload           micro accum ckpt | states  activ   loss  other    GPU | host/node | ckpt GiB  write s | tokens/s | fits"
+    )
     for c in _table_rows(mplan.candidates):
         s, d = c.setting, c.as_dict()
         tps = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}"
@@ -93,19 +88,30 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     if conversion:
         out.append(conversion)
     out += [f"llmft plan: warning: {w}" for w in mplan.warnings]
-    peak = (f"MFU {job.mfu:.0%} of {job.gpu.peak_tflops:g} TFLOP/s at every stage (ZeRO-3 and offload are slower: "
-            "ZeRO-3 measured 2.8x slower than ZeRO-2 on one H100)" if job.gpu is not None and job.gpu.peak_tflops
-            else "no peak known: tokens/s not estimated")
-    device = (f"{memory.CUDA_CONTEXT_GIB:g} GiB CUDA context + {memory.FRAGMENTATION:.0%} fragmentation per GPU, "
-              f"{memory.PROCESS_HOST_GIB['cuda']:g} GiB host per process" if job.gpu is not None
-              else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process")
+    peak = (
+        f"MFU {job.mfu:.0%} of {job.gpu.peak_tflops:g} TFLOP/s at every stage (ZeRO-3 and offload are slower: "
+        "ZeRO-3 measured 2.8x slower than ZeRO-2 on one H100)"
+        if job.gpu is not None and job.gpu.peak_tflops
+        else "no peak known: tokens/s not estimated"
+    )
+    device = (
+        f"{memory.CUDA_CONTEXT_GIB:g} GiB CUDA context + {memory.FRAGMENTATION:.0%} fragmentation per GPU, "
+        f"{memory.PROCESS_HOST_GIB['cuda']:g} GiB host per process"
+        if job.gpu is not None
+        else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process"
+    )
     lora = "; LoRA dropout on (TRL's default 0.05; 0 keeps less)" if job.shape.lora else ""
-    network = ("no node type: communication not modelled" if job.network is None else
-               f"communication over the node's {job.network.network_gbps:g} Gbps network, or {job.network.intra_link} "
-               f"inside one node, at {comm.LINK_EFFICIENCY:.0%} of the link, ZeRO-2/3's per-micro-batch traffic hidden "
-               "behind compute up to its length, ZeRO-0/1's reduction and the parameter all-gather not (llmft.planning.comm)")
-    out.append(f"llmft plan: assumed: {device}; {peak}{lora}; {network}; checkpoints written at {job.write_mb_s:g} MB/s; "
-               f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.planning.memory documents each term)")
+    network = (
+        "no node type: communication not modelled"
+        if job.network is None
+        else f"communication over the node's {job.network.network_gbps:g} Gbps network, or {job.network.intra_link} "
+        f"inside one node, at {comm.LINK_EFFICIENCY:.0%} of the link, ZeRO-2/3's per-micro-batch traffic hidden "
+        "behind compute up to its length, ZeRO-0/1's reduction and the parameter all-gather not (llmft.planning.comm)"
+    )
+    out.append(
+        f"llmft plan: assumed: {device}; {peak}{lora}; {network}; checkpoints written at {job.write_mb_s:g} MB/s; "
+        f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.planning.memory documents each term)"
+    )
     return out
 
 
@@ -120,9 +126,14 @@ def conversion_line(mplan, hardware: Hardware) -> str | None:
     job = mplan.job
     waiting = (job.nproc_per_node - 1) * memory.PROCESS_HOST_GIB["cpu" if job.gpu is None else "cuda"] * memory.GIB
     cpus = hardware.cpus_per_node or discover_cpus()[0]
-    conv = plan_conversion(trainable=job.shape.trainable, largest_tensor=job.shape.largest_layer_params,
-                           saved_world=job.world, budget_bytes=int(job.host_ram_gib * memory.GIB - waiting), cpus=cpus,
-                           io_mb_s=job.write_mb_s)
+    conv = plan_conversion(
+        trainable=job.shape.trainable,
+        largest_tensor=job.shape.largest_layer_params,
+        saved_world=job.world,
+        budget_bytes=int(job.host_ram_gib * memory.GIB - waiting),
+        cpus=cpus,
+        io_mb_s=job.write_mb_s,
+    )
     verdict = "" if conv.fits else ": does not fit even with one worker of each (resume on the same world size)"
     return f"llmft plan: elastic resume on another world size (ds_to_universal): {conv.describe()}{verdict}"
 
@@ -134,7 +145,11 @@ def _table_rows(candidates):
     for c in candidates:
         key = (c.setting.zero_stage, c.setting.offload)
         best = rows.get(key)
-        if best is None or not best.fits and (c.fits or c.gpu_total + c.host["peak"] < best.gpu_total + best.host["peak"]):
+        if (
+            best is None
+            or not best.fits
+            and (c.fits or c.gpu_total + c.host["peak"] < best.gpu_total + best.host["peak"])
+        ):
             rows[key] = c
     return list(rows.values())
 
@@ -163,7 +178,12 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
     if args.use_peft:
         knobs.append("LORA=1")
     knobs += data_knobs(args)
-    extra = ["--gradient_checkpointing", "true" if s.gradient_checkpointing else "false", "--max_length", str(args.max_length)]
+    extra = [
+        "--gradient_checkpointing",
+        "true" if s.gradient_checkpointing else "false",
+        "--max_length",
+        str(args.max_length),
+    ]
     extra += data_flags(args)
     if args.use_peft:
         extra += ["--lora_r", str(args.lora_r)]
@@ -179,8 +199,10 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
     export = "--export=ALL," + ",".join(knobs)
     # The host memory the plan needs per node (rounded up), not the whole node: others' jobs may share it.
     mem = math.ceil(est.host["peak"] / 2**30)
-    return (f"sbatch --nodes={world.nnodes} --gpus-per-node={world.procs_per_node} --mem={mem}G slurm/run_llm.slurm "
-            f"{shlex.quote(export)}")
+    return (
+        f"sbatch --nodes={world.nnodes} --gpus-per-node={world.procs_per_node} --mem={mem}G slurm/run_llm.slurm "
+        f"{shlex.quote(export)}"
+    )
 
 
 def data_knobs(args) -> list[str]:
@@ -209,22 +231,35 @@ def data_fit_lines(args, positions: int | None) -> list[str]:
     """--dataset_name with --model: the data prepared as `llmft train` prepares it (cached, so the run reuses it) and its
     fit against max_length, one line per split (llmft.data.fit), with the warning naming the fix."""
 
-
     from transformers import AutoTokenizer
     from trl import SFTConfig
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise PlanError(f"--dataset_name needs the model's tokenizer, and {args.model} has none loadable "
-                        f"({str(e).strip().splitlines()[0][:200]}): give a model directory with its tokenizer files") from None
-    opts = cache.DataOptions(dataset_name=args.dataset_name, prompt_column=args.prompt_column,
-                               completion_column=args.completion_column, messages_column=args.messages_column,
-                               text_field=args.dataset_text_field or "text", data_percentage=args.data_percentage)
+        raise PlanError(
+            f"--dataset_name needs the model's tokenizer, and {args.model} has none loadable "
+            f"({str(e).strip().splitlines()[0][:200]}): give a model directory with its tokenizer files"
+        ) from None
+    opts = cache.DataOptions(
+        dataset_name=args.dataset_name,
+        prompt_column=args.prompt_column,
+        completion_column=args.completion_column,
+        messages_column=args.messages_column,
+        text_field=args.dataset_text_field or "text",
+        data_percentage=args.data_percentage,
+    )
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="llmft-plan-") as tmp:
-        sft = SFTConfig(output_dir=tmp, report_to="none", activation_checkpointing=False, use_cpu=True, bf16=False, max_length=args.max_length,
-                        dataset_text_field=args.dataset_text_field or "text")
+        sft = SFTConfig(
+            output_dir=tmp,
+            report_to="none",
+            activation_checkpointing=False,
+            use_cpu=True,
+            bf16=False,
+            max_length=args.max_length,
+            dataset_text_field=args.dataset_text_field or "text",
+        )
         try:
             cache.check_options(opts)
             cache.prepare(opts, tokenizer, sft, log=lines.append, positions=positions)
@@ -240,9 +275,15 @@ def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
     s = est.setting
     batch = plan_batch(world.world_size, s.micro_batch, global_batch=s.micro_batch * s.grad_accum * world.world_size)
     cfg = ds_config.resolve(
-        load_config(template_path(s.zero_stage, s.offload)), batch, mplan.job.precision,
-        gradient_clipping=TRAIN_DEFAULTS["clip"], lr=TRAIN_DEFAULTS["lr"], betas=TRAIN_DEFAULTS["betas"],
-        eps=TRAIN_DEFAULTS["eps"], weight_decay=TRAIN_DEFAULTS["weight_decay"], hidden_size=mplan.job.shape.hidden,
+        load_config(template_path(s.zero_stage, s.offload)),
+        batch,
+        mplan.job.precision,
+        gradient_clipping=TRAIN_DEFAULTS["clip"],
+        lr=TRAIN_DEFAULTS["lr"],
+        betas=TRAIN_DEFAULTS["betas"],
+        eps=TRAIN_DEFAULTS["eps"],
+        weight_decay=TRAIN_DEFAULTS["weight_decay"],
+        hidden_size=mplan.job.shape.hidden,
     )
     directory.mkdir(parents=True, exist_ok=True)
     written = [ds_config.write_resolved(cfg, directory)]
@@ -256,7 +297,6 @@ def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
 def memory_main(args, world: World) -> tuple[int, World]:
     """`llmft plan --model ...`: the candidate table and the recommendation (or --json); the exit code and the
     world it planned for."""
-
 
     hardware = resolve_hardware(args.gpu, args.gpu_memory_gb, args.node_type, args.host_ram_gb)
     if args.nproc_per_node is None and hardware.gpus_per_node:
@@ -275,16 +315,32 @@ def memory_main(args, world: World) -> tuple[int, World]:
     if note and not args.json:
         print(f"llmft plan: {note}")
     args.max_length = max_length = capped
-    shape = model_shape(config, use_peft=args.use_peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules)
+    shape = model_shape(
+        config, use_peft=args.use_peft, lora_r=args.lora_r, lora_target_modules=args.lora_target_modules
+    )
     micro = None if args.auto else args.per_device_train_batch_size
     job = memory_job(
-        shape, hardware, world, max_length=max_length, precision=precision, global_batch=args.global_batch_size,
-        micro_batch=micro, max_micro_batch=args.per_device_train_batch_size if args.auto else None,
-        grad_accum=args.gradient_accumulation_steps, gradient_checkpointing=args.gradient_checkpointing,
-        zero_stage=args.zero_stage, offload=args.offload or None, deepspeed=args.deepspeed,
-        load_in_4bit=args.load_in_4bit, attention=args.attn_implementation or "sdpa", save_total_limit=args.save_total_limit,
-        output_dir=args.output_dir or None, write_mb_s=args.write_mb_s, mfu=args.mfu,
-        save_consolidated=args.save_consolidated, async_save=args.async_save,
+        shape,
+        hardware,
+        world,
+        max_length=max_length,
+        precision=precision,
+        global_batch=args.global_batch_size,
+        micro_batch=micro,
+        max_micro_batch=args.per_device_train_batch_size if args.auto else None,
+        grad_accum=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing,
+        zero_stage=args.zero_stage,
+        offload=args.offload or None,
+        deepspeed=args.deepspeed,
+        load_in_4bit=args.load_in_4bit,
+        attention=args.attn_implementation or "sdpa",
+        save_total_limit=args.save_total_limit,
+        output_dir=args.output_dir or None,
+        write_mb_s=args.write_mb_s,
+        mfu=args.mfu,
+        save_consolidated=args.save_consolidated,
+        async_save=args.async_save,
     )
     try:
         mplan = plan_memory(job)
@@ -303,8 +359,10 @@ def memory_main(args, world: World) -> tuple[int, World]:
         if written:
             print(f"llmft plan: run it: {(Path(args.write) / 'sbatch.txt').read_text().strip()}")
             if not args.dataset_name:
-                print("llmft plan: warning: no --dataset_name: the line trains on run_llm.slurm's default dataset; "
-                      "add DATASET=your.jsonl to it, or plan with --dataset_name")
+                print(
+                    "llmft plan: warning: no --dataset_name: the line trains on run_llm.slurm's default dataset; "
+                    "add DATASET=your.jsonl to it, or plan with --dataset_name"
+                )
     if mplan.recommended is None:
         print(f"llmft plan: error: {mplan.reason}{hardware.allocation_hint(mplan)}", file=sys.stderr)
         return 2, world
@@ -325,16 +383,28 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
     precision = choose_precision(args.precision, hardware.gpu)
     max_length = args.max_length or TRAIN_DEFAULTS["max_length"]
     max_length, _ = cap_max_length(config, max_length)  # llmft train caps it the same way
-    shape = model_shape(config, use_peft=args.use_peft, lora_r=args.lora_r or 16, lora_target_modules=args.lora_target_modules)
+    shape = model_shape(
+        config, use_peft=args.use_peft, lora_r=args.lora_r or 16, lora_target_modules=args.lora_target_modules
+    )
     b = plan.batch
     try:
         job = memory_job(
-            shape, hardware, plan.world, max_length=max_length, precision=precision, global_batch=b.global_batch,
-            micro_batch=b.micro_batch, grad_accum=b.grad_accum,
+            shape,
+            hardware,
+            plan.world,
+            max_length=max_length,
+            precision=precision,
+            global_batch=b.global_batch,
+            micro_batch=b.micro_batch,
+            grad_accum=b.grad_accum,
             gradient_checkpointing=bool(args.gradient_checkpointing),  # llmft train's default: off
-            zero_stage=None if args.deepspeed else plan.zero_stage, offload=None if args.deepspeed else plan.offload_mode,
-            deepspeed=args.deepspeed, load_in_4bit=args.load_in_4bit, attention=args.attn_implementation or "sdpa",
-            save_consolidated=args.save_consolidated, async_save=args.async_save,
+            zero_stage=None if args.deepspeed else plan.zero_stage,
+            offload=None if args.deepspeed else plan.offload_mode,
+            deepspeed=args.deepspeed,
+            load_in_4bit=args.load_in_4bit,
+            attention=args.attn_implementation or "sdpa",
+            save_consolidated=args.save_consolidated,
+            async_save=args.async_save,
         )
         mplan = plan_memory(job)
     except MemoryPlanError as e:
@@ -344,66 +414,133 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
     where = hardware.describe(plan.world.nnodes, plan.world.procs_per_node)
     device = "GPU" if hardware.gpu is not None else "per process"
     if est.fits:
-        return [f"llmft plan: memory: {est.setting.describe()} fits ({device} {d['gpu_total_gib']} GiB, host "
-                f"{d['host_ram_gib_per_node']} GiB per node) on {where}"], None
+        return [
+            f"llmft plan: memory: {est.setting.describe()} fits ({device} {d['gpu_total_gib']} GiB, host "
+            f"{d['host_ram_gib_per_node']} GiB per node) on {where}"
+        ], None
     return [], f"memory: {est.setting.describe()} does not fit on {where}: {est.why}{hardware.allocation_hint(mplan)}"
-
-
 
 
 def make_parser(subparsers=None):
     description = "Print the resolved run plan (world, batch math, ZeRO config) without loading a model; with --model, a memory plan."
     parser = command_parser(subparsers, "plan", description)
     parser.add_argument("--global_batch_size", type=int, default=None)
-    parser.add_argument("--per_device_train_batch_size", type=int, default=None,
-                        help="micro-batch per process (default 8; with --model: searched, or the largest tried with --auto)")
+    parser.add_argument(
+        "--per_device_train_batch_size",
+        type=int,
+        default=None,
+        help="micro-batch per process (default 8; with --model: searched, or the largest tried with --auto)",
+    )
     parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
     parser.add_argument("--nnodes", type=int, default=None, help="default: from Slurm/torchrun variables")
-    parser.add_argument("--nproc_per_node", type=int, default=None,
-                        help="default: the node type's GPUs, the GPUs Slurm gave the node, or local GPUs")
+    parser.add_argument(
+        "--nproc_per_node",
+        type=int,
+        default=None,
+        help="default: the node type's GPUs, the GPUs Slurm gave the node, or local GPUs",
+    )
     parser.add_argument("--zero_stage", type=int, default=None)
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--deepspeed", default=None)
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--output_dir", default="")
-    parser.add_argument("--nodes", default=None, metavar="FILE",
-                        help="the `llmft node:` lines of every node of the job (slurm/run_llm.slurm runs "
-                             "`python -m llmft.planning.allocation` on each): plan with the smallest node's memory, refuse "
-                             "GPUs spread unevenly or a fabric a node lacks, and choose the NUMA binding")
-    parser.add_argument("--numa_binding", default="auto", help="with --nodes: auto, off, node, socket, exclusive, core-complex")
-    parser.add_argument("--prepared", default=None, metavar="DIR",
-                        help="prepared data (the directory `llmft prepare` prints, or a run's --output_dir): its padding "
-                             "share and what padding-free batches and --packing would change")
-    parser.add_argument("--print_launch", action="store_true",
-                        help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)")
+    parser.add_argument(
+        "--nodes",
+        default=None,
+        metavar="FILE",
+        help="the `llmft node:` lines of every node of the job (slurm/run_llm.slurm runs "
+        "`python -m llmft.planning.allocation` on each): plan with the smallest node's memory, refuse "
+        "GPUs spread unevenly or a fabric a node lacks, and choose the NUMA binding",
+    )
+    parser.add_argument(
+        "--numa_binding", default="auto", help="with --nodes: auto, off, node, socket, exclusive, core-complex"
+    )
+    parser.add_argument(
+        "--prepared",
+        default=None,
+        metavar="DIR",
+        help="prepared data (the directory `llmft prepare` prints, or a run's --output_dir): its padding "
+        "share and what padding-free batches and --packing would change",
+    )
+    parser.add_argument(
+        "--print_launch",
+        action="store_true",
+        help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)",
+    )
     mem = parser.add_argument_group("memory plan (--model)")
-    mem.add_argument("--model", default=None, help="model directory, a directory holding only config.json, or a hub id")
-    mem.add_argument("--gpu", default=None, help="L4, A100-40GB, A100-80GB, H100-80GB, H200, ... (llmft.planning.hardware.GPUS)")
-    mem.add_argument("--gpu_memory_gb", type=float, default=None, help="GPU memory in GiB (an unlisted GPU, or to override)")
-    mem.add_argument("--node_type", default=None, help="g2-standard-4, a2-highgpu-8g, g6.12xlarge, p4d.24xlarge, ... (llmft.planning.hardware.NODE_TYPES)")
-    mem.add_argument("--host_ram_gb", type=float, default=None, help="host RAM per node in GiB (default: the node type's, or this machine's)")
+    mem.add_argument(
+        "--model", default=None, help="model directory, a directory holding only config.json, or a hub id"
+    )
+    mem.add_argument(
+        "--gpu", default=None, help="L4, A100-40GB, A100-80GB, H100-80GB, H200, ... (llmft.planning.hardware.GPUS)"
+    )
+    mem.add_argument(
+        "--gpu_memory_gb", type=float, default=None, help="GPU memory in GiB (an unlisted GPU, or to override)"
+    )
+    mem.add_argument(
+        "--node_type",
+        default=None,
+        help="g2-standard-4, a2-highgpu-8g, g6.12xlarge, p4d.24xlarge, ... (llmft.planning.hardware.NODE_TYPES)",
+    )
+    mem.add_argument(
+        "--host_ram_gb",
+        type=float,
+        default=None,
+        help="host RAM per node in GiB (default: the node type's, or this machine's)",
+    )
     mem.add_argument("--max_length", type=int, default=None, help="tokens per sequence (default: TRL's 1024)")
-    mem.add_argument("--gradient_checkpointing", default=None, type=lambda v: _bool(v, "--gradient_checkpointing"),
-                     help="true/false: only that; default: both tried")
+    mem.add_argument(
+        "--gradient_checkpointing",
+        default=None,
+        type=lambda v: _bool(v, "--gradient_checkpointing"),
+        help="true/false: only that; default: both tried",
+    )
     mem.add_argument("--use_peft", action="store_true", help="LoRA adapters on a frozen model")
     mem.add_argument("--lora_r", type=int, default=None, help="LoRA rank (default: TRL's 16)")
     mem.add_argument("--lora_target_modules", nargs="+", default=None, help="default: PEFT's for the architecture")
     mem.add_argument("--load_in_4bit", action="store_true", help="QLoRA: frozen weights in 4-bit (needs --use_peft)")
     mem.add_argument("--attn_implementation", default=None, choices=["sdpa", "flash_attention_2"], help="default sdpa")
-    mem.add_argument("--save_total_limit", type=int, default=None, help="checkpoints kept (checked against --output_dir's free space)")
-    mem.add_argument("--save_consolidated", action="store_true", help="count the 16-bit model gathered at the end (ZeRO-3 rows)")
-    mem.add_argument("--async_save", action="store_true", help="count the host RAM of checkpoints written in the background")
-    mem.add_argument("--write_mb_s", type=float, default=None, help="checkpoint write bandwidth, MB/s (default: the provider's shared filesystem in llmft's blueprints)")
-    mem.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation for the tokens/s estimate (default 0.35)")
-    mem.add_argument("--check_memory", action="store_true",
-                     help="print the run plan (as without --model) and check that its setting fits this job's GPUs and "
-                          "host memory; exit 2 naming the limit when it does not (slurm/run_llm.slurm runs it)")
-    mem.add_argument("--auto", action="store_true", help="what `llmft train --auto` picks: micro-batches up to --per_device_train_batch_size")
+    mem.add_argument(
+        "--save_total_limit",
+        type=int,
+        default=None,
+        help="checkpoints kept (checked against --output_dir's free space)",
+    )
+    mem.add_argument(
+        "--save_consolidated", action="store_true", help="count the 16-bit model gathered at the end (ZeRO-3 rows)"
+    )
+    mem.add_argument(
+        "--async_save", action="store_true", help="count the host RAM of checkpoints written in the background"
+    )
+    mem.add_argument(
+        "--write_mb_s",
+        type=float,
+        default=None,
+        help="checkpoint write bandwidth, MB/s (default: the provider's shared filesystem in llmft's blueprints)",
+    )
+    mem.add_argument(
+        "--mfu", type=float, default=None, help="model FLOPs utilisation for the tokens/s estimate (default 0.35)"
+    )
+    mem.add_argument(
+        "--check_memory",
+        action="store_true",
+        help="print the run plan (as without --model) and check that its setting fits this job's GPUs and "
+        "host memory; exit 2 naming the limit when it does not (slurm/run_llm.slurm runs it)",
+    )
+    mem.add_argument(
+        "--auto",
+        action="store_true",
+        help="what `llmft train --auto` picks: micro-batches up to --per_device_train_batch_size",
+    )
     mem.add_argument("--json", action="store_true", help="print the plan as JSON")
-    mem.add_argument("--write", default=None, metavar="DIR", help="write the recommended DeepSpeed config and sbatch line to DIR")
+    mem.add_argument(
+        "--write", default=None, metavar="DIR", help="write the recommended DeepSpeed config and sbatch line to DIR"
+    )
     mem.add_argument("--trust_remote_code", action="store_true")
     run = parser.add_argument_group("the data and length of the run (--model; in the --write sbatch line)")
-    run.add_argument("--dataset_name", default=None, help="your data (.jsonl, ...): its fit against --max_length is counted")
+    run.add_argument(
+        "--dataset_name", default=None, help="your data (.jsonl, ...): its fit against --max_length is counted"
+    )
     run.add_argument("--prompt_column", default=None)
     run.add_argument("--completion_column", default=None)
     run.add_argument("--messages_column", default=None)
@@ -425,11 +562,35 @@ def _bool(value: str, flag: str) -> bool:
     raise argparse.ArgumentTypeError(f"{flag} takes true or false, not {value!r}")
 
 
-MEMORY_ONLY = ("gpu", "gpu_memory_gb", "node_type", "host_ram_gb", "max_length", "gradient_checkpointing", "use_peft",
-               "lora_r", "lora_target_modules", "load_in_4bit", "attn_implementation", "save_total_limit",
-               "save_consolidated", "async_save", "write_mb_s", "mfu", "auto", "json", "write", "trust_remote_code", "dataset_name",
-               "prompt_column", "completion_column", "messages_column", "dataset_text_field", "max_steps",
-               "check_memory")
+MEMORY_ONLY = (
+    "gpu",
+    "gpu_memory_gb",
+    "node_type",
+    "host_ram_gb",
+    "max_length",
+    "gradient_checkpointing",
+    "use_peft",
+    "lora_r",
+    "lora_target_modules",
+    "load_in_4bit",
+    "attn_implementation",
+    "save_total_limit",
+    "save_consolidated",
+    "async_save",
+    "write_mb_s",
+    "mfu",
+    "auto",
+    "json",
+    "write",
+    "trust_remote_code",
+    "dataset_name",
+    "prompt_column",
+    "completion_column",
+    "messages_column",
+    "dataset_text_field",
+    "max_steps",
+    "check_memory",
+)
 
 
 def main(args) -> int:
@@ -456,17 +617,27 @@ def main(args) -> int:
                 print_padding(padding)
                 print_launch_lines(world, args.print_launch, launch_extra)
             return rc
-        given = [f"--{name}" for name in MEMORY_ONLY if getattr(args, name) is not None and getattr(args, name) is not False
-                 or name == "gradient_checkpointing" and args.gradient_checkpointing is False]
+        given = [
+            f"--{name}"
+            for name in MEMORY_ONLY
+            if getattr(args, name) is not None
+            and getattr(args, name) is not False
+            or name == "gradient_checkpointing"
+            and args.gradient_checkpointing is False
+        ]
         if args.check_memory and (args.auto or args.json or args.write):
-            raise PlanError("--check_memory checks the setting given; --auto, --json and --write belong to the memory plan: "
-                            "drop --check_memory or them")
+            raise PlanError(
+                "--check_memory checks the setting given; --auto, --json and --write belong to the memory plan: "
+                "drop --check_memory or them"
+            )
         if given and not args.model:
             raise PlanError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --model (a memory plan)")
         # Planning on a login node: say what the GPU nodes will pick (llmft.planning.hardware.choose_precision's rule).
         precision = AUTO_PRECISION if args.precision == "auto" else args.precision
         plan = make_plan(
-            micro_batch=8 if args.per_device_train_batch_size is None else args.per_device_train_batch_size,  # HF default
+            micro_batch=8
+            if args.per_device_train_batch_size is None
+            else args.per_device_train_batch_size,  # HF default
             global_batch=args.global_batch_size,
             grad_accum=args.gradient_accumulation_steps,
             zero_stage=args.zero_stage,
@@ -494,7 +665,6 @@ def apply_node_facts(path: str, numa_request: str) -> dict[str, str]:
     """--nodes FILE: plan with the smallest node's memory (LLMFT_HOST_RAM_GB for this process, and for the training
     processes through the launch line), after checking the nodes agree; the NUMA binding for torchrun."""
 
-
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -508,8 +678,10 @@ def apply_node_facts(path: str, numa_request: str) -> dict[str, str]:
         os.environ.pop("LLMFT_HOST_RAM_SOURCE", None)
     mode, why = numa_binding(numa_request, nodes)
     per_node = ", ".join(f"{n.host} {n.memory.gib:g} GiB ({n.memory.source})" for n in nodes)
-    print(f"llmft plan: nodes: {len(nodes)} x {nodes[0].gpus} GPU(s); memory the job may use: {per_node}; "
-          f"planning with {memory.gib:g} GiB per node")
+    print(
+        f"llmft plan: nodes: {len(nodes)} x {nodes[0].gpus} GPU(s); memory the job may use: {per_node}; "
+        f"planning with {memory.gib:g} GiB per node"
+    )
     print(f"llmft plan: NUMA binding {why}")
     return {"host_ram_gb": f"{memory.gib:g}", "numa_binding": mode or "off"}
 
@@ -547,9 +719,11 @@ def print_launch_lines(world: World, print_launch: bool, extra: dict[str, str] |
 
 def launch_line(world: World, split: CpuSplit) -> str:
     """The launch decisions as one machine-readable line, so the Slurm script never recomputes them."""
-    return (f"llmft launch: nnodes={world.nnodes} nproc_per_node={world.procs_per_node} cpus_per_node={split.cpus_per_node} "
-            f"omp_num_threads={split.threads_per_process} dataloader_num_workers={split.dataloader_workers} "
-            f"dataset_num_proc={split.dataset_num_proc}")
+    return (
+        f"llmft launch: nnodes={world.nnodes} nproc_per_node={world.procs_per_node} cpus_per_node={split.cpus_per_node} "
+        f"omp_num_threads={split.threads_per_process} dataloader_num_workers={split.dataloader_workers} "
+        f"dataset_num_proc={split.dataset_num_proc}"
+    )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,11 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
         prepared = prepare(opts, tokenizer, args, log=log, timeout=llmft_args.prepare_timeout, positions=positions)
     except LlmftError as e:
         return report_error("prepare", e, all_ranks=True)
-    log(f"ready: {len(prepared.train)} training sequences" + (f", {len(prepared.eval)} evaluation sequences" if prepared.eval is not None else "")
-        + f" in {prepared.directory}")
+    log(
+        f"ready: {len(prepared.train)} training sequences"
+        + (f", {len(prepared.eval)} evaluation sequences" if prepared.eval is not None else "")
+        + f" in {prepared.directory}"
+    )
     return 0
 
 

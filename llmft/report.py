@@ -45,7 +45,9 @@ class Run:
     path: Path
     history: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
-    attempts: list[dict] = field(default_factory=list)  # run_summaries.jsonl: one run summary per attempt, oldest first
+    attempts: list[dict] = field(
+        default_factory=list
+    )  # run_summaries.jsonl: one run summary per attempt, oldest first
     data: dict = field(default_factory=dict)
     ds_config: dict = field(default_factory=dict)
     model_config: dict = field(default_factory=dict)
@@ -64,7 +66,11 @@ def _json(path: Path) -> dict | None:
 
 
 def _checkpoints(path: Path) -> list[Path]:
-    found = [(int(m.group(1)), p) for p in path.glob("checkpoint-*") if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in path.glob("checkpoint-*")
+        if p.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", p.name))
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -73,10 +79,23 @@ def read_run(path: Path, name: str) -> Run:
     if not path.is_dir():
         raise ReportError(f"{path} is not a directory: pass a run's --output_dir")
     ckpts = _checkpoints(path)
-    state_file = next((p for p in [path / "trainer_state.json", *(c / "trainer_state.json" for c in reversed(ckpts))] if p.is_file()), None)
-    if state_file is None and not (path / "run_summary.json").is_file() and not (path / "eval" / "summary.jsonl").is_file():
-        raise ReportError(f"{path} holds no trainer_state.json, run_summary.json or eval/summary.jsonl: pass a run's --output_dir "
-                          "(it has them once a checkpoint was saved)")
+    state_file = next(
+        (
+            p
+            for p in [path / "trainer_state.json", *(c / "trainer_state.json" for c in reversed(ckpts))]
+            if p.is_file()
+        ),
+        None,
+    )
+    if (
+        state_file is None
+        and not (path / "run_summary.json").is_file()
+        and not (path / "eval" / "summary.jsonl").is_file()
+    ):
+        raise ReportError(
+            f"{path} holds no trainer_state.json, run_summary.json or eval/summary.jsonl: pass a run's --output_dir "
+            "(it has them once a checkpoint was saved)"
+        )
     run = Run(name=name, path=path, state_file=state_file)
     state = _json(state_file) if state_file else None
     run.history = list((state or {}).get("log_history") or [])
@@ -84,7 +103,9 @@ def read_run(path: Path, name: str) -> Run:
     run.attempts = read_attempts(path / "run_summaries.jsonl") or ([run.summary] if run.summary else [])
     run.data = _json(path / "llmft_data.json") or {}
     run.ds_config = _json(path / "ds_config.json") or {}
-    run.model_config = _json(path / "config.json") or next((c for c in (_json(c / "config.json") for c in reversed(ckpts)) if c), {})
+    run.model_config = _json(path / "config.json") or next(
+        (c for c in (_json(c / "config.json") for c in reversed(ckpts)) if c), {}
+    )
     run.done = _json(path / "llmft_done.json")
     marker = next((m for m in (_json(c / "llmft_complete.json") for c in reversed(ckpts)) if m), None)
     run.world_size = run.summary.get("world_size") or (marker or {}).get("world_size")
@@ -106,7 +127,9 @@ def read_benchmarks(path: Path) -> list[dict]:
             continue
         if isinstance(line, dict) and isinstance(line.get("metrics"), dict) and line.get("task"):
             latest[(line.get("step"), line["task"])] = line
-    return sorted(latest.values(), key=lambda x: (x.get("step") if isinstance(x.get("step"), int) else math.inf, x["task"]))
+    return sorted(
+        latest.values(), key=lambda x: (x.get("step") if isinstance(x.get("step"), int) else math.inf, x["task"])
+    )
 
 
 def read_attempts(path: Path) -> list[dict]:
@@ -145,8 +168,11 @@ def run_names(paths: list[Path]) -> list[str]:
 def series(history: list[dict], keys) -> tuple[str | None, list[tuple[int, float]]]:
     """(key found, [(step, value)]) for the first of `keys` the log history holds."""
     for key in keys:
-        points = [(int(e["step"]), float(e[key])) for e in history
-                  if key in e and "step" in e and isinstance(e[key], (int, float)) and math.isfinite(e[key])]
+        points = [
+            (int(e["step"]), float(e[key]))
+            for e in history
+            if key in e and "step" in e and isinstance(e[key], (int, float)) and math.isfinite(e[key])
+        ]
         if points:
             return key, points
     return None, []
@@ -209,14 +235,22 @@ def plot_loss(runs: list[Run], out: Path) -> Path | None:
     return _save(fig, ax, out / "loss.png") if drawn else _discard(fig)
 
 
-def plot_series(runs: list[Run], keys, title: str, ylabel: str, out_file: Path, scale: float = 1.0, log_y: bool = False) -> Path | None:
+def plot_series(
+    runs: list[Run], keys, title: str, ylabel: str, out_file: Path, scale: float = 1.0, log_y: bool = False
+) -> Path | None:
     fig, ax = _axes(title, "optimizer step", ylabel)
     drawn = False
     for run, color in zip(runs, _colors(len(runs))):
         _, points = series(run.history, keys)
         if points:
             steps, values = zip(*points)
-            ax.plot(steps, [v * scale for v in values], color=color, marker="." if len(points) < 30 else None, label=run.name)
+            ax.plot(
+                steps,
+                [v * scale for v in values],
+                color=color,
+                marker="." if len(points) < 30 else None,
+                label=run.name,
+            )
             drawn = True
     if drawn and log_y:
         ax.set_yscale("log")
@@ -288,8 +322,11 @@ def plot_benchmarks(runs: list[Run], out: Path) -> Path | None:
         xs = [g + (i - (len(variants) - 1) / 2) * width for g in range(len(groups))]
         heights = [values.get((group, name), 0.0) for group in groups]
         bars = ax.bar(xs, heights, width=width, color=color, label=name)
-        ax.bar_label(bars, labels=[f"{values[(group, name)]:.3f}" if (group, name) in values else "n/a" for group in groups],
-                     fontsize="x-small")
+        ax.bar_label(
+            bars,
+            labels=[f"{values[(group, name)]:.3f}" if (group, name) in values else "n/a" for group in groups],
+            fontsize="x-small",
+        )
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, fontsize="small")
     top = max(values.values())
@@ -321,7 +358,9 @@ def _duration(seconds) -> str:
     if not isinstance(seconds, (int, float)):
         return "-"
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def describe(run: Run) -> dict:
@@ -332,10 +371,18 @@ def describe(run: Run) -> dict:
     runtime = next((e["train_runtime"] for e in reversed(hist) if "train_runtime" in e), None)
     # The optimizer step reached: the log history (restored from the checkpoint on resume) spans every attempt;
     # run_summary.json's `steps` counts only the last attempt's.
-    steps = max((e["step"] for e in hist if isinstance(e.get("step"), int)), default=None) or s.get("global_step") or s.get("steps")
+    steps = (
+        max((e["step"] for e in hist if isinstance(e.get("step"), int)), default=None)
+        or s.get("global_step")
+        or s.get("steps")
+    )
     wall, attempts = run_time(run.attempts)
     zero = (run.ds_config.get("zero_optimization") or {}).get("stage")
-    model = run.model_config.get("architectures", ["-"])[0] if run.model_config.get("architectures") else run.model_config.get("model_type", "-")
+    model = (
+        run.model_config.get("architectures", ["-"])[0]
+        if run.model_config.get("architectures")
+        else run.model_config.get("model_type", "-")
+    )
     gpus = run.world_size
     return {
         "run": run.name,
@@ -345,7 +392,9 @@ def describe(run: Run) -> dict:
         "zero": f"ZeRO-{zero}" if zero is not None else "-",
         "steps": _fmt(steps),
         "finished": "yes" if run.done is not None else "no",
-        "time": (_duration(wall) + (f" ({attempts} attempts)" if attempts > 1 else "")) if wall is not None else (f"{_duration(runtime)} (training only)" if runtime else "-"),
+        "time": (_duration(wall) + (f" ({attempts} attempts)" if attempts > 1 else ""))
+        if wall is not None
+        else (f"{_duration(runtime)} (training only)" if runtime else "-"),
         "tokens/s": _fmt(s.get("tokens_per_second"), digits=5),
         "peak GPU GiB": _fmt(s.get("peak_gpu_memory_gib"), digits=3),
         "train loss": _fmt(loss[-1][1] if loss else s.get("train_loss")),
@@ -356,21 +405,41 @@ def describe(run: Run) -> dict:
 def markdown(runs: list[Run], plots: dict[str, Path | None], out: Path) -> str:
     rows = [describe(r) for r in runs]
     cols = list(rows[0])
-    lines = ["# llmft report", "", f"{len(runs)} run(s): " + ", ".join(f"`{r.path}`" for r in runs), "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [
+        "# llmft report",
+        "",
+        f"{len(runs)} run(s): " + ", ".join(f"`{r.path}`" for r in runs),
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     lines += ["| " + " | ".join(str(row[c]) for c in cols) + " |" for row in rows]
     scored = [(r, line) for r in runs for line in r.benchmarks]
     if scored:
-        lines += ["", "## Benchmarks (llmft eval, lm-evaluation-harness)", "", "| run | step | task | shots | n | metric | value | stderr |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Benchmarks (llmft eval, lm-evaluation-harness)",
+            "",
+            "| run | step | task | shots | n | metric | value | stderr |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r, line in scored:
             for metric, value in line["metrics"].items():
                 err = (line.get("stderr") or {}).get(metric)
-                lines.append(f"| {r.name} | {line.get('step', '-')} | {line['task']} | {_fmt(line.get('num_fewshot'))} | {_fmt(line.get('n'))} "
-                             f"| {metric} | {_fmt(value)} | {_fmt(err)} |")
+                lines.append(
+                    f"| {r.name} | {line.get('step', '-')} | {line['task']} | {_fmt(line.get('num_fewshot'))} | {_fmt(line.get('n'))} "
+                    f"| {metric} | {_fmt(value)} | {_fmt(err)} |"
+                )
     lines += ["", "## Plots", ""]
-    titles = {"loss": "Training and eval loss", "learning_rate": "Learning rate", "tokens_per_second": "Throughput",
-              "mfu": "Model FLOPs utilisation", "gpu_memory": "GPU memory", "eval_metrics": "Eval perplexity across runs", "benchmarks": "Benchmarks across runs and checkpoints"}
+    titles = {
+        "loss": "Training and eval loss",
+        "learning_rate": "Learning rate",
+        "tokens_per_second": "Throughput",
+        "mfu": "Model FLOPs utilisation",
+        "gpu_memory": "GPU memory",
+        "eval_metrics": "Eval perplexity across runs",
+        "benchmarks": "Benchmarks across runs and checkpoints",
+    }
     missing = []
     for key, title in titles.items():
         path = plots.get(key)
@@ -389,10 +458,19 @@ def markdown(runs: list[Run], plots: dict[str, Path | None], out: Path) -> str:
 
 def make_parser(subparsers=None):
 
-    parser = command_parser(subparsers, "report", "PNG plots and a Markdown summary of one or more runs (loss, learning rate, "
-                                                  "tokens/s, GPU memory, eval metrics).")
+    parser = command_parser(
+        subparsers,
+        "report",
+        "PNG plots and a Markdown summary of one or more runs (loss, learning rate, "
+        "tokens/s, GPU memory, eval metrics).",
+    )
     parser.add_argument("run_dir", nargs="+", type=Path, help="a run's --output_dir (several: compared)")
-    parser.add_argument("--output", type=Path, default=None, help="where the PNGs and report.md go (default: RUN_DIR/report for one run, ./llmft_report for several)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="where the PNGs and report.md go (default: RUN_DIR/report for one run, ./llmft_report for several)",
+    )
     parser.set_defaults(func=main)
     return parser
 
@@ -403,9 +481,20 @@ def report(run_dirs: list[Path], out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     plots = {
         "loss": plot_loss(runs, out),
-        "learning_rate": plot_series(runs, ("learning_rate",), "Learning rate", "learning rate", out / "learning_rate.png"),
-        "tokens_per_second": plot_series(runs, TOKENS_PER_SECOND_KEYS, "Throughput", "tokens per second", out / "tokens_per_second.png"),
-        "mfu": plot_series(runs, MFU_KEYS, "Model FLOPs utilisation", "MFU (% of the GPU's dense 16-bit peak)", out / "mfu.png", scale=100),
+        "learning_rate": plot_series(
+            runs, ("learning_rate",), "Learning rate", "learning rate", out / "learning_rate.png"
+        ),
+        "tokens_per_second": plot_series(
+            runs, TOKENS_PER_SECOND_KEYS, "Throughput", "tokens per second", out / "tokens_per_second.png"
+        ),
+        "mfu": plot_series(
+            runs,
+            MFU_KEYS,
+            "Model FLOPs utilisation",
+            "MFU (% of the GPU's dense 16-bit peak)",
+            out / "mfu.png",
+            scale=100,
+        ),
         "gpu_memory": plot_series(runs, MEMORY_KEYS, "GPU memory", "peak GPU memory (GiB)", out / "gpu_memory.png"),
         "eval_metrics": plot_eval_bars(runs, out) if len(runs) > 1 else None,
         "benchmarks": plot_benchmarks(runs, out),

@@ -1,7 +1,7 @@
 """Write a tiny offline model, tokenizer and instruction dataset (llmft.data.synthetic) for trying llmft anywhere.
 
-    python -m llmft.tiny --out runs/tiny            # writes runs/tiny/model and runs/tiny/data.jsonl
-    python -m llmft.tiny --out runs/tiny --format messages --examples 512
+python -m llmft.tiny --out runs/tiny            # writes runs/tiny/model and runs/tiny/data.jsonl
+python -m llmft.tiny --out runs/tiny --format messages --examples 512
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ def make_parser(subparsers=None):
     parser = command_parser(subparsers, "tiny", "Write a tiny offline model, tokenizer and instruction dataset.")
     parser.add_argument("--out", type=Path, required=True, help="directory to write model/ and data.jsonl into")
     parser.add_argument("--examples", type=int, default=512)
-    parser.add_argument("--format", default="prompt_completion", choices=["prompt_completion", "text", "messages", "question_answer"])
+    parser.add_argument(
+        "--format", default="prompt_completion", choices=["prompt_completion", "text", "messages", "question_answer"]
+    )
     parser.add_argument("--n_layer", type=int, default=2)
     parser.add_argument("--n_embd", type=int, default=64)
     parser.set_defaults(func=main)

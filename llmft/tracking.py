@@ -1,6 +1,6 @@
 """Weights & Biases settings for a Slurm job, printed for the batch script to export (llmft.training.wandb_env).
 
-    python -m llmft.tracking slurm-env --output_dir CHECKPOINT_DIR    # prints WANDB_*=... lines, nothing else
+python -m llmft.tracking slurm-env --output_dir CHECKPOINT_DIR    # prints WANDB_*=... lines, nothing else
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ def main(args) -> int:
     if not env.get("WANDB_MODE"):
         url = server_url(env)
         online = reachable(url, args.timeout)
-        print(f"llmft tracking: W&B server {url} {'answered' if online else f'did not answer within {args.timeout:g}s'} "
-              f"from {socket.gethostname()}", file=sys.stderr)
+        print(
+            f"llmft tracking: W&B server {url} {'answered' if online else f'did not answer within {args.timeout:g}s'} "
+            f"from {socket.gethostname()}",
+            file=sys.stderr,
+        )
     try:
         values = slurm_wandb_env(env, args.output_dir, online)
     except ValueError as e:

@@ -164,7 +164,9 @@ def train(run: RunSettings) -> int:
     resolved = write_deepspeed_config(run, decided, resume, files.config)
     with clock.phase("import"):
         prepare_process()
-    upstream_noise.quiet_accumulation_mismatch(decided.plan.batch.grad_accum)  # the Trainer gives accelerate 1 by design
+    upstream_noise.quiet_accumulation_mismatch(
+        decided.plan.batch.grad_accum
+    )  # the Trainer gives accelerate 1 by design
     with clock.phase("deepspeed_init"):
         trainer, callbacks = build_trainer(run, decided, resume, files, prepared, resolved, attention, clock)
     result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
@@ -178,27 +180,57 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
     if not model.model_name_or_path:
         raise TrainError("--model_name_or_path is required (a hub name or a local model directory)")
     if not script.dataset_name and not extra.dataset_mixture:
-        raise TrainError("--dataset_name (or --dataset_mixture) is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
+        raise TrainError(
+            "--dataset_name (or --dataset_mixture) is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)"
+        )
     check_flags(script, training, model, cuda=cuda)
     precision = train_precision(training, extra, gpu)
     grad_accum = training.gradient_accumulation_steps if training.gradient_accumulation_steps != 1 else None
     micro, zero_stage, offload, auto_line = training.per_device_train_batch_size, extra.zero_stage, extra.offload, ""
     if extra.auto:
         setting, auto_line = choose_automatically(run, precision, grad_accum)
-        micro, zero_stage, offload, grad_accum = setting.micro_batch, setting.zero_stage, setting.offload, setting.grad_accum
+        micro, zero_stage, offload, grad_accum = (
+            setting.micro_batch,
+            setting.zero_stage,
+            setting.offload,
+            setting.grad_accum,
+        )
         run = run.with_training(gradient_checkpointing=setting.gradient_checkpointing)
-    plan = make_plan(micro_batch=micro, global_batch=extra.global_batch_size, grad_accum=grad_accum, zero_stage=zero_stage,
-                     offload=offload, deepspeed=training.deepspeed, precision=precision, output_dir=training.output_dir,
-                     auto=auto_line)
+    plan = make_plan(
+        micro_batch=micro,
+        global_batch=extra.global_batch_size,
+        grad_accum=grad_accum,
+        zero_stage=zero_stage,
+        offload=offload,
+        deepspeed=training.deepspeed,
+        precision=precision,
+        output_dir=training.output_dir,
+        auto=auto_line,
+    )
     if extra.save_consolidated and (plan.zero_stage != 3 or model.use_peft):
-        raise TrainError("--save_consolidated gathers a ZeRO-3 model at the end; "
-                         + ("a LoRA run saves its adapter (llmft infer --merge --export DIR writes a merged model)"
-                            if model.use_peft else f"under ZeRO-{plan.zero_stage} the final model is written whole already"))
-    template = ds_config.choose_optimizer(ds_config.load_config(plan.ds_template), training.optim,
-                                          optim_args=training.optim_args, user_config=training.deepspeed is not None)
-    quantization = choose_quantization(QuantRequest.from_model_args(model), gpu=gpu, zero_stage=plan.zero_stage,
-                                       offload=plan.offload, use_peft=model.use_peft, precision=precision,
-                                       bitsandbytes=bitsandbytes_version())
+        raise TrainError(
+            "--save_consolidated gathers a ZeRO-3 model at the end; "
+            + (
+                "a LoRA run saves its adapter (llmft infer --merge --export DIR writes a merged model)"
+                if model.use_peft
+                else f"under ZeRO-{plan.zero_stage} the final model is written whole already"
+            )
+        )
+    template = ds_config.choose_optimizer(
+        ds_config.load_config(plan.ds_template),
+        training.optim,
+        optim_args=training.optim_args,
+        user_config=training.deepspeed is not None,
+    )
+    quantization = choose_quantization(
+        QuantRequest.from_model_args(model),
+        gpu=gpu,
+        zero_stage=plan.zero_stage,
+        offload=plan.offload,
+        use_peft=model.use_peft,
+        precision=precision,
+        bitsandbytes=bitsandbytes_version(),
+    )
     data_options = DataOptions.from_args(script, run.training, extra)
     check_options(data_options, training.eval_strategy, training.dataset_kwargs)
     return run, Decisions(cuda, gpu, precision, plan, template, quantization, data_options)
@@ -208,20 +240,34 @@ def choose_automatically(run: RunSettings, precision: str, grad_accum: int | Non
     """--auto: llmft.planning.run_plan.auto_choice for this job's world, GPUs and RAM; refuses the flags it would override."""
     training, model, extra = run.training, run.model, run.llmft
     if extra.zero_stage is not None or extra.offload or training.deepspeed:
-        raise TrainError("--auto chooses the ZeRO stage and offload itself: drop --zero_stage/--offload/--deepspeed, or --auto")
+        raise TrainError(
+            "--auto chooses the ZeRO stage and offload itself: drop --zero_stage/--offload/--deepspeed, or --auto"
+        )
     # A rerun continues the run in --output_dir: its checkpoints load only under the stage they were written with.
-    record = run_identity.read_record(training.output_dir) if run_identity.has_training_state(training.output_dir) else None
+    record = (
+        run_identity.read_record(training.output_dir) if run_identity.has_training_state(training.output_dir) else None
+    )
     keep = record.get("zero_stage") if record else None
     return auto_choice(
-        model.model_name_or_path, discover_world(), precision=precision,
-        max_micro_batch=training.per_device_train_batch_size, global_batch=extra.global_batch_size,
-        grad_accum=grad_accum, max_length=training.max_length or 1024, use_peft=model.use_peft,
-        lora_r=model.lora_r, lora_target_modules=model.lora_target_modules,
+        model.model_name_or_path,
+        discover_world(),
+        precision=precision,
+        max_micro_batch=training.per_device_train_batch_size,
+        global_batch=extra.global_batch_size,
+        grad_accum=grad_accum,
+        max_length=training.max_length or 1024,
+        use_peft=model.use_peft,
+        lora_r=model.lora_r,
+        lora_target_modules=model.lora_target_modules,
         allow_gradient_checkpointing=bool(training.gradient_checkpointing),
-        save_total_limit=training.save_total_limit, output_dir=training.output_dir,
-        attention=model.attn_implementation, load_in_4bit=model.load_in_4bit,
-        save_consolidated=extra.save_consolidated, trust_remote_code=training.trust_remote_code,
-        keep_zero_stage=keep if isinstance(keep, int) else None, async_save=extra.async_save,
+        save_total_limit=training.save_total_limit,
+        output_dir=training.output_dir,
+        attention=model.attn_implementation,
+        load_in_4bit=model.load_in_4bit,
+        save_consolidated=extra.save_consolidated,
+        trust_remote_code=training.trust_remote_code,
+        keep_zero_stage=keep if isinstance(keep, int) else None,
+        async_save=extra.async_save,
     )
 
 
@@ -230,7 +276,9 @@ def stage_model_weights(files: ModelFiles, decided: Decisions) -> ModelFiles:
     per node first (llmft.training.stage_weights), and every process loads the copy."""
     if decided.plan.zero_stage >= 3:
         return files
-    return files._replace(weights=stage_weights(files.weights, decided.plan.world.procs_per_node), source=files.weights)
+    return files._replace(
+        weights=stage_weights(files.weights, decided.plan.world.procs_per_node), source=files.weights
+    )
 
 
 def decide_resume(run: RunSettings, decided: Decisions) -> ResumeDecision:
@@ -238,30 +286,48 @@ def decide_resume(run: RunSettings, decided: Decisions) -> ResumeDecision:
     (llmft.training.run_identity: a different run is refused), and whether anything is left to train."""
     training, plan = run.training, decided.plan
     checkpoint = run_dir.resolve_resume(training.output_dir, training.resume_from_checkpoint)
-    given = run.llmft.global_batch_size is not None  # if not, a resume keeps the checkpoint's global batch on any world
+    given = (
+        run.llmft.global_batch_size is not None
+    )  # if not, a resume keeps the checkpoint's global batch on any world
     identity = run_identity.run_identity(
-        run.script, training, run.model, run.llmft, zero_stage=plan.zero_stage,
+        run.script,
+        training,
+        run.model,
+        run.llmft,
+        zero_stage=plan.zero_stage,
         global_batch=elastic.kept_global_batch(checkpoint, plan.batch.global_batch, global_batch_given=given),
-        dataset_fingerprint=(mixture_fingerprint(read_mixture(run.llmft.dataset_mixture, decided.data_options.seed))
-                             if run.llmft.dataset_mixture else data.content_fingerprint(run.script.dataset_name, run.script.dataset_config)),
+        dataset_fingerprint=(
+            mixture_fingerprint(read_mixture(run.llmft.dataset_mixture, decided.data_options.seed))
+            if run.llmft.dataset_mixture
+            else data.content_fingerprint(run.script.dataset_name, run.script.dataset_config)
+        ),
     )
     identity["hyperparameters"] = rerun.hyperparameters(training)  # recorded, not compared: rerun.decide
     accepted = run_identity.check_same_run(training.output_dir, identity, training.resume_from_checkpoint)
     schedule_changes = []
     if checkpoint:
         saved = run_identity.read_record(training.output_dir) or {}
-        schedule_changes = [c for c in rerun.decide(saved.get("hyperparameters"), identity["hyperparameters"],
-                                                    deepspeed_scheduler="scheduler" in decided.ds_template,
-                                                    output_dir=training.output_dir)
-                            if c.split()[0].lstrip("-") in rerun.SCHEDULE_FLAGS]
-    finished = run_dir.nothing_left_to_train(training.output_dir, checkpoint, training.max_steps, training.num_train_epochs)
+        schedule_changes = [
+            c
+            for c in rerun.decide(
+                saved.get("hyperparameters"),
+                identity["hyperparameters"],
+                deepspeed_scheduler="scheduler" in decided.ds_template,
+                output_dir=training.output_dir,
+            )
+            if c.split()[0].lstrip("-") in rerun.SCHEDULE_FLAGS
+        ]
+    finished = run_dir.nothing_left_to_train(
+        training.output_dir, checkpoint, training.max_steps, training.num_train_epochs
+    )
     if finished:
         return ResumeDecision(checkpoint, identity, None, finished)
     if rank0():  # this run trains here: a save cut off earlier must neither be written into again nor rotated over
         for line in run_dir.set_aside_incomplete(training.output_dir):
             log(line)
-    resuming = checkpoint and elastic.plan_resume(checkpoint, plan.world.world_size, plan.zero_stage, plan.batch,
-                                                  global_batch_given=given)
+    resuming = checkpoint and elastic.plan_resume(
+        checkpoint, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=given
+    )
     if accepted:
         log(f"continuing on purpose with new settings: {'; '.join(accepted)}")
     return ResumeDecision(checkpoint, identity, resuming or None, None, tuple(schedule_changes))
@@ -278,17 +344,25 @@ def announce_plan(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
         sizing = None
         if resume.elastic_resume.universal and rank0() and model_config is not None:
             # the conversion sized for this node: its memory and CPUs, and the ranks waiting here
-            shape = model_shape(model_config, use_peft=run.model.use_peft, lora_r=run.model.lora_r,
-                                lora_target_modules=run.model.lora_target_modules)
+            shape = model_shape(
+                model_config,
+                use_peft=run.model.use_peft,
+                lora_r=run.model.lora_r,
+                lora_target_modules=run.model.lora_target_modules,
+            )
             sizing = (shape.trainable, shape.largest_layer_params, plan.world.procs_per_node)
         log(resume.elastic_resume.describe(elastic.prepare(resume.elastic_resume, rank0(), log, sizing=sizing)))
     else:
         log(f"starting a new run in {run.training.output_dir}")
     if resume.schedule_changes:
-        log(f"schedule changed since the checkpoint: {'; '.join(resume.schedule_changes)}; the Trainer builds the schedule "
-            "from these flags, so they take effect from the resumed step")
+        log(
+            f"schedule changed since the checkpoint: {'; '.join(resume.schedule_changes)}; the Trainer builds the schedule "
+            "from these flags, so they take effect from the resumed step"
+        )
     if decided.quantization:
-        log(f"QLoRA: base model loaded in {'4' if decided.quantization.get('load_in_4bit') else '8'}-bit (bitsandbytes)")
+        log(
+            f"QLoRA: base model loaded in {'4' if decided.quantization.get('load_in_4bit') else '8'}-bit (bitsandbytes)"
+        )
     return dataclasses.replace(decided, plan=plan)
 
 
@@ -305,23 +379,37 @@ def choose_attention_and_length(run: RunSettings, decided: Decisions, model_conf
     if note:
         log(note)
     run = run.with_training(max_length=max_length)
-    attention = choose_attention(model.attn_implementation, gpu, flash_attn_installed(),
-                                 packing.model_attentions(model_config, training.trust_remote_code))
+    attention = choose_attention(
+        model.attn_implementation,
+        gpu,
+        flash_attn_installed(),
+        packing.model_attentions(model_config, training.trust_remote_code),
+    )
     masks_from_positions = packing.masks_from_position_ids(model_config, training.trust_remote_code)
     capability = gpu.compute_capability if gpu is not None else None
     padding_free, why = packing.choose_padding_free(
-        requested=training.padding_free, packing=training.packing, cuda=decided.cuda,
-        micro_batch=decided.plan.batch.micro_batch, attention=attention,
-        kernel=packing.packed_kernel_for(model_config, cuda=decided.cuda, precision=decided.precision, capability=capability),
-        masks_from_positions=masks_from_positions, sliding_window=packing.uses_sliding_window(model_config))
+        requested=training.padding_free,
+        packing=training.packing,
+        cuda=decided.cuda,
+        micro_batch=decided.plan.batch.micro_batch,
+        attention=attention,
+        kernel=packing.packed_kernel_for(
+            model_config, cuda=decided.cuda, precision=decided.precision, capability=capability
+        ),
+        masks_from_positions=masks_from_positions,
+        sliding_window=packing.uses_sliding_window(model_config),
+    )
     run = run.with_training(padding_free=padding_free)
     training = run.training
     if why:
         log(why)
     if training.packing or training.padding_free:
         attention = packing.check_packing(
-            packing=training.packing, padding_free=training.padding_free, strategy=training.packing_strategy,
-            attention=attention, masks_from_positions=masks_from_positions,
+            packing=training.packing,
+            padding_free=training.padding_free,
+            strategy=training.packing_strategy,
+            attention=attention,
+            masks_from_positions=masks_from_positions,
             sliding_window=packing.uses_sliding_window(model_config),
         )
         if attention == packing.PACKED_SDPA:
@@ -330,10 +418,14 @@ def choose_attention_and_length(run: RunSettings, decided: Decisions, model_conf
         check_liger(gpu, model_config.model_type, liger_model_types(), training.liger_kernel_config)
     packed_note = ""
     if attention == packing.PACKED_SDPA:
-        packed_note = (": PyTorch's varlen flash kernel on the packed samples"
-                       if packing.packed_kernel_for(model_config, cuda=decided.cuda, precision=decided.precision,
-                                                    capability=capability) == "varlen"
-                       else ": SDPA on each packed sample")
+        packed_note = (
+            ": PyTorch's varlen flash kernel on the packed samples"
+            if packing.packed_kernel_for(
+                model_config, cuda=decided.cuda, precision=decided.precision, capability=capability
+            )
+            == "varlen"
+            else ": SDPA on each packed sample"
+        )
     log(f"attention {attention}" + (" (auto)" if model.attn_implementation in (None, "auto") else "") + packed_note)
     return run, attention
 
@@ -341,19 +433,32 @@ def choose_attention_and_length(run: RunSettings, decided: Decisions, model_conf
 def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Prepared:
     """The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache."""
     tokenizer = files.tokenizer
-    prepared = prepare(decided.data_options, tokenizer, run.training, log=log, timeout=run.llmft.prepare_timeout,
-                       positions=model_positions(files.config))
+    prepared = prepare(
+        decided.data_options,
+        tokenizer,
+        run.training,
+        log=log,
+        timeout=run.llmft.prepare_timeout,
+        positions=model_positions(files.config),
+    )
     if prepared.shape == "messages":
         data.ensure_chat_template(tokenizer)
     records = prepared.info["records"]
     mixed = prepared.info.get("mixture")
-    where = (", ".join(f"{s['records']} from {s['path']}" for s in mixed["sources"]) if mixed
-             else f"{run.llmft.data_percentage:g}% of the split")
-    log(f"dataset {run.script.dataset_name or 'mixture ' + run.llmft.dataset_mixture}: {records['train']} records ({prepared.shape}, "
-        f"{where})" + (f", {records['eval']} for evaluation" if prepared.eval is not None else ""))
+    where = (
+        ", ".join(f"{s['records']} from {s['path']}" for s in mixed["sources"])
+        if mixed
+        else f"{run.llmft.data_percentage:g}% of the split"
+    )
+    log(
+        f"dataset {run.script.dataset_name or 'mixture ' + run.llmft.dataset_mixture}: {records['train']} records ({prepared.shape}, "
+        f"{where})" + (f", {records['eval']} for evaluation" if prepared.eval is not None else "")
+    )
     if rank0():
         write_run_record(run.training.output_dir, decided.data_options, prepared)
-        report = padding_report(prepared_lengths(prepared.train), decided.plan.batch.micro_batch, run.training.max_length)
+        report = padding_report(
+            prepared_lengths(prepared.train), decided.plan.batch.micro_batch, run.training.max_length
+        )
         for line in report.lines(packing=run.training.packing, padding_free=bool(run.training.padding_free)):
             log(line)
     return prepared
@@ -363,19 +468,29 @@ def write_deepspeed_config(run: RunSettings, decided: Decisions, resume: ResumeD
     """The concrete DeepSpeed config (every "auto" resolved), written beside the checkpoints with the run record."""
     training = run.training
     resolved = ds_config.resolve(
-        decided.ds_template, decided.plan.batch, decided.precision, gradient_clipping=training.max_grad_norm,
-        lr=training.learning_rate, betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
-        weight_decay=training.weight_decay, hidden_size=getattr(model_config, "hidden_size", None),
+        decided.ds_template,
+        decided.plan.batch,
+        decided.precision,
+        gradient_clipping=training.max_grad_norm,
+        lr=training.learning_rate,
+        betas=(training.adam_beta1, training.adam_beta2),
+        eps=training.adam_epsilon,
+        weight_decay=training.weight_decay,
+        hidden_size=getattr(model_config, "hidden_size", None),
     )
     if resume.elastic_resume and resume.elastic_resume.universal:
         resolved = elastic.with_universal_load(resolved)
     if decided.cuda:  # the optimizer DeepSpeed can run here: FusedAdam needs nvcc unless prebuilt
-        adam = ds_config.with_adam_kernel(resolved, ds_config.adam_kernel(
-            cuda=True, offload=ds_config.offloads(resolved), **ds_config.local_adam_facts()))
+        adam = ds_config.with_adam_kernel(
+            resolved,
+            ds_config.adam_kernel(cuda=True, offload=ds_config.offloads(resolved), **ds_config.local_adam_facts()),
+        )
         if adam is not resolved:
             resolved = adam
-            log("DeepSpeed's FusedAdam is not prebuilt and no CUDA compiler (nvcc) is here to build it: the optimizer runs as "
-                "torch.optim.AdamW (DeepSpeed's torch_adam); install the CUDA toolkit or prebuild DeepSpeed's ops for FusedAdam")
+            log(
+                "DeepSpeed's FusedAdam is not prebuilt and no CUDA compiler (nvcc) is here to build it: the optimizer runs as "
+                "torch.optim.AdamW (DeepSpeed's torch_adam); install the CUDA toolkit or prebuild DeepSpeed's ops for FusedAdam"
+            )
     if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
         run_identity.record_run(training.output_dir, resume.identity)
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training.output_dir))}")
@@ -395,8 +510,10 @@ def prepare_process() -> None:
     use_proc_cpuinfo_for_deepspeed()  # DeepSpeed's CPU op loads ask py-cpuinfo, 1 s a call
     arch_list = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
     if arch_list:  # before DeepSpeed JIT-builds its first op (FusedAdam) in this process
-        log(f"TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']!r} -> {arch_list!r} for DeepSpeed's op builds "
-            "(it cannot read arch-specific targets such as 9.0a)")
+        log(
+            f"TORCH_CUDA_ARCH_LIST {os.environ['TORCH_CUDA_ARCH_LIST']!r} -> {arch_list!r} for DeepSpeed's op builds "
+            "(it cannot read arch-specific targets such as 9.0a)"
+        )
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
 
 
@@ -407,19 +524,38 @@ class RunCallbacks:
     meter: metrics.Meter
 
 
-def build_trainer(run: RunSettings, decided: Decisions, resume: ResumeDecision, files: ModelFiles, prepared: Prepared,
-                  resolved: dict, attention: str, clock: metrics.StartupClock):
+def build_trainer(
+    run: RunSettings,
+    decided: Decisions,
+    resume: ResumeDecision,
+    files: ModelFiles,
+    prepared: Prepared,
+    resolved: dict,
+    attention: str,
+    clock: metrics.StartupClock,
+):
     """SFTTrainer on DeepSpeed with llmft's callbacks. ZeRO-3 partitions the model while loading it (zero.Init), which
     needs DeepSpeed's comm layer up; on GPUs HF starts it, on the CPU path it would see a world of one."""
     import deepspeed
     from transformers import BitsAndBytesConfig
     from trl import get_peft_config
 
-    args = trainer_arguments(run.training, plan=decided.plan, precision=decided.precision, resolved_ds_config=resolved,
-                             cuda=decided.cuda, max_length=run.training.max_length, resume=resume.checkpoint)
-    args.model_init_kwargs = model_init_kwargs(run.model, run.training, decided.quantization, decided.precision, attention)
+    args = trainer_arguments(
+        run.training,
+        plan=decided.plan,
+        precision=decided.precision,
+        resolved_ds_config=resolved,
+        cuda=decided.cuda,
+        max_length=run.training.max_length,
+        resume=resume.checkpoint,
+    )
+    args.model_init_kwargs = model_init_kwargs(
+        run.model, run.training, decided.quantization, decided.precision, attention
+    )
     quantization = decided.quantization
-    quantization_config = BitsAndBytesConfig(**{k: v for k, v in quantization.items() if k != "model_dtype"}) if quantization else None
+    quantization_config = (
+        BitsAndBytesConfig(**{k: v for k, v in quantization.items() if k != "model_dtype"}) if quantization else None
+    )
     _ = args.device  # accelerate creates the process group (gloo on CPU, nccl on GPUs)
     deepspeed.init_distributed(dist_backend="nccl" if decided.cuda else "gloo")
     PublishCompleteCheckpoint, GracefulStop = checkpoint_callbacks()
@@ -427,20 +563,32 @@ def build_trainer(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
     stop = GracefulStop(run.llmft.stop_file or os.environ.get("LLMFT_STOP_FILE"))
     make_writer = None
     if run.llmft.async_save:
+
         def make_writer():
             """The background writer in the DeepSpeed engine's place; a save is synchronous when training stops after it."""
             try:
-                return async_save.install(trainer.model_wrapped, synchronous=lambda: (
-                    trainer.control.should_training_stop or trainer.state.global_step >= trainer.state.max_steps))
+                return async_save.install(
+                    trainer.model_wrapped,
+                    synchronous=lambda: (
+                        trainer.control.should_training_stop or trainer.state.global_step >= trainer.state.max_steps
+                    ),
+                )
             except ValueError as e:
                 raise TrainError(str(e)) from None
-    publish = PublishCompleteCheckpoint(decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit,
-                                        make_writer)
+
+    publish = PublishCompleteCheckpoint(
+        decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit, make_writer
+    )
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
         trainer = saving.trainer_class(run.llmft.save_consolidated)(
-            model=files.weights, args=args, train_dataset=prepared.train, eval_dataset=prepared.eval,
-            processing_class=files.tokenizer, peft_config=get_peft_config(run.model),
-            quantization_config=quantization_config, callbacks=[publish, stop, rerun.callback(log)],
+            model=files.weights,
+            args=args,
+            train_dataset=prepared.train,
+            eval_dataset=prepared.eval,
+            processing_class=files.tokenizer,
+            peft_config=get_peft_config(run.model),
+            quantization_config=quantization_config,
+            callbacks=[publish, stop, rerun.callback(log)],
         )
     if files.source:  # saved configs and adapters name the model, not its node-local copy
         restore_source_name(trainer.model, files.weights, files.source)
@@ -450,8 +598,11 @@ def build_trainer(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
     guard_wandb(trainer, log)
     meter = metrics.attach(trainer, clock, decided.gpu)  # step line, W&B metrics, run_summary.json
     stop.deadline = job_deadline.JobDeadline.for_this_job(
-        lambda: estimated_save_s(*job_deadline.parameter_counts(trainer.model), decided.plan.zero_stage, decided.precision),
-        args.output_dir)
+        lambda: estimated_save_s(
+            *job_deadline.parameter_counts(trainer.model), decided.plan.zero_stage, decided.precision
+        ),
+        args.output_dir,
+    )
     job_deadline.time_each_save(trainer, stop.deadline, log)
     return trainer, RunCallbacks(publish, stop, meter)
 
@@ -463,7 +614,9 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
     if callbacks.publish.refused:
         raise TrainError(callbacks.publish.refused)
     if callbacks.stop.stopped_at is not None:
-        log(f"{'stopped for the time limit' if callbacks.stop.for_time_limit else 'stop requested'}; saved checkpoint-{step}")
+        log(
+            f"{'stopped for the time limit' if callbacks.stop.for_time_limit else 'stop requested'}; saved checkpoint-{step}"
+        )
     else:
         if prepared.eval is not None and args.eval_strategy == "no":
             trainer.evaluate()  # evaluation data without --eval_strategy: scored once, at the end
@@ -471,14 +624,22 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
             trainer.save_model(args.output_dir)
             bad = save_checks.check_save(args.output_dir, trainer.model, rank0())
         if bad:
-            raise TrainError(f"the final model in {args.output_dir} is not what was trained: {'; '.join(bad)}; run not marked done")
+            raise TrainError(
+                f"the final model in {args.output_dir} is not what was trained: {'; '.join(bad)}; run not marked done"
+            )
         trainer.save_state()  # trainer_state.json (log history) beside the model, for llmft report
         if rank0():
             run_dir.mark_done(args.output_dir, step)
-        log(f"training complete at step {step}; " + saving.final_model_note(
-            args.output_dir, step, decided.plan.zero_stage, run.model.use_peft, run.llmft.save_consolidated))
+        log(
+            f"training complete at step {step}; "
+            + saving.final_model_note(
+                args.output_dir, step, decided.plan.zero_stage, run.model.use_peft, run.llmft.save_consolidated
+            )
+        )
     if rank0():
-        log(f"run summary written to {callbacks.meter.write_summary(args.output_dir, result.training_loss, trainer.state.global_step)}")
+        log(
+            f"run summary written to {callbacks.meter.write_summary(args.output_dir, result.training_loss, trainer.state.global_step)}"
+        )
     if hasattr(trainer, "end"):
         trainer.end()
     return 0
@@ -493,7 +654,9 @@ def make_parser(subparsers=None):
 
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
     if subparsers is not None:
-        parser = subparsers.add_parser("train", help="Fine-tune with SFTTrainer on DeepSpeed ZeRO", dataclass_types=dataclass_types)
+        parser = subparsers.add_parser(
+            "train", help="Fine-tune with SFTTrainer on DeepSpeed ZeRO", dataclass_types=dataclass_types
+        )
     else:
         parser = TrainParser(dataclass_types, prog="llmft train")
     # llmft trains on CPU exactly when no GPU is visible. dtype: unset means "the training precision" (TRL's default

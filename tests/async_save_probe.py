@@ -34,8 +34,10 @@ class Release(TrainerCallback):
             return
         if state.is_world_process_zero:
             ckpt = Path(args.output_dir) / HOLD
-            seen = {"marker": (ckpt / "llmft_complete.json").exists(),
-                    "shards": sorted(p.name for p in ckpt.glob("global_step*/*.pt"))}
+            seen = {
+                "marker": (ckpt / "llmft_complete.json").exists(),
+                "shards": sorted(p.name for p in ckpt.glob("global_step*/*.pt")),
+            }
             out = Path(os.environ["LLMFT_PROBE_DIR"])
             out.mkdir(parents=True, exist_ok=True)
             (out / "held.json").write_text(json.dumps(seen))
@@ -52,5 +54,7 @@ if __name__ == "__main__":
 
     original_write = async_save.write_file
     async_save.write_file = held_write
-    trl.SFTTrainer = ProbedTrainer  # llmft.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    trl.SFTTrainer = (
+        ProbedTrainer  # llmft.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    )
     sys.exit(cli(make_parser()))

@@ -44,7 +44,9 @@ def tiny_data(tmp_path_factory) -> Path:
     """A small prompt/completion JSONL dataset generated in code."""
     from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
-    return write_jsonl(as_format(make_examples(256), "prompt_completion"), tmp_path_factory.mktemp("data") / "train.jsonl")
+    return write_jsonl(
+        as_format(make_examples(256), "prompt_completion"), tmp_path_factory.mktemp("data") / "train.jsonl"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -59,17 +61,59 @@ def run_with_eval(tmp_path_factory, tiny_model, tiny_data) -> tuple[Path, str, s
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path_factory.mktemp("eval_run") / "run"
-    flags = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out),
-             "--eval_strategy", "steps", "--eval_steps", "3", "--max_steps", "6",
-             "--save_steps", "3", "--global_batch_size", "8", "--per_device_train_batch_size", "2", "--learning_rate", "5e-3",
-             "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", "2"]
+    flags = [
+        "--model_name_or_path",
+        str(tiny_model),
+        "--dataset_name",
+        str(tiny_data),
+        "--output_dir",
+        str(out),
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "3",
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "3",
+        "--global_batch_size",
+        "8",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "5e-3",
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        "--zero_stage",
+        "2",
+    ]
     flags += ["--eval_split_ratio", "0.1", "--data_percentage", "50"]  # a fingerprint of its own: prepared here
     # The model directory as if on NFS (what /proc/mounts would say for a shared HF_HOME): its weights are staged to
     # a node-local directory once, and both ranks load that copy (llmft.training.stage_weights).
     mounts = out.parent / "mounts"
     mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nfiler:/models {tiny_model.parent} nfs rw 0 0\n")
-    trained = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), "-m", "llmft.train", *flags],
-                  check=True, timeout=600, LLMFT_PROC_MOUNTS=str(mounts), LLMFT_STAGE_DIR=str(out.parent / "node-local"))
+    trained = run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "-m",
+            "llmft.train",
+            *flags,
+        ],
+        check=True,
+        timeout=600,
+        LLMFT_PROC_MOUNTS=str(mounts),
+        LLMFT_STAGE_DIR=str(out.parent / "node-local"),
+    )
     prepared = run([str(Path(PYTHON).parent / "llmft"), "prepare", *flags], check=True, timeout=300)
     return out, trained.stdout, prepared.stdout
 
@@ -93,16 +137,23 @@ def run(cmd: list[str], timeout: float = 600, check: bool = False, **env: str) -
     """Run a command, capture its output, and echo it on failure so pytest shows why."""
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
 def require_tool(name: str) -> str:
     """A system tool the tests need; `make test` installs it first (tests/system_deps.sh). Missing: a failure, not a skip."""
-    found = shutil.which(name) or shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+    found = shutil.which(name) or shutil.which(
+        name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    )
     if not found:
-        pytest.fail(f"{name} is not installed: run `make test` (its set-up step, tests/system_deps.sh, installs it) "
-                    f"or `bash tests/system_deps.sh`", pytrace=False)
+        pytest.fail(
+            f"{name} is not installed: run `make test` (its set-up step, tests/system_deps.sh, installs it) "
+            f"or `bash tests/system_deps.sh`",
+            pytrace=False,
+        )
     return found
 
 

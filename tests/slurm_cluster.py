@@ -43,8 +43,17 @@ class SlurmCluster:
         env.update(extra)
         return env
 
-    def cmd(self, args: list[str], cwd: Path | None = None, env: dict | None = None, check: bool = True, timeout: float = 60):
-        proc = subprocess.run(args, cwd=cwd or REPO, env=env or self.env(), capture_output=True, text=True, timeout=timeout)
+    def cmd(
+        self,
+        args: list[str],
+        cwd: Path | None = None,
+        env: dict | None = None,
+        check: bool = True,
+        timeout: float = 60,
+    ):
+        proc = subprocess.run(
+            args, cwd=cwd or REPO, env=env or self.env(), capture_output=True, text=True, timeout=timeout
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
         return proc
@@ -59,13 +68,30 @@ class SlurmCluster:
         out = self.cmd(["scontrol", "show", "job", "-o", job_id]).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
-    def wait(self, job_id: str, timeout: float = 300, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")) -> dict[str, str]:
+    def wait(
+        self,
+        job_id: str,
+        timeout: float = 300,
+        states=(
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "BOOT_FAIL",
+            "DEADLINE",
+            "PREEMPTED",
+        ),
+    ) -> dict[str, str]:
         """Wait until the job reaches one of `states` (pending/requeued jobs keep waiting)."""
         deadline = time.time() + timeout
         info = self.job(job_id)
         while info.get("JobState") not in states:
             if time.time() > deadline:
-                raise AssertionError(f"job {job_id} still {info.get('JobState')} after {timeout}s: {info}\n{self.logs_tail()}")
+                raise AssertionError(
+                    f"job {job_id} still {info.get('JobState')} after {timeout}s: {info}\n{self.logs_tail()}"
+                )
             time.sleep(1)
             info = self.job(job_id)
         return info
@@ -83,11 +109,16 @@ def build_pyxis_standin(state: Path) -> Path:
     LLMFT_TEST_PYXIS=1 is set and logs what it received to STATE/container-options.log."""
     state.mkdir(parents=True, exist_ok=True)
     plugin = state / "pyxis_standin.so"
-    proc = subprocess.run([require_tool("gcc"), "-shared", "-fPIC", "-Wall", "-o", str(plugin), str(PYXIS_STANDIN)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [require_tool("gcc"), "-shared", "-fPIC", "-Wall", "-o", str(plugin), str(PYXIS_STANDIN)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
-        pytest.fail(f"could not build the pyxis stand-in (tests/system_deps.sh installs gcc and libslurm-dev):\n{proc.stderr}",
-                    pytrace=False)
+        pytest.fail(
+            f"could not build the pyxis stand-in (tests/system_deps.sh installs gcc and libslurm-dev):\n{proc.stderr}",
+            pytrace=False,
+        )
     plugstack = state / "plugstack.conf"
     plugstack.write_text(f"optional {plugin} log={state / 'container-options.log'}\n")
     return plugstack
@@ -98,7 +129,10 @@ def start_cluster(state: Path) -> SlurmCluster:
     plugstack = build_pyxis_standin(state)
     proc = subprocess.run(
         ["bash", str(LOCAL / "start.sh"), "--plugstack", str(plugstack), str(state)],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "PATH": os.environ.get("PATH", "") + os.pathsep + SBIN_PATH},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PATH": os.environ.get("PATH", "") + os.pathsep + SBIN_PATH},
     )
     if proc.returncode != 0:
         where = "CI=true" if os.environ.get("CI") == "true" else "this machine"

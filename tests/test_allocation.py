@@ -29,8 +29,13 @@ def files(mapping: dict[str, str]):
 def test_cgroup_v2_the_smallest_limit_of_the_steps_cgroup_and_its_ancestors():
     cgroup = "0::/system.slice/slurmstepd.scope/job_42/step_0/user/task_0\n"
     base = "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42"
-    read = files({f"{base}/memory.max": str(24 * GIB), f"{base}/step_0/memory.max": "max",
-                  f"{base}/step_0/user/task_0/memory.max": "max"})
+    read = files(
+        {
+            f"{base}/memory.max": str(24 * GIB),
+            f"{base}/step_0/memory.max": "max",
+            f"{base}/step_0/user/task_0/memory.max": "max",
+        }
+    )
     assert cgroup_memory_limit(cgroup, read) == (24 * GIB, f"{base}/memory.max")
     assert cgroup_memory_limit(cgroup, files({})) is None  # no file readable: no limit known
     assert cgroup_memory_limit("0::/\n", files({"/sys/fs/cgroup/memory.max": "max"})) is None  # a container, unlimited
@@ -39,31 +44,52 @@ def test_cgroup_v2_the_smallest_limit_of_the_steps_cgroup_and_its_ancestors():
 def test_cgroup_v1_and_hybrid_read_the_memory_controller():
     cgroup = "12:pids:/slurm/uid_1000/job_7\n4:memory:/slurm/uid_1000/job_7/step_batch\n0::/\n"
     base = "/sys/fs/cgroup/memory/slurm/uid_1000/job_7"
-    read = files({f"{base}/step_batch/memory.limit_in_bytes": str(30 * GIB), f"{base}/memory.limit_in_bytes": str(31 * GIB),
-                  "/sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED})
+    read = files(
+        {
+            f"{base}/step_batch/memory.limit_in_bytes": str(30 * GIB),
+            f"{base}/memory.limit_in_bytes": str(31 * GIB),
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED,
+        }
+    )
     assert cgroup_memory_limit(cgroup, read) == (30 * GIB, f"{base}/step_batch/memory.limit_in_bytes")
     # v1 with no limit anywhere (this machine's layout): none
-    assert cgroup_memory_limit("4:memory:/process_api/x\n", files({"/sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED})) is None
+    assert (
+        cgroup_memory_limit(
+            "4:memory:/process_api/x\n", files({"/sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED})
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize("env, gib, source", [
-    ({}, 192, "MemTotal"),
-    ({"SLURM_MEM_PER_NODE": "65536"}, 64, "SLURM_MEM_PER_NODE=65536 MB"),
-    # slurm-gcp's DefMemPerCPU on an a2-highgpu-1g: 4 CPUs per GPU get about a third of the node
-    ({"SLURM_MEM_PER_CPU": "7168", "SLURM_CPUS_ON_NODE": "4"}, 28, "SLURM_MEM_PER_CPU=7168 MB x 4 CPUs"),
-    ({"SLURM_MEM_PER_CPU": "7168", "SLURM_JOB_CPUS_PER_NODE": "4,12", "SLURM_NODEID": "1"}, 84, "SLURM_MEM_PER_CPU=7168 MB x 12 CPUs"),
-    ({"SLURM_MEM_PER_GPU": "20480", "SLURM_GPUS_ON_NODE": "2"}, 40, "SLURM_MEM_PER_GPU=20480 MB x 2 GPUs"),
-    ({"SLURM_MEM_PER_NODE": "999999"}, 192, "MemTotal"),  # larger than the node: the node
-    ({"LLMFT_HOST_RAM_GB": "32", "LLMFT_HOST_RAM_SOURCE": "node n2: MemTotal"}, 32, "node n2: MemTotal"),
-])
+@pytest.mark.parametrize(
+    "env, gib, source",
+    [
+        ({}, 192, "MemTotal"),
+        ({"SLURM_MEM_PER_NODE": "65536"}, 64, "SLURM_MEM_PER_NODE=65536 MB"),
+        # slurm-gcp's DefMemPerCPU on an a2-highgpu-1g: 4 CPUs per GPU get about a third of the node
+        ({"SLURM_MEM_PER_CPU": "7168", "SLURM_CPUS_ON_NODE": "4"}, 28, "SLURM_MEM_PER_CPU=7168 MB x 4 CPUs"),
+        (
+            {"SLURM_MEM_PER_CPU": "7168", "SLURM_JOB_CPUS_PER_NODE": "4,12", "SLURM_NODEID": "1"},
+            84,
+            "SLURM_MEM_PER_CPU=7168 MB x 12 CPUs",
+        ),
+        ({"SLURM_MEM_PER_GPU": "20480", "SLURM_GPUS_ON_NODE": "2"}, 40, "SLURM_MEM_PER_GPU=20480 MB x 2 GPUs"),
+        ({"SLURM_MEM_PER_NODE": "999999"}, 192, "MemTotal"),  # larger than the node: the node
+        ({"LLMFT_HOST_RAM_GB": "32", "LLMFT_HOST_RAM_SOURCE": "node n2: MemTotal"}, 32, "node n2: MemTotal"),
+    ],
+)
 def test_job_memory_is_the_smallest_of_the_node_and_slurms_numbers(env, gib, source):
     assert job_memory(env, MEMINFO_192, "", files({})) == MemoryLimit(gib, source, 192)
 
 
 def test_a_cgroup_limit_below_memtotal_and_slurm_wins_and_is_named():
     cgroup = "0::/job_1/step_0\n"
-    limit = job_memory({"SLURM_MEM_PER_NODE": "65536"}, MEMINFO_192, cgroup, files({"/sys/fs/cgroup/job_1/memory.max": str(12 * GIB)}))
-    assert limit == MemoryLimit(12, "cgroup memory.max (/sys/fs/cgroup/job_1/memory.max)", 192) and limit.from_allocation
+    limit = job_memory(
+        {"SLURM_MEM_PER_NODE": "65536"}, MEMINFO_192, cgroup, files({"/sys/fs/cgroup/job_1/memory.max": str(12 * GIB)})
+    )
+    assert (
+        limit == MemoryLimit(12, "cgroup memory.max (/sys/fs/cgroup/job_1/memory.max)", 192) and limit.from_allocation
+    )
     assert not job_memory({}, MEMINFO_192, cgroup, files({})).from_allocation
     with pytest.raises(ValueError, match="LLMFT_HOST_RAM_GB='lots' is not a positive number"):
         job_memory({"LLMFT_HOST_RAM_GB": "lots"}, MEMINFO_192, "", files({}))
@@ -82,13 +108,19 @@ def node(host, gpus=1, gib=192.0, source="MemTotal", numa=1, numactl=False, miss
 
 def test_the_job_plans_for_its_smallest_node_and_refuses_uneven_gpus():
     """The AWS g6 queue mixes 32 and 192 GiB nodes in one partition: the job plans with the smallest."""
-    lines = "\n".join(n.line() for n in (node("g6-a", gib=192), node("g6-b", gib=28.0, source="SLURM_MEM_PER_CPU=7168 MB x 4 CPUs")))
+    lines = "\n".join(
+        n.line() for n in (node("g6-a", gib=192), node("g6-b", gib=28.0, source="SLURM_MEM_PER_CPU=7168 MB x 4 CPUs"))
+    )
     assert lines.splitlines()[1] == "llmft node:\tg6-b\t1\t28\t192\t1\t0\tSLURM_MEM_PER_CPU=7168 MB x 4 CPUs\t"
     nodes = parse_node_lines("srun: some noise\n" + lines)
     assert [n.host for n in nodes] == ["g6-a", "g6-b"]
     assert job_nodes(nodes) == MemoryLimit(28, "node g6-b: SLURM_MEM_PER_CPU=7168 MB x 4 CPUs", 192)
-    assert job_nodes([node("a", gib=192), node("b", gib=30.5)]) == MemoryLimit(30.5, "MemTotal", 192)  # the node's size
-    with pytest.raises(AllocationError, match=r"GPUs are spread unevenly over its nodes \(n1 3, n2 2\).*--gpus-per-node=N"):
+    assert job_nodes([node("a", gib=192), node("b", gib=30.5)]) == MemoryLimit(
+        30.5, "MemTotal", 192
+    )  # the node's size
+    with pytest.raises(
+        AllocationError, match=r"GPUs are spread unevenly over its nodes \(n1 3, n2 2\).*--gpus-per-node=N"
+    ):
         job_nodes([node("n1", gpus=3), node("n2", gpus=2)])
     with pytest.raises(AllocationError, match="^node n2: NCCL_PROFILE=aws-efa: the aws-ofi-nccl plugin"):
         job_nodes([node("n1"), node("n2", missing="NCCL_PROFILE=aws-efa: the aws-ofi-nccl plugin ...")])
@@ -118,12 +150,16 @@ def test_efa_profile_needs_the_ofi_plugin_and_libfabric_findable_by_the_loader()
     ldconfig = "\tlibnccl-net-aws-ofi.so (libc6,x86-64) => /usr/lib/libnccl-net-aws-ofi.so\n\tlibfabric.so.1 (libc6,x86-64) => /usr/lib/libfabric.so.1\n"
     # In the ld.so cache, under the name NCCL_NET_PLUGIN gives NCCL (newer releases: aws-ofi)
     assert fabric_problem("aws-efa", {"NCCL_NET_PLUGIN": "aws-ofi"}, ldconfig, exists_in(set())) is None
-    assert "NCCL_NET_PLUGIN=ofi loads (libnccl-net-ofi.so) is not on" in fabric_problem("aws-efa", {}, ldconfig, exists_in(set()))
+    assert "NCCL_NET_PLUGIN=ofi loads (libnccl-net-ofi.so) is not on" in fabric_problem(
+        "aws-efa", {}, ldconfig, exists_in(set())
+    )
     # Installed, but a venv's job does not have it on the path: NCCL would fall back to sockets.
     problem = fabric_problem("aws-efa", {"LD_LIBRARY_PATH": "/usr/local/cuda/lib64"}, "", ok)
-    assert problem == ("the aws-ofi-nccl plugin NCCL_NET_PLUGIN=ofi loads (libnccl-net-ofi.so) is not on the library path; "
-                       "it is installed in /opt/amazon/ofi-nccl/lib: add it to LD_LIBRARY_PATH; libfabric (libfabric.so) is not "
-                       "on the library path; it is installed in /opt/amazon/efa/lib: add it to LD_LIBRARY_PATH")
+    assert problem == (
+        "the aws-ofi-nccl plugin NCCL_NET_PLUGIN=ofi loads (libnccl-net-ofi.so) is not on the library path; "
+        "it is installed in /opt/amazon/ofi-nccl/lib: add it to LD_LIBRARY_PATH; libfabric (libfabric.so) is not "
+        "on the library path; it is installed in /opt/amazon/efa/lib: add it to LD_LIBRARY_PATH"
+    )
     assert "install aws-ofi-nccl" in fabric_problem("aws-efa", {}, "", exists_in(set()))
 
 
@@ -140,17 +176,28 @@ def llama_8b():
     """Llama-3.1-8B's published shape (a config, nothing downloaded)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                       intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
-                       tie_word_embeddings=False, dtype="bfloat16")
+    return LlamaConfig(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
 
 
-@pytest.mark.parametrize("gpu, lora, cgroup_gib", [
-    ("L4", True, 2),  # LoRA on an L4 fits in any node, but not in a 2 GiB step
-    ("A100-40GB", False, 64),  # full fine-tuning offloads: a2's DefMemPerCPU share is too small
-    ("H100-80GB", False, 64),
-    ("T4", True, 8),  # LoRA on a T4 offloads the frozen weights to the host
-])
+@pytest.mark.parametrize(
+    "gpu, lora, cgroup_gib",
+    [
+        ("L4", True, 2),  # LoRA on an L4 fits in any node, but not in a 2 GiB step
+        ("A100-40GB", False, 64),  # full fine-tuning offloads: a2's DefMemPerCPU share is too small
+        ("H100-80GB", False, 64),
+        ("T4", True, 8),  # LoRA on a T4 offloads the frozen weights to the host
+    ],
+)
 def test_a_cgroup_limit_below_memtotal_changes_the_plan_and_names_the_flag(llama_8b, gpu, lora, cgroup_gib):
     """The same node (192 GiB) planned for the whole node and for a job whose memory cgroup allows less: the plan
     that fitted no longer does, and the error names the limit and the sbatch --mem that makes it fit (the least)."""
@@ -168,10 +215,25 @@ def test_a_cgroup_limit_below_memtotal_changes_the_plan_and_names_the_flag(llama
     def plan_with(limit_gib):
         read = files({} if limit_gib is None else {"/sys/fs/cgroup/job_9/memory.max": str(int(limit_gib * GIB))})
         memory = job_memory({}, MEMINFO_192, cgroup, read)
-        hardware = Hardware(GPUS[gpu], GPUS[gpu].memory_gib, memory.gib, 1, None, None,
-                            memory.source if memory.from_allocation else "", memory.node_gib)
-        job = memory_job(shape, hardware, World(1, 1), max_length=1024, precision=choose_precision("auto", GPUS[gpu]),
-                         global_batch=8, max_micro_batch=4)
+        hardware = Hardware(
+            GPUS[gpu],
+            GPUS[gpu].memory_gib,
+            memory.gib,
+            1,
+            None,
+            None,
+            memory.source if memory.from_allocation else "",
+            memory.node_gib,
+        )
+        job = memory_job(
+            shape,
+            hardware,
+            World(1, 1),
+            max_length=1024,
+            precision=choose_precision("auto", GPUS[gpu]),
+            global_batch=8,
+            max_micro_batch=4,
+        )
         return plan_memory(job), hardware
 
     whole, node = plan_with(None)
@@ -180,8 +242,11 @@ def test_a_cgroup_limit_below_memtotal_changes_the_plan_and_names_the_flag(llama
     assert limited.recommended is None
     hint = job_hw.allocation_hint(limited)
     assert f"{cgroup_gib:g} GiB host RAM per node (the job's limit: cgroup memory.max" in job_hw.describe(1, 1)
-    m = re.fullmatch(r"; the job's allocation is the limit \(cgroup memory.max \(/sys/fs/cgroup/job_9/memory.max\)\): "
-                     r"ask Slurm for (\d+) GiB per node with sbatch --mem=(\d+)G \(or --mem=0 for the whole node\)", hint)
+    m = re.fullmatch(
+        r"; the job's allocation is the limit \(cgroup memory.max \(/sys/fs/cgroup/job_9/memory.max\)\): "
+        r"ask Slurm for (\d+) GiB per node with sbatch --mem=(\d+)G \(or --mem=0 for the whole node\)",
+        hint,
+    )
     assert m and m.group(1) == m.group(2), hint
     need = int(m.group(1))
     assert cgroup_gib < need <= 192
@@ -193,11 +258,28 @@ def test_check_memory_checks_the_given_setting_against_the_jobs_memory(capsys, m
     its own setting fits; Slurm's --mem below what it needs stops it with one line naming the limit and the flag."""
     from llmft import plan
 
-    for name in ("SLURM_MEM_PER_NODE", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU", "LLMFT_HOST_RAM_GB", "SLURM_JOB_NUM_NODES",
-                 "SLURM_NNODES", "WORLD_SIZE"):
+    for name in (
+        "SLURM_MEM_PER_NODE",
+        "SLURM_MEM_PER_CPU",
+        "SLURM_MEM_PER_GPU",
+        "LLMFT_HOST_RAM_GB",
+        "SLURM_JOB_NUM_NODES",
+        "SLURM_NNODES",
+        "WORLD_SIZE",
+    ):
         monkeypatch.delenv(name, raising=False)
-    argv = ["--model", str(tiny_model), "--check_memory", "--global_batch_size", "4", "--per_device_train_batch_size", "2",
-            "--zero_stage", "2", "--print_launch"]
+    argv = [
+        "--model",
+        str(tiny_model),
+        "--check_memory",
+        "--global_batch_size",
+        "4",
+        "--per_device_train_batch_size",
+        "2",
+        "--zero_stage",
+        "2",
+        "--print_launch",
+    ]
 
     def run(*extra):
         rc = plan.main(plan.make_parser().parse_args(argv + list(extra)))
@@ -210,7 +292,9 @@ def test_check_memory_checks_the_given_setting_against_the_jobs_memory(capsys, m
     monkeypatch.setenv("SLURM_MEM_PER_NODE", "512")
     rc, out, err = run()
     assert rc == 2 and "llmft launch:" not in out
-    assert err.count("\n") == 1 and err.startswith("llmft plan: error: memory: ZeRO-2, micro-batch 2 x accumulation 2"), err
+    assert err.count("\n") == 1 and err.startswith(
+        "llmft plan: error: memory: ZeRO-2, micro-batch 2 x accumulation 2"
+    ), err
     assert "0.5 GiB host RAM per node (the job's limit: SLURM_MEM_PER_NODE=512 MB): host RAM: needs" in err
     assert "ask Slurm for" in err and "with sbatch --mem=" in err
     rc, out, err = run("--gradient_checkpointing", "true")  # the setting checked is the one given

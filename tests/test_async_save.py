@@ -16,8 +16,20 @@ from llmft.checkpoint.run_dir import RUN_RECORD
 from llmft.training.async_save import BackgroundWriter, partial_path
 
 PROBE = str(REPO / "tests" / "async_save_probe.py")
-FLAGS = ("--zero_stage", 2, "--max_steps", 6, "--save_steps", 2, "--global_batch_size", 8,
-         "--per_device_train_batch_size", 2, "--learning_rate", "5e-3")
+FLAGS = (
+    "--zero_stage",
+    2,
+    "--max_steps",
+    6,
+    "--save_steps",
+    2,
+    "--global_batch_size",
+    8,
+    "--per_device_train_batch_size",
+    2,
+    "--learning_rate",
+    "5e-3",
+)
 LOSS_TOL = 5e-4  # tests/test_elastic.py: the same state gives the same losses to the 4 printed decimals
 
 
@@ -75,13 +87,34 @@ def nodrop_model(tiny_model, tmp_path_factory) -> Path:
 
 
 def train(script: list[str], model, data, out: Path, *extra, **env):
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", *script,
-           "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none",
-           "--logging_steps", "1", "--disable_tqdm", "true", *map(str, FLAGS), *map(str, extra)]
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        *script,
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        *map(str, FLAGS),
+        *map(str, extra),
+    ]
     return run(cmd, check=True, **env).stdout
 
 
-def test_async_checkpoints_are_published_after_their_files_and_resume_like_synchronous_ones(nodrop_model, tiny_data, tmp_path):
+def test_async_checkpoints_are_published_after_their_files_and_resume_like_synchronous_ones(
+    nodrop_model, tiny_data, tmp_path
+):
     import torch
 
     from llmft.checkpoint.zero import load_fp32_state_dict
@@ -89,8 +122,16 @@ def test_async_checkpoints_are_published_after_their_files_and_resume_like_synch
     sync_out, async_out = tmp_path / "sync", tmp_path / "async"
     sync = train(["-m", "llmft.train"], nodrop_model, tiny_data, sync_out)
     # checkpoint-2's writes are held (every rank) until step 3 has ended: training goes on meanwhile
-    held = train([PROBE], nodrop_model, tiny_data, async_out, "--async_save",
-                 LLMFT_PROBE_HOLD_CKPT="2", LLMFT_PROBE_RELEASE_STEP="3", LLMFT_PROBE_DIR=str(tmp_path / "probe"))
+    held = train(
+        [PROBE],
+        nodrop_model,
+        tiny_data,
+        async_out,
+        "--async_save",
+        LLMFT_PROBE_HOLD_CKPT="2",
+        LLMFT_PROBE_RELEASE_STEP="3",
+        LLMFT_PROBE_DIR=str(tmp_path / "probe"),
+    )
     seen = json.loads((tmp_path / "probe" / "held.json").read_text())
     assert seen == {"marker": False, "shards": []}, seen  # at step 3: no marker while the shards are unwritten
     lines = held.splitlines()
@@ -99,11 +140,15 @@ def test_async_checkpoints_are_published_after_their_files_and_resume_like_synch
     for step in (2, 4, 6):
         ckpt = async_out / f"checkpoint-{step}"
         marker = json.loads((ckpt / "llmft_complete.json").read_text())
-        assert {f"global_step{step}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(marker["files"])
+        assert {f"global_step{step}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(
+            marker["files"]
+        )
         assert not list(ckpt.rglob(".*.partial"))
     assert [(s, loss) for s, _, loss, _ in steps(held)] == [(s, loss) for s, _, loss, _ in steps(sync)]
-    ours, theirs = load_fp32_state_dict(async_out / "checkpoint-4" / "global_step4"), load_fp32_state_dict(
-        sync_out / "checkpoint-4" / "global_step4")
+    ours, theirs = (
+        load_fp32_state_dict(async_out / "checkpoint-4" / "global_step4"),
+        load_fp32_state_dict(sync_out / "checkpoint-4" / "global_step4"),
+    )
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
     # what the planner counts for the snapshot (llmft.memory.async_save_bytes, the first node = both ranks here) is
@@ -137,16 +182,36 @@ def test_the_planner_counts_the_async_snapshot_in_host_ram():
     from llmft.planning.hardware import GPUS
     from llmft.planning.model_shape import model_shape
 
-    shape = model_shape(LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                    intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False))
+    shape = model_shape(
+        LlamaConfig(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+        )
+    )
     for stage in (2, 3):
         assert memory.async_save_bytes(shape, stage, "bf16", 8, 8) == memory.checkpoint_bytes(shape, stage, "bf16")
         two_nodes = memory.async_save_bytes(shape, stage, "bf16", 8, 16)
         assert two_nodes == 6 * shape.trainable + (0 if stage == 3 else 2 * shape.trainable)
 
     def host(async_save: bool) -> dict:
-        job = memory.Job(shape, gpu=GPUS["H100-80GB"], host_ram_gib=1800, nnodes=1, nproc_per_node=8, max_length=2048,
-                         precision="bf16", global_batch=64, zero_stages=(3,), offloads=("none",), async_save=async_save)
+        job = memory.Job(
+            shape,
+            gpu=GPUS["H100-80GB"],
+            host_ram_gib=1800,
+            nnodes=1,
+            nproc_per_node=8,
+            max_length=2048,
+            precision="bf16",
+            global_batch=64,
+            zero_stages=(3,),
+            offloads=("none",),
+            async_save=async_save,
+        )
         return memory.plan_memory(job).recommended.host
 
     off, on = host(False), host(True)

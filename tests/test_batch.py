@@ -34,7 +34,9 @@ def test_indivisible_global_batch_suggests_micro_batches_when_some_fit():
 
 
 def test_global_smaller_than_one_step_suggests_smaller_micro_batch():
-    with pytest.raises(BatchError, match=r"smaller than micro-batch 4 x world size 4 = 16; use global batch 16, or micro-batch 1 or 2"):
+    with pytest.raises(
+        BatchError, match=r"smaller than micro-batch 4 x world size 4 = 16; use global batch 16, or micro-batch 1 or 2"
+    ):
         plan_batch(world_size=4, micro_batch=4, global_batch=8)
 
 
@@ -43,7 +45,14 @@ def test_contradicting_accumulation_is_refused():
         plan_batch(world_size=2, micro_batch=2, global_batch=16, grad_accum=2)
 
 
-@pytest.mark.parametrize("kwargs", [dict(world_size=0, micro_batch=1), dict(world_size=1, micro_batch=0), dict(world_size=1, micro_batch=1, global_batch=-8)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(world_size=0, micro_batch=1),
+        dict(world_size=1, micro_batch=0),
+        dict(world_size=1, micro_batch=1, global_batch=-8),
+    ],
+)
 def test_non_positive_numbers_are_refused(kwargs):
     with pytest.raises(BatchError, match="positive integer"):
         plan_batch(**kwargs)

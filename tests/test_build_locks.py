@@ -33,8 +33,16 @@ def test_a_lock_no_process_holds_on_a_local_filesystem_is_removed_and_named(tmp_
 def test_a_lock_held_open_by_a_running_build_is_left_to_it(tmp_path):
     """The real check: a live process (a builder) holds the lock open, read from /proc."""
     lock = make_lock(tmp_path, "fused_adam")
-    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
-                               "print('held', flush=True); time.sleep(120)", str(lock)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); print('held', flush=True); time.sleep(120)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert build_locks.clear_stale_build_locks(tmp_path, mounts_text=LOCAL_MOUNTS) == []
@@ -70,7 +78,9 @@ def test_extensions_root_follows_torch():
     assert build_locks.extensions_root({"XDG_CACHE_HOME": "/c"}) == Path("/c/torch_extensions")
 
 
-def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(tiny_model, tiny_data, tmp_path, monkeypatch):
+def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(
+    tiny_model, tiny_data, tmp_path, monkeypatch
+):
     """ZeRO-2 with optimizer offload loads DeepSpeed's cpu_adam op; with a stale lock and without llmft's check,
     torch waits on it forever (measured: still waiting after 100 s; the timeout below fails the test).
 
@@ -86,7 +96,9 @@ def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(t
     from llmft.training import upstream_noise
     from llmft.training.build_locks import extensions_root
 
-    keyed = upstream_noise.keyed_extensions_dir(os.environ, sys.prefix, torch.__version__, version("deepspeed"), extensions_root())
+    keyed = upstream_noise.keyed_extensions_dir(
+        os.environ, sys.prefix, torch.__version__, version("deepspeed"), extensions_root()
+    )
     if keyed is not None:  # where llmft train builds: this environment's own op cache
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(keyed))
     locks = [Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"]
@@ -95,10 +107,36 @@ def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(t
         lock.touch()
     try:
         out = tmp_path / "run"
-        proc = run([PYTHON, "-m", "llmft.train", "--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data),
-                    "--output_dir", str(out), "--report_to", "none", "--max_steps", "1", "--global_batch_size", "2",
-                    "--per_device_train_batch_size", "2", "--save_strategy", "no", "--disable_tqdm", "true",
-                    "--zero_stage", "2", "--offload"], timeout=420, check=True)
+        proc = run(
+            [
+                PYTHON,
+                "-m",
+                "llmft.train",
+                "--model_name_or_path",
+                str(tiny_model),
+                "--dataset_name",
+                str(tiny_data),
+                "--output_dir",
+                str(out),
+                "--report_to",
+                "none",
+                "--max_steps",
+                "1",
+                "--global_batch_size",
+                "2",
+                "--per_device_train_batch_size",
+                "2",
+                "--save_strategy",
+                "no",
+                "--disable_tqdm",
+                "true",
+                "--zero_stage",
+                "2",
+                "--offload",
+            ],
+            timeout=420,
+            check=True,
+        )
         for lock in planted:
             assert f"removed a stale build lock {lock}" in proc.stdout
             assert not lock.exists()

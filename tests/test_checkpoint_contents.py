@@ -13,8 +13,20 @@ from test_train import steps, train_cmd
 
 from llmft.checkpoint.run_dir import RUN_RECORD
 
-FLAGS = ("--zero_stage", 2, "--max_steps", 4, "--save_steps", 2, "--global_batch_size", 8,
-         "--per_device_train_batch_size", 2, "--learning_rate", "5e-3")
+FLAGS = (
+    "--zero_stage",
+    2,
+    "--max_steps",
+    4,
+    "--save_steps",
+    2,
+    "--global_batch_size",
+    8,
+    "--per_device_train_batch_size",
+    2,
+    "--learning_rate",
+    "5e-3",
+)
 LOSS_TOL = 5e-4  # tests/test_elastic.py: the same state gives the same losses to the 4 printed decimals
 
 
@@ -48,7 +60,9 @@ def test_a_zero2_checkpoint_holds_the_weights_once(zero2_run):
     assert (out / "model.safetensors").is_file()  # the final model stays a Hugging Face model
 
 
-def test_a_zero2_checkpoint_without_model_safetensors_resumes_with_the_same_losses(zero2_run, nodrop_model, tiny_data, tmp_path):
+def test_a_zero2_checkpoint_without_model_safetensors_resumes_with_the_same_losses(
+    zero2_run, nodrop_model, tiny_data, tmp_path
+):
     out, stdout = zero2_run
     resumed = tmp_path / "resumed"
     resumed.mkdir()
@@ -68,12 +82,32 @@ def test_infer_and_export_read_a_zero2_checkpoint_without_model_safetensors(zero
     from safetensors.torch import load_file
 
     out, _ = zero2_run
-    gen = run([PYTHON, "-m", "llmft.infer", str(out / "checkpoint-4"), "--prompt", "What is 2 plus 3?",
-               "--max_new_tokens", "4", "--json"], check=True, timeout=180)
+    gen = run(
+        [
+            PYTHON,
+            "-m",
+            "llmft.infer",
+            str(out / "checkpoint-4"),
+            "--prompt",
+            "What is 2 plus 3?",
+            "--max_new_tokens",
+            "4",
+            "--json",
+        ],
+        check=True,
+        timeout=180,
+    )
     result = json.loads(gen.stdout)
     assert result["step"] == 4 and result["zero_stage"] == 2 and result["generations"][0]["completion"]
-    run([PYTHON, "-m", "llmft.infer", str(out / "checkpoint-4"), "--export", str(tmp_path / "export")], check=True, timeout=180)
+    run(
+        [PYTHON, "-m", "llmft.infer", str(out / "checkpoint-4"), "--export", str(tmp_path / "export")],
+        check=True,
+        timeout=180,
+    )
     exported, final = load_file(tmp_path / "export" / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported and set(exported) <= set(final)  # the export leaves out the tied lm_head.weight
-    for name, tensor in exported.items():  # the fp32 masters of step 4 are the weights of the final model (fp32 on CPU)
+    for (
+        name,
+        tensor,
+    ) in exported.items():  # the fp32 masters of step 4 are the weights of the final model (fp32 on CPU)
         assert torch.equal(final[name], tensor), name

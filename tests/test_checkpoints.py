@@ -81,12 +81,16 @@ def test_a_run_resumed_at_its_last_step_trains_nothing(tmp_path):
     assert nothing_left_to_train(tmp_path, last, 12) is None  # --max_steps raised: train on
     assert nothing_left_to_train(tmp_path, last, -1) is None  # epochs: transformers counts the steps
     assert nothing_left_to_train(tmp_path, None, 8) is None  # a fresh run
-    with pytest.raises(CheckpointError, match=r"checkpoint-8 already reached --max_steps 8, but the run's final save "
-                                              r"did not finish: write its model with `llmft infer .*checkpoint-8 --export DIR`"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint-8 already reached --max_steps 8, but the run's final save "
+        r"did not finish: write its model with `llmft infer .*checkpoint-8 --export DIR`",
+    ):
         nothing_left_to_train(tmp_path, last, 8)
     mark_done(tmp_path, 8)
     assert nothing_left_to_train(tmp_path, last, 8) == (
-        f"{tmp_path} is already complete at step 8 (--max_steps 8): nothing to train; raise --max_steps to train further")
+        f"{tmp_path} is already complete at step 8 (--max_steps 8): nothing to train; raise --max_steps to train further"
+    )
 
 
 def test_an_epochs_run_resumed_at_its_last_step_trains_nothing_and_keeps_its_results(tmp_path):
@@ -102,7 +106,8 @@ def test_an_epochs_run_resumed_at_its_last_step_trains_nothing_and_keeps_its_res
     mark_done(tmp_path, 8)
     assert nothing_left_to_train(tmp_path, last, -1, 2) == (
         f"{tmp_path} is already complete at step 8 (--num_train_epochs 2, 8 steps): nothing to train; "
-        "raise --num_train_epochs to train further")
+        "raise --num_train_epochs to train further"
+    )
     (last / "trainer_state.json").write_text("{")  # unreadable: the Trainer decides, as before
     assert nothing_left_to_train(tmp_path, last, -1, 2) is None
 
@@ -112,8 +117,15 @@ def test_each_checkpoint_file_belongs_to_the_rank_that_writes_it():
     assert owner_rank("global_step5/bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt") == 12
     assert owner_rank("global_step5/zero_pp_rank_1_mp_rank_00_model_states.pt") == 1  # ZeRO-3 parameters
     assert owner_rank("rng_state_7.pth") == 7
-    for shared in ("global_step5/mp_rank_00_model_states.pt", "rng_state.pth", "model.safetensors", "latest",
-                   "trainer_state.json", "scheduler.pt", "adapter_model.safetensors"):
+    for shared in (
+        "global_step5/mp_rank_00_model_states.pt",
+        "rng_state.pth",
+        "model.safetensors",
+        "latest",
+        "trainer_state.json",
+        "scheduler.pt",
+        "adapter_model.safetensors",
+    ):
         assert owner_rank(shared) == 0, shared
 
 
@@ -160,17 +172,27 @@ def test_training_inference_and_the_demo_pick_the_same_checkpoint(tmp_path, caps
     fake_checkpoint(tmp_path, 30, complete=False)  # a job killed while saving
     assert resolve_resume(tmp_path, None) == good
     assert resolve_checkpoint([str(tmp_path)]) == (good / "global_step20", None)
-    assert capsys.readouterr().err == f"llmft infer: skipping {tmp_path / 'checkpoint-30'} has no llmft_complete.json: it was interrupted while saving\n"
+    assert (
+        capsys.readouterr().err
+        == f"llmft infer: skipping {tmp_path / 'checkpoint-30'} has no llmft_complete.json: it was interrupted while saving\n"
+    )
     assert newest_tag_dir(tmp_path) == good / "global_step20"
-    assert choose_checkpoint(tmp_path) == (good, [f"skipping {tmp_path / 'checkpoint-30'} has no llmft_complete.json: it was interrupted while saving"])
+    assert choose_checkpoint(tmp_path) == (
+        good,
+        [f"skipping {tmp_path / 'checkpoint-30'} has no llmft_complete.json: it was interrupted while saving"],
+    )
 
 
 def test_inference_refuses_a_run_whose_checkpoints_are_all_incomplete_and_reads_foreign_runs(tmp_path):
     from llmft.checkpoint.loader import resolve_checkpoint
 
     fake_checkpoint(tmp_path / "a", 10, complete=False)
-    (tmp_path / "a" / "llmft_run.json").write_text("{}")  # llmft started this run: its unmarked checkpoint is half-written
-    with pytest.raises(CheckpointError, match=r"holds no complete checkpoint \(.*checkpoint-10 has no llmft_complete.json"):
+    (tmp_path / "a" / "llmft_run.json").write_text(
+        "{}"
+    )  # llmft started this run: its unmarked checkpoint is half-written
+    with pytest.raises(
+        CheckpointError, match=r"holds no complete checkpoint \(.*checkpoint-10 has no llmft_complete.json"
+    ):
         resolve_checkpoint([str(tmp_path / "a")])
     fake_checkpoint(tmp_path / "hf", 10, complete=False)
     fake_checkpoint(tmp_path / "hf", 20, complete=False)  # written by a plain HF Trainer: nobody marks anything
@@ -215,8 +237,10 @@ def test_a_rerun_moves_incomplete_checkpoints_aside_in_its_own_run_only(tmp_path
     (tmp_path / "llmft_run.json").write_text("{}")
     (tmp_path / "incomplete" / "checkpoint-5").mkdir(parents=True)  # an older cut-off save of the same step
     [line] = set_aside_incomplete(tmp_path)
-    assert line == (f"moved checkpoint-5 aside to {tmp_path / 'incomplete' / 'checkpoint-5'}: checkpoint-5 has no "
-                    "llmft_complete.json: it was interrupted while saving; never resumed from, delete it to free its space")
+    assert line == (
+        f"moved checkpoint-5 aside to {tmp_path / 'incomplete' / 'checkpoint-5'}: checkpoint-5 has no "
+        "llmft_complete.json: it was interrupted while saving; never resumed from, delete it to free its space"
+    )
     assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-4"]
     assert (tmp_path / "incomplete" / "checkpoint-5" / "global_step5").is_dir()
     assert latest_complete(tmp_path) == tmp_path / "checkpoint-4"

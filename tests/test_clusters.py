@@ -106,7 +106,9 @@ def blueprint_problems(blueprint: dict, variables: dict[str, set[str]], base: Pa
             for key in REQUIRED_SETTINGS.get(source, ()):
                 if key not in settings:
                     problems.append(f"{where}: required setting {key!r} missing")
-            if source in NEEDS_NETWORK and not any(seen.get(u) == "modules/network/vpc" for u in module.get("use") or []):
+            if source in NEEDS_NETWORK and not any(
+                seen.get(u) == "modules/network/vpc" for u in module.get("use") or []
+            ):
                 problems.append(f"{where}: needs `use: [<vpc module>]` for its network")
             for key in FILLED_FROM_VARS & known:
                 if key not in settings and key not in blueprint_vars:
@@ -149,10 +151,14 @@ def test_gcp_blueprint_is_structurally_valid_for_cluster_toolkit_v1_95(gcp):
         (lambda m: m["g2_partition"]["settings"].pop("partition_name"), "required setting 'partition_name'"),
         (lambda m: m["a2_nodeset"].update(use=[]), "needs `use: [<vpc module>]`"),
         (lambda m: m["a2_nodeset"].update(id="g2_nodeset"), "duplicate id"),
-        (lambda m: m["slurm_controller"]["settings"].update(compute_startup_script="$(setup.startup_script)"),
-         "$(setup.startup_script) refers to module 'setup'"),
-        (lambda m: m["build_deps"]["settings"]["runners"][0].update(source='$(ghpc_stage("missing.sh"))'),
-         "ghpc_stage file 'missing.sh' not found"),
+        (
+            lambda m: m["slurm_controller"]["settings"].update(compute_startup_script="$(setup.startup_script)"),
+            "$(setup.startup_script) refers to module 'setup'",
+        ),
+        (
+            lambda m: m["build_deps"]["settings"]["runners"][0].update(source='$(ghpc_stage("missing.sh"))'),
+            "ghpc_stage file 'missing.sh' not found",
+        ),
     ],
 )
 def test_gcp_blueprint_checker_catches_mistakes(gcp, mutate, expected):
@@ -171,16 +177,22 @@ def test_gcp_blueprint_checker_requires_vars(gcp):
 def test_gcp_blueprint_cluster_shape(gcp):
     mods = modules_by_id(gcp)
     sources = {m["source"] for m in mods.values()}
-    assert {"modules/network/vpc", "modules/file-system/filestore",
-            "community/modules/compute/schedmd-slurm-gcp-v6-nodeset",
-            "community/modules/compute/schedmd-slurm-gcp-v6-partition",
-            "community/modules/scheduler/schedmd-slurm-gcp-v6-controller",
-            "community/modules/scheduler/schedmd-slurm-gcp-v6-login"} <= sources
+    assert {
+        "modules/network/vpc",
+        "modules/file-system/filestore",
+        "community/modules/compute/schedmd-slurm-gcp-v6-nodeset",
+        "community/modules/compute/schedmd-slurm-gcp-v6-partition",
+        "community/modules/scheduler/schedmd-slurm-gcp-v6-controller",
+        "community/modules/scheduler/schedmd-slurm-gcp-v6-login",
+    } <= sources
     homes = [m for m in mods.values() if m["source"] == "modules/file-system/filestore"]
     assert [m["settings"]["local_mount"] for m in homes] == ["/home"]
 
-    partitions = {m["settings"]["partition_name"]: m for m in mods.values()
-                  if m["source"].endswith("schedmd-slurm-gcp-v6-partition")}
+    partitions = {
+        m["settings"]["partition_name"]: m
+        for m in mods.values()
+        if m["source"].endswith("schedmd-slurm-gcp-v6-partition")
+    }
     assert set(partitions) == {"g2", "a2"}
     assert [name for name, m in partitions.items() if m["settings"].get("is_default")] == ["g2"]
     nodeset = {name: mods[m["use"][0]]["settings"] for name, m in partitions.items()}
@@ -234,8 +246,13 @@ def run_script(script: Path, tmp_path: Path, **env: str) -> tuple[subprocess.Com
     """Run a node script with every package/admin tool faked (nothing real gets installed)."""
     log = tmp_path / "calls.log"
     write_fake_tools(tmp_path / "bin", PACKAGE_TOOLS, log)
-    proc = subprocess.run(["bash", str(script)], env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", **env},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(script)],
+        env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return proc, (log.read_text().splitlines() if log.exists() else [])
 
 
@@ -247,11 +264,16 @@ def os_release(path: Path, text: str) -> Path:
 
 def test_gcp_build_deps_on_rocky_linux(tmp_path):
     release = os_release(tmp_path / "os-release", 'NAME="Rocky Linux"\nID="rocky"\nID_LIKE="rhel centos fedora"\n')
-    proc, calls = run_script(REPO / "blueprints/gcp/install-build-deps.sh", tmp_path,
-                             OS_RELEASE_FILE=str(release), PROFILE_D=str(tmp_path / "profile.d"))
+    proc, calls = run_script(
+        REPO / "blueprints/gcp/install-build-deps.sh",
+        tmp_path,
+        OS_RELEASE_FILE=str(release),
+        PROFILE_D=str(tmp_path / "profile.d"),
+    )
     assert proc.returncode == 0, proc.stderr
-    assert calls[0] == ("dnf install -y python3.11 python3.11-devel python3.11-pip "
-                        "gcc-toolset-12-gcc gcc-toolset-12-gcc-c++ make")
+    assert calls[0] == (
+        "dnf install -y python3.11 python3.11-devel python3.11-pip gcc-toolset-12-gcc gcc-toolset-12-gcc-c++ make"
+    )
     assert calls[1] == "dnf install -y --enablerepo=powertools ninja-build"
     profile = (tmp_path / "profile.d" / "llmft-build-env.sh").read_text()
     assert ". /opt/rh/gcc-toolset-12/enable" in profile and "export CUDA_HOME=/usr/local/cuda" in profile
@@ -260,18 +282,28 @@ def test_gcp_build_deps_on_rocky_linux(tmp_path):
 
 def test_gcp_build_deps_on_debian(tmp_path):
     release = os_release(tmp_path / "os-release", 'ID=debian\nVERSION_ID="12"\n')
-    proc, calls = run_script(REPO / "blueprints/gcp/install-build-deps.sh", tmp_path,
-                             OS_RELEASE_FILE=str(release), PROFILE_D=str(tmp_path / "profile.d"))
+    proc, calls = run_script(
+        REPO / "blueprints/gcp/install-build-deps.sh",
+        tmp_path,
+        OS_RELEASE_FILE=str(release),
+        PROFILE_D=str(tmp_path / "profile.d"),
+    )
     assert proc.returncode == 0, proc.stderr
-    assert calls[-1] == ("apt-get -o DPkg::Lock::Timeout=600 install -y python3-dev python3-venv python3-pip "
-                         "ninja-build build-essential")
+    assert calls[-1] == (
+        "apt-get -o DPkg::Lock::Timeout=600 install -y python3-dev python3-venv python3-pip "
+        "ninja-build build-essential"
+    )
     assert (tmp_path / "profile.d" / "llmft-build-env.sh").exists()
 
 
 def test_gcp_build_deps_refuses_unknown_os(tmp_path):
     release = os_release(tmp_path / "os-release", "ID=plan9\n")
-    proc, calls = run_script(REPO / "blueprints/gcp/install-build-deps.sh", tmp_path,
-                             OS_RELEASE_FILE=str(release), PROFILE_D=str(tmp_path / "profile.d"))
+    proc, calls = run_script(
+        REPO / "blueprints/gcp/install-build-deps.sh",
+        tmp_path,
+        OS_RELEASE_FILE=str(release),
+        PROFILE_D=str(tmp_path / "profile.d"),
+    )
     assert proc.returncode == 1
     assert "unsupported OS 'plan9'" in proc.stderr
     assert calls == [] and not (tmp_path / "profile.d").exists()
@@ -281,9 +313,11 @@ def test_gcp_build_deps_refuses_unknown_os(tmp_path):
 
 
 def fake_parallelcluster_root(root: Path) -> Path:
-    for rel, text in [("enroot/enroot.conf", "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)\n"),
-                      ("spank/plugstack.conf", "include /opt/slurm/etc/plugstack.conf.d/*\n"),
-                      ("pyxis/pyxis.conf", "required /usr/local/lib/slurm/spank_pyxis.so\n")]:
+    for rel, text in [
+        ("enroot/enroot.conf", "ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)\n"),
+        ("spank/plugstack.conf", "include /opt/slurm/etc/plugstack.conf.d/*\n"),
+        ("pyxis/pyxis.conf", "required /usr/local/lib/slurm/spank_pyxis.so\n"),
+    ]:
         path = root / "opt/parallelcluster/examples" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -296,7 +330,9 @@ def test_aws_head_node_script_enables_pyxis_and_enroot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     examples = root / "opt/parallelcluster/examples"
     assert (root / "opt/slurm/etc/plugstack.conf").read_text() == (examples / "spank/plugstack.conf").read_text()
-    assert (root / "opt/slurm/etc/plugstack.conf.d/pyxis.conf").read_text() == (examples / "pyxis/pyxis.conf").read_text()
+    assert (root / "opt/slurm/etc/plugstack.conf.d/pyxis.conf").read_text() == (
+        examples / "pyxis/pyxis.conf"
+    ).read_text()
     assert (root / "etc/enroot/enroot.conf").read_text() == (examples / "enroot/enroot.conf").read_text()
     for d in ("var/enroot", "run/enroot", "run/pyxis"):
         assert oct((root / d).stat().st_mode & 0o7777) == "0o1777", d
@@ -333,7 +369,9 @@ def test_aws_compute_node_script_lifts_apparmor_userns_limit_on_ubuntu_2404(tmp_
     proc, calls = run_script(REPO / "blueprints/aws/on-compute-node-start.sh", tmp_path, SYSROOT=str(root))
     assert proc.returncode == 0, proc.stderr
     assert "sysctl --system" in calls
-    assert "apparmor_restrict_unprivileged_userns = 0" in (root / "etc/sysctl.d/99-llmft-enroot-userns.conf").read_text()
+    assert (
+        "apparmor_restrict_unprivileged_userns = 0" in (root / "etc/sysctl.d/99-llmft-enroot-userns.conf").read_text()
+    )
 
 
 @pytest.mark.parametrize("script", ["on-head-node-configured.sh", "on-compute-node-start.sh"])
@@ -342,7 +380,6 @@ def test_aws_node_scripts_refuse_amis_without_pyxis(tmp_path, script):
     assert proc.returncode == 1
     assert "ParallelCluster >= 3.11.1 AMI" in proc.stderr
     assert calls == []
-
 
 
 # Runs in the aws-parallelcluster venv: load each config (JSON list on stdin) with the package's
@@ -386,10 +423,18 @@ print(json.dumps(results))
 
 
 def pcluster_check(*configs: tuple[str, dict]) -> list[dict]:
-    proc = subprocess.run([pcluster_python(), "-c", PCLUSTER_CHECK], input=json.dumps(list(configs)),
-                          capture_output=True, text=True, timeout=180,
-                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
-                               "AWS_DEFAULT_REGION": "us-east-1"})
+    proc = subprocess.run(
+        [pcluster_python(), "-c", PCLUSTER_CHECK],
+        input=json.dumps(list(configs)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": os.environ.get("HOME", "/tmp"),
+            "AWS_DEFAULT_REGION": "us-east-1",
+        },
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -397,8 +442,13 @@ def pcluster_check(*configs: tuple[str, dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def aws_config() -> dict:
     """blueprints/aws/config.yaml filled by manage_cluster.sh from environment variables."""
-    proc = subprocess.run([str(REPO / "manage_cluster.sh"), "--provider", "aws", "config", "llmft-test"],
-                          env={"PATH": "/usr/bin:/bin", **AWS_PLACEHOLDER_ENV}, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(REPO / "manage_cluster.sh"), "--provider", "aws", "config", "llmft-test"],
+        env={"PATH": "/usr/bin:/bin", **AWS_PLACEHOLDER_ENV},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 
@@ -431,8 +481,12 @@ def test_parallelcluster_schema_rejects_broken_configs(aws_config):
     bad_storage["SharedStorage"][0]["FsxLustreSettings"]["DeploymentType"] = "SCRATCH_9"
     bad_queue_name = copy.deepcopy(aws_config)
     bad_queue_name["Scheduling"]["SlurmQueues"][0]["Name"] = "G6_L4"
-    results = pcluster_check(("llmft-test", unknown_key), ("llmft-test", bad_storage),
-                             ("llmft-test", bad_queue_name), ("9-bad-cluster", aws_config))
+    results = pcluster_check(
+        ("llmft-test", unknown_key),
+        ("llmft-test", bad_storage),
+        ("llmft-test", bad_queue_name),
+        ("9-bad-cluster", aws_config),
+    )
     assert "GpuCount" in json.dumps(results[0]["error"])
     assert "DeploymentType" in json.dumps(results[1]["error"])
     assert any("G6_L4" in f for f in results[2]["failures"])
@@ -455,7 +509,9 @@ def test_shell_scripts_are_shellcheck_clean_and_strict(script):
     assert text.startswith("#!"), "needs a shebang"
     assert "set -euo pipefail" in text
     assert os.access(script, os.X_OK), f"{script} is not executable"
-    proc = subprocess.run([require_tool("shellcheck"), "--severity=style", str(script)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [require_tool("shellcheck"), "--severity=style", str(script)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout
 
 
@@ -470,8 +526,10 @@ def test_dockerfile_installs_pinned_llmft_with_prebuilt_ops_for_every_catalogue_
     # The pinned versions: torch first, then llmft itself, both constrained by constraints.txt.
     pip_lines = [ln for ln in instructions.splitlines() if "pip install" in ln]
     assert any("-c constraints.txt" in ln and re.search(r"\btorch\b", ln) for ln in pip_lines), pip_lines
-    assert any("-c constraints.txt" in ln and "--no-build-isolation" in ln and re.search(r"\s'?\.(\[[\w,]+\])?'?(\s|$)", ln)
-               for ln in pip_lines), pip_lines  # llmft itself: `.` or with extras, `'.[gpu]'`
+    assert any(
+        "-c constraints.txt" in ln and "--no-build-isolation" in ln and re.search(r"\s'?\.(\[[\w,]+\])?'?(\s|$)", ln)
+        for ln in pip_lines
+    ), pip_lines  # llmft itself: `.` or with extras, `'.[gpu]'`
     assert re.search(r"^COPY\s+.*constraints\.txt", instructions, re.M)
     # CUDA archs: the prebuilt ops (no PTX) run on every GPU of llmft's node catalogue (A100, L4, H100).
     from llmft.planning.hardware import NODE_TYPES

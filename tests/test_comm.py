@@ -25,18 +25,46 @@ def test_bytes_per_step_match_deepspeeds_comms_logger(tiny_model, tiny_data, tmp
     config = json.loads((REPO / "ds_configs" / f"zero{stage}.json").read_text())
     config["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    flags = ["--model_name_or_path", tiny_model, "--dataset_name", tiny_data, "--output_dir", tmp_path / "run",
-             "--report_to", "none", "--disable_tqdm", "true", "--max_steps", 3, "--save_strategy", "no",
-             "--deepspeed", tmp_path / "ds.json", "--global_batch_size", 8, "--per_device_train_batch_size", 2]
-    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", PROBE, *map(str, flags)], check=True,
-        LLMFT_PROBE_DIR=str(tmp_path / "probe"), LLMFT_PROBE_COMMS="1", LLMFT_PROBE_MOMENTS="0")
+    flags = [
+        "--model_name_or_path",
+        tiny_model,
+        "--dataset_name",
+        tiny_data,
+        "--output_dir",
+        tmp_path / "run",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--max_steps",
+        3,
+        "--save_strategy",
+        "no",
+        "--deepspeed",
+        tmp_path / "ds.json",
+        "--global_batch_size",
+        8,
+        "--per_device_train_batch_size",
+        2,
+    ]
+    run(
+        [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", PROBE, *map(str, flags)],
+        check=True,
+        LLMFT_PROBE_DIR=str(tmp_path / "probe"),
+        LLMFT_PROBE_COMMS="1",
+        LLMFT_PROBE_MOMENTS="0",
+    )
     logged = json.loads((tmp_path / "probe" / "comms.json").read_text())
 
     def total(*ops, least=64):  # flags and overflow checks (a few bytes) are not gradients
         return sum(int(size) * n for op in ops for size, n in logged.get(op, {}).items() if int(size) >= least) / 2
 
-    expected = messages(stage, accumulation=2, world=2, gradient_bytes=4 * params, param_bytes=4 * params, params=params)
-    assert total("all_reduce", "reduce_scatter_tensor", "reduce_scatter") == pytest.approx(expected["gradients"], rel=0.1)
+    expected = messages(
+        stage, accumulation=2, world=2, gradient_bytes=4 * params, param_bytes=4 * params, params=params
+    )
+    assert total("all_reduce", "reduce_scatter_tensor", "reduce_scatter") == pytest.approx(
+        expected["gradients"], rel=0.1
+    )
     assert total("all_gather_into_tensor", "all_gather") == pytest.approx(expected["parameters"], rel=0.1)
 
 
@@ -52,9 +80,14 @@ def test_bytes_by_stage_accumulation_and_lora():
     assert lora == {"gradients": 4 * 40e6, "parameters": 40e6 / 8}  # the adapters' gradients and partitions only
     lora3 = messages(3, accumulation=4, world=8, gradient_bytes=40e6, param_bytes=40e6, frozen_bytes=w, params=p)
     assert lora3["parameters"] == 4 * (40e6 + w) / 8  # ZeRO-3 gathers the frozen weights too
-    assert messages(2, accumulation=4, world=1, gradient_bytes=g, param_bytes=w, params=p) == {"gradients": 0, "parameters": 0}
+    assert messages(2, accumulation=4, world=1, gradient_bytes=g, param_bytes=w, params=p) == {
+        "gradients": 0,
+        "parameters": 0,
+    }
     assert wire_bytes(2, z2, 8) == pytest.approx(7 / 8 * 4 * g + 7 / 8 * w)
-    assert wire_bytes(0, messages(0, accumulation=4, world=8, gradient_bytes=g, param_bytes=w, params=p), 8) == pytest.approx(2 * 7 / 8 * g)
+    assert wire_bytes(
+        0, messages(0, accumulation=4, world=8, gradient_bytes=g, param_bytes=w, params=p), 8
+    ) == pytest.approx(2 * 7 / 8 * g)
 
 
 def test_every_catalogue_node_has_its_network_and_the_network_decides_on_small_nodes():

@@ -25,8 +25,9 @@ def test_workers_grow_with_the_nodes_memory_and_cpus_and_stop_at_the_storage():
     # 8B written by 2 ranks on a 16 GiB node: one rank's optimizer file (48 GB) does not fit even with one worker.
     small = plan_conversion(**B8, saved_world=2, budget_bytes=16 * GIB, cpus=4, io_mb_s=100)
     assert not small.fits and (small.extract_workers, small.merge_workers) == (1, 1) and small.peak_bytes > 16 * GIB
-    lora = plan_conversion(trainable=6_800_000, largest_tensor=525_336_576, saved_world=2, budget_bytes=16 * GIB, cpus=4,
-                           io_mb_s=100)
+    lora = plan_conversion(
+        trainable=6_800_000, largest_tensor=525_336_576, saved_world=2, budget_bytes=16 * GIB, cpus=4, io_mb_s=100
+    )
     assert lora.fits and lora.peak_bytes < 2 * GIB  # only the adapters' optimizer states are converted
 
 
@@ -35,16 +36,23 @@ def test_a_conversion_that_does_not_fit_this_node_is_refused_before_it_starts(tm
     refuses, naming the numbers and the ways out, when one worker of each phase does not fit."""
     ckpt = tmp_path / "checkpoint-4"
     (ckpt / "global_step4").mkdir(parents=True)
-    resume = elastic.Resume(ckpt, saved_world=2, saved_stage=2, saved_batch=None, world=1, stage=2, batch=BatchPlan(1, 2, 4))
+    resume = elastic.Resume(
+        ckpt, saved_world=2, saved_stage=2, saved_batch=None, world=1, stage=2, batch=BatchPlan(1, 2, 4)
+    )
     assert resume.universal
     for name in ("SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU", "LLMFT_HOST_RAM_GB"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_MEM_PER_NODE", "16384")
     with pytest.raises(CheckpointError) as e:
-        elastic.prepare(resume, is_first_rank=True, log=lambda m: None, sizing=(B8["trainable"], B8["largest_tensor"], 1))
+        elastic.prepare(
+            resume, is_first_rank=True, log=lambda m: None, sizing=(B8["trainable"], B8["largest_tensor"], 1)
+        )
     message = str(e.value)
     assert message.startswith(f"converting {ckpt} to a universal checkpoint needs about ")
-    assert "GiB of host RAM with one worker" in message and "(the job may use 16 GiB here: SLURM_MEM_PER_NODE=16384 MB)" in message
+    assert (
+        "GiB of host RAM with one worker" in message
+        and "(the job may use 16 GiB here: SLURM_MEM_PER_NODE=16384 MB)" in message
+    )
     assert message.endswith("resume on 2 ranks, or on a node with more memory (sbatch --mem=0)")
     assert [p.name for p in Path(ckpt).iterdir()] == ["global_step4"]  # nothing was started
     conv = elastic.conversion_workers(resume, 6_800_000, 525_336_576, 1)  # LoRA's states fit

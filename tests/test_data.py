@@ -14,7 +14,11 @@ def jsonl(tmp_path, rows, name="d.jsonl"):
 
 @pytest.mark.parametrize(
     "fmt, shape, columns",
-    [("text", "text", ["text"]), ("prompt_completion", "prompt_completion", ["prompt", "completion"]), ("messages", "messages", ["messages"])],
+    [
+        ("text", "text", ["text"]),
+        ("prompt_completion", "prompt_completion", ["prompt", "completion"]),
+        ("messages", "messages", ["messages"]),
+    ],
 )
 def test_the_three_trl_shapes_are_recognised(tmp_path, fmt, shape, columns):
     ds = load_train_split(str(jsonl(tmp_path, as_format(make_examples(10), fmt))))
@@ -83,7 +87,9 @@ def test_dataset_without_expected_fields_lists_its_columns_and_the_fix(tmp_path)
 
 def test_null_fields_are_refused(tmp_path):
     path = tmp_path / "nulls.jsonl"
-    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a", "completion": None}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a", "completion": None}) + "\n"
+    )
     with pytest.raises(DataError, match=r"column 'completion' is empty in 1 record"):
         shape_for_sft(load_train_split(str(path)))
 
@@ -126,11 +132,18 @@ def test_content_fingerprint_follows_the_bytes_not_the_path(tmp_path):
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".txt"])
 def test_text_that_is_not_utf8_is_named_by_line_and_byte_before_loading(tmp_path, suffix):
     """pyarrow loads Latin-1 bytes into string columns without a word (JSON) or fails without naming them (CSV, text)."""
-    rows = {".jsonl": b'{"text": "ok"}\n{"text": "caf\xe9"}\n', ".csv": b"text\nok\ncaf\xe9\n", ".txt": b"ok\nfine\ncaf\xe9\n"}
+    rows = {
+        ".jsonl": b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
+        ".csv": b"text\nok\ncaf\xe9\n",
+        ".txt": b"ok\nfine\ncaf\xe9\n",
+    }
     path = tmp_path / f"latin1{suffix}"
     path.write_bytes(rows[suffix])
     line = 2 if suffix == ".jsonl" else 3
-    with pytest.raises(DataError, match=rf"latin1{suffix}: line {line} is not UTF-8 \(byte 0xe9 at offset \d+\); re-save the file as UTF-8"):
+    with pytest.raises(
+        DataError,
+        match=rf"latin1{suffix}: line {line} is not UTF-8 \(byte 0xe9 at offset \d+\); re-save the file as UTF-8",
+    ):
         load_train_split(str(path))
 
 
@@ -163,9 +176,13 @@ def test_the_dataset_is_hashed_once_for_every_rank_and_again_after_any_write(tmp
     data = tmp_path / "train.jsonl"
     data.write_text("".join(f'{{"text": "record {i}"}}\n' for i in range(2000)))
     env = {**os.environ, "LLMFT_CACHE": str(tmp_path / "cache")}
-    code = "import sys; from llmft.data.loading import content_fingerprint; print('fp', content_fingerprint(sys.argv[1]))"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(data)], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    code = (
+        "import sys; from llmft.data.loading import content_fingerprint; print('fp', content_fingerprint(sys.argv[1]))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(data)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     text = "".join(outs)

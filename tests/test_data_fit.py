@@ -54,10 +54,19 @@ def independent_count(rows, tokenizer, max_length):
                 truncated += 1
                 partly += 1
     lengths = np.array(lengths)
-    return {"records": len(rows), "kept": len(rows) - dropped, "truncated": truncated, "dropped": dropped,
-            "completion_partly_cut": partly, "completion_fully_cut": fully, "tokens_cut": cut, "tokens": int(lengths.sum()),
-            "length_p50": int(np.percentile(lengths, 50, method="inverted_cdf")),
-            "length_p95": int(np.percentile(lengths, 95, method="inverted_cdf")), "length_max": int(lengths.max())}
+    return {
+        "records": len(rows),
+        "kept": len(rows) - dropped,
+        "truncated": truncated,
+        "dropped": dropped,
+        "completion_partly_cut": partly,
+        "completion_fully_cut": fully,
+        "tokens_cut": cut,
+        "tokens": int(lengths.sum()),
+        "length_p50": int(np.percentile(lengths, 50, method="inverted_cdf")),
+        "length_p95": int(np.percentile(lengths, 95, method="inverted_cdf")),
+        "length_max": int(lengths.max()),
+    }
 
 
 def test_the_counts_match_an_independent_tokenisation_and_the_trained_sequences(tiny_model, tmp_path):
@@ -66,14 +75,19 @@ def test_the_counts_match_an_independent_tokenisation_and_the_trained_sequences(
     rows = gsm8k_like(120)
     path = write_jsonl(rows, tmp_path / "gsm.jsonl")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    opts = cache.DataOptions(dataset_name=str(path), prompt_column="question", completion_column="answer",
-                               eval_split_ratio=0.25)
+    opts = cache.DataOptions(
+        dataset_name=str(path), prompt_column="question", completion_column="answer", eval_split_ratio=0.25
+    )
     lines = []
-    prepared = cache.prepare(opts, tokenizer, sft_args(tmp_path), log=lines.append, root=tmp_path / "cache", positions=256)
+    prepared = cache.prepare(
+        opts, tokenizer, sft_args(tmp_path), log=lines.append, root=tmp_path / "cache", positions=256
+    )
 
     train_rows, eval_rows = cache.load_records(opts)[:2]
     for split, records in (("train", train_rows), ("eval", eval_rows)):
-        expected = independent_count([{"question": r["prompt"], "answer": r["completion"]} for r in records], tokenizer, 48)
+        expected = independent_count(
+            [{"question": r["prompt"], "answer": r["completion"]} for r in records], tokenizer, 48
+        )
         fit = prepared.info["fit"][split]
         assert {k: fit[k] for k in expected} == expected, split
         assert expected["dropped"] > 0 and expected["truncated"] > 0  # the data exercises both
@@ -82,13 +96,18 @@ def test_the_counts_match_an_independent_tokenisation_and_the_trained_sequences(
 
     fit = prepared.info["fit"]["train"]
     line = next(x for x in lines if x.startswith("train data: "))
-    assert line == (f"train data: {fit['kept']} of {fit['records']} records kept, {fit['truncated']} truncated, {fit['dropped']} dropped; "
-                    f"completion cut in {fit['completion_partly_cut'] + fit['completion_fully_cut']} ({fit['completion_fully_cut']} entirely); "
-                    f"{fit['tokens_cut']} of {fit['tokens']} tokens cut ({fit['tokens_cut'] / fit['tokens']:.1%}); "
-                    f"length p50 {fit['length_p50']}, p95 {fit['length_p95']}, max {fit['length_max']} vs max_length 48")
+    assert line == (
+        f"train data: {fit['kept']} of {fit['records']} records kept, {fit['truncated']} truncated, {fit['dropped']} dropped; "
+        f"completion cut in {fit['completion_partly_cut'] + fit['completion_fully_cut']} ({fit['completion_fully_cut']} entirely); "
+        f"{fit['tokens_cut']} of {fit['tokens']} tokens cut ({fit['tokens_cut'] / fit['tokens']:.1%}); "
+        f"length p50 {fit['length_p50']}, p95 {fit['length_p95']}, max {fit['length_max']} vs max_length 48"
+    )
     warning = next(x for x in lines if x.startswith("warning: ") and "train records" in x)
     want = math.ceil(fit["length_p95"] / 64) * 64
-    assert f"raise --max_length to {want}" in warning and f"{fit['completion_fully_cut']} lost their whole completion" in warning
+    assert (
+        f"raise --max_length to {want}" in warning
+        and f"{fit['completion_fully_cut']} lost their whole completion" in warning
+    )
 
     cache.write_run_record(tmp_path / "run", opts, prepared)
     assert json.loads((tmp_path / "run" / "llmft_data.json").read_text())["fit"] == prepared.info["fit"]
@@ -103,8 +122,13 @@ def test_text_data_that_fits_gets_its_line_and_no_warning(tiny_model, tmp_path):
 
     path = write_jsonl([{"text": "apple river stone"}] * 10, tmp_path / "t.jsonl")
     lines = []
-    p = cache.prepare(cache.DataOptions(dataset_name=str(path)), AutoTokenizer.from_pretrained(tiny_model),
-                        sft_args(tmp_path, max_length=64), log=lines.append, root=tmp_path / "cache")
+    p = cache.prepare(
+        cache.DataOptions(dataset_name=str(path)),
+        AutoTokenizer.from_pretrained(tiny_model),
+        sft_args(tmp_path, max_length=64),
+        log=lines.append,
+        root=tmp_path / "cache",
+    )
     fit = p.info["fit"]["train"]
     assert (fit["kept"], fit["truncated"], fit["dropped"], fit["tokens_cut"]) == (10, 0, 0, 0)
     assert "completion_fully_cut" not in fit  # text data trains on every token: no completion to lose
@@ -122,34 +146,76 @@ def summary(lengths, trained_ranges, max_length):
 
 def test_each_truncation_rule_counts_what_trl_does():
     s = summary([10, 30, 30, 50], [(2, 10), (5, 30), (25, 30), (0, 50)], 20)
-    start = data_fit.fit_of(s, max_length=20, **dict(zip(("keep", "drops"), data_fit.truncation_of(20, False, "bfd", "keep_start"))),
-                            masked=True)
+    start = data_fit.fit_of(
+        s,
+        max_length=20,
+        **dict(zip(("keep", "drops"), data_fit.truncation_of(20, False, "bfd", "keep_start"))),
+        masked=True,
+    )
     # record 2 loses its whole completion (trained from 25) and is dropped; records 1 and 3 lose part of it
-    assert {k: start[k] for k in ("kept", "truncated", "dropped", "completion_partly_cut", "completion_fully_cut", "tokens_cut")} == \
-        {"kept": 3, "truncated": 2, "dropped": 1, "completion_partly_cut": 2, "completion_fully_cut": 1, "tokens_cut": 10 + 10 + 30}
+    assert {
+        k: start[k]
+        for k in ("kept", "truncated", "dropped", "completion_partly_cut", "completion_fully_cut", "tokens_cut")
+    } == {
+        "kept": 3,
+        "truncated": 2,
+        "dropped": 1,
+        "completion_partly_cut": 2,
+        "completion_fully_cut": 1,
+        "tokens_cut": 10 + 10 + 30,
+    }
     end = data_fit.fit_of(s, max_length=20, keep="keep_end", drops=True, masked=True)
-    assert (end["dropped"], end["completion_fully_cut"], end["completion_partly_cut"]) == (0, 0, 2)  # the end keeps completions
-    packed_bfd = data_fit.fit_of(s, max_length=20, **dict(zip(("keep", "drops"), data_fit.truncation_of(20, True, "bfd", "keep_start"))),
-                                 masked=True)
-    assert (packed_bfd["dropped"], packed_bfd["truncated"], packed_bfd["completion_fully_cut"]) == (0, 3, 1)  # bfd cuts, keeps all
-    split = data_fit.fit_of(s, max_length=20, **dict(zip(("keep", "drops"), data_fit.truncation_of(20, True, "bfd_split", "keep_start"))),
-                            masked=True)
+    assert (end["dropped"], end["completion_fully_cut"], end["completion_partly_cut"]) == (
+        0,
+        0,
+        2,
+    )  # the end keeps completions
+    packed_bfd = data_fit.fit_of(
+        s,
+        max_length=20,
+        **dict(zip(("keep", "drops"), data_fit.truncation_of(20, True, "bfd", "keep_start"))),
+        masked=True,
+    )
+    assert (packed_bfd["dropped"], packed_bfd["truncated"], packed_bfd["completion_fully_cut"]) == (
+        0,
+        3,
+        1,
+    )  # bfd cuts, keeps all
+    split = data_fit.fit_of(
+        s,
+        max_length=20,
+        **dict(zip(("keep", "drops"), data_fit.truncation_of(20, True, "bfd_split", "keep_start"))),
+        masked=True,
+    )
     assert (split["truncated"], split["tokens_cut"]) == (0, 0)  # bfd_split carries the rest into other rows
     assert data_fit.truncation_of(None, False, "bfd", "keep_start") == (None, False)
 
 
-@pytest.mark.parametrize("fit, positions, fix", [
-    (dict(records=100, truncated=6, dropped=0, length_p95=300, max_length=256), 1024, "raise --max_length to 320"),
-    (dict(records=100, truncated=1, dropped=1, completion_fully_cut=1, length_p95=200, max_length=128), 256, "raise --max_length to 256"),
-    (dict(records=100, truncated=90, dropped=0, length_p95=900, max_length=256), 256,
-     "use a model with at least 960 positions (this one has 256"),
-])
+@pytest.mark.parametrize(
+    "fit, positions, fix",
+    [
+        (dict(records=100, truncated=6, dropped=0, length_p95=300, max_length=256), 1024, "raise --max_length to 320"),
+        (
+            dict(records=100, truncated=1, dropped=1, completion_fully_cut=1, length_p95=200, max_length=128),
+            256,
+            "raise --max_length to 256",
+        ),
+        (
+            dict(records=100, truncated=90, dropped=0, length_p95=900, max_length=256),
+            256,
+            "use a model with at least 960 positions (this one has 256",
+        ),
+    ],
+)
 def test_the_warning_names_the_fix(fit, positions, fix):
     assert fix in data_fit.fit_warning("train", fit, positions)
 
 
 def test_no_warning_below_the_threshold():
-    assert data_fit.fit_warning("train", dict(records=100, truncated=5, dropped=0, length_p95=100, max_length=256), 1024) is None
+    assert (
+        data_fit.fit_warning("train", dict(records=100, truncated=5, dropped=0, length_p95=100, max_length=256), 1024)
+        is None
+    )
 
 
 def test_llmft_prepare_prints_the_fit_and_the_warning(tiny_model, tmp_path, capsys, monkeypatch):
@@ -157,8 +223,26 @@ def test_llmft_prepare_prints_the_fit_and_the_warning(tiny_model, tmp_path, caps
 
     monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
     path = write_jsonl(gsm8k_like(40), tmp_path / "gsm.jsonl")
-    assert main(["prepare", "--model_name_or_path", str(tiny_model), "--dataset_name", str(path), "--output_dir",
-                 str(tmp_path / "o"), "--prompt_column", "question", "--completion_column", "answer", "--max_length", "32"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                "--model_name_or_path",
+                str(tiny_model),
+                "--dataset_name",
+                str(path),
+                "--output_dir",
+                str(tmp_path / "o"),
+                "--prompt_column",
+                "question",
+                "--completion_column",
+                "answer",
+                "--max_length",
+                "32",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "llmft: train data: " in out and "vs max_length 32" in out
     assert "llmft: warning: " in out and "raise --max_length to" in out

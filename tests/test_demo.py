@@ -9,7 +9,8 @@ def test_demo_trains_with_two_processes_and_generates_from_its_checkpoint(tmp_pa
     assert "ZeRO stage 2" in proc.stdout
     tag = tmp_path / "demo" / "run" / "checkpoint-32" / "global_step32"
     assert sorted(p.name for p in tag.glob("zero_pp_rank_*")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
     assert f"llmft infer: loaded {tag}" in proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

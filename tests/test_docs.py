@@ -33,14 +33,20 @@ def heading_anchors(text: str) -> set[str]:
 
 
 def relative_links(page: Path) -> list[str]:
-    return [target for target in LINK.findall(prose(page.read_text()))
-            if not re.match(r"[a-z][a-z0-9+.-]*:", target)]  # https:, mailto:, ... are not checked here
+    return [
+        target for target in LINK.findall(prose(page.read_text())) if not re.match(r"[a-z][a-z0-9+.-]*:", target)
+    ]  # https:, mailto:, ... are not checked here
 
 
 def test_anchors_follow_githubs_rules():
     text = "# Memory planning: `llmft plan`\n## Will it fit? `llmft plan --model`\n## W&B on compute nodes\n## CPUs\n## CPUs\n"
-    assert heading_anchors(text) == {"memory-planning-llmft-plan", "will-it-fit-llmft-plan---model",
-                                     "wb-on-compute-nodes", "cpus", "cpus-1"}
+    assert heading_anchors(text) == {
+        "memory-planning-llmft-plan",
+        "will-it-fit-llmft-plan---model",
+        "wb-on-compute-nodes",
+        "cpus",
+        "cpus-1",
+    }
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
@@ -66,8 +72,16 @@ def test_readme_is_an_entry_that_starts_with_make_demo_then_make_test():
 
 def test_every_docs_page_is_linked_from_the_index_and_the_readme():
     pages = {p.name for p in (REPO / "docs").glob("*.md")} - {"README.md"}
-    assert pages >= {"training.md", "memory-planning.md", "checkpoints.md", "slurm.md", "inference.md",
-                     "evaluation.md", "clusters.md", "development.md"}
+    assert pages >= {
+        "training.md",
+        "memory-planning.md",
+        "checkpoints.md",
+        "slurm.md",
+        "inference.md",
+        "evaluation.md",
+        "clusters.md",
+        "development.md",
+    }
     index = {Path(t.partition("#")[0]).name for t in relative_links(REPO / "docs" / "README.md")}
     readme = {Path(t.partition("#")[0]).name for t in relative_links(REPO / "README.md") if t.startswith("docs/")}
     assert pages - index == set()

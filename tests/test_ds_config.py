@@ -10,8 +10,15 @@ from llmft.planning.batch import plan_batch
 from llmft.planning.ds_config import DSConfigError, load_config, resolve, template_path, templates_dir
 
 OPT = dict(gradient_clipping=1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, hidden_size=64)
-TEMPLATES = ["zero0.json", "zero1.json", "zero2.json", "zero2_offload.json", "zero3.json", "zero3_offload.json",
-             "zero3_offload_optimizer.json"]
+TEMPLATES = [
+    "zero0.json",
+    "zero1.json",
+    "zero2.json",
+    "zero2_offload.json",
+    "zero3.json",
+    "zero3_offload.json",
+    "zero3_offload_optimizer.json",
+]
 
 
 def leaves(node):
@@ -38,7 +45,12 @@ def test_production_defaults_are_in_the_templates():
     z3o = json.loads((templates_dir() / "zero3_offload.json").read_text())["zero_optimization"]
     assert z2["overlap_comm"] and z2["contiguous_gradients"] and z2["reduce_bucket_size"] > 0
     for name in ("zero3.json", "zero3_offload.json", "zero3_offload_optimizer.json"):  # checkpoints are shards only
-        assert json.loads((templates_dir() / name).read_text())["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+        assert (
+            json.loads((templates_dir() / name).read_text())["zero_optimization"][
+                "stage3_gather_16bit_weights_on_model_save"
+            ]
+            is False
+        )
     assert z3o["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert z3o["offload_param"] == {"device": "cpu", "pin_memory": True}
 
@@ -83,8 +95,22 @@ def test_invalid_json_names_the_line(tmp_path):
 
 
 def test_plan_cli_prints_the_plan_from_slurm_variables():
-    proc = run([PYTHON, "-m", "llmft.plan", "--global_batch_size", "32", "--per_device_train_batch_size", "2", "--zero_stage", "3"],
-               SLURM_NNODES="2", SLURM_GPUS_ON_NODE="4", check=True)
+    proc = run(
+        [
+            PYTHON,
+            "-m",
+            "llmft.plan",
+            "--global_batch_size",
+            "32",
+            "--per_device_train_batch_size",
+            "2",
+            "--zero_stage",
+            "3",
+        ],
+        SLURM_NNODES="2",
+        SLURM_GPUS_ON_NODE="4",
+        check=True,
+    )
     assert "world size 8 (2 nodes x 4 processes, from slurm)" in proc.stdout
     assert "gradient accumulation 2" in proc.stdout
     assert "global batch 32 = micro-batch 2 x accumulation 2 x world size 8" in proc.stdout
@@ -92,8 +118,21 @@ def test_plan_cli_prints_the_plan_from_slurm_variables():
 
 
 def test_plan_cli_fails_with_one_line_on_impossible_batch():
-    proc = run([PYTHON, "-m", "llmft.plan", "--global_batch_size", "30", "--per_device_train_batch_size", "2",
-                "--nnodes", "1", "--nproc_per_node", "4"])
+    proc = run(
+        [
+            PYTHON,
+            "-m",
+            "llmft.plan",
+            "--global_batch_size",
+            "30",
+            "--per_device_train_batch_size",
+            "2",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            "4",
+        ]
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "llmft plan: error: global batch 30 is not divisible by micro-batch 2 x world size 4 = 8; use global batch 24 or 32"
@@ -144,7 +183,13 @@ def test_impossible_precision_is_refused_with_the_fix(requested, gpu, message):
         ("NVIDIA H100 80GB HBM3", 79.1, (9, 0), "H100-80GB", 989.0),
         ("NVIDIA H100 PCIe", 79.1, (9, 0), "H100-PCIe", 756.0),
         ("Tesla T4", 14.6, (7, 5), "T4", 65.0),
-        ("NVIDIA RTX 6000 Ada Generation", 47.5, (8, 9), "NVIDIA RTX 6000 Ada Generation", None),  # unknown: no peak, no MFU
+        (
+            "NVIDIA RTX 6000 Ada Generation",
+            47.5,
+            (8, 9),
+            "NVIDIA RTX 6000 Ada Generation",
+            None,
+        ),  # unknown: no peak, no MFU
     ],
 )
 def test_cuda_device_names_map_to_catalogue_facts(device_name, memory, cc, expected, peak):
@@ -154,13 +199,28 @@ def test_cuda_device_names_map_to_catalogue_facts(device_name, memory, cc, expec
     assert (gpu.name, gpu.peak_tflops, gpu.memory_gib, gpu.compute_capability) == (expected, peak, memory, cc)
 
 
-@pytest.mark.parametrize("facts, kernel", [
-    (dict(cuda=True, offload=False, fused_adam_prebuilt=True, cuda_compiler=False), "fused"),  # the Dockerfile's image
-    (dict(cuda=True, offload=False, fused_adam_prebuilt=False, cuda_compiler=True), "fused"),  # JIT-built on the first step
-    (dict(cuda=True, offload=False, fused_adam_prebuilt=False, cuda_compiler=False), "torch"),  # pip torch, no toolkit
-    (dict(cuda=True, offload=True, fused_adam_prebuilt=False, cuda_compiler=False), "deepspeed"),  # DeepSpeedCPUAdam
-    (dict(cuda=False, offload=False, fused_adam_prebuilt=False, cuda_compiler=False), "deepspeed"),  # CPU runs
-])
+@pytest.mark.parametrize(
+    "facts, kernel",
+    [
+        (
+            dict(cuda=True, offload=False, fused_adam_prebuilt=True, cuda_compiler=False),
+            "fused",
+        ),  # the Dockerfile's image
+        (
+            dict(cuda=True, offload=False, fused_adam_prebuilt=False, cuda_compiler=True),
+            "fused",
+        ),  # JIT-built on the first step
+        (
+            dict(cuda=True, offload=False, fused_adam_prebuilt=False, cuda_compiler=False),
+            "torch",
+        ),  # pip torch, no toolkit
+        (
+            dict(cuda=True, offload=True, fused_adam_prebuilt=False, cuda_compiler=False),
+            "deepspeed",
+        ),  # DeepSpeedCPUAdam
+        (dict(cuda=False, offload=False, fused_adam_prebuilt=False, cuda_compiler=False), "deepspeed"),  # CPU runs
+    ],
+)
 def test_adam_runs_where_it_can_be_built(facts, kernel):
     from llmft.planning.ds_config import adam_kernel
 
@@ -173,12 +233,25 @@ def test_torch_adam_config_trains_under_deepspeed(tmp_path):
     from llmft.planning.ds_config import with_adam_kernel
 
     plan = plan_batch(micro_batch=2, world_size=1, global_batch=2)
-    config = resolve(load_config(template_path(2)), plan, "fp32", gradient_clipping=1.0, lr=1e-3, betas=(0.9, 0.999),
-                     eps=1e-8, weight_decay=0.0, hidden_size=8)
+    config = resolve(
+        load_config(template_path(2)),
+        plan,
+        "fp32",
+        gradient_clipping=1.0,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        hidden_size=8,
+    )
     assert with_adam_kernel(config, "fused") is config
-    assert with_adam_kernel({**config, "optimizer": {"type": "Lamb", "params": {}}}, "torch")["optimizer"]["params"] == {}
+    assert (
+        with_adam_kernel({**config, "optimizer": {"type": "Lamb", "params": {}}}, "torch")["optimizer"]["params"] == {}
+    )
     torch_adam = with_adam_kernel(config, "torch")
-    assert torch_adam["optimizer"]["params"]["torch_adam"] is True and "torch_adam" not in config["optimizer"]["params"]
+    assert (
+        torch_adam["optimizer"]["params"]["torch_adam"] is True and "torch_adam" not in config["optimizer"]["params"]
+    )
     (tmp_path / "ds.json").write_text(json.dumps(torch_adam))
     script = f"""
 import json, torch, deepspeed
@@ -198,6 +271,13 @@ print(type(optimizer.optimizer).__module__, type(optimizer.optimizer).__name__, 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = run([PYTHON, "-c", script], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    proc = run(
+        [PYTHON, "-c", script],
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "torch.optim.adamw AdamW True"

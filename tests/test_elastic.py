@@ -40,10 +40,32 @@ def losses(stdout: str) -> dict[int, tuple[float, float]]:
 def train(model, data, out: Path, nproc: int, stage: int, *extra, check=True):
     launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
     cmd = launcher + [
-        PROBE, "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-        "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", str(stage),
-        "--max_steps", str(TOTAL), "--save_steps", str(EVERY), "--global_batch_size", "8",
-        "--per_device_train_batch_size", "2", "--learning_rate", "5e-3", *map(str, extra),
+        PROBE,
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        "--zero_stage",
+        str(stage),
+        "--max_steps",
+        str(TOTAL),
+        "--save_steps",
+        str(EVERY),
+        "--global_batch_size",
+        "8",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "5e-3",
+        *map(str, extra),
     ]
     return run(cmd, check=check, LLMFT_PROBE_DIR=str(out / "probe"))
 
@@ -154,10 +176,14 @@ def test_only_the_checkpoint_resumed_on_another_world_is_converted(matrix):
         assert not list(r["w2"][0].rglob("*universal*"))
         for name, (_, step, _) in CHAIN.items():
             out = r[name][0]
-            assert [p.relative_to(out) for p in out.glob("checkpoint-*/universal_step*")] == [Path(f"checkpoint-{step}/universal_step{step}")]
+            assert [p.relative_to(out) for p in out.glob("checkpoint-*/universal_step*")] == [
+                Path(f"checkpoint-{step}/universal_step{step}")
+            ]
 
 
-def test_the_tolerance_separates_a_resume_whose_optimizer_restarted_from_zero(matrix, nodrop_model, tiny_data, tmp_path):
+def test_the_tolerance_separates_a_resume_whose_optimizer_restarted_from_zero(
+    matrix, nodrop_model, tiny_data, tmp_path
+):
     """The same resume with the Adam moments and step zeroed in the universal checkpoint (what a conversion that
     'resumes as if from scratch' amounts to) misses the uninterrupted losses by far more than LOSS_TOL."""
     import torch
@@ -182,7 +208,9 @@ def test_the_tolerance_separates_a_resume_whose_optimizer_restarted_from_zero(ma
     assert sorted(restarted) == sorted(resumed) == [3, 4, 5, 6]
     gap = max(abs(restarted[s][0] - reference[s][0]) for s in restarted)
     good = max(abs(resumed[s][0] - reference[s][0]) for s in resumed)
-    print(f"loss gap to the uninterrupted run, steps 3-6: resumed {good:.1e}, optimizer restarted {gap:.1e}, tolerance {LOSS_TOL:.0e}")
+    print(
+        f"loss gap to the uninterrupted run, steps 3-6: resumed {good:.1e}, optimizer restarted {gap:.1e}, tolerance {LOSS_TOL:.0e}"
+    )
     assert good <= LOSS_TOL < gap / 10
 
 
@@ -191,8 +219,11 @@ def test_resume_from_a_zero1_checkpoint_under_zero2_on_another_world(matrix, nod
     r = matrix(1)
     out = resume_copy(r["w2"][0], 2, tmp_path / "restaged")
     text = train(nodrop_model, tiny_data, out, 1, 2, "--resume_from_checkpoint", out / "checkpoint-2").stdout
-    assert re.search(r"resuming checkpoint-2 written by 2 ranks on 1 ranks: universal checkpoint .* ZeRO stage 1 -> 2, "
-                     r"accumulation 2 -> 4, global batch 8 kept", text), text
+    assert re.search(
+        r"resuming checkpoint-2 written by 2 ranks on 1 ranks: universal checkpoint .* ZeRO stage 1 -> 2, "
+        r"accumulation 2 -> 4, global batch 8 kept",
+        text,
+    ), text
     assert "continuing on purpose with new settings: ZeRO stage" in text  # the run record: a stage change is asked for
     resumed, reference = losses(text), losses(r["w2"][1])
     assert sorted(resumed) == [3, 4, 5, 6]
@@ -232,12 +263,18 @@ def test_the_resume_decision(tmp_path):
     assert elastic.kept_global_batch(ckpt, 16, global_batch_given=True) == 16
     assert elastic.kept_global_batch(None, 16, global_batch_given=False) == 16
     # ... and when the new world cannot keep it, the nearest valid values are named before any model loads.
-    with pytest.raises(CheckpointError, match=r"checkpoint-400 was trained with global batch 64 \(micro-batch 2 x accumulation 2 x 16 "
-                                              r"ranks\), which 12 ranks cannot keep with micro-batch 2; use 8 or 16 ranks, or "
-                                              r"--global_batch_size 48 or 72 to change the global batch$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint-400 was trained with global batch 64 \(micro-batch 2 x accumulation 2 x 16 "
+        r"ranks\), which 12 ranks cannot keep with micro-batch 2; use 8 or 16 ranks, or "
+        r"--global_batch_size 48 or 72 to change the global batch$",
+    ):
         elastic.plan_resume(ckpt, 12, 3, BatchPlan(2, 1, 12), global_batch_given=False)
-    with pytest.raises(CheckpointError, match=r"which 32 ranks cannot keep with micro-batch 4; use --per_device_train_batch_size 1 or 2"
-                                              r", or 16 ranks, or --global_batch_size 128 to change the global batch$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"which 32 ranks cannot keep with micro-batch 4; use --per_device_train_batch_size 1 or 2"
+        r", or 16 ranks, or --global_batch_size 128 to change the global batch$",
+    ):
         elastic.plan_resume(ckpt, 32, 3, BatchPlan(4, 1, 32), global_batch_given=False)
     # An explicit, different global batch is the user's choice, and the log says so.
     asked = elastic.plan_resume(ckpt, 8, 3, BatchPlan(2, 8, 8), global_batch_given=True)
@@ -253,15 +290,21 @@ def test_the_resume_decision(tmp_path):
     assert not elastic.plan_resume(stage0, 1, 0, BatchPlan(2, 4, 1), True).universal
 
 
-@pytest.mark.parametrize("saved,now,ok", [(1, 2, True), (2, 1, True), (2, 3, False), (3, 2, False), (3, 1, False), (0, 2, False), (2, 0, False)])
+@pytest.mark.parametrize(
+    "saved,now,ok",
+    [(1, 2, True), (2, 1, True), (2, 3, False), (3, 2, False), (3, 1, False), (0, 2, False), (2, 0, False)],
+)
 def test_stage_changes_go_through_the_conversion_or_are_refused_with_the_way_out(tmp_path, saved, now, ok):
     ckpt = fake_checkpoint(tmp_path, 10, world=2, stage=saved)
     if ok:
         r = elastic.plan_resume(ckpt, 2, now, BatchPlan(2, 2, 2), True)
         assert r.universal and f"ZeRO stage {saved} -> {now}" in r.describe()
     else:
-        with pytest.raises(CheckpointError, match=rf"written with ZeRO stage {saved}, this run uses stage {now}: .*; resume with "
-                                                  rf"--zero_stage {saved}, or export the weights \(python -m llmft.infer .*checkpoint-10 --export DIR\)"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"written with ZeRO stage {saved}, this run uses stage {now}: .*; resume with "
+            rf"--zero_stage {saved}, or export the weights \(python -m llmft.infer .*checkpoint-10 --export DIR\)",
+        ):
             elastic.plan_resume(ckpt, 2, now, BatchPlan(2, 2, 2), True)
 
 
@@ -330,7 +373,9 @@ def test_other_ranks_wait_for_the_first_ranks_conversion(two_rank_checkpoint):
     ckpt = two_rank_checkpoint
     resume = resume_of(ckpt)
     finished = []
-    waiter = threading.Thread(target=lambda: finished.append(elastic.prepare(resume, is_first_rank=False, poll_s=0.05)))
+    waiter = threading.Thread(
+        target=lambda: finished.append(elastic.prepare(resume, is_first_rank=False, poll_s=0.05))
+    )
     waiter.start()
     time.sleep(0.5)
     assert not finished  # nothing converted yet: a non-first rank never converts, and never loads a partial result
@@ -343,7 +388,9 @@ def test_a_conversion_that_cannot_be_done_is_one_clear_error(tmp_path, monkeypat
     ckpt = fake_checkpoint(tmp_path, 10, world=2, stage=2)
     (ckpt / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a torch file")
     resume = elastic.plan_resume(ckpt, 1, 2, BatchPlan(2, 4, 1), True)
-    with pytest.raises(CheckpointError, match=rf"converting {ckpt} to a universal checkpoint failed \(.+\); log: .*conversion.log$"):
+    with pytest.raises(
+        CheckpointError, match=rf"converting {ckpt} to a universal checkpoint failed \(.+\); log: .*conversion.log$"
+    ):
         elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
     assert elastic.conversion_problem(ckpt) is not None and not (ckpt / "latest_universal").exists()
 
@@ -351,18 +398,33 @@ def test_a_conversion_that_cannot_be_done_is_one_clear_error(tmp_path, monkeypat
         raise PermissionError(13, "Permission denied", str(self))
 
     monkeypatch.setattr(Path, "mkdir", denied)
-    with pytest.raises(CheckpointError, match=rf"cannot write a universal conversion into {ckpt} \(Permission denied\); make it "
-                                              rf"writable, or copy {ckpt} into this run's --output_dir and resume from the copy"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"cannot write a universal conversion into {ckpt} \(Permission denied\); make it "
+        rf"writable, or copy {ckpt} into this run's --output_dir and resume from the copy",
+    ):
         elastic.prepare(resume, is_first_rank=True, log=lambda msg: None)
 
 
-def test_llmft_train_refuses_an_unsupported_stage_change_before_any_model_loads(tiny_model, tiny_data, tmp_path, capsys):
+def test_llmft_train_refuses_an_unsupported_stage_change_before_any_model_loads(
+    tiny_model, tiny_data, tmp_path, capsys
+):
     from llmft.train import cli, make_parser
 
     out = tmp_path / "run"
     ckpt = fake_checkpoint(out, 10, world=1, stage=3)
-    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out),
-            "--report_to", "none", "--zero_stage", "2"]
+    argv = [
+        "--model_name_or_path",
+        str(tiny_model),
+        "--dataset_name",
+        str(tiny_data),
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+        "--zero_stage",
+        "2",
+    ]
     assert cli(make_parser(), argv) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmft train: error:")]
     assert errors == [

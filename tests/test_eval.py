@@ -17,21 +17,19 @@ from llmft import eval as ev
 from llmft.data.synthetic import make_examples, write_jsonl
 from llmft.training.metrics import add_perplexity
 
-GSM8K_REFERENCE = (
-    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
-)
+GSM8K_REFERENCE = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
 
 # llmft's own GSM8K scorer (removed: the harness scores now) was tested on these predictions of GSM8K_REFERENCE:
 # (prediction, strict match, flexible match). The harness must give the same figures.
 OLD_LLMFT_CASES = [
     ("She sold 24 in May, so 48+24=72.\n#### 72", True, True),
-    ("The answer is 72.", False, True),                    # no '####': only the last number counts
-    ("#### 72\nThen she bought 5 more.", True, False),     # strict takes the first '####', flexible the last number
-    ("#### $72", False, True),                             # strict's pattern needs a digit right after '#### '
-    ("So the total is $72.", False, True),                 # '$' and the trailing '.' are ignored
+    ("The answer is 72.", False, True),  # no '####': only the last number counts
+    ("#### 72\nThen she bought 5 more.", True, False),  # strict takes the first '####', flexible the last number
+    ("#### $72", False, True),  # strict's pattern needs a digit right after '#### '
+    ("So the total is $72.", False, True),  # '$' and the trailing '.' are ignored
     ("#### 1,072", False, False),
-    ("I don't know.", False, False),                       # nothing extracted: wrong, not an error
-    ("#### 72.00", False, False),                          # the harness compares strings, not values
+    ("I don't know.", False, False),  # nothing extracted: wrong, not an error
+    ("#### 72.00", False, False),  # the harness compares strings, not values
 ]
 
 
@@ -68,10 +66,25 @@ def gsm8k_records(n: int, seed: int) -> list[dict]:
 def eval_args(checkpoints, tmp_path: Path, **overrides) -> SimpleNamespace:
     test = write_jsonl(gsm8k_records(6, seed=5), tmp_path / "gsm8k" / "test.jsonl")
     train = write_jsonl(gsm8k_records(4, seed=6), tmp_path / "gsm8k" / "train.jsonl")
-    values = dict(checkpoint=[str(c) for c in checkpoints], tasks="gsm8k", task_data=[f"gsm8k={test}", f"gsm8k:train={train}"],
-                  num_fewshot=2, limit=None, batch_size="auto", gen_kwargs="max_gen_toks=12", apply_chat_template=False,
-                  fewshot_as_multiturn=False, include_path=None, log_samples=True, seed=1234, output=None, model_name=None,
-                  device="cpu", dtype="auto", trust_checkpoint=False)
+    values = dict(
+        checkpoint=[str(c) for c in checkpoints],
+        tasks="gsm8k",
+        task_data=[f"gsm8k={test}", f"gsm8k:train={train}"],
+        num_fewshot=2,
+        limit=None,
+        batch_size="auto",
+        gen_kwargs="max_gen_toks=12",
+        apply_chat_template=False,
+        fewshot_as_multiturn=False,
+        include_path=None,
+        log_samples=True,
+        seed=1234,
+        output=None,
+        model_name=None,
+        device="cpu",
+        dtype="auto",
+        trust_checkpoint=False,
+    )
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -82,8 +95,10 @@ def test_gsm8k_through_the_harness_gives_the_old_llmft_exact_match_figures(tmp_p
     import lm_eval
     from lm_eval.api.model import LM
 
-    records = [{"question": f"Natalia sold clips to {i} of her friends. How many clips?", "answer": GSM8K_REFERENCE}
-               for i in range(len(OLD_LLMFT_CASES))]
+    records = [
+        {"question": f"Natalia sold clips to {i} of her friends. How many clips?", "answer": GSM8K_REFERENCE}
+        for i in range(len(OLD_LLMFT_CASES))
+    ]
     data = write_jsonl(records, tmp_path / "gsm8k_test.jsonl")
 
     class Replay(LM):
@@ -106,7 +121,9 @@ def test_gsm8k_through_the_harness_gives_the_old_llmft_exact_match_figures(tmp_p
 
     args = eval_args([], tmp_path, task_data=[f"gsm8k={data}"], num_fewshot=0)
     manager, tasks = ev.task_manager(args, tmp_path / "tasks")
-    results = lm_eval.simple_evaluate(model=Replay(), tasks=tasks, task_manager=manager, num_fewshot=0, log_samples=True)
+    results = lm_eval.simple_evaluate(
+        model=Replay(), tasks=tasks, task_manager=manager, num_fewshot=0, log_samples=True
+    )
     scores = results["results"]["gsm8k"]
     assert scores["exact_match,strict-match"] == pytest.approx(2 / 8)
     assert scores["exact_match,flexible-extract"] == pytest.approx(4 / 8)
@@ -128,10 +145,43 @@ def _free_port() -> int:
 def zero3_run(tmp_path_factory, tiny_model, tiny_data) -> Path:
     """A real 2-process ZeRO-3 `llmft train` run (4 steps, a checkpoint at step 4)."""
     out = tmp_path_factory.mktemp("zero3") / "run"
-    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "llmft.train",
-         "--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out), "--max_steps", "4",
-         "--save_steps", "4", "--global_batch_size", "8", "--per_device_train_batch_size", "2", "--learning_rate", "5e-3",
-         "--report_to", "none", "--logging_steps", "1", "--zero_stage", "3"], timeout=600, check=True)
+    run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "llmft.train",
+            "--model_name_or_path",
+            str(tiny_model),
+            "--dataset_name",
+            str(tiny_data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--save_steps",
+            "4",
+            "--global_batch_size",
+            "8",
+            "--per_device_train_batch_size",
+            "2",
+            "--learning_rate",
+            "5e-3",
+            "--report_to",
+            "none",
+            "--logging_steps",
+            "1",
+            "--zero_stage",
+            "3",
+        ],
+        timeout=600,
+        check=True,
+    )
     return out
 
 
@@ -164,10 +214,13 @@ def test_zero_checkpoint_scores_equal_its_exported_model(stage, run_with_eval, z
     [hs] = (tmp_path / "hf").glob("samples-*-gsm8k-*.jsonl")
     zero_samples, hf_samples = samples(zs), samples(hs)
     assert len(zero_samples) == 12  # 6 documents x 2 filters
-    assert [(s["arguments"], s["resps"], s["filtered_resps"], s["exact_match"]) for s in zero_samples] == \
-           [(s["arguments"], s["resps"], s["filtered_resps"], s["exact_match"]) for s in hf_samples]
+    assert [(s["arguments"], s["resps"], s["filtered_resps"], s["exact_match"]) for s in zero_samples] == [
+        (s["arguments"], s["resps"], s["filtered_resps"], s["exact_match"]) for s in hf_samples
+    ]
     prompt = zero_samples[0]["arguments"][0][0]
-    assert prompt.count("Question: ") == 3 and prompt.endswith("\nAnswer:")  # 2 shots from the train file, then the question
+    assert prompt.count("Question: ") == 3 and prompt.endswith(
+        "\nAnswer:"
+    )  # 2 shots from the train file, then the question
     assert any(s["resps"][0][0].strip() for s in zero_samples)  # the model generated something to compare
     [line] = zero["lines"]
     assert line["task"] == "gsm8k" and line["num_fewshot"] == 2 and line["n"] == 6
@@ -181,8 +234,26 @@ def test_the_cli_writes_the_harness_json_and_a_summary_line_into_the_run(run_wit
 
     out = Path(shutil.copytree(run_with_eval[0], tmp_path / "run"))
     args = eval_args([out], tmp_path)
-    proc = run([str(Path(PYTHON).parent / "llmft"), "eval", str(out), "--tasks", "gsm8k", *[f for t in args.task_data for f in ("--task_data", t)],
-                "--num_fewshot", "2", "--limit", "4", "--gen_kwargs", "max_gen_toks=8", "--batch_size", "3"], check=True, timeout=600)
+    proc = run(
+        [
+            str(Path(PYTHON).parent / "llmft"),
+            "eval",
+            str(out),
+            "--tasks",
+            "gsm8k",
+            *[f for t in args.task_data for f in ("--task_data", t)],
+            "--num_fewshot",
+            "2",
+            "--limit",
+            "4",
+            "--gen_kwargs",
+            "max_gen_toks=8",
+            "--batch_size",
+            "3",
+        ],
+        check=True,
+        timeout=600,
+    )
     [result] = (out / "eval").glob("results-step6-*.json")
     doc = json.loads(result.read_text())
     assert doc["llmft"]["checkpoint"].endswith("checkpoint-6/global_step6") and doc["llmft"]["batch_size"] == 3
@@ -200,8 +271,17 @@ def test_prompts_cut_to_fit_the_model_are_counted(tiny_model, tmp_path, no_netwo
     rows = gsm8k_records(3, seed=5)
     rows.insert(1, {"question": " ".join(["apple river stone"] * 100), "answer": "#### 1"})
     data = write_jsonl(rows, tmp_path / "long.jsonl")
-    [got] = ev.run(eval_args([tiny_model], tmp_path, task_data=[f"gsm8k={data}"], num_fewshot=0, output=tmp_path / "out",
-                             gen_kwargs="max_gen_toks=8", log_samples=False))
+    [got] = ev.run(
+        eval_args(
+            [tiny_model],
+            tmp_path,
+            task_data=[f"gsm8k={data}"],
+            num_fewshot=0,
+            output=tmp_path / "out",
+            gen_kwargs="max_gen_toks=8",
+            log_samples=False,
+        )
+    )
     assert got["meta"]["prompts_left_truncated"] == 1
     assert json.loads(got["results_file"].read_text())["llmft"]["prompts_left_truncated"] == 1
     assert "1 generation prompt(s) were longer than the model's positions" in capsys.readouterr().err
@@ -216,17 +296,32 @@ def test_task_data_paths_and_overrides(tmp_path):
     assert ev.parse_task_data([f"gsm8k={test}", f"gsm8k:train={train}"]) == {"gsm8k": {None: test, "train": train}}
     manager = TaskManager()
     cfg = {"test_split": "test", "training_split": "train", "fewshot_split": "train", "num_fewshot": 5}
-    assert ev.split_files("gsm8k", cfg, {None: tmp_path / "d"}) == {"test": test, "train": train}  # a directory: every split found
+    assert ev.split_files("gsm8k", cfg, {None: tmp_path / "d"}) == {
+        "test": test,
+        "train": train,
+    }  # a directory: every split found
     assert ev.fewshot_split_needed(cfg, None) == "train" and ev.fewshot_split_needed(cfg, 0) is None
-    assert ev.fewshot_split_needed({**cfg, "fewshot_config": {"samples": "fn"}}, 4) is None  # minerva_math: fixed examples
+    assert (
+        ev.fewshot_split_needed({**cfg, "fewshot_config": {"samples": "fn"}}, 4) is None
+    )  # minerva_math: fixed examples
     written = ev.write_overrides({"gsm8k": {None: test}}, 0, manager, tmp_path / "tasks")
     import yaml
 
     override = yaml.safe_load((written / "gsm8k.yaml").read_text())
-    assert override == {"include": str(manager.task_index["gsm8k"].yaml_path), "task": "gsm8k", "dataset_path": "json",
-                        "dataset_name": None, "dataset_kwargs": {"data_files": {"test": str(test.resolve())}},
-                        "training_split": None, "fewshot_split": None}
-    assert ev.eval_batch_size("auto", "cuda:0") == "auto" and ev.eval_batch_size("auto", "cpu") == 8 and ev.eval_batch_size("4", "cpu") == 4
+    assert override == {
+        "include": str(manager.task_index["gsm8k"].yaml_path),
+        "task": "gsm8k",
+        "dataset_path": "json",
+        "dataset_name": None,
+        "dataset_kwargs": {"data_files": {"test": str(test.resolve())}},
+        "training_split": None,
+        "fewshot_split": None,
+    }
+    assert (
+        ev.eval_batch_size("auto", "cuda:0") == "auto"
+        and ev.eval_batch_size("auto", "cpu") == 8
+        and ev.eval_batch_size("4", "cpu") == 4
+    )
 
 
 def test_minerva_math_and_mmlu_read_local_files_in_their_formats(tmp_path, no_network):
@@ -235,9 +330,13 @@ def test_minerva_math_and_mmlu_read_local_files_in_their_formats(tmp_path, no_ne
     import lm_eval
     from lm_eval.api.model import LM
 
-    algebra = write_jsonl([{"problem": "What is $1+1$?", "level": "Level 1", "type": "Algebra", "solution": "It is $\\boxed{2}$."},
-                           {"problem": "What is $2+3$?", "level": "Level 1", "type": "Algebra", "solution": "It is $\\boxed{5}$."}],
-                          tmp_path / "algebra.jsonl")
+    algebra = write_jsonl(
+        [
+            {"problem": "What is $1+1$?", "level": "Level 1", "type": "Algebra", "solution": "It is $\\boxed{2}$."},
+            {"problem": "What is $2+3$?", "level": "Level 1", "type": "Algebra", "solution": "It is $\\boxed{5}$."},
+        ],
+        tmp_path / "algebra.jsonl",
+    )
     row = {"question": "2+2?", "subject": "abstract_algebra", "choices": ["3", "4", "5", "6"], "answer": 1}
     mmlu_test = write_jsonl([row] * 3, tmp_path / "mmlu" / "test.jsonl")
     write_jsonl([row] * 5, tmp_path / "mmlu" / "dev.jsonl")
@@ -252,8 +351,13 @@ def test_minerva_math_and_mmlu_read_local_files_in_their_formats(tmp_path, no_ne
         def loglikelihood_rolling(self, requests):
             raise NotImplementedError
 
-    args = eval_args([], tmp_path, tasks="minerva_math_algebra,mmlu_abstract_algebra", num_fewshot=None,
-                     task_data=[f"minerva_math_algebra={algebra}", f"mmlu_abstract_algebra={mmlu_test.parent}"])
+    args = eval_args(
+        [],
+        tmp_path,
+        tasks="minerva_math_algebra,mmlu_abstract_algebra",
+        num_fewshot=None,
+        task_data=[f"minerva_math_algebra={algebra}", f"mmlu_abstract_algebra={mmlu_test.parent}"],
+    )
     manager, tasks = ev.task_manager(args, tmp_path / "tasks")
     results = lm_eval.simple_evaluate(model=Fixed(), tasks=tasks, task_manager=manager)
     assert results["results"]["minerva_math_algebra"]["exact_match,none"] == pytest.approx(0.5)
@@ -273,10 +377,14 @@ def test_the_docs_walkthrough_runs(tmp_path):
     text = (REPO / "docs" / "evaluation.md").read_text()
     block = re.search(r"<!-- walkthrough -->\n```bash\n(.*?)```\n<!-- /walkthrough -->", text, re.S).group(1)
     env = subprocess_env(PATH=f"{Path(PYTHON).parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO))
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     walk = tmp_path / "walk"
     assert json.loads((walk / "run" / "llmft_data.json").read_text())["mixture"]["sources"][0]["weight"] == 3.0
     lines = samples(walk / "run" / "eval" / "summary.jsonl")
     assert [(line["step"], line["task"], line["n"]) for line in lines] == [(2, "gsm8k", 8), (4, "gsm8k", 8)]
-    assert (walk / "report" / "benchmarks.png").is_file() and "| run | 4 | gsm8k |" in (walk / "report" / "report.md").read_text()
+    assert (walk / "report" / "benchmarks.png").is_file() and "| run | 4 | gsm8k |" in (
+        walk / "report" / "report.md"
+    ).read_text()

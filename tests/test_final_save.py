@@ -16,16 +16,19 @@ from llmft.planning.memory import estimated_save_s
 from llmft.training.job_deadline import JOB_END_POLL_S, JobDeadline
 
 
-@pytest.mark.parametrize("text, seconds", [
-    ("1-02:03:04\n", 93784.0),  # days-hours:minutes:seconds
-    ("2:03:04", 7384.0),
-    ("5:00", 300.0),
-    ("0:07", 7.0),
-    ("UNLIMITED", None),  # no time limit: no final save to plan
-    ("NOT_SET", None),
-    ("INVALID", None),
-    ("", None),  # squeue printed nothing (the job is gone)
-])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("1-02:03:04\n", 93784.0),  # days-hours:minutes:seconds
+        ("2:03:04", 7384.0),
+        ("5:00", 300.0),
+        ("0:07", 7.0),
+        ("UNLIMITED", None),  # no time limit: no final save to plan
+        ("NOT_SET", None),
+        ("INVALID", None),
+        ("", None),  # squeue printed nothing (the job is gone)
+    ],
+)
 def test_squeue_time_left_is_parsed(text, seconds):
     assert parse_time_left(text) == seconds
 
@@ -65,16 +68,20 @@ def test_the_deadline_reads_the_end_again_and_uses_the_longest_measured_save(mon
     assert d.due(2, 1.0) is None and slurm.asked == 1
     now[0] += JOB_END_POLL_S
     reason = d.due(3, 1.0)
-    assert slurm.asked == 2 and reason == ("Slurm job 42 ends in 50 s: starting the final save now, 76 s before the time "
-                                           "limit (no save measured yet, estimated 10 s; x1.5 + a 1.0 s step + 60 s)")
+    assert slurm.asked == 2 and reason == (
+        "Slurm job 42 ends in 50 s: starting the final save now, 76 s before the time "
+        "limit (no save measured yet, estimated 10 s; x1.5 + a 1.0 s step + 60 s)"
+    )
     slurm.left = 200.0
     now[0] += JOB_END_POLL_S
     assert d.due(4, 1.0) is None
     d.record_save(120.0)  # a save took 120 s: the lead is now 1.5 x 120 + 1 + 60 = 241 s > 200 s left
     d.record_save(30.0)  # the longest counts
     assert d.lead(1.0) == 241.0
-    assert d.due(5, 1.0).startswith("Slurm job 42 ends in 200 s: starting the final save now, 241 s before the time limit "
-                                    "(the longest save took 120.0 s;")
+    assert d.due(5, 1.0).startswith(
+        "Slurm job 42 ends in 200 s: starting the final save now, 241 s before the time limit "
+        "(the longest save took 120.0 s;"
+    )
 
 
 def test_no_time_limit_means_no_early_stop(monkeypatch):

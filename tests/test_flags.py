@@ -19,7 +19,16 @@ def _parse(tmp_path, *argv):
     from llmft.train import make_parser
 
     return make_parser().parse_args_and_config(
-        args=["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "o"), *map(str, argv)])
+        args=[
+            "--model_name_or_path",
+            "m",
+            "--dataset_name",
+            "d.jsonl",
+            "--output_dir",
+            str(tmp_path / "o"),
+            *map(str, argv),
+        ]
+    )
 
 
 def test_every_flag_llmft_train_accepts_has_a_decision():
@@ -27,8 +36,15 @@ def test_every_flag_llmft_train_accepts_has_a_decision():
 
     from llmft.training.arguments import LlmftArguments
 
-    fields = {f.name for dt in (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments) for f in dataclasses.fields(dt) if f.init}
-    assert sorted(fields - set(POLICY)) == [], "new flags: decide in llmft/training/flags.py POLICY what llmft does with them"
+    fields = {
+        f.name
+        for dt in (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
+        for f in dataclasses.fields(dt)
+        if f.init
+    }
+    assert sorted(fields - set(POLICY)) == [], (
+        "new flags: decide in llmft/training/flags.py POLICY what llmft does with them"
+    )
     assert sorted(set(POLICY) - fields) == [], "POLICY names flags that no longer exist"
     assert {kind for kind, _ in POLICY.values()} == {USED, PASSED, CHECKED, REFUSED, EVAL}
 
@@ -88,12 +104,29 @@ def test_checked_flags_refuse_the_values_llmft_cannot_honour(argv, cuda, message
 def test_lora_flags_with_use_peft_reach_peft(tmp_path):
     from trl import get_peft_config
 
-    script_args, training_args, model_args, _ = _parse(tmp_path, "--use_peft", "--lora_r", 8, "--lora_alpha", 4, "--lora_dropout", 0.2,
-                                                       "--use_rslora", "--lora_target_modules", "q_proj", "v_proj")
+    script_args, training_args, model_args, _ = _parse(
+        tmp_path,
+        "--use_peft",
+        "--lora_r",
+        8,
+        "--lora_alpha",
+        4,
+        "--lora_dropout",
+        0.2,
+        "--use_rslora",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+    )
     check_flags(script_args, training_args, model_args, cuda=False)
     config = get_peft_config(model_args)
     assert (config.r, config.lora_alpha, config.lora_dropout, config.use_rslora, sorted(config.target_modules)) == (
-        8, 4, 0.2, True, ["q_proj", "v_proj"])
+        8,
+        4,
+        0.2,
+        True,
+        ["q_proj", "v_proj"],
+    )
 
 
 def test_passed_flags_reach_the_trainer_unchanged_and_llmft_sets_only_its_own(tmp_path):
@@ -103,21 +136,58 @@ def test_passed_flags_reach_the_trainer_unchanged_and_llmft_sets_only_its_own(tm
     from llmft.training.model_files import trainer_arguments
 
     _, training_args, _, _ = _parse(
-        tmp_path, "--lr_scheduler_type", "cosine", "--warmup_steps", 3, "--logging_steps", 7, "--save_steps", 11,
-        "--gradient_checkpointing", "false", "--packing", "--seed", 5, "--dataloader_num_workers", 2, "--max_steps", 9,
-        "--neftune_noise_alpha", 5, "--report_to", "none", "--ddp_timeout", 99, "--dataloader_pin_memory", "false")
+        tmp_path,
+        "--lr_scheduler_type",
+        "cosine",
+        "--warmup_steps",
+        3,
+        "--logging_steps",
+        7,
+        "--save_steps",
+        11,
+        "--gradient_checkpointing",
+        "false",
+        "--packing",
+        "--seed",
+        5,
+        "--dataloader_num_workers",
+        2,
+        "--max_steps",
+        9,
+        "--neftune_noise_alpha",
+        5,
+        "--report_to",
+        "none",
+        "--ddp_timeout",
+        99,
+        "--dataloader_pin_memory",
+        "false",
+    )
     plan = make_plan(micro_batch=2, global_batch=8, world=World(1, 2), output_dir=training_args.output_dir)
-    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}
-    out = trainer_arguments(training_args, plan=plan, precision="fp32", resolved_ds_config=ds, cuda=True, max_length=256, resume=None)
+    ds = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 2},
+    }
+    out = trainer_arguments(
+        training_args, plan=plan, precision="fp32", resolved_ds_config=ds, cuda=True, max_length=256, resume=None
+    )
     passed = [name for name, (kind, _) in POLICY.items() if kind == PASSED and hasattr(training_args, name)]
     changed = [name for name in passed if getattr(out, name) != getattr(training_args, name)]
     assert changed == []
     assert (out.per_device_train_batch_size, out.gradient_accumulation_steps, out.max_length) == (2, 2, 256)
     assert out.dataloader_pin_memory is False  # the user's false is kept on a GPU machine
-    assert out.include_num_input_tokens_seen == "no"  # the Trainer's default: llmft.training.metrics counts tokens itself
+    assert (
+        out.include_num_input_tokens_seen == "no"
+    )  # the Trainer's default: llmft.training.metrics counts tokens itself
     kept = dataclasses.replace(training_args, include_num_input_tokens_seen="non_padding")
-    assert trainer_arguments(kept, plan=plan, precision="fp32", resolved_ds_config=ds, cuda=False, max_length=None,
-                             resume=None).include_num_input_tokens_seen == "non_padding"
+    assert (
+        trainer_arguments(
+            kept, plan=plan, precision="fp32", resolved_ds_config=ds, cuda=False, max_length=None, resume=None
+        ).include_num_input_tokens_seen
+        == "non_padding"
+    )
 
 
 def test_model_revision_reaches_config_tokenizer_and_weights(tmp_path, monkeypatch):
@@ -137,7 +207,11 @@ def test_model_revision_reaches_config_tokenizer_and_weights(tmp_path, monkeypat
     snapshot = str(tmp_path / "snapshot")  # what the once-per-job download (llmft.training.hub) returns
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(llmft.training.hub, "_download_snapshot", lambda name, revision: calls.append(("download", name, revision)) or snapshot)
+    monkeypatch.setattr(
+        llmft.training.hub,
+        "_download_snapshot",
+        lambda name, revision: calls.append(("download", name, revision)) or snapshot,
+    )
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake("config"))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake("tokenizer"))
     _, training_args, model_args, _ = _parse(tmp_path, "--model_revision", "v1.2")
@@ -169,7 +243,10 @@ def test_plain_torch_optimizers_run_as_the_trainers_optimizer(optim):
     from llmft.planning.ds_config import DSConfigError, choose_optimizer
 
     assert "optimizer" not in choose_optimizer(_template(), optim)  # HF then builds it and hands it to DeepSpeed
-    with pytest.raises(DSConfigError, match=f"--optim {optim} runs as the Trainer's optimizer, and DeepSpeed's CPU offload needs its own"):
+    with pytest.raises(
+        DSConfigError,
+        match=f"--optim {optim} runs as the Trainer's optimizer, and DeepSpeed's CPU offload needs its own",
+    ):
         choose_optimizer(_template("zero2_offload.json"), optim)
 
 
@@ -179,12 +256,25 @@ def test_plain_torch_optimizers_run_as_the_trainers_optimizer(optim):
         ("zero2.json", "adamw_bnb_8bit", {}, "--optim adamw_bnb_8bit is not supported with DeepSpeed in llmft"),
         ("zero2.json", "paged_adamw_8bit", {}, "--optim paged_adamw_8bit is not supported"),
         ("zero2.json", "galore_adamw", {}, "--optim galore_adamw is not supported"),
-        ("zero2.json", "adamw_torch", {"optim_args": "foo=1"}, "--optim_args 'foo=1' is not used by DeepSpeed's AdamW"),
+        (
+            "zero2.json",
+            "adamw_torch",
+            {"optim_args": "foo=1"},
+            "--optim_args 'foo=1' is not used by DeepSpeed's AdamW",
+        ),
         ("zero2.json", "adafactor", {"optim_args": "foo=1"}, "--optim_args is not used by adafactor"),
-        ({"optimizer": {"type": "Lamb", "params": {}}}, "adamw_torch", {"user_config": True},
-         "--optim adamw_torch contradicts the optimizer block (Lamb) of your DeepSpeed config"),
-        ({"optimizer": {"type": "AdamW", "params": {}}}, "sgd", {"user_config": True},
-         "--optim sgd contradicts the optimizer block (AdamW) of your DeepSpeed config"),
+        (
+            {"optimizer": {"type": "Lamb", "params": {}}},
+            "adamw_torch",
+            {"user_config": True},
+            "--optim adamw_torch contradicts the optimizer block (Lamb) of your DeepSpeed config",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {}}},
+            "sgd",
+            {"user_config": True},
+            "--optim sgd contradicts the optimizer block (AdamW) of your DeepSpeed config",
+        ),
     ],
 )
 def test_optimizers_llmft_cannot_run_are_refused(config, optim, kwargs, message):
@@ -201,7 +291,9 @@ def test_a_users_own_optimizer_block_decides_when_optim_is_left_alone():
     lamb = {"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}
     assert choose_optimizer(lamb, "adamw_torch_fused", user_config=True) == lamb
     no_block = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    assert choose_optimizer(no_block, "adamw_torch", user_config=True)["optimizer"]["type"] == "AdamW"  # offload needs it
+    assert (
+        choose_optimizer(no_block, "adamw_torch", user_config=True)["optimizer"]["type"] == "AdamW"
+    )  # offload needs it
     assert "optimizer" not in choose_optimizer({"zero_optimization": {"stage": 2}}, "adamw_torch", user_config=True)
 
 
@@ -211,12 +303,41 @@ def test_sgd_really_trains_as_the_trainers_optimizer_under_zero2(tiny_model, tin
     from conftest import PYTHON, run
 
     out = tmp_path / "sgd"
-    run([PYTHON, "-m", "llmft.train", "--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data),
-         "--output_dir", str(out), "--report_to", "none", "--zero_stage", "2", "--max_steps", "2", "--save_steps", "2",
-         "--per_device_train_batch_size", "2", "--optim", "sgd", "--optim_args", "momentum=0.9", "--learning_rate", "0.01"],
-        check=True, timeout=300)
+    run(
+        [
+            PYTHON,
+            "-m",
+            "llmft.train",
+            "--model_name_or_path",
+            str(tiny_model),
+            "--dataset_name",
+            str(tiny_data),
+            "--output_dir",
+            str(out),
+            "--report_to",
+            "none",
+            "--zero_stage",
+            "2",
+            "--max_steps",
+            "2",
+            "--save_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--optim",
+            "sgd",
+            "--optim_args",
+            "momentum=0.9",
+            "--learning_rate",
+            "0.01",
+        ],
+        check=True,
+        timeout=300,
+    )
     assert "optimizer" not in json.loads((out / "ds_config.json").read_text())
-    shard = torch.load(out / "checkpoint-2" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    shard = torch.load(
+        out / "checkpoint-2" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False
+    )
     state = shard["optimizer_state_dict"]["base_optimizer_state"]
     inner = state["state"] if "state" in state else state[0]["state"]
     names = {k for per_param in inner.values() for k in per_param}
@@ -231,20 +352,36 @@ def _quant(gpu="A100-80GB", zero_stage=2, offload=False, use_peft=True, precisio
     from llmft.planning.hardware import GPUS
     from llmft.planning.qlora import QuantRequest, choose_quantization
 
-    return choose_quantization(QuantRequest(**request), gpu=GPUS[gpu] if gpu else None, zero_stage=zero_stage,
-                               offload=offload, use_peft=use_peft, precision=precision, bitsandbytes=bnb)
+    return choose_quantization(
+        QuantRequest(**request),
+        gpu=GPUS[gpu] if gpu else None,
+        zero_stage=zero_stage,
+        offload=offload,
+        use_peft=use_peft,
+        precision=precision,
+        bitsandbytes=bnb,
+    )
 
 
 def test_qlora_4bit_on_an_a100_under_zero3_packs_weights_in_bf16():
     assert _quant(zero_stage=3, load_in_4bit=True) == {
-        "load_in_4bit": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": False, "bnb_4bit_quant_storage": "bfloat16", "model_dtype": "bfloat16"}
+        "load_in_4bit": True,
+        "bnb_4bit_compute_dtype": "bfloat16",
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": False,
+        "bnb_4bit_quant_storage": "bfloat16",
+        "model_dtype": "bfloat16",
+    }
 
 
 def test_qlora_on_a_t4_under_zero2_computes_in_fp16_and_8bit_works_there():
     q = _quant(gpu="T4", precision="fp16", load_in_4bit=True, nested=True, quant_type="fp4")
-    assert (q["bnb_4bit_compute_dtype"], q["bnb_4bit_quant_type"], q["bnb_4bit_use_double_quant"], "bnb_4bit_quant_storage" in q) == (
-        "float16", "fp4", True, False)
+    assert (
+        q["bnb_4bit_compute_dtype"],
+        q["bnb_4bit_quant_type"],
+        q["bnb_4bit_use_double_quant"],
+        "bnb_4bit_quant_storage" in q,
+    ) == ("float16", "fp4", True, False)
     assert _quant(gpu="L4", zero_stage=1, load_in_8bit=True) == {"load_in_8bit": True, "model_dtype": "bfloat16"}
     assert _quant(gpu="L4") is None  # no quantization asked
 
@@ -253,14 +390,23 @@ def test_qlora_on_a_t4_under_zero2_computes_in_fp16_and_8bit_works_there():
     "kwargs, message",
     [
         ({"gpu": None, "precision": "fp32", "load_in_4bit": True}, "--load_in_4bit (QLoRA) needs a CUDA GPU"),
-        ({"gpu": "V100-16GB", "precision": "fp16", "load_in_4bit": True}, "needs compute capability 7.5+ (T4 or newer) for bitsandbytes; this V100-16GB has 7.0"),
+        (
+            {"gpu": "V100-16GB", "precision": "fp16", "load_in_4bit": True},
+            "needs compute capability 7.5+ (T4 or newer) for bitsandbytes; this V100-16GB has 7.0",
+        ),
         ({"zero_stage": 3, "load_in_8bit": True}, "--load_in_8bit cannot run under ZeRO-3"),
-        ({"zero_stage": 3, "offload": True, "load_in_4bit": True}, "--load_in_4bit with --offload saves no GPU memory"),
+        (
+            {"zero_stage": 3, "offload": True, "load_in_4bit": True},
+            "--load_in_4bit with --offload saves no GPU memory",
+        ),
         ({"use_peft": False, "load_in_4bit": True}, "add --use_peft"),
         ({"bnb": None, "load_in_4bit": True}, "--load_in_4bit needs bitsandbytes: pip install"),
         ({"bnb": "0.42.0", "load_in_4bit": True}, "bitsandbytes 0.42.0 is too old"),
         ({"load_in_4bit": True, "load_in_8bit": True}, "--load_in_4bit and --load_in_8bit contradict each other"),
-        ({"zero_stage": 3, "load_in_4bit": True, "quant_storage": "uint8"}, "--bnb_4bit_quant_storage uint8 under ZeRO-3 must match"),
+        (
+            {"zero_stage": 3, "load_in_4bit": True, "quant_storage": "uint8"},
+            "--bnb_4bit_quant_storage uint8 under ZeRO-3 must match",
+        ),
         ({"load_in_4bit": True, "dtype": "float16"}, "--dtype float16 contradicts the bf16 this run trains in"),
         ({"nested": True}, "set without --load_in_4bit"),
         ({"load_in_8bit": True, "quant_type": "fp4"}, "apply to --load_in_4bit, not --load_in_8bit"),
@@ -277,12 +423,24 @@ def test_load_in_4bit_on_this_cpu_machine_is_one_line_before_anything_loads(tiny
     from llmft.train import cli, make_parser
 
     out = tmp_path / "out"
-    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out),
-            "--report_to", "none", "--use_peft", "--load_in_4bit"]
+    argv = [
+        "--model_name_or_path",
+        str(tiny_model),
+        "--dataset_name",
+        str(tiny_data),
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+        "--use_peft",
+        "--load_in_4bit",
+    ]
     assert cli(make_parser(), argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["llmft train: error: --load_in_4bit (QLoRA) needs a CUDA GPU for bitsandbytes' kernels and none is "
-                   "visible here: drop it to train LoRA in full precision, or run on a GPU node"]
+    assert err == [
+        "llmft train: error: --load_in_4bit (QLoRA) needs a CUDA GPU for bitsandbytes' kernels and none is "
+        "visible here: drop it to train LoRA in full precision, or run on a GPU node"
+    ]
     assert not out.exists()
 
 
@@ -292,8 +450,17 @@ def test_an_unknown_flag_names_the_closest_known_one():
 
     parser = make_parser()
     known = [s for a in parser._actions for s in a.option_strings]
-    assert unknown_flag_message(["--golbal_batch_size", "8"], known) == "unknown flag --golbal_batch_size: did you mean --global_batch_size?"
-    assert unknown_flag_message(["--lerning_rate=1e-4"], known) == "unknown flag --lerning_rate: did you mean --learning_rate?"
-    assert unknown_flag_message(["--zzzz", "1", "--qqqq"], known) == "unknown flag --zzzz (and 1 more unknown): llmft train --help lists every flag"
+    assert (
+        unknown_flag_message(["--golbal_batch_size", "8"], known)
+        == "unknown flag --golbal_batch_size: did you mean --global_batch_size?"
+    )
+    assert (
+        unknown_flag_message(["--lerning_rate=1e-4"], known)
+        == "unknown flag --lerning_rate: did you mean --learning_rate?"
+    )
+    assert (
+        unknown_flag_message(["--zzzz", "1", "--qqqq"], known)
+        == "unknown flag --zzzz (and 1 more unknown): llmft train --help lists every flag"
+    )
     with pytest.raises(ValueError, match="unknown flag --num_epochs: did you mean --num_train_epochs"):
         parser.parse_args_and_config(args=["--num_epochs", "3"])

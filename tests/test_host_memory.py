@@ -36,19 +36,39 @@ def gpt2_124m(tmp_path_factory):
 
 def host_lines(stdout: str):
     """(before loading, peak after loading) per rank, and the peak per rank at the end, in GiB."""
-    loading = [(float(b), float(p)) for b, p in re.findall(r"rank \d+ ([\d.]+) GiB before loading, ([\d.]+) GiB peak after loading", stdout)]
+    loading = [
+        (float(b), float(p))
+        for b, p in re.findall(r"rank \d+ ([\d.]+) GiB before loading, ([\d.]+) GiB peak after loading", stdout)
+    ]
     end = re.search(r"llmft: host memory peak: (.*?);", stdout).group(1)
     return loading, [float(x) for x in re.findall(r"rank \d+ ([\d.]+) GiB", end)]
 
 
-def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_stays_within_the_plan(gpt2_124m, tmp_path):
+def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_stays_within_the_plan(
+    gpt2_124m, tmp_path
+):
     model, data = gpt2_124m
-    flags = ("--zero_stage", 3, "--max_steps", 2, "--global_batch_size", 2, "--per_device_train_batch_size", 1,
-             "--max_length", 64)
-    saving = run(train_cmd(model, data, tmp_path / "saving", *flags, "--save_steps", 1, "--save_consolidated"), check=True)
+    flags = (
+        "--zero_stage",
+        3,
+        "--max_steps",
+        2,
+        "--global_batch_size",
+        2,
+        "--per_device_train_batch_size",
+        1,
+        "--max_length",
+        64,
+    )
+    saving = run(
+        train_cmd(model, data, tmp_path / "saving", *flags, "--save_steps", 1, "--save_consolidated"), check=True
+    )
     # TRANSFORMERS_VERBOSITY: the model loads inside SFTTrainer's constructor, before HF applies --log_level.
-    plain = run(train_cmd(model, data, tmp_path / "plain", *flags, "--save_strategy", "no"), check=True,
-                TRANSFORMERS_VERBOSITY="info")
+    plain = run(
+        train_cmd(model, data, tmp_path / "plain", *flags, "--save_strategy", "no"),
+        check=True,
+        TRANSFORMERS_VERBOSITY="info",
+    )
     _, with_ckpt = host_lines(saving.stdout)
     loading, without = host_lines(plain.stdout)
 
@@ -57,9 +77,13 @@ def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_st
     assert max(with_ckpt) - max(without) < 0.25 * MODEL_GIB, (with_ckpt, without)
     tag = tmp_path / "saving" / "checkpoint-1" / "global_step1"
     assert sorted(p.name for p in tag.glob("zero_pp_rank_*_model_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    ]
     assert not (tmp_path / "saving" / "checkpoint-1" / "model.safetensors").exists()
-    assert "Saving the full checkpoint instead" not in saving.stdout + saving.stderr  # HF's fallback: shards written twice
+    assert (
+        "Saving the full checkpoint instead" not in saving.stdout + saving.stderr
+    )  # HF's fallback: shards written twice
 
     # --save_consolidated: the gathered model at the end, equal to the last checkpoint's weights.
     import torch
@@ -92,8 +116,17 @@ def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_st
     from llmft.planning.model_shape import load_model_config, model_shape
 
     shape = model_shape(load_model_config(str(model)))
-    job = memory.Job(shape, None, 1000.0, 1, 2, 64, "fp32", global_batch=2, micro_batch=1,
-                     zero_config={3: load_config(template_path(3))["zero_optimization"]})
+    job = memory.Job(
+        shape,
+        None,
+        1000.0,
+        1,
+        2,
+        64,
+        "fp32",
+        global_batch=2,
+        micro_batch=1,
+        zero_config={3: load_config(template_path(3))["zero_optimization"]},
+    )
     planned = memory.estimate(job, memory.Setting(3, "none", 1, 1, True)).host["peak"] / 2**30  # TRL: checkpointing on
     assert sum(without) <= planned and sum(with_ckpt) <= planned, (without, with_ckpt, planned)
-

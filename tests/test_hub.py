@@ -42,8 +42,12 @@ def race(tmp_path: Path, token: str | None, fail: bool = False, n: int = RANKS) 
     ctx = mp.get_context("spawn")
     start, results = ctx.Barrier(n), ctx.Queue()
     log = tmp_path / "downloads.jsonl"
-    procs = [ctx.Process(target=racer, args=(str(tmp_path / "cache" / ".llmft-locks"), str(log), token, fail, start, results))
-             for _ in range(n)]
+    procs = [
+        ctx.Process(
+            target=racer, args=(str(tmp_path / "cache" / ".llmft-locks"), str(log), token, fail, start, results)
+        )
+        for _ in range(n)
+    ]
     for p in procs:
         p.start()
     got = [results.get(timeout=120) for _ in procs]
@@ -107,17 +111,38 @@ def test_local_directories_and_bad_names_never_touch_the_hub(tmp_path):
 
 
 def test_weights_transformers_does_not_load_are_not_downloaded():
-    llama = ["config.json", "generation_config.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json",
-             "original/consolidated.00.pth", "original/params.json", "original/tokenizer.model", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "pytorch_model-00001-of-00002.bin"]
+    llama = [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00004.safetensors",
+        "model.safetensors.index.json",
+        "original/consolidated.00.pth",
+        "original/params.json",
+        "original/tokenizer.model",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "pytorch_model-00001-of-00002.bin",
+    ]
     from huggingface_hub.utils import filter_repo_objects
 
     kept = sorted(filter_repo_objects(llama, ignore_patterns=skip_patterns(llama)))
-    assert kept == ["config.json", "generation_config.json", "model-00001-of-00004.safetensors",
-                    "model.safetensors.index.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    assert kept == [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00004.safetensors",
+        "model.safetensors.index.json",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     bin_only = ["config.json", "pytorch_model.bin", "vocab.json", "merges.txt", "flax_model.msgpack", "tf_model.h5"]
     assert sorted(filter_repo_objects(bin_only, ignore_patterns=skip_patterns(bin_only))) == [
-        "config.json", "merges.txt", "pytorch_model.bin", "vocab.json"]
+        "config.json",
+        "merges.txt",
+        "pytorch_model.bin",
+        "vocab.json",
+    ]
 
 
 CACHED = r"""
@@ -138,14 +163,22 @@ def test_compute_nodes_without_internet_use_the_cached_snapshot_or_say_how_to_ge
     (snapshot / "config.json").write_text("{}")
     (cache / "models--org--tiny" / "refs").mkdir()
     (cache / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
-    env = dict(HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(cache), HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2",
-               WORLD_SIZE="2", TORCHELASTIC_RUN_ID="55")
+    env = dict(
+        HF_HUB_OFFLINE="0",
+        HF_HUB_CACHE=str(cache),
+        HF_ENDPOINT="http://127.0.0.1:9",
+        HF_HUB_ETAG_TIMEOUT="2",
+        WORLD_SIZE="2",
+        TORCHELASTIC_RUN_ID="55",
+    )
     proc = run([PYTHON, "-c", CACHED, "org/tiny"], timeout=120, **env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(snapshot), proc.stdout
     proc = run([PYTHON, "-c", CACHED, "org/uncached"], timeout=120, **env)
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("HubError: cannot download model org/uncached (") and "hf download org/uncached" in last, proc.stdout
+    assert last.startswith("HubError: cannot download model org/uncached (") and "hf download org/uncached" in last, (
+        proc.stdout
+    )
 
 
 def test_a_two_process_run_from_a_hub_id_downloads_once_and_trains(tiny_model, tiny_data, tmp_path):
@@ -158,11 +191,37 @@ def test_a_two_process_run_from_a_hub_id_downloads_once_and_trains(tiny_model, t
     (cache / "models--org--tiny" / "refs").mkdir()
     (cache / "models--org--tiny" / "refs" / "main").write_text("b" * 40)
     out = tmp_path / "run"
-    proc = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "llmft.train",
-                "--model_name_or_path", "org/tiny", "--dataset_name", str(tiny_data), "--output_dir", str(out),
-                "--max_steps", "1", "--global_batch_size", "4", "--per_device_train_batch_size", "2", "--report_to", "none",
-                "--disable_tqdm", "true"],
-               HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(cache), HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2")
+    proc = run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "llmft.train",
+            "--model_name_or_path",
+            "org/tiny",
+            "--dataset_name",
+            str(tiny_data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "1",
+            "--global_batch_size",
+            "4",
+            "--per_device_train_batch_size",
+            "2",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+        ],
+        HF_HUB_OFFLINE="0",
+        HF_HUB_CACHE=str(cache),
+        HF_ENDPOINT="http://127.0.0.1:9",
+        HF_HUB_ETAG_TIMEOUT="2",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("llmft: downloading org/tiny (revision main)") == 1, proc.stdout
     assert proc.stdout.count("using the cached copy of org/tiny") == 1, proc.stdout

@@ -43,11 +43,40 @@ def trained(tmp_path_factory, tiny_model, tiny_data):
     def get(name: str) -> Path:
         if name not in done:
             out = root / name
-            run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-                 "-m", "llmft.train", "--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data),
-                 "--output_dir", str(out), "--max_steps", "4", "--save_steps", "2", "--global_batch_size", "8",
-                 "--per_device_train_batch_size", "2", "--report_to", "none", "--logging_steps", "1", *RUNS[name]],
-                timeout=480, check=True)
+            run(
+                [
+                    PYTHON,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    "2",
+                    "--master_port",
+                    str(_free_port()),
+                    "-m",
+                    "llmft.train",
+                    "--model_name_or_path",
+                    str(tiny_model),
+                    "--dataset_name",
+                    str(tiny_data),
+                    "--output_dir",
+                    str(out),
+                    "--max_steps",
+                    "4",
+                    "--save_steps",
+                    "2",
+                    "--global_batch_size",
+                    "8",
+                    "--per_device_train_batch_size",
+                    "2",
+                    "--report_to",
+                    "none",
+                    "--logging_steps",
+                    "1",
+                    *RUNS[name],
+                ],
+                timeout=480,
+                check=True,
+            )
             done[name] = out
         return done[name]
 
@@ -141,8 +170,12 @@ def test_batch_from_prompt_file_matches_single_prompts(trained, tmp_path, capsys
         assert single == g  # left-padded batching changes nothing in greedy output
 
     jsonl = tmp_path / "prompts.jsonl"
-    jsonl.write_text(json.dumps({"prompt": "Spell apple backwards."}) + "\n"
-                     + json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    jsonl.write_text(
+        json.dumps({"prompt": "Spell apple backwards."})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi"}]})
+        + "\n"
+    )
     rows = _main(capsys, out, "--prompt_file", jsonl, "--max_new_tokens", "4")["generations"]
     assert rows[0]["prompt"] == "Spell apple backwards."
     assert rows[1]["prompt"] == "<|user|>\nHi<|endoftext|>\n<|assistant|>\n"  # messages go through the chat template
@@ -193,7 +226,9 @@ def test_export_loads_with_from_pretrained(trained, tmp_path, capsys):
 
     _main(capsys, tag(out), "--export", tmp_path / "bf16", "--dtype", "bfloat16")
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
-    assert all(v.dtype == torch.bfloat16 and torch.equal(v, ref[k].to(torch.bfloat16)) for k, v in bf16.state_dict().items())
+    assert all(
+        v.dtype == torch.bfloat16 and torch.equal(v, ref[k].to(torch.bfloat16)) for k, v in bf16.state_dict().items()
+    )
 
 
 def test_lora_adapter_merge_and_export(trained, tmp_path, capsys):
@@ -234,21 +269,42 @@ def test_inference_entry_point_and_llmft_subcommand(trained, tiny_model, capsys)
     """The original workflow: python3 inference/inference.py <tag dir> --model_name ... (and `llmft infer`)."""
     tag_dir = tag(trained("z2"))
     expected = _main(capsys, tag_dir, "--prompt", PROMPT, "--max_new_tokens", "6")["generations"]
-    legacy = run([PYTHON, str(REPO / "inference" / "inference.py"), str(tag_dir), "--prompt", PROMPT,
-                  "--model_name", str(tiny_model), "--device", "cpu", "--max_new_tokens", "6", "--json"], timeout=180)
+    legacy = run(
+        [
+            PYTHON,
+            str(REPO / "inference" / "inference.py"),
+            str(tag_dir),
+            "--prompt",
+            PROMPT,
+            "--model_name",
+            str(tiny_model),
+            "--device",
+            "cpu",
+            "--max_new_tokens",
+            "6",
+            "--json",
+        ],
+        timeout=180,
+    )
     assert legacy.returncode == 0, legacy.stderr[-3000:]
     assert json.loads(legacy.stdout)["generations"] == expected
-    sub = run([PYTHON, "-m", "llmft.cli", "infer", str(tag_dir), "--prompt", PROMPT, "--max_new_tokens", "6", "--json"], timeout=180)
+    sub = run(
+        [PYTHON, "-m", "llmft.cli", "infer", str(tag_dir), "--prompt", PROMPT, "--max_new_tokens", "6", "--json"],
+        timeout=180,
+    )
     assert sub.returncode == 0, sub.stderr[-3000:]
     assert json.loads(sub.stdout)["generations"] == expected
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--prompt", "hi", "--device", "cuda:99"], "--device cuda:99"),
-    ([], "nothing to do"),
-    (["--prompt_file", "/nonexistent/prompts.txt"], "does not exist"),
-    (["--prompt", "hi", "--model_name", "/nonexistent/model"], "cannot load the config of /nonexistent/model"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--prompt", "hi", "--device", "cuda:99"], "--device cuda:99"),
+        ([], "nothing to do"),
+        (["--prompt_file", "/nonexistent/prompts.txt"], "does not exist"),
+        (["--prompt", "hi", "--model_name", "/nonexistent/model"], "cannot load the config of /nonexistent/model"),
+    ],
+)
 def test_bad_options_are_one_line_errors(trained, argv, expected, capsys):
     from llmft.infer import main, make_parser
 
@@ -262,10 +318,15 @@ def test_the_new_token_budget_stops_at_the_models_positions():
     from llmft.checkpoint.run_dir import CheckpointError
 
     assert new_token_budget(100, 50, 256) == (50, None)
-    assert new_token_budget(218, 60, 256) == (38, "the prompt has 218 tokens: generating at most 38 new tokens, up to the "
-                                                   "model's 256 positions (not --max_new_tokens 60)")
+    assert new_token_budget(218, 60, 256) == (
+        38,
+        "the prompt has 218 tokens: generating at most 38 new tokens, up to the "
+        "model's 256 positions (not --max_new_tokens 60)",
+    )
     assert new_token_budget(5000, 60, None) == (60, None)  # no known limit: the model decides
-    with pytest.raises(CheckpointError, match="the prompt has 256 tokens and the model reads at most 256 positions: shorten"):
+    with pytest.raises(
+        CheckpointError, match="the prompt has 256 tokens and the model reads at most 256 positions: shorten"
+    ):
         new_token_budget(256, 1, 256)
 
 
@@ -285,8 +346,13 @@ def test_a_long_prompt_generates_up_to_the_models_limit_and_a_too_long_one_is_on
     got = _main(capsys, tag_dir, "--prompt", " ".join(words), "--max_new_tokens", "60")
     assert got["generations"][0]["new_tokens"] <= 256 - n
     assert main(make_parser().parse_args([str(tag_dir), "--prompt", " ".join(words), "--max_new_tokens", "60"])) == 0
-    assert f"llmft infer: the prompt has {n} tokens: generating at most {256 - n} new tokens" in capsys.readouterr().err
+    assert (
+        f"llmft infer: the prompt has {n} tokens: generating at most {256 - n} new tokens" in capsys.readouterr().err
+    )
     assert main(make_parser().parse_args([str(tag_dir), "--prompt", long_prompt, "--max_new_tokens", "60"])) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("llmft infer: error: the prompt has ") and "the model reads at most 256 positions" in err[-1]
+    assert (
+        err[-1].startswith("llmft infer: error: the prompt has ")
+        and "the model reads at most 256 positions" in err[-1]
+    )
     assert "Traceback" not in "\n".join(err)

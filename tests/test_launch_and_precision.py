@@ -13,8 +13,17 @@ import pytest
 from llmft.planning.hardware import GPUS, HardwareError, choose_precision
 from llmft.planning.world import launch_problem
 
-ARGV = ["--model_name_or_path", "meta-llama/Llama-3.1-8B", "--dataset_name", "data.jsonl", "--output_dir", "runs/my run"]
-SAME_ARGS = "-m llmft.train --model_name_or_path meta-llama/Llama-3.1-8B --dataset_name data.jsonl --output_dir 'runs/my run'"
+ARGV = [
+    "--model_name_or_path",
+    "meta-llama/Llama-3.1-8B",
+    "--dataset_name",
+    "data.jsonl",
+    "--output_dir",
+    "runs/my run",
+]
+SAME_ARGS = (
+    "-m llmft.train --model_name_or_path meta-llama/Llama-3.1-8B --dataset_name data.jsonl --output_dir 'runs/my run'"
+)
 
 
 # ------------------------------------------------------------------ launch
@@ -23,23 +32,46 @@ SAME_ARGS = "-m llmft.train --model_name_or_path meta-llama/Llama-3.1-8B --datas
 @pytest.mark.parametrize(
     "env, gpus, expected",
     [
-        ({}, 4, f"this machine has 4 GPUs, but llmft train was started without torchrun and would train as one process: "
-                f"run torchrun --nproc_per_node 4 {SAME_ARGS}"),
+        (
+            {},
+            4,
+            f"this machine has 4 GPUs, but llmft train was started without torchrun and would train as one process: "
+            f"run torchrun --nproc_per_node 4 {SAME_ARGS}",
+        ),
         ({}, 1, None),
         ({}, 0, None),
         ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "RANK": "2"}, 4, None),  # under torchrun
         ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 4, None),  # torchrun on 2 nodes
-        ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "4"}, 4,
-         f"this Slurm job has 4 GPUs on its node, but llmft train was started without torchrun and would train as one "
-         f"process: run torchrun --nproc_per_node 4 {SAME_ARGS}"),
-        ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4"}, 4,
-         "this Slurm job has 2 nodes x 4 processes, but llmft train was started without torchrun and would train as one "
-         "process: submit slurm/run_llm.slurm, which starts one torchrun per node"),
-        ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "1"}, 1, None),  # Slurm gave this job one GPU
+        (
+            {"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "4"},
+            4,
+            f"this Slurm job has 4 GPUs on its node, but llmft train was started without torchrun and would train as one "
+            f"process: run torchrun --nproc_per_node 4 {SAME_ARGS}",
+        ),
+        (
+            {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "4"},
+            4,
+            "this Slurm job has 2 nodes x 4 processes, but llmft train was started without torchrun and would train as one "
+            "process: submit slurm/run_llm.slurm, which starts one torchrun per node",
+        ),
+        (
+            {"SLURM_JOB_ID": "7", "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "1"},
+            1,
+            None,
+        ),  # Slurm gave this job one GPU
         ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "1"}, 0, None),  # a CPU-only Slurm node
     ],
-    ids=["4-gpus", "1-gpu", "cpu", "torchrun", "torchrun-2-nodes", "slurm-1-node-4-gpus", "slurm-2-nodes", "slurm-1-gpu",
-         "slurm-cpu"],
+    ids=[
+        "4-gpus",
+        "1-gpu",
+        "cpu",
+        "torchrun",
+        "torchrun-2-nodes",
+        "slurm-1-node-4-gpus",
+        "slurm-2-nodes",
+        "slurm-1-gpu",
+        "slurm-cpu",
+    ],
 )
 def test_several_gpus_without_torchrun_stop_with_the_exact_command(env, gpus, expected):
     problem = launch_problem(env, gpus, ARGV)
@@ -58,11 +90,22 @@ def test_train_on_a_4_gpu_machine_stops_before_loading_anything(tiny_model, tiny
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(llmft.planning.world, "_cuda_device_count", lambda: 4)
     out = tmp_path / "out"
-    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out), "--report_to", "none"]
+    argv = [
+        "--model_name_or_path",
+        str(tiny_model),
+        "--dataset_name",
+        str(tiny_data),
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+    ]
     assert cli(make_parser(), argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("llmft train: error: this machine has 4 GPUs"), err
-    assert err[0].endswith(f"run torchrun --nproc_per_node 4 -m llmft.train {' '.join(argv)}   (or CUDA_VISIBLE_DEVICES=0 for one GPU)")
+    assert err[0].endswith(
+        f"run torchrun --nproc_per_node 4 -m llmft.train {' '.join(argv)}   (or CUDA_VISIBLE_DEVICES=0 for one GPU)"
+    )
     assert not out.exists()
 
 
@@ -101,7 +144,13 @@ def test_precision_flags_are_mapped_onto_the_one_decision(precision, bf16, fp16,
         ("fp32", True, None, "A100-40GB", "--bf16 contradicts --precision fp32"),
         ("bf16", False, None, "A100-40GB", "--bf16 false contradicts --precision bf16"),
         ("fp16", None, False, "T4", "--fp16 false contradicts --precision fp16"),
-        ("auto", True, None, "T4", "bf16 needs a GPU with compute capability 8.0 or newer; this T4 has 7.5: use --precision fp16"),
+        (
+            "auto",
+            True,
+            None,
+            "T4",
+            "bf16 needs a GPU with compute capability 8.0 or newer; this T4 has 7.5: use --precision fp16",
+        ),
         ("auto", None, True, None, "fp16 mixed precision needs a GPU and none is visible here"),
     ],
 )
@@ -114,7 +163,8 @@ def _parse(argv, tmp_path):
     from llmft.train import make_parser
 
     return make_parser().parse_args_and_config(
-        args=["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "o"), *argv])
+        args=["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "o"), *argv]
+    )
 
 
 @pytest.mark.parametrize(
@@ -151,7 +201,12 @@ def test_trl_bf16_default_does_not_fail_parsing_on_a_t4(tmp_path, monkeypatch):
     from llmft.training.model_files import train_precision
 
     monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: False)
-    argv = ["--output_dir", str(tmp_path / "o"), "--use_cpu", "false"]  # use_cpu false: what llmft sets on a GPU machine
+    argv = [
+        "--output_dir",
+        str(tmp_path / "o"),
+        "--use_cpu",
+        "false",
+    ]  # use_cpu false: what llmft sets on a GPU machine
     try:
         with pytest.raises(ValueError, match="Your setup doesn't support bf16/gpu"):
             TrlParser((SFTConfig,)).parse_args_and_config(args=argv)  # the failure llmft avoids
@@ -188,7 +243,14 @@ def test_inference_asks_the_same_function(monkeypatch):
 def test_plan_on_a_login_node_says_what_auto_will_pick(capsys):
     from llmft.plan import main, make_parser
 
-    assert main(make_parser().parse_args(["--per_device_train_batch_size", "1", "--nnodes", "1", "--nproc_per_node", "1"])) == 0
+    assert (
+        main(
+            make_parser().parse_args(["--per_device_train_batch_size", "1", "--nnodes", "1", "--nproc_per_node", "1"])
+        )
+        == 0
+    )
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("llmft plan: precision"))
-    assert line == ("llmft plan: precision bf16 on GPUs with compute capability 8.0+ (A100, L4, H100), "
-                    "fp16 on older GPUs (T4, V100), fp32 on CPU")
+    assert line == (
+        "llmft plan: precision bf16 on GPUs with compute capability 8.0+ (A100, L4, H100), "
+        "fp16 on older GPUs (T4, V100), fp32 on CPU"
+    )

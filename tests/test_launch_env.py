@@ -48,7 +48,16 @@ def test_expand_hostlist_round_trips_any_set_of_numbered_nodes(numbers):
 
 @pytest.mark.parametrize(
     "spec, count",
-    [("2", 2), ("a100:2", 2), ("gpu:a100:2", 2), ("gpu:4", 4), ("a100:2,l4:1", 3), ("gpu:a100", 1), ("(null)", 0), ("", 0)],
+    [
+        ("2", 2),
+        ("a100:2", 2),
+        ("gpu:a100:2", 2),
+        ("gpu:4", 4),
+        ("a100:2,l4:1", 3),
+        ("gpu:a100", 1),
+        ("(null)", 0),
+        ("", 0),
+    ],
 )
 def test_gpu_count_from_slurm_gpu_specs(spec, count):
     assert parse_gpu_count(spec) == count
@@ -143,17 +152,21 @@ def test_unreadable_cpu_count_names_the_variable():
 @pytest.mark.parametrize(
     "cpus, procs, threads, workers, tokenisers",
     [
-        (4, 1, 4, 2, 4),     # g2-standard-4: one L4, 4 vCPUs (--cpus-per-gpu=4)
-        (16, 4, 4, 2, 16),   # 4 GPUs x 4 CPUs
+        (4, 1, 4, 2, 4),  # g2-standard-4: one L4, 4 vCPUs (--cpus-per-gpu=4)
+        (16, 4, 4, 2, 16),  # 4 GPUs x 4 CPUs
         (96, 8, 12, 2, 96),  # p4d.24xlarge: 8 A100s, 96 vCPUs
-        (2, 1, 2, 0, 2),     # too few CPUs for workers beside the process
+        (2, 1, 2, 0, 2),  # too few CPUs for workers beside the process
         (3, 1, 3, 1, 3),
-        (2, 4, 1, 0, 2),     # fewer CPUs than processes: one thread each, and a warning
+        (2, 4, 1, 0, 2),  # fewer CPUs than processes: one thread each, and a warning
     ],
 )
 def test_a_nodes_cpus_are_split_between_its_processes(cpus, procs, threads, workers, tokenisers):
     split = cpu_split(cpus, procs)
-    assert (split.threads_per_process, split.dataloader_workers, split.dataset_num_proc) == (threads, workers, tokenisers)
+    assert (split.threads_per_process, split.dataloader_workers, split.dataset_num_proc) == (
+        threads,
+        workers,
+        tokenisers,
+    )
     # Never more busy threads per process than its share (the process itself plus its workers count too).
     assert split.threads_per_process * procs <= max(cpus, procs)
     assert (split.warning() is not None) == (cpus < procs)
@@ -162,28 +175,42 @@ def test_a_nodes_cpus_are_split_between_its_processes(cpus, procs, threads, work
 def test_llmft_plan_prints_the_launch_line_the_slurm_script_reads(monkeypatch, capsys):
     from llmft import plan
 
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NNODES", "SLURM_GPUS_PER_NODE", "SLURM_NTASKS", "SLURM_GPUS"):
+    for name in (
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "SLURM_NNODES",
+        "SLURM_GPUS_PER_NODE",
+        "SLURM_NTASKS",
+        "SLURM_GPUS",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
     monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "48(x2)")
-    args = plan.make_parser().parse_args(["--global_batch_size", "64", "--per_device_train_batch_size", "2", "--print_launch"])
+    args = plan.make_parser().parse_args(
+        ["--global_batch_size", "64", "--per_device_train_batch_size", "2", "--print_launch"]
+    )
     assert plan.main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert "llmft plan: world size 8 (2 nodes x 4 processes, from slurm)" in out
-    assert out[-1] == ("llmft launch: nnodes=2 nproc_per_node=4 cpus_per_node=48 omp_num_threads=12 "
-                       "dataloader_num_workers=2 dataset_num_proc=48")
+    assert out[-1] == (
+        "llmft launch: nnodes=2 nproc_per_node=4 cpus_per_node=48 omp_num_threads=12 "
+        "dataloader_num_workers=2 dataset_num_proc=48"
+    )
 
 
-@pytest.mark.parametrize("value, fixed", [
-    ("9.0a", "9.0"),  # what an H100 image set (seen 2026-11-24): FusedAdam's build failed at the first step
-    ("8.0;9.0a+PTX", "8.0;9.0+PTX"),
-    ("8.0 8.9 9.0a 10.0f", "8.0;8.9;9.0;10.0"),
-    ("9.0a;9.0", "9.0"),
-    ("8.0;8.9", None),  # the Dockerfile's: DeepSpeed reads it as it is
-    ("", None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "value, fixed",
+    [
+        ("9.0a", "9.0"),  # what an H100 image set (seen 2026-11-24): FusedAdam's build failed at the first step
+        ("8.0;9.0a+PTX", "8.0;9.0+PTX"),
+        ("8.0 8.9 9.0a 10.0f", "8.0;8.9;9.0;10.0"),
+        ("9.0a;9.0", "9.0"),
+        ("8.0;8.9", None),  # the Dockerfile's: DeepSpeed reads it as it is
+        ("", None),
+        (None, None),
+    ],
+)
 def test_arch_specific_targets_are_rewritten_for_deepspeeds_op_builder(monkeypatch, value, fixed):
     """DeepSpeed's own JIT builder (the code that failed on the H100) reads what llmft sets, and fails on the raw value."""
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
@@ -207,14 +234,17 @@ ARM_SVE = "processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: fp asimd evtstrm sve
 ARM_NEON = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes crc32\n"
 
 
-@pytest.mark.parametrize("text, machine, simd, vendor", [
-    (X86_AVX2, "x86_64", "-D__AVX256__", "AuthenticAMD"),
-    (X86_AVX512, "x86_64", "-D__AVX512__", "GenuineIntel"),
-    (ARM_SVE, "aarch64", "-D__SVE__", None),
-    (ARM_NEON, "aarch64", "-D__NEON__", None),
-    (X86_AVX2, "ppc64le", None, None),  # py-cpuinfo's own answer is kept elsewhere
-    ("processor\t: 0\nvendor_id\t: GenuineIntel\n", "x86_64", None, None),  # no flags line
-])
+@pytest.mark.parametrize(
+    "text, machine, simd, vendor",
+    [
+        (X86_AVX2, "x86_64", "-D__AVX256__", "AuthenticAMD"),
+        (X86_AVX512, "x86_64", "-D__AVX512__", "GenuineIntel"),
+        (ARM_SVE, "aarch64", "-D__SVE__", None),
+        (ARM_NEON, "aarch64", "-D__NEON__", None),
+        (X86_AVX2, "ppc64le", None, None),  # py-cpuinfo's own answer is kept elsewhere
+        ("processor\t: 0\nvendor_id\t: GenuineIntel\n", "x86_64", None, None),  # no flags line
+    ],
+)
 def test_deepspeed_reads_the_same_cpu_from_proc_cpuinfo(monkeypatch, text, machine, simd, vendor):
     """DeepSpeed's CPU op builders derive -march and the SIMD width from py-cpuinfo (1 s a call, two calls per op load,
     every rank): llmft answers from /proc/cpuinfo, and DeepSpeed's own code must reach the same compile flags."""
@@ -249,7 +279,9 @@ def test_this_machines_deepspeed_op_flags_are_unchanged_by_reading_proc_cpuinfo(
     monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # restored after the test
     assert use_proc_cpuinfo_for_deepspeed(env={}) is True
     spawned = []
-    monkeypatch.setattr(subprocess.Popen, "__init__", lambda self, *a, **k: spawned.append(a) or (_ for _ in ()).throw(OSError))
+    monkeypatch.setattr(
+        subprocess.Popen, "__init__", lambda self, *a, **k: spawned.append(a) or (_ for _ in ()).throw(OSError)
+    )
     assert [b.cxx_args() for b in builders] == before
     assert spawned == []
     ours = cpuinfo.get_cpu_info()

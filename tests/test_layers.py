@@ -83,7 +83,7 @@ def test_no_import_cycles():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
             if nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2
@@ -148,7 +148,9 @@ def test_the_code_is_formatted_by_the_tool():
     """Formatting and import order are ruff's (pyproject.toml); `make format` fixes what this finds."""
     root = PACKAGE.parent
     paths = ["llmft", "tests", "bench", "inference"]
-    fmt = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", *paths], cwd=root, capture_output=True, text=True)
+    fmt = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", *paths], cwd=root, capture_output=True, text=True
+    )
     assert fmt.returncode == 0, f"run `make format`:\n{fmt.stdout}{fmt.stderr}"
     lint = subprocess.run([sys.executable, "-m", "ruff", "check", *paths], cwd=root, capture_output=True, text=True)
     assert lint.returncode == 0, f"run `make format`:\n{lint.stdout}{lint.stderr}"

@@ -25,11 +25,43 @@ EXPECTED = {
 
 def lora_cmd(model, data, out):
     return [
-        PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", PROBE, "--model_name_or_path", str(model),
-        "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none", "--logging_steps", "1",
-        "--disable_tqdm", "true", "--zero_stage", "3", "--max_steps", "4", "--save_steps", "2", "--global_batch_size", "4",
-        "--per_device_train_batch_size", "2", "--learning_rate", "5e-3", "--use_peft", "--lora_r", str(R),
-        "--lora_alpha", "8", "--lora_target_modules", "c_attn",
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        PROBE,
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        "--zero_stage",
+        "3",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--global_batch_size",
+        "4",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "5e-3",
+        "--use_peft",
+        "--lora_r",
+        str(R),
+        "--lora_alpha",
+        "8",
+        "--lora_target_modules",
+        "c_attn",
     ]
 
 
@@ -59,7 +91,9 @@ def test_every_saved_adapter_is_whole_trained_and_published(lora_run):
         config = json.loads((where / "adapter_config.json").read_text())
         assert config["r"] == R and config["target_modules"] == ["c_attn"]
         saved[where.name] = tensors
-    assert (lora_run / "checkpoint-2" / COMPLETE_MARKER).is_file() and (lora_run / "checkpoint-4" / COMPLETE_MARKER).is_file()
+    assert (lora_run / "checkpoint-2" / COMPLETE_MARKER).is_file() and (
+        lora_run / "checkpoint-4" / COMPLETE_MARKER
+    ).is_file()
     assert json.loads((lora_run / DONE_MARKER).read_text())["global_step"] == 4
     # Steps 3-4 trained it further; the final adapter is the step-4 one.
     b = next(k for k in EXPECTED if "lora_B" in k)
@@ -93,9 +127,22 @@ def test_saved_adapters_give_the_logits_the_model_had_in_training(lora_run, tiny
     # The command itself, both ways: the same greedy answer.
     answers = []
     for extra in ([], ["--merge"]):
-        proc = run([PYTHON, "-m", "llmft.infer", str(lora_run / "checkpoint-4"), "--prompt", "What is 2 plus 3?",
-                    "--max_new_tokens", "6", "--json", *extra], check=True)
-        answers.append(json.loads(proc.stdout[proc.stdout.index("{"):])["generations"][0]["completion"])
+        proc = run(
+            [
+                PYTHON,
+                "-m",
+                "llmft.infer",
+                str(lora_run / "checkpoint-4"),
+                "--prompt",
+                "What is 2 plus 3?",
+                "--max_new_tokens",
+                "6",
+                "--json",
+                *extra,
+            ],
+            check=True,
+        )
+        answers.append(json.loads(proc.stdout[proc.stdout.index("{") :])["generations"][0]["completion"])
     assert answers[0] == answers[1]
 
 
@@ -104,7 +151,11 @@ def test_a_save_with_zeroed_adapter_is_refused_and_training_stops(tiny_model, ti
     save would leave it); checkpoint-2 gets no completeness marker, nothing resumes from it, and the run fails
     with one line naming the file."""
     out = tmp_path / "run"
-    proc = run(lora_cmd(tiny_model, tiny_data, out), LLMFT_PROBE_DIR=str(tmp_path / "probe"), LLMFT_PROBE_SABOTAGE="zero_lora_b")
+    proc = run(
+        lora_cmd(tiny_model, tiny_data, out),
+        LLMFT_PROBE_DIR=str(tmp_path / "probe"),
+        LLMFT_PROBE_SABOTAGE="zero_lora_b",
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("llmft train: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -126,7 +177,9 @@ def peft_model(tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=R, target_modules=["c_attn"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=R, target_modules=["c_attn"])
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -149,17 +202,24 @@ def test_the_check_names_each_kind_of_bad_file(peft_model, tiny_model, tmp_path)
         save_file(tensors, path, metadata={"format": "pt"})
         return saved_weights.problems(tmp_path, expected, adapter=True)
 
-    a0, b1 = "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight", "base_model.model.transformer.h.1.attn.c_attn.lora_B.weight"
+    a0, b1 = (
+        "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight",
+        "base_model.model.transformer.h.1.attn.c_attn.lora_B.weight",
+    )
     assert with_tensors({k: v for k, v in good.items() if k != b1}) == [f"{path} is missing {b1} (shape [192, 4])"]
     assert with_tensors({**good, a0: torch.empty(0)}) == [
         f"{path}: {a0} has shape [0], the model's is [4, 64] (a partition saved instead of the whole tensor)"
     ]
-    assert with_tensors({**good, b1: torch.zeros(192, 4)}) == [f"{path}: {b1} is all zeros but the model's is not (1 such tensors)"]
+    assert with_tensors({**good, b1: torch.zeros(192, 4)}) == [
+        f"{path}: {b1} is all zeros but the model's is not (1 such tensors)"
+    ]
     assert with_tensors({}) == [f"{path} holds no tensors"]
     path.write_bytes(b"")
     assert saved_weights.problems(tmp_path, expected, adapter=True) == [f"{path} is empty (0 bytes)"]
-    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": trunc")
-    assert saved_weights.problems(tmp_path, expected, adapter=True)[0].startswith(f"{path} is not a readable safetensors file (")
+    path.write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a": trunc')
+    assert saved_weights.problems(tmp_path, expected, adapter=True)[0].startswith(
+        f"{path} is not a readable safetensors file ("
+    )
     path.unlink()
     assert saved_weights.problems(tmp_path, expected, adapter=True) == [f"{path} is missing"]
 
@@ -192,7 +252,7 @@ def test_a_lora_checkpoint_written_by_two_ranks_resumes_on_one(lora_run, tiny_mo
     out.mkdir()
     shutil.copytree(lora_run / "checkpoint-2", out / "checkpoint-2")
     cmd = lora_cmd(tiny_model, tiny_data, out)
-    cmd = [PYTHON] + cmd[cmd.index(PROBE):]  # one process
+    cmd = [PYTHON] + cmd[cmd.index(PROBE) :]  # one process
     proc = run(cmd, check=True, LLMFT_PROBE_DIR=str(out / "probe"))
     assert "resuming checkpoint-2 written by 2 ranks on 1 ranks: universal checkpoint" in proc.stdout
     assert "accumulation 1 -> 2, global batch 4 kept" in proc.stdout

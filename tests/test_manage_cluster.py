@@ -114,8 +114,15 @@ def test_only_fake_cloud_tools_are_reachable(tmp_path):
 def test_gcp_create_runs_gcluster_create_then_deploy(cli):
     proc = cli.run("create", "llmft-test", **GCP_ENV)
     assert proc.returncode == 0, proc.stderr
-    create = ["gcluster", "create", "blueprints/gcp/hpc-slurm.yaml", "-o", "deployments",
-              "--vars", "project_id=my-proj-123,deployment_name=llmft-test,region=us-central1,zone=us-central1-a"]
+    create = [
+        "gcluster",
+        "create",
+        "blueprints/gcp/hpc-slurm.yaml",
+        "-o",
+        "deployments",
+        "--vars",
+        "project_id=my-proj-123,deployment_name=llmft-test,region=us-central1,zone=us-central1-a",
+    ]
     deploy = ["gcluster", "deploy", "deployments/llmft-test", "--auto-approve"]
     assert cli.calls() == [create, deploy]
     # Each command is printed before it runs.
@@ -124,9 +131,14 @@ def test_gcp_create_runs_gcluster_create_then_deploy(cli):
 
 
 def test_gcp_create_uses_default_name_region_zone_overrides(cli):
-    proc = cli.run("--provider", "gcp", "create", PROJECT_ID="other-proj-9", REGION="europe-west4", ZONE="europe-west4-b")
+    proc = cli.run(
+        "--provider", "gcp", "create", PROJECT_ID="other-proj-9", REGION="europe-west4", ZONE="europe-west4-b"
+    )
     assert proc.returncode == 0, proc.stderr
-    assert cli.calls()[0][-1] == "project_id=other-proj-9,deployment_name=llmft-cluster,region=europe-west4,zone=europe-west4-b"
+    assert (
+        cli.calls()[0][-1]
+        == "project_id=other-proj-9,deployment_name=llmft-cluster,region=europe-west4,zone=europe-west4-b"
+    )
     assert cli.calls()[1] == ["gcluster", "deploy", "deployments/llmft-cluster", "--auto-approve"]
 
 
@@ -168,9 +180,20 @@ def test_gcp_destroy_without_deployment_dir_is_refused(cli):
 def test_gcp_status_lists_the_deployment_vms(cli):
     proc = cli.run("status", "llmft-test", **GCP_ENV)
     assert proc.returncode == 0, proc.stderr
-    assert cli.calls() == [["gcloud", "compute", "instances", "list", "--project", "my-proj-123",
-                            "--filter", "labels.ghpc_deployment=llmft-test",
-                            "--format", "table(name,zone.basename(),status,labels.slurm_instance_role)"]]
+    assert cli.calls() == [
+        [
+            "gcloud",
+            "compute",
+            "instances",
+            "list",
+            "--project",
+            "my-proj-123",
+            "--filter",
+            "labels.ghpc_deployment=llmft-test",
+            "--format",
+            "table(name,zone.basename(),status,labels.slurm_instance_role)",
+        ]
+    ]
 
 
 def test_gcp_ssh_finds_the_login_node_and_connects_through_iap(cli):
@@ -178,11 +201,31 @@ def test_gcp_ssh_finds_the_login_node_and_connects_through_iap(cli):
     proc = cli.run("ssh", "llmft-test", **GCP_ENV)
     assert proc.returncode == 0, proc.stderr
     assert cli.calls() == [
-        ["gcloud", "compute", "instances", "list", "--project", "my-proj-123",
-         "--filter", "labels.ghpc_deployment=llmft-test AND labels.slurm_instance_role=login",
-         "--format", "value(name,zone.basename())", "--limit", "1"],
-        ["gcloud", "compute", "ssh", "llmfttest-slurmlogin-001", "--zone", "us-central1-a",
-         "--project", "my-proj-123", "--tunnel-through-iap"],
+        [
+            "gcloud",
+            "compute",
+            "instances",
+            "list",
+            "--project",
+            "my-proj-123",
+            "--filter",
+            "labels.ghpc_deployment=llmft-test AND labels.slurm_instance_role=login",
+            "--format",
+            "value(name,zone.basename())",
+            "--limit",
+            "1",
+        ],
+        [
+            "gcloud",
+            "compute",
+            "ssh",
+            "llmfttest-slurmlogin-001",
+            "--zone",
+            "us-central1-a",
+            "--project",
+            "my-proj-123",
+            "--tunnel-through-iap",
+        ],
     ]
 
 
@@ -305,22 +348,58 @@ def test_aws_create_fills_config_uploads_scripts_creates_and_waits(cli):
     cli.respond("pcluster", "{}", '"CREATE_IN_PROGRESS"', '"CREATE_IN_PROGRESS"', '"CREATE_COMPLETE"')
     proc = cli.run("--provider", "aws", "create", "llmft-test", **AWS_ENV)
     assert proc.returncode == 0, proc.stderr
-    describe = ["pcluster", "describe-cluster", "--cluster-name", "llmft-test", "--region", "us-east-1",
-                "--query", "clusterStatus"]
+    describe = [
+        "pcluster",
+        "describe-cluster",
+        "--cluster-name",
+        "llmft-test",
+        "--region",
+        "us-east-1",
+        "--query",
+        "clusterStatus",
+    ]
     assert cli.calls() == [
-        ["aws", "s3", "cp", "blueprints/aws/on-head-node-configured.sh",
-         "s3://llmft-scripts-bucket/llmft/llmft-test/on-head-node-configured.sh", "--region", "us-east-1"],
-        ["aws", "s3", "cp", "blueprints/aws/on-compute-node-start.sh",
-         "s3://llmft-scripts-bucket/llmft/llmft-test/on-compute-node-start.sh", "--region", "us-east-1"],
-        ["pcluster", "create-cluster", "--cluster-name", "llmft-test",
-         "--cluster-configuration", "deployments/llmft-test/cluster-config.yaml", "--region", "us-east-1"],
-        describe, describe, describe,
+        [
+            "aws",
+            "s3",
+            "cp",
+            "blueprints/aws/on-head-node-configured.sh",
+            "s3://llmft-scripts-bucket/llmft/llmft-test/on-head-node-configured.sh",
+            "--region",
+            "us-east-1",
+        ],
+        [
+            "aws",
+            "s3",
+            "cp",
+            "blueprints/aws/on-compute-node-start.sh",
+            "s3://llmft-scripts-bucket/llmft/llmft-test/on-compute-node-start.sh",
+            "--region",
+            "us-east-1",
+        ],
+        [
+            "pcluster",
+            "create-cluster",
+            "--cluster-name",
+            "llmft-test",
+            "--cluster-configuration",
+            "deployments/llmft-test/cluster-config.yaml",
+            "--region",
+            "us-east-1",
+        ],
+        describe,
+        describe,
+        describe,
     ]
     assert "cluster llmft-test: CREATE_COMPLETE" in proc.stdout
     written = (cli.repo / "deployments" / "llmft-test" / "cluster-config.yaml").read_text()
     assert "${" not in written.split("\nRegion:")[1]  # every placeholder below the header comment filled
-    for value in ("subnet-0123456789abcdef0", "subnet-0fedcba9876543210", "llmft-key",
-                  "s3://llmft-scripts-bucket/llmft/llmft-test/on-head-node-configured.sh"):
+    for value in (
+        "subnet-0123456789abcdef0",
+        "subnet-0fedcba9876543210",
+        "llmft-key",
+        "s3://llmft-scripts-bucket/llmft/llmft-test/on-head-node-configured.sh",
+    ):
         assert value in written
     # `config` prints exactly what create wrote.
     assert cli.run("--provider", "aws", "config", "llmft-test", **AWS_ENV).stdout == written
@@ -342,16 +421,29 @@ def test_aws_create_wait_times_out(cli):
 
 
 def test_aws_destroy_deletes_and_waits_until_gone(cli):
-    cli.respond("pcluster", "{}", '"DELETE_IN_PROGRESS"',
-                "EXIT 1 {\"message\": \"Cluster 'llmft-test' does not exist or belongs to an incompatible "
-                "ParallelCluster major version.\"}")
+    cli.respond(
+        "pcluster",
+        "{}",
+        '"DELETE_IN_PROGRESS"',
+        'EXIT 1 {"message": "Cluster \'llmft-test\' does not exist or belongs to an incompatible '
+        'ParallelCluster major version."}',
+    )
     proc = cli.run("--provider", "aws", "destroy", "llmft-test", **AWS_ENV)
     assert proc.returncode == 0, proc.stderr
-    describe = ["pcluster", "describe-cluster", "--cluster-name", "llmft-test", "--region", "us-east-1",
-                "--query", "clusterStatus"]
+    describe = [
+        "pcluster",
+        "describe-cluster",
+        "--cluster-name",
+        "llmft-test",
+        "--region",
+        "us-east-1",
+        "--query",
+        "clusterStatus",
+    ]
     assert cli.calls() == [
         ["pcluster", "delete-cluster", "--cluster-name", "llmft-test", "--region", "us-east-1"],
-        describe, describe,
+        describe,
+        describe,
     ]
     assert "cluster llmft-test: DELETED" in proc.stdout
 
@@ -361,7 +453,10 @@ def test_aws_status_and_ssh(cli, tmp_path):
     key = tmp_path / "llmft-key.pem"
     key.write_text("not a real key\n")
     assert cli.run("--provider", "aws", "ssh", "llmft-test", SSH_KEY_FILE=str(key), **AWS_ENV).returncode == 0
-    assert cli.run("--provider=aws", "ssh", "llmft-test", AWS_DEFAULT_REGION="eu-west-1", POLL_SECONDS="0").returncode == 0
+    assert (
+        cli.run("--provider=aws", "ssh", "llmft-test", AWS_DEFAULT_REGION="eu-west-1", POLL_SECONDS="0").returncode
+        == 0
+    )
     assert cli.calls() == [
         ["pcluster", "describe-cluster", "--cluster-name", "llmft-test", "--region", "us-east-1"],
         ["pcluster", "ssh", "--cluster-name", "llmft-test", "--region", "us-east-1", "-i", str(key)],
@@ -374,8 +469,10 @@ def test_aws_dry_run_writes_and_runs_nothing(cli):
     assert proc.returncode == 0, proc.stderr
     assert cli.calls() == []
     assert not (cli.repo / "deployments").exists()
-    assert "+ pcluster create-cluster --cluster-name llmft-test --cluster-configuration " \
-           "deployments/llmft-test/cluster-config.yaml --region us-east-1" in proc.stdout
+    assert (
+        "+ pcluster create-cluster --cluster-name llmft-test --cluster-configuration "
+        "deployments/llmft-test/cluster-config.yaml --region us-east-1" in proc.stdout
+    )
 
 
 def test_aws_refuses_existing_deployment_dir_without_force(cli):
@@ -462,9 +559,15 @@ for argv in json.load(sys.stdin):
         problems.append([argv, f"parsed as {args.operation} {args.cluster_name}"])
 print(json.dumps(problems))
 """
-    proc = subprocess.run([pcluster_python(), "-c", program], input=json.dumps(argvs), cwd=cli.repo,
-                          env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1"}, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [pcluster_python(), "-c", program],
+        input=json.dumps(argvs),
+        cwd=cli.repo,
+        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
@@ -479,7 +582,7 @@ def documented_cluster_commands() -> list[list[str]]:
         for line in block.split("```")[0].splitlines():
             if "./manage_cluster.sh" not in line or "|" in line:  # skip the usage synopsis
                 continue
-            words = shlex.split(line[line.index("./manage_cluster.sh"):], comments=True)
+            words = shlex.split(line[line.index("./manage_cluster.sh") :], comments=True)
             commands.append(words[1:])
     for inline in re.findall(r"`(\./manage_cluster\.sh [^`|]*)`", section):  # in the prose
         commands.append(shlex.split(inline)[1:])
@@ -490,8 +593,9 @@ def test_documented_cluster_commands_work(cli):
     """Every manage_cluster.sh command docs/clusters.md shows is accepted (run with --dry-run)."""
     commands = documented_cluster_commands()
     assert {c[c.index("--provider") + 1] if "--provider" in c else "gcp" for c in commands} == {"gcp", "aws"}
-    assert {next(w for w in c if w in ("create", "destroy", "status", "ssh", "config", "--help")) for c in commands} \
-        >= {"create", "destroy", "status", "ssh"}
+    assert {
+        next(w for w in c if w in ("create", "destroy", "status", "ssh", "config", "--help")) for c in commands
+    } >= {"create", "destroy", "status", "ssh"}
     (cli.repo / "deployments" / "llmft-cluster").mkdir(parents=True)  # as left by create, for destroy
     for args in commands:
         force = ["--force"] if "create" in args else []

@@ -29,19 +29,33 @@ from llmft.planning.memory import (
 
 def shape(params=8_030_261_248, largest=525_336_576, lora=0, **dims) -> ModelShape:
     """Llama-3.1-8B's dimensions unless told otherwise."""
-    base = dict(name="t", params=params, largest_layer_params=largest, layers=32, hidden=4096, heads=32, kv_heads=8,
-                head_dim=128, intermediate=14336, vocab=128256, quantizable_params=int(params * 0.87), lora_params=lora)
+    base = dict(
+        name="t",
+        params=params,
+        largest_layer_params=largest,
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=14336,
+        vocab=128256,
+        quantizable_params=int(params * 0.87),
+        lora_params=lora,
+    )
     base.update(dims)
     return ModelShape(**base)
 
 
 # ---- agreement with DeepSpeed's estimators ------------------------------------------------------------------------
 
-GRID = list(itertools.product(
-    [1_000_003, 124_439_808, 1_235_814_400, 8_030_261_248, 70_553_706_496],  # total parameters
-    [1, 2, 4, 8],  # GPUs per node
-    [1, 2, 3, 16],  # nodes
-))
+GRID = list(
+    itertools.product(
+        [1_000_003, 124_439_808, 1_235_814_400, 8_030_261_248, 70_553_706_496],  # total parameters
+        [1, 2, 4, 8],  # GPUs per node
+        [1, 2, 3, 16],  # nodes
+    )
+)
 
 
 @pytest.mark.parametrize("total, per_node, nodes", GRID)
@@ -78,17 +92,34 @@ def test_offloaded_host_states_equal_deepspeeds_zero_init_figure(total, per_node
 
 # ---- properties ----------------------------------------------------------------------------------------------------
 
+
 def random_shape(layers, hidden, kv_div, inter, vocab, gated) -> ModelShape:
     heads = hidden // 64
     mlp = (3 if gated else 2) * hidden * inter
-    return shape(params=layers * (4 * hidden * hidden + mlp) + 2 * vocab * hidden, largest=vocab * hidden,
-                 layers=layers, hidden=hidden, heads=heads, kv_heads=max(1, heads // kv_div), head_dim=64,
-                 intermediate=inter, vocab=vocab, gated_mlp=gated, rms_norm=gated)
+    return shape(
+        params=layers * (4 * hidden * hidden + mlp) + 2 * vocab * hidden,
+        largest=vocab * hidden,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=max(1, heads // kv_div),
+        head_dim=64,
+        intermediate=inter,
+        vocab=vocab,
+        gated_mlp=gated,
+        rms_norm=gated,
+    )
 
 
-shapes = st.builds(random_shape, st.integers(1, 80), st.sampled_from([256, 1024, 4096, 8192]),
-                   st.sampled_from([1, 2, 4, 8]), st.sampled_from([1024, 11008, 14336, 28672]),
-                   st.sampled_from([512, 32000, 128256]), st.booleans())
+shapes = st.builds(
+    random_shape,
+    st.integers(1, 80),
+    st.sampled_from([256, 1024, 4096, 8192]),
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([1024, 11008, 14336, 28672]),
+    st.sampled_from([512, 32000, 128256]),
+    st.booleans(),
+)
 
 
 def lora_of(s: ModelShape, frac: float) -> ModelShape:
@@ -98,27 +129,51 @@ def lora_of(s: ModelShape, frac: float) -> ModelShape:
     return dataclasses.replace(s, lora_params=max(1, int(s.params * frac)), lora_inputs=inputs)
 
 
-@given(s=shapes, stage=st.sampled_from([2, 3]), world=st.integers(1, 512), more=st.integers(1, 64),
-       precision=st.sampled_from(["bf16", "fp16", "fp32"]), lora=st.sampled_from([0.0, 0.001, 0.05]))
+@given(
+    s=shapes,
+    stage=st.sampled_from([2, 3]),
+    world=st.integers(1, 512),
+    more=st.integers(1, 64),
+    precision=st.sampled_from(["bf16", "fp16", "fp32"]),
+    lora=st.sampled_from([0.0, 0.001, 0.05]),
+)
 def test_more_gpus_never_raise_per_gpu_model_states(s, stage, world, more, precision, lora):
     if lora:
         s = lora_of(s, lora)
-    for offload in (("none", "optimizer") if stage == 2 else ("none", "optimizer", "optimizer+params")):
-        assert model_states_bytes(s, stage, offload, world + more, precision) <= model_states_bytes(s, stage, offload, world, precision)
+    for offload in ("none", "optimizer") if stage == 2 else ("none", "optimizer", "optimizer+params"):
+        assert model_states_bytes(s, stage, offload, world + more, precision) <= model_states_bytes(
+            s, stage, offload, world, precision
+        )
 
 
-@given(s=shapes, micro=st.integers(1, 64), seq=st.sampled_from([128, 1024, 4096, 32768]),
-       precision=st.sampled_from(["bf16", "fp32"]), attention=st.sampled_from(["sdpa", "flash_attention_2"]))
+@given(
+    s=shapes,
+    micro=st.integers(1, 64),
+    seq=st.sampled_from([128, 1024, 4096, 32768]),
+    precision=st.sampled_from(["bf16", "fp32"]),
+    attention=st.sampled_from(["sdpa", "flash_attention_2"]),
+)
 def test_recomputation_never_raises_activations(s, micro, seq, precision, attention):
     """For two layers or more (a one-layer model checkpointed keeps its input, which the plain run frees)."""
     s = dataclasses.replace(s, layers=max(2, s.layers))
-    assert activation_bytes(s, micro, seq, True, precision, attention) <= activation_bytes(s, micro, seq, False, precision, attention)
+    assert activation_bytes(s, micro, seq, True, precision, attention) <= activation_bytes(
+        s, micro, seq, False, precision, attention
+    )
 
 
-@given(s=shapes, frac=st.sampled_from([0.0005, 0.002, 0.01]), stage=st.sampled_from([0, 1, 2, 3]),
-       nodes=st.integers(1, 4), per_node=st.sampled_from([1, 2, 4, 8]), micro=st.integers(1, 8),
-       gc=st.booleans(), four_bit=st.booleans())
-def test_lora_never_needs_more_than_full_fine_tuning_except_activations(s, frac, stage, nodes, per_node, micro, gc, four_bit):
+@given(
+    s=shapes,
+    frac=st.sampled_from([0.0005, 0.002, 0.01]),
+    stage=st.sampled_from([0, 1, 2, 3]),
+    nodes=st.integers(1, 4),
+    per_node=st.sampled_from([1, 2, 4, 8]),
+    micro=st.integers(1, 8),
+    gc=st.booleans(),
+    four_bit=st.booleans(),
+)
+def test_lora_never_needs_more_than_full_fine_tuning_except_activations(
+    s, frac, stage, nodes, per_node, micro, gc, four_bit
+):
     """Model states on the GPU, host and disk, for adapters up to 1% of the model, without CPU offload (what LoRA runs
     with: with the optimizer offloaded, full fine-tuning's GPU also keeps only the 16-bit weights, and adapters come
     on top). Activations are the exception: each adapted linear keeps its dropped-out input (measured on an H100:
@@ -136,10 +191,24 @@ def test_lora_never_needs_more_than_full_fine_tuning_except_activations(s, frac,
 
 jobs = st.builds(
     lambda s, gpu, host, nodes, per_node, seq, gb_mult, lora, gc: Job(
-        lora_of(s, 0.002) if lora else s, GPUS[gpu], host, nodes, per_node, seq, "bf16" if GPUS[gpu].has_bf16 else "fp16",
-        global_batch=nodes * per_node * gb_mult, gradient_checkpointing=gc),
-    shapes, st.sampled_from(sorted(GPUS)), st.sampled_from([8.0, 16.0, 85.0, 680.0, 2048.0]), st.integers(1, 8),
-    st.sampled_from([1, 2, 4, 8]), st.sampled_from([256, 2048, 8192]), st.sampled_from([1, 4, 16]), st.booleans(),
+        lora_of(s, 0.002) if lora else s,
+        GPUS[gpu],
+        host,
+        nodes,
+        per_node,
+        seq,
+        "bf16" if GPUS[gpu].has_bf16 else "fp16",
+        global_batch=nodes * per_node * gb_mult,
+        gradient_checkpointing=gc,
+    ),
+    shapes,
+    st.sampled_from(sorted(GPUS)),
+    st.sampled_from([8.0, 16.0, 85.0, 680.0, 2048.0]),
+    st.integers(1, 8),
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([256, 2048, 8192]),
+    st.sampled_from([1, 4, 16]),
+    st.booleans(),
     st.sampled_from([None, True, False]),
 )
 
@@ -184,7 +253,11 @@ def saved_bytes(model, batch, seq, padded: bool) -> int:
         mask[0, : seq // 4] = 0
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model.model(input_ids=ids, attention_mask=mask) if hasattr(model, "model") else model.transformer(input_ids=ids, attention_mask=mask)
+        out = (
+            model.model(input_ids=ids, attention_mask=mask)
+            if hasattr(model, "model")
+            else model.transformer(input_ids=ids, attention_mask=mask)
+        )
         out.last_hidden_state.sum()
     return sum(n for ptr, n in storages.items() if ptr not in params)
 
@@ -202,11 +275,26 @@ def test_activation_formula_matches_what_autograd_saves(arch, precision):
     from llmft.planning.model_shape import model_shape
 
     if arch == "llama":
-        config = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                             intermediate_size=688, vocab_size=512, max_position_embeddings=512)
+        config = LlamaConfig(
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            intermediate_size=688,
+            vocab_size=512,
+            max_position_embeddings=512,
+        )
     else:
-        config = GPT2Config(n_embd=256, n_layer=4, n_head=8, vocab_size=512, n_positions=512, attn_pdrop=0.0,
-                            bos_token_id=0, eos_token_id=0)
+        config = GPT2Config(
+            n_embd=256,
+            n_layer=4,
+            n_head=8,
+            vocab_size=512,
+            n_positions=512,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     config._attn_implementation = "sdpa"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     torch.manual_seed(0)
@@ -238,14 +326,24 @@ def test_lora_activation_term_matches_what_autograd_saves(precision, targets):
 
     from llmft.planning.model_shape import model_shape
 
-    config = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                         intermediate_size=688, vocab_size=512, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=512,
+        max_position_embeddings=512,
+    )
     config._attn_implementation = "sdpa"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=dtype),
-                           LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=targets and targets[0],
-                                      task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(config, dtype=dtype),
+        LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.05, target_modules=targets and targets[0], task_type="CAUSAL_LM"
+        ),
+    )
     for p in model.parameters():
         p.data = p.data.to(dtype)
     model.train()
@@ -268,9 +366,17 @@ def llama8b():
 
     from llmft.planning.model_shape import model_shape
 
-    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
-                         tie_word_embeddings=False, dtype="bfloat16")  # as published: weights stored in bf16
+    config = LlamaConfig(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )  # as published: weights stored in bf16
     return config, model_shape(config), model_shape(config, use_peft=True, lora_r=16)
 
 
@@ -318,7 +424,10 @@ def test_8b_on_a2_highgpu_8g_fits_without_offload_and_warns_about_the_preemption
     [warning] = [w for w in plan.warnings if "USR1" in w]  # ~90 GiB of shards at Filestore's 100 MB/s
     # A Slurm run stops early enough for that save: 1.5 x the write time + the step + 60 s before the time limit.
     lead = 1.5 * rec.write_s + rec.step_s + 60
-    assert f"a Slurm run stops for its final save {lead:.0f} s ({lead / 60:.0f} min) before the time limit instead" in warning
+    assert (
+        f"a Slurm run stops for its final save {lead:.0f} s ({lead / 60:.0f} min) before the time limit instead"
+        in warning
+    )
     assert 1400 < lead < 1600, lead  # 964 s to write
 
 
@@ -328,8 +437,11 @@ def test_save_total_limit_beyond_free_disk_is_warned(llama8b):
     ckpt_gib = plan_memory(job).recommended.checkpoint / 2**30
     # Two kept plus the one being written (the oldest goes only once it is complete): 2.5 checkpoints' room is short.
     plan = plan_memory(dataclasses.replace(job, free_disk_gib=2.5 * ckpt_gib))
-    assert any(w.startswith("save_total_limit 2 keeps 2 complete checkpoints while writing the next: 3 x ")
-               and f"{2.5 * ckpt_gib:.1f} GiB free in the output directory" in w for w in plan.warnings), plan.warnings
+    assert any(
+        w.startswith("save_total_limit 2 keeps 2 complete checkpoints while writing the next: 3 x ")
+        and f"{2.5 * ckpt_gib:.1f} GiB free in the output directory" in w
+        for w in plan.warnings
+    ), plan.warnings
     roomy = plan_memory(dataclasses.replace(job, free_disk_gib=10_000))
     assert not any("save_total_limit" in w for w in roomy.warnings)
 
@@ -342,14 +454,21 @@ def test_4bit_needs_lora_and_a_capable_gpu_and_skips_zero3(llama8b):
         plan_memory(Job(lora, GPUS["V100-16GB"], 64, 1, 1, 512, "fp16", global_batch=8, load_in_4bit=True))
     plan = plan_memory(Job(lora, GPUS["T4"], 64, 1, 1, 512, "fp16", global_batch=8, load_in_4bit=True))
     assert plan.recommended is not None and {c.setting.zero_stage for c in plan.candidates} <= {0, 1, 2}
-    four, sixteen = estimate(plan.job, plan.recommended.setting), estimate(dataclasses.replace(plan.job, load_in_4bit=False), plan.recommended.setting)
+    four, sixteen = (
+        estimate(plan.job, plan.recommended.setting),
+        estimate(dataclasses.replace(plan.job, load_in_4bit=False), plan.recommended.setting),
+    )
     assert four.model_states < 0.4 * sixteen.model_states
 
 
 def test_impossible_numbers_are_refused_with_the_flag_named():
     s = shape()
-    for bad, flag in ((dict(nnodes=0), "--nnodes"), (dict(max_length=-5), "--max_length"), (dict(mfu=1.5), "--mfu"),
-                      (dict(host_ram_gib=0.0), "host RAM")):
+    for bad, flag in (
+        (dict(nnodes=0), "--nnodes"),
+        (dict(max_length=-5), "--max_length"),
+        (dict(mfu=1.5), "--mfu"),
+        (dict(host_ram_gib=0.0), "host RAM"),
+    ):
         with pytest.raises(MemoryPlanError, match=flag):
             plan_memory(dataclasses.replace(Job(s, GPUS["L4"], 16, 1, 1, 512, "bf16"), **bad))
     with pytest.raises(MemoryPlanError, match="not divisible by the world size 8"):
@@ -361,7 +480,10 @@ def test_the_consolidated_final_model_is_counted_on_the_first_node(llama8b):
     job = node_job(full, "a2-highgpu-8g", 1, global_batch=64, save_consolidated=True)
     z3 = estimate(job, Setting(3, "none", 1, 8, True)).host
     assert z3["final_model"] == 2 * 2 * full.params  # the 16-bit model, and its bytes while safetensors writes them
-    assert estimate(dataclasses.replace(job, save_consolidated=False), Setting(3, "none", 1, 8, True)).host["final_model"] == 0
+    assert (
+        estimate(dataclasses.replace(job, save_consolidated=False), Setting(3, "none", 1, 8, True)).host["final_model"]
+        == 0
+    )
     assert estimate(job, Setting(2, "none", 1, 8, True)).host["final_model"] == 0  # ZeRO-2 writes it whole anyway
 
 
@@ -372,8 +494,11 @@ def test_recomputation_under_zero2_is_preferred_to_zero3_without_it(llama8b):
     _, _, lora = llama8b
     job = node_job(lora, "g6.12xlarge", 1, global_batch=16, max_micro_batch=2)
     plan = plan_memory(job)
-    zero3_plain = [c for c in plan.candidates if c.setting.zero_stage == 3 and c.setting.offload == "none"
-                   and not c.setting.gradient_checkpointing]
+    zero3_plain = [
+        c
+        for c in plan.candidates
+        if c.setting.zero_stage == 3 and c.setting.offload == "none" and not c.setting.gradient_checkpointing
+    ]
     assert zero3_plain and zero3_plain[0].fits
     chosen = plan.recommended.setting
     # ZeRO-1, not 2: accumulation 2, and ZeRO-1 reduces the (adapter) gradients once per step

@@ -35,8 +35,17 @@ def gpt2():
 
 
 def llama():
-    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -108,11 +117,19 @@ def test_mfu_only_against_a_known_peak():
 
 
 def test_step_line_keeps_the_parsed_prefix():
-    rates = {"tokens_per_second": 3623.4, "padded_tokens_per_second": 5120.0, "tflops_per_gpu": 121.37, "mfu": 0.3889,
-             "peak_gpu_memory_gib": 61.23, "data_wait_share": 0.004}
+    rates = {
+        "tokens_per_second": 3623.4,
+        "padded_tokens_per_second": 5120.0,
+        "tflops_per_gpu": 121.37,
+        "mfu": 0.3889,
+        "peak_gpu_memory_gib": 61.23,
+        "data_wait_share": 0.004,
+    }
     line = format_step_line(40, 128, 1.37861, 2.44e-3, rates)
-    assert line == ("llmft: step 40/128 loss 1.3786 lr 2.44e-03 tokens/s 3623 padded/s 5120 tflops/gpu 121.4 mfu 38.9% "
-                    "gpu_mem 61.2GiB data 0.4%")
+    assert line == (
+        "llmft: step 40/128 loss 1.3786 lr 2.44e-03 tokens/s 3623 padded/s 5120 tflops/gpu 121.4 mfu 38.9% "
+        "gpu_mem 61.2GiB data 0.4%"
+    )
     assert STEP_LINE.match(line)
     cpu = format_step_line(1, 2, 2.0, 1e-3, {**rates, "mfu": None, "peak_gpu_memory_gib": None})
     assert "mfu n/a gpu_mem n/a" in cpu and STEP_LINE.match(cpu)
@@ -165,9 +182,13 @@ def test_summary_rates_start_after_torch_compile_stops_compiling(capsys):
     assert meter.steady_from == 4 and t["first"]["tokens"] == 40  # the logging step after the compile at step 3
     expected = (t["end"]["tokens"] - t["first"]["tokens"]) / (t["end"]["time"] - t["first"]["time"])
     assert meter.summary(None)["tokens_per_second"] == pytest.approx(expected, rel=1e-6)
-    assert "run_summary.json rates are over steps 5-12 (torch.compile compiled until step 4)" in capsys.readouterr().out
+    assert (
+        "run_summary.json rates are over steps 5-12 (torch.compile compiled until step 4)" in capsys.readouterr().out
+    )
 
-    meter = run(compile_at={1})  # compiled at the first step only: the steady state starts after it, as without compile
+    meter = run(
+        compile_at={1}
+    )  # compiled at the first step only: the steady state starts after it, as without compile
     assert meter.steady_from == 1 and meter.totals["first"]["tokens"] == 10
     assert "rates are over steps" not in capsys.readouterr().out
 

@@ -37,10 +37,18 @@ def write_mixture(path: Path, sources: list[dict], **extra) -> Path:
 
 def three_sources(tmp_path: Path, n: int = 3000) -> list[dict]:
     return [
-        {"path": str(source_file(tmp_path / "a.jsonl", n, "A")), "columns": {"prompt": "question", "completion": "answer"}, "weight": 1},
+        {
+            "path": str(source_file(tmp_path / "a.jsonl", n, "A")),
+            "columns": {"prompt": "question", "completion": "answer"},
+            "weight": 1,
+        },
         {"path": str(source_file(tmp_path / "b.jsonl", n, "B", "pc")), "weight": 2},
-        {"path": str(source_file(tmp_path / "c.jsonl", n, "C")), "columns": {"prompt": "question", "completion": "answer"},
-         "format": "prompt_completion", "weight": 5},
+        {
+            "path": str(source_file(tmp_path / "c.jsonl", n, "C")),
+            "columns": {"prompt": "question", "completion": "answer"},
+            "format": "prompt_completion",
+            "weight": 5,
+        },
     ]
 
 
@@ -65,8 +73,12 @@ def test_realised_shares_match_the_weights_within_sampling_error(tmp_path):
     sources = three_sources(tmp_path)
     sources.append({"path": str(source_file(tmp_path / "d.jsonl", 50, "D", "pc")), "weight": "all"})
     mixed: dict = {}
-    with_all, _, _ = prepare.load_records(prepare.DataOptions(dataset_name=None, dataset_mixture=str(
-        write_mixture(tmp_path / "mix_all.yaml", sources, seed=7))), mixed)
+    with_all, _, _ = prepare.load_records(
+        prepare.DataOptions(
+            dataset_name=None, dataset_mixture=str(write_mixture(tmp_path / "mix_all.yaml", sources, seed=7))
+        ),
+        mixed,
+    )
     assert sum(1 for r in with_all if origin(r) == "D") == 50
     assert len(with_all) == n + 50
     assert [s["records"] for s in mixed["sources"]] == [counts["A"], counts["B"], counts["C"], 50]
@@ -78,7 +90,9 @@ def test_the_fingerprint_changes_with_any_weight_source_percentage_or_seed_and_n
     base = three_sources(tmp_path)
 
     def fp(sources, name="m.yaml", **extra):
-        return mixture.mixture_fingerprint(mixture.read_mixture(str(write_mixture(tmp_path / name, sources, **extra)), 42))
+        return mixture.mixture_fingerprint(
+            mixture.read_mixture(str(write_mixture(tmp_path / name, sources, **extra)), 42)
+        )
 
     reference = fp(base)
     for i in range(3):  # each source's weight on its own
@@ -110,7 +124,9 @@ def test_the_fingerprint_changes_with_any_weight_source_percentage_or_seed_and_n
     keys = []
     for weight in (1, 3):
         f = write_mixture(tmp_path / f"k{weight}.yaml", [{**base[0], "weight": weight}, *base[1:]])
-        keys.append(prepare.fingerprint(prepare.DataOptions(dataset_name=None, dataset_mixture=str(f)), tokenizer, args)[0])
+        keys.append(
+            prepare.fingerprint(prepare.DataOptions(dataset_name=None, dataset_mixture=str(f)), tokenizer, args)[0]
+        )
     assert keys[0] != keys[1]
 
 
@@ -120,24 +136,50 @@ def test_bad_mixtures_are_one_line(tmp_path):
         ([{**good[0], "weight": 0}, *good[1:]], "weight 0 must be a positive number, or all"),
         ([{**good[0], "weight": -2}, *good[1:]], "weight -2 must be a positive number, or all"),
         ([{**good[0], "weight": "most"}, *good[1:]], "weight 'most' must be a positive number, or all"),
-        ([{k: v for k, v in good[0].items() if k != "weight"}, *good[1:]], "no weight: give a positive number, or all"),
+        (
+            [{k: v for k, v in good[0].items() if k != "weight"}, *good[1:]],
+            "no weight: give a positive number, or all",
+        ),
         ([{**good[0], "path": str(tmp_path / "gone.jsonl")}, *good[1:]], "gone.jsonl not found"),
-        ([{**good[0], "columns": {"prompt": "query", "completion": "answer"}}, *good[1:]],
-         "source " + str(tmp_path / "a.jsonl") + ": column(s) query not in the dataset; its columns are question, answer"),
-        ([{**good[0], "format": "messages"}, *good[1:]], "its columns give prompt_completion records but the mixture says format messages"),
-        ([good[0], {"path": str(source_file(tmp_path / "t.jsonl", 5, "T", "text")), "columns": {"text": "body"}, "weight": 1}],
-         "the sources must give one format after their column mappings"),
+        (
+            [{**good[0], "columns": {"prompt": "query", "completion": "answer"}}, *good[1:]],
+            "source "
+            + str(tmp_path / "a.jsonl")
+            + ": column(s) query not in the dataset; its columns are question, answer",
+        ),
+        (
+            [{**good[0], "format": "messages"}, *good[1:]],
+            "its columns give prompt_completion records but the mixture says format messages",
+        ),
+        (
+            [
+                good[0],
+                {
+                    "path": str(source_file(tmp_path / "t.jsonl", 5, "T", "text")),
+                    "columns": {"text": "body"},
+                    "weight": 1,
+                },
+            ],
+            "the sources must give one format after their column mappings",
+        ),
         ([{**good[0], "percentage": 0}], "percentage 0 must be in (0, 100]"),
-        ([{**good[0], "columns": {"question": "q"}}], "must map prompt, completion, messages, text to the source's field names"),
+        (
+            [{**good[0], "columns": {"question": "q"}}],
+            "must map prompt, completion, messages, text to the source's field names",
+        ),
         ([], "expected a mapping with a non-empty 'datasets' list"),
     ]
     for sources, message in cases:
-        opts = prepare.DataOptions(dataset_name=None, dataset_mixture=str(write_mixture(tmp_path / "bad.yaml", sources)))
+        opts = prepare.DataOptions(
+            dataset_name=None, dataset_mixture=str(write_mixture(tmp_path / "bad.yaml", sources))
+        )
         with pytest.raises(DataError) as e:
             prepare.check_options(opts)
         assert message in str(e.value) and "\n" not in str(e.value), (message, str(e.value))
     with pytest.raises(DataError, match="drop --dataset_name, --prompt_column"):
-        prepare.check_options(prepare.DataOptions(dataset_name="x.jsonl", prompt_column="q", dataset_mixture=str(tmp_path / "bad.yaml")))
+        prepare.check_options(
+            prepare.DataOptions(dataset_name="x.jsonl", prompt_column="q", dataset_mixture=str(tmp_path / "bad.yaml"))
+        )
     (tmp_path / "broken.yaml").write_text("datasets: [\n")
     with pytest.raises(DataError, match="broken.yaml is not valid YAML"):
         prepare.check_options(prepare.DataOptions(dataset_name=None, dataset_mixture=str(tmp_path / "broken.yaml")))
@@ -151,12 +193,44 @@ def test_a_mixture_run_records_it_and_a_rerun_trains_on_the_same_order(tiny_mode
     sources[2]["weight"] = "all"
     mix_file = write_mixture(tmp_path / "mix.yaml", sources)
     out = tmp_path / "run"
-    flags = ["--model_name_or_path", str(tiny_model), "--dataset_mixture", str(mix_file), "--output_dir", str(out),
-             "--global_batch_size", "4", "--per_device_train_batch_size", "2", "--report_to", "none", "--max_length", "32",
-             "--disable_tqdm", "true"]
+    flags = [
+        "--model_name_or_path",
+        str(tiny_model),
+        "--dataset_mixture",
+        str(mix_file),
+        "--output_dir",
+        str(out),
+        "--global_batch_size",
+        "4",
+        "--per_device_train_batch_size",
+        "2",
+        "--report_to",
+        "none",
+        "--max_length",
+        "32",
+        "--disable_tqdm",
+        "true",
+    ]
     cache = tmp_path / "cache"
-    trained = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "llmft.train", *flags, "--max_steps", "2",
-                   "--save_steps", "2"], check=True, timeout=600, LLMFT_CACHE=str(cache))
+    trained = run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "llmft.train",
+            *flags,
+            "--max_steps",
+            "2",
+            "--save_steps",
+            "2",
+        ],
+        check=True,
+        timeout=600,
+        LLMFT_CACHE=str(cache),
+    )
     record = json.loads((out / "llmft_data.json").read_text())
     assert record["dataset_name"] == f"mixture {mix_file}"
     shares = record["mixture"]["sources"]
@@ -170,16 +244,48 @@ def test_a_mixture_run_records_it_and_a_rerun_trains_on_the_same_order(tiny_mode
 
     order = load_from_disk(str(first[0]))["input_ids"]
     shutil.rmtree(cache)  # a requeued job on a node without the cache prepares again: the same records, same order
-    again = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "llmft.train", *flags, "--max_steps", "3",
-                 "--save_steps", "3"], check=True, timeout=600, LLMFT_CACHE=str(cache))
+    again = run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "llmft.train",
+            *flags,
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "3",
+        ],
+        check=True,
+        timeout=600,
+        LLMFT_CACHE=str(cache),
+    )
     assert "resum" in again.stdout.lower()
     [second] = sorted(cache.glob("prepared/*/train"))
     assert second.parent.name == first[0].parent.name and load_from_disk(str(second))["input_ids"] == order
 
     bad = write_mixture(tmp_path / "bad.yaml", [{**sources[0], "weight": 0}, *sources[1:]])
-    proc = run([PYTHON, "-m", "llmft.train", *flags[:2], "--dataset_mixture", str(bad), "--output_dir", str(tmp_path / "bad_run"),
-                "--report_to", "none"], timeout=300)
+    proc = run(
+        [
+            PYTHON,
+            "-m",
+            "llmft.train",
+            *flags[:2],
+            "--dataset_mixture",
+            str(bad),
+            "--output_dir",
+            str(tmp_path / "bad_run"),
+            "--report_to",
+            "none",
+        ],
+        timeout=300,
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("llmft train: error:")]
-    assert proc.returncode == 2 and len(errors) == 1 and "weight 0 must be a positive number, or all" in errors[0], proc.stderr[-2000:]
+    assert proc.returncode == 2 and len(errors) == 1 and "weight 0 must be a positive number, or all" in errors[0], (
+        proc.stderr[-2000:]
+    )
     assert "Traceback" not in proc.stderr and not (tmp_path / "bad_run").exists()
     assert "Loading weights" not in proc.stderr  # stopped before the model loaded

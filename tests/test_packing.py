@@ -32,14 +32,31 @@ register_packed_sdpa()
 
 
 def tiny_llama(attn: str):
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+    )
     return LlamaForCausalLM._from_config(config, attn_implementation=attn)
 
 
 def tiny_gpt2(attn: str):
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, pad_token_id=PAD,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        pad_token_id=PAD,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel._from_config(config, attn_implementation=attn)
 
 
@@ -56,7 +73,9 @@ def per_token_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def unpacked(model, seqs):
     batch = DataCollatorForLanguageModeling(pad_token_id=PAD)([{"input_ids": s} for s in seqs])
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    return {tuple(s): per_token_losses(logits[i, : len(s)], batch["input_ids"][i, : len(s)]) for i, s in enumerate(seqs)}
+    return {
+        tuple(s): per_token_losses(logits[i, : len(s)], batch["input_ids"][i, : len(s)]) for i, s in enumerate(seqs)
+    }
 
 
 def packed(model, seqs, with_positions: bool = True, drop: tuple[str, ...] = ()):
@@ -120,18 +139,24 @@ def test_packed_sdpa_attends_per_sample_from_the_boundaries():
         torch.testing.assert_close(got[key], losses, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("facts, kernel", [
-    (dict(device_type="cuda", dtype="bfloat16"), "varlen"),  # an A100/H100/L4 training in bf16
-    (dict(device_type="cuda", dtype="float16"), "varlen"),  # an A100/L4 training in fp16
-    (dict(device_type="cuda", dtype="float16", capability=GPUS["T4"].compute_capability), "per_sample"),  # no FA2 on a T4
-    (dict(device_type="cuda", dtype="bfloat16", capability=GPUS["H100-80GB"].compute_capability), "varlen"),
-    (dict(device_type="cuda", dtype="bfloat16", capability=GPUS["L4"].compute_capability), "varlen"),
-    (dict(device_type="cpu", dtype="bfloat16"), "per_sample"),  # PyTorch's varlen kernel is CUDA-only
-    (dict(device_type="cuda", dtype="float32"), "per_sample"),  # flash kernels are 16-bit only
-    (dict(device_type="cuda", dtype="bfloat16", dropout=0.1), "per_sample"),  # varlen_attn has no dropout
-    (dict(device_type="cuda", dtype="bfloat16", head_dim=512), "per_sample"),  # flash supports head_dim <= 256
-    (dict(device_type="cuda", dtype="bfloat16", varlen_available=False), "per_sample"),  # PyTorch before 2.9
-])
+@pytest.mark.parametrize(
+    "facts, kernel",
+    [
+        (dict(device_type="cuda", dtype="bfloat16"), "varlen"),  # an A100/H100/L4 training in bf16
+        (dict(device_type="cuda", dtype="float16"), "varlen"),  # an A100/L4 training in fp16
+        (
+            dict(device_type="cuda", dtype="float16", capability=GPUS["T4"].compute_capability),
+            "per_sample",
+        ),  # no FA2 on a T4
+        (dict(device_type="cuda", dtype="bfloat16", capability=GPUS["H100-80GB"].compute_capability), "varlen"),
+        (dict(device_type="cuda", dtype="bfloat16", capability=GPUS["L4"].compute_capability), "varlen"),
+        (dict(device_type="cpu", dtype="bfloat16"), "per_sample"),  # PyTorch's varlen kernel is CUDA-only
+        (dict(device_type="cuda", dtype="float32"), "per_sample"),  # flash kernels are 16-bit only
+        (dict(device_type="cuda", dtype="bfloat16", dropout=0.1), "per_sample"),  # varlen_attn has no dropout
+        (dict(device_type="cuda", dtype="bfloat16", head_dim=512), "per_sample"),  # flash supports head_dim <= 256
+        (dict(device_type="cuda", dtype="bfloat16", varlen_available=False), "per_sample"),  # PyTorch before 2.9
+    ],
+)
 def test_packed_batches_use_pytorchs_varlen_kernel_only_where_it_runs(facts, kernel):
     assert packed_kernel(**{"dropout": 0.0, "head_dim": 64, "varlen_available": True, **facts}) == kernel
 
@@ -153,14 +178,25 @@ def test_the_logged_packed_kernel_follows_the_model_and_machine():
 def stand_in_varlen(signature: str):
     """What PyTorch's CUDA-only varlen_attn computes ((tokens, heads, dim) tensors, causal within each sample), in
     plain SDPA, with the keyword arguments of PyTorch 2.9-2.11 ("old": is_causal, no scale or GQA) or 2.13 ("new")."""
+
     def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, enable_gqa=False, **causal):
         assert causal == ({"window_size": (-1, 0)} if signature == "new" else {"is_causal": True})
         assert cu_q.dtype == torch.int32 and max_q == max(torch.diff(cu_q).tolist())
         assert enable_gqa or k.shape[1] == q.shape[1]  # the old kernel needs the KV heads repeated
         bounds = cu_q.tolist()
-        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale,
-            enable_gqa=enable_gqa).transpose(0, 1) for a, b in zip(bounds, bounds[1:])])
+        return torch.cat(
+            [
+                torch.nn.functional.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1),
+                    k[a:b].transpose(0, 1),
+                    v[a:b].transpose(0, 1),
+                    is_causal=True,
+                    scale=scale,
+                    enable_gqa=enable_gqa,
+                ).transpose(0, 1)
+                for a, b in zip(bounds, bounds[1:])
+            ]
+        )
 
     causal = {"window_size": (-1, 0)} if signature == "new" else {"is_causal": True}
     return attend, causal, signature == "new", signature == "new"
@@ -172,6 +208,7 @@ def test_varlen_path_keeps_samples_apart_with_gqa_and_the_models_scale(monkeypat
     kernel: a Llama with 4 query / 2 KV heads and a non-default attention scale gives the unpacked per-token losses.
     The real kernel's numbers against SDPA are bench/gpu_attention.py's (on a GPU)."""
     from llmft.training import packing
+
     monkeypatch.setattr(packing, "_varlen", lambda: stand_in_varlen(signature))
     monkeypatch.setattr(packing, "packed_kernel", lambda **facts: "varlen")
     torch.manual_seed(0)
@@ -179,7 +216,9 @@ def test_varlen_path_keeps_samples_apart_with_gqa_and_the_models_scale(monkeypat
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.scaling *= 0.7  # folded into the queries where the kernel takes no scale
-            layer.self_attn.q_proj.weight.mul_(30)  # peaked attention, so that a wrong scale or mask shows in the losses
+            layer.self_attn.q_proj.weight.mul_(
+                30
+            )  # peaked attention, so that a wrong scale or mask shows in the losses
             layer.self_attn.k_proj.weight.mul_(30)
     calls = []
     real = packing._varlen_forward
@@ -212,7 +251,9 @@ def test_packing_decision():
     with pytest.raises(PackingError, match="--attn_implementation flex_attention is not known"):
         check_packing(attention="flex_attention", **ok)
     with pytest.raises(PackingError, match="--padding_free: this model's code does not build"):
-        check_packing(attention="sdpa", **{**ok, "packing": False, "padding_free": True, "masks_from_positions": False})
+        check_packing(
+            attention="sdpa", **{**ok, "packing": False, "padding_free": True, "masks_from_positions": False}
+        )
 
 
 def test_which_models_build_masks_from_position_ids():
@@ -282,10 +323,24 @@ def test_padded_batches_go_padding_free_where_a_varlen_kernel_runs_them():
 
     def decide(gpu, attention="sdpa", **facts):
         precision = choose_precision("auto", gpu)
-        kernel = packed_kernel(device_type="cuda" if gpu else "cpu", dtype={"bf16": "bfloat16", "fp16": "float16"}.get(
-            precision, "float32"), dropout=0.0, head_dim=64, varlen_available=True, capability=gpu and gpu.compute_capability)
-        args = dict(requested=None, packing=False, cuda=gpu is not None, micro_batch=8, attention=attention, kernel=kernel,
-                    masks_from_positions=True, sliding_window=False)
+        kernel = packed_kernel(
+            device_type="cuda" if gpu else "cpu",
+            dtype={"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
+            dropout=0.0,
+            head_dim=64,
+            varlen_available=True,
+            capability=gpu and gpu.compute_capability,
+        )
+        args = dict(
+            requested=None,
+            packing=False,
+            cuda=gpu is not None,
+            micro_batch=8,
+            attention=attention,
+            kernel=kernel,
+            masks_from_positions=True,
+            sliding_window=False,
+        )
         return choose_padding_free(**{**args, **facts})
 
     for name in ("A100-40GB", "L4", "H100-80GB"):

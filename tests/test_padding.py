@@ -20,29 +20,34 @@ def test_expected_longest_of_a_micro_batch():
     lengths = [int(rng.lognormvariate(5, 0.8)) + 1 for _ in range(20_000)]
     shuffled = lengths[:]
     rng.shuffle(shuffled)
-    measured = sum(max(shuffled[i:i + 8]) for i in range(0, len(shuffled), 8)) / (len(shuffled) / 8)
+    measured = sum(max(shuffled[i : i + 8]) for i in range(0, len(shuffled), 8)) / (len(shuffled) / 8)
     assert expected_longest(lengths, 8) == pytest.approx(measured, rel=0.03)  # a shuffled epoch's batches
 
 
 def test_report_says_what_padding_costs_and_what_packing_changes():
     lengths = [100] * 90 + [1000] * 10  # mean 190; a batch of 8 nearly always holds a 1000-token sample
     report = padding_report(lengths, micro_batch=8, max_length=2048)
-    longest = 1000 - 900 * 0.9 ** 8  # E[max of 8]
+    longest = 1000 - 900 * 0.9**8  # E[max of 8]
     assert report.expected_padded_length == pytest.approx(longest)
     assert report.padding_share == pytest.approx(1 - 190 / longest)
     assert report.padding_free_gain == pytest.approx(longest / 190)
     assert report.samples_per_packed_row == pytest.approx(2048 / 190)
     (line,) = report.lines(packing=False, padding_free=False)
-    assert line.startswith("data: 100 sequences, mean 190 tokens, longest 1000; padded to the longest of a micro-batch "
-                           f"of 8, {report.padding_share:.0%} of the tokens fed are padding: padding-free batches would "
-                           f"feed none (up to {longest / 190:.2f}x the real tokens/s")
+    assert line.startswith(
+        "data: 100 sequences, mean 190 tokens, longest 1000; padded to the longest of a micro-batch "
+        f"of 8, {report.padding_share:.0%} of the tokens fed are padding: padding-free batches would "
+        f"feed none (up to {longest / 190:.2f}x the real tokens/s"
+    )
     assert "--packing also fills rows of 2048 with about 11 samples each (about 11x the samples per step" in line
     (packed,) = report.lines(packing=True, padding_free=False)
     assert "would be padding; --packing: no padding, about 11 samples per row of 2048 tokens" in packed
     (free,) = report.lines(packing=False, padding_free=True)
     assert "would be padding (padding-free: none is fed, up to" in free
     even = padding_report([64] * 50, micro_batch=8, max_length=64)
-    assert even.padding_share == 0 and "(padding-free would gain little)" in even.lines(packing=False, padding_free=False)[0]
+    assert (
+        even.padding_share == 0
+        and "(padding-free would gain little)" in even.lines(packing=False, padding_free=False)[0]
+    )
 
 
 def test_lengths_of_prepared_data_unpacked_and_packed():
@@ -58,11 +63,31 @@ def test_plan_prints_the_padding_of_prepared_data(tiny_model, tiny_data, tmp_pat
     from pathlib import Path
 
     llmft = str(Path(PYTHON).parent / "llmft")
-    prepared = run([llmft, "prepare", "--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data)], check=True)
-    directory = next(line.split("prepared data ")[1].split(" ")[0] for line in prepared.stdout.splitlines()
-                     if "prepared data " in line)
-    out = run([llmft, "plan", "--global_batch_size", "16", "--per_device_train_batch_size", "4", "--nnodes", "1",
-               "--nproc_per_node", "1", "--prepared", directory], check=True).stdout
+    prepared = run(
+        [llmft, "prepare", "--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data)], check=True
+    )
+    directory = next(
+        line.split("prepared data ")[1].split(" ")[0]
+        for line in prepared.stdout.splitlines()
+        if "prepared data " in line
+    )
+    out = run(
+        [
+            llmft,
+            "plan",
+            "--global_batch_size",
+            "16",
+            "--per_device_train_batch_size",
+            "4",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            "1",
+            "--prepared",
+            directory,
+        ],
+        check=True,
+    ).stdout
     line = next(line for line in out.splitlines() if line.startswith("llmft plan: data: 256 sequences"))
     assert "padded to the longest of a micro-batch of 4" in line and "of the tokens fed are padding" in line
     bad = run([llmft, "plan", "--global_batch_size", "16", "--prepared", str(tmp_path)])

@@ -21,9 +21,18 @@ def llama_config(tmp_path_factory) -> Path:
     from transformers import LlamaConfig
 
     out = tmp_path_factory.mktemp("llama-3.1-8b")
-    LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-                tie_word_embeddings=False, dtype="bfloat16").save_pretrained(out)
+    LlamaConfig(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    ).save_pretrained(out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
     return out
 
@@ -35,8 +44,17 @@ def llmft_plan(capsys, *argv) -> tuple[int, str, str]:
 
 
 def test_8b_on_a2_highgpu_8g_prints_the_recommendation_and_the_table(capsys, llama_config):
-    rc, out, err = llmft_plan(capsys, "--model", llama_config, "--node_type", "a2-highgpu-8g",
-                              "--global_batch_size", 64, "--max_length", 2048)
+    rc, out, err = llmft_plan(
+        capsys,
+        "--model",
+        llama_config,
+        "--node_type",
+        "a2-highgpu-8g",
+        "--global_batch_size",
+        64,
+        "--max_length",
+        2048,
+    )
     assert rc == 0, err
     lines = out.splitlines()
     assert "8.03B parameters, full fine-tuning; bf16, sequence 2048, global batch 64" in lines[0]
@@ -49,33 +67,82 @@ def test_8b_on_a2_highgpu_8g_prints_the_recommendation_and_the_table(capsys, lla
 
 
 def test_8b_on_two_g2_standard_4_full_fine_tune_does_not_fit_lora_does(capsys, llama_config):
-    args = ("--model", llama_config, "--node_type", "g2-standard-4", "--nnodes", 2, "--global_batch_size", 32,
-            "--max_length", 2048)
+    args = (
+        "--model",
+        llama_config,
+        "--node_type",
+        "g2-standard-4",
+        "--nnodes",
+        2,
+        "--global_batch_size",
+        32,
+        "--max_length",
+        2048,
+    )
     rc, out, err = llmft_plan(capsys, *args)
     assert rc == 2
-    assert err.strip().splitlines() == [next(line for line in out.splitlines() if "nothing fits" in line).replace(
-        "llmft plan: nothing fits", "llmft plan: error: nothing fits")]
+    assert err.strip().splitlines() == [
+        next(line for line in out.splitlines() if "nothing fits" in line).replace(
+            "llmft plan: nothing fits", "llmft plan: error: nothing fits"
+        )
+    ]
     rc, out, err = llmft_plan(capsys, *args, "--use_peft", "--lora_r", 16)
     assert rc == 0, err
     assert "LoRA: 6.8M trainable" in out and "llmft plan: recommended ZeRO-" in out
 
 
 def test_json_holds_every_candidate_with_the_documented_keys(capsys, llama_config):
-    rc, out, _ = llmft_plan(capsys, "--model", llama_config, "--node_type", "g6.12xlarge", "--global_batch_size", 16,
-                            "--max_length", 2048, "--json")
+    rc, out, _ = llmft_plan(
+        capsys,
+        "--model",
+        llama_config,
+        "--node_type",
+        "g6.12xlarge",
+        "--global_batch_size",
+        16,
+        "--max_length",
+        2048,
+        "--json",
+    )
     assert rc == 0
     doc = json.loads(out)
     assert doc["params"] == doc["trainable_params"] == 8_030_261_248
-    keys = {"zero_stage", "offload", "micro_batch", "grad_accum", "gradient_checkpointing", "model_states_gib",
-            "activations_gib", "gpu_total_gib", "host_ram_gib_per_node", "checkpoint_gib", "fits", "why"}
+    keys = {
+        "zero_stage",
+        "offload",
+        "micro_batch",
+        "grad_accum",
+        "gradient_checkpointing",
+        "model_states_gib",
+        "activations_gib",
+        "gpu_total_gib",
+        "host_ram_gib_per_node",
+        "checkpoint_gib",
+        "fits",
+        "why",
+    }
     assert keys <= set(doc["recommended"]) and all(keys <= set(c) for c in doc["candidates"])
     assert doc["candidates"][0] == doc["recommended"] and doc["recommended"]["fits"]
     assert doc["recommended"]["gpu_total_gib"] <= 22.0 and doc["recommended"]["host_ram_gib_per_node"] <= 192
 
 
 def test_write_gives_a_resolved_config_and_an_sbatch_line_the_script_accepts(capsys, llama_config, tmp_path):
-    rc, out, _ = llmft_plan(capsys, "--model", llama_config, "--node_type", "g2-standard-4", "--nnodes", 2,
-                            "--global_batch_size", 32, "--max_length", 2048, "--use_peft", "--write", tmp_path / "w")
+    rc, out, _ = llmft_plan(
+        capsys,
+        "--model",
+        llama_config,
+        "--node_type",
+        "g2-standard-4",
+        "--nnodes",
+        2,
+        "--global_batch_size",
+        32,
+        "--max_length",
+        2048,
+        "--use_peft",
+        "--write",
+        tmp_path / "w",
+    )
     assert rc == 0
     rec = json.loads((tmp_path / "w" / "plan.json").read_text())["recommended"]
     cfg = json.loads((tmp_path / "w" / "ds_config.json").read_text())
@@ -87,11 +154,19 @@ def test_write_gives_a_resolved_config_and_an_sbatch_line_the_script_accepts(cap
     words = shlex.split(line)
     # Slurm is asked for the host memory the plan needs per node (rounded up to a GiB)
     mem = math.ceil(rec["host_ram_gib_per_node"])
-    assert words[:4] == ["sbatch", "--nodes=2", "--gpus-per-node=1", f"--mem={mem}G"] and words[4] == "slurm/run_llm.slurm"
+    assert (
+        words[:4] == ["sbatch", "--nodes=2", "--gpus-per-node=1", f"--mem={mem}G"]
+        and words[4] == "slurm/run_llm.slurm"
+    )
     export = words[5]
     assert f"MICRO_BATCH={rec['micro_batch']}" in export and "LORA=1" in export and "--max_length 2048" in export
-    proc = subprocess.run(["bash", str(REPO / "slurm" / "run_llm.slurm"), export], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1"}, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(REPO / "slurm" / "run_llm.slurm"), export],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1"},
+        timeout=60,
+    )
     assert proc.returncode == 0 and "knobs are valid" in proc.stdout, proc.stderr
 
 
@@ -102,11 +177,20 @@ def test_write_gives_a_resolved_config_and_an_sbatch_line_the_script_accepts(cap
         (["--model", "{empty}"], "no config.json in that directory"),
         (["--model", "{cfg}", "--node_type", "g9.huge"], "unknown node type 'g9.huge'; known: g2-standard-4"),
         (["--model", "{cfg}", "--gpu", "L4"], "--gpu/--gpu_memory_gb needs --host_ram_gb"),
-        (["--model", "{cfg}", "--gpu", "A100-80GB", "--node_type", "g2-standard-4"], "contradicts --node_type g2-standard-4"),
-        (["--model", "{cfg}", "--gpu", "T4", "--host_ram_gb", "64", "--precision", "bf16"], "bf16 needs a GPU with compute capability 8.0"),
+        (
+            ["--model", "{cfg}", "--gpu", "A100-80GB", "--node_type", "g2-standard-4"],
+            "contradicts --node_type g2-standard-4",
+        ),
+        (
+            ["--model", "{cfg}", "--gpu", "T4", "--host_ram_gb", "64", "--precision", "bf16"],
+            "bf16 needs a GPU with compute capability 8.0",
+        ),
         (["--model", "{cfg}", "--node_type", "g6.xlarge", "--load_in_4bit"], "--load_in_4bit trains LoRA adapters"),
         (["--model", "{cfg}", "--node_type", "g6.xlarge", "--mfu", "2"], "--mfu must be in (0, 1]"),
-        (["--model", "{cfg}", "--node_type", "g6.xlarge", "--use_peft", "--save_consolidated"], "a LoRA run saves its adapter"),
+        (
+            ["--model", "{cfg}", "--node_type", "g6.xlarge", "--use_peft", "--save_consolidated"],
+            "a LoRA run saves its adapter",
+        ),
         (["--node_type", "g2-standard-4", "--json"], "--node_type, --json need --model"),
         (["--max_length", "2048"], "--max_length needs --model"),
     ],
@@ -124,8 +208,23 @@ def test_auto_plan_as_run_llm_slurm_asks_for_it_prints_the_launch_line(capsys, l
     """ZERO_STAGE=auto: the script runs `llmft plan --model M --auto --print_launch` and launches from its last line;
     a --max_length beyond the model's positions is clipped as llmft train clips it, and said."""
     monkeypatch.setenv("LLMFT_HOST_RAM_GB", "192")
-    args = ("--model", llama_config, "--auto", "--gpu", "L4", "--host_ram_gb", 192, "--nproc_per_node", 4,
-            "--global_batch_size", 16, "--per_device_train_batch_size", 2, "--use_peft", "--print_launch")
+    args = (
+        "--model",
+        llama_config,
+        "--auto",
+        "--gpu",
+        "L4",
+        "--host_ram_gb",
+        192,
+        "--nproc_per_node",
+        4,
+        "--global_batch_size",
+        16,
+        "--per_device_train_batch_size",
+        2,
+        "--use_peft",
+        "--print_launch",
+    )
     rc, out, err = llmft_plan(capsys, *args, "--max_length", 2048)
     assert rc == 0, err
     lines = out.splitlines()
@@ -133,8 +232,17 @@ def test_auto_plan_as_run_llm_slurm_asks_for_it_prints_the_launch_line(capsys, l
     assert lines[-1].startswith("llmft launch: nnodes=1 nproc_per_node=4 cpus_per_node=")
     rc, out, err = llmft_plan(capsys, *args, "--max_length", 200000)
     assert out.splitlines()[0] == "llmft plan: max_length 200000 exceeds the model's 131072 positions; using 131072"
-    rc, out, err = llmft_plan(capsys, "--model", llama_config, "--node_type", "g6.xlarge", "--json", "--use_peft",
-                              "--per_device_train_batch_size", 1)
+    rc, out, err = llmft_plan(
+        capsys,
+        "--model",
+        llama_config,
+        "--node_type",
+        "g6.xlarge",
+        "--json",
+        "--use_peft",
+        "--per_device_train_batch_size",
+        1,
+    )
     assert rc == 0 and json.loads(out)["recommended"]["micro_batch"] == 1  # --json stays one JSON document
 
 
@@ -157,7 +265,9 @@ def test_every_machine_type_in_the_blueprints_is_in_the_node_catalogue():
 
     gcp = re.findall(r"machine_type: (\S+)", (REPO / "blueprints" / "gcp" / "hpc-slurm.yaml").read_text())
     aws = re.findall(r"InstanceType: (\S+)", (REPO / "blueprints" / "aws" / "config.yaml").read_text())
-    gpu_nodes = [m for m in gcp if m.startswith(("g2-", "a2-", "a3-"))] + [m for m in aws if m.startswith(("g6.", "p4d.", "p5."))]
+    gpu_nodes = [m for m in gcp if m.startswith(("g2-", "a2-", "a3-"))] + [
+        m for m in aws if m.startswith(("g6.", "p4d.", "p5."))
+    ]
     assert {"g2-standard-4", "a2-highgpu-1g", "g6.2xlarge", "g6.12xlarge", "p4d.24xlarge"} <= set(gpu_nodes)
     for name in gpu_nodes:
         node = node_type_by_name(name.upper())
@@ -172,7 +282,9 @@ def test_host_ram_of_this_node_for_auto(tmp_path):
     meminfo.write_text("MemTotal:       16393216 kB\nMemFree:  1 kB\n")
     assert local_host_ram_gib({}, str(meminfo)) == 15.6
     assert local_host_ram_gib({"SLURM_MEM_PER_NODE": "8192"}, str(meminfo)) == 8.0  # sbatch --mem wins when smaller
-    assert local_host_ram_gib({"LLMFT_HOST_RAM_GB": "15.5"}, str(tmp_path / "none")) == 15.5  # the first node's, via run_llm.slurm
+    assert (
+        local_host_ram_gib({"LLMFT_HOST_RAM_GB": "15.5"}, str(tmp_path / "none")) == 15.5
+    )  # the first node's, via run_llm.slurm
     with pytest.raises(HardwareError, match="LLMFT_HOST_RAM_GB='lots' is not a positive number"):
         local_host_ram_gib({"LLMFT_HOST_RAM_GB": "lots"}, str(meminfo))
     with pytest.raises(HardwareError, match="give --host_ram_gb"):
@@ -186,7 +298,7 @@ def test_documented_plan_examples_are_this_codes_output(capsys, llama_config, mo
     import shutil
 
     text = (REPO / "docs" / "memory-planning.md").read_text()
-    section = text[text.index("<!-- PLAN_EXAMPLES -->"):text.index("<!-- /PLAN_EXAMPLES -->")]
+    section = text[text.index("<!-- PLAN_EXAMPLES -->") : text.index("<!-- /PLAN_EXAMPLES -->")]
     shutil.copytree(llama_config, tmp_path / "llama-3.1-8b")
     monkeypatch.chdir(tmp_path)
     examples = [block.strip("\n").split("\n") for block in re.findall(r"```text\n(.*?)```", section, re.S)]
@@ -194,7 +306,7 @@ def test_documented_plan_examples_are_this_codes_output(capsys, llama_config, mo
     for block in examples:
         starts = [i for i, line in enumerate(block) if line.startswith("$ llmft plan ")] + [len(block)]
         for a, b in zip(starts, starts[1:]):
-            shown = [line for line in block[a + 1:b] if line]
+            shown = [line for line in block[a + 1 : b] if line]
             rc, out, err = llmft_plan(capsys, *shlex.split(block[a])[3:])
             assert (out + err).splitlines() == shown, block[a]
             assert rc == (2 if "llmft plan: error:" in err else 0)
@@ -203,11 +315,24 @@ def test_documented_plan_examples_are_this_codes_output(capsys, llama_config, mo
 
 
 def test_save_total_limit_is_checked_against_the_output_dirs_free_space(capsys, llama_config, tmp_path):
-    args = ("--model", llama_config, "--node_type", "a2-highgpu-8g", "--global_batch_size", 64, "--max_length", 2048,
-            "--output_dir", tmp_path / "not" / "yet" / "there")  # the nearest existing parent's filesystem
+    args = (
+        "--model",
+        llama_config,
+        "--node_type",
+        "a2-highgpu-8g",
+        "--global_batch_size",
+        64,
+        "--max_length",
+        2048,
+        "--output_dir",
+        tmp_path / "not" / "yet" / "there",
+    )  # the nearest existing parent's filesystem
     rc, out, _ = llmft_plan(capsys, *args, "--save_total_limit", 100_000)
     assert rc == 0
-    assert "llmft plan: warning: save_total_limit 100000 keeps 100000 complete checkpoints while writing the next: 100001 x 89.75 GiB per checkpoint = 897" in out
+    assert (
+        "llmft plan: warning: save_total_limit 100000 keeps 100000 complete checkpoints while writing the next: 100001 x 89.75 GiB per checkpoint = 897"
+        in out
+    )
     assert "GiB free in the output directory; lower --save_total_limit or free space" in out
     rc, out, _ = llmft_plan(capsys, *args)
     assert "llmft plan: warning: --save_total_limit is not set: every checkpoint is kept (89.75 GiB each" in out

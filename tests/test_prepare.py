@@ -41,8 +41,12 @@ def model(tiny_model):
     return AutoModelForCausalLM.from_pretrained(tiny_model)
 
 
-@pytest.mark.parametrize("fmt, packing", [("text", False), ("prompt_completion", False), ("messages", False), ("prompt_completion", True)])
-def test_the_trainer_gets_the_same_tokens_and_loss_masks_as_trl_preparing_on_the_fly(tiny_model, model, tmp_path, fmt, packing):
+@pytest.mark.parametrize(
+    "fmt, packing", [("text", False), ("prompt_completion", False), ("messages", False), ("prompt_completion", True)]
+)
+def test_the_trainer_gets_the_same_tokens_and_loss_masks_as_trl_preparing_on_the_fly(
+    tiny_model, model, tmp_path, fmt, packing
+):
     """The hand-off llmft train makes (prepared data + skip_prepare_dataset) against SFTTrainer tokenising itself."""
     import dataclasses
 
@@ -59,9 +63,16 @@ def test_the_trainer_gets_the_same_tokens_and_loss_masks_as_trl_preparing_on_the
     raw_train, raw_eval, _ = cache.load_records(opts)
     fly_tokenizer = tokenizer_of(tiny_model)
     data.ensure_chat_template(fly_tokenizer)
-    on_the_fly = SFTTrainer(model=model, args=args, train_dataset=raw_train, eval_dataset=raw_eval, processing_class=fly_tokenizer)
-    handed = SFTTrainer(model=model, args=dataclasses.replace(args, dataset_kwargs={"skip_prepare_dataset": True}),
-                        train_dataset=prepared.train, eval_dataset=prepared.eval, processing_class=tokenizer_of(tiny_model))
+    on_the_fly = SFTTrainer(
+        model=model, args=args, train_dataset=raw_train, eval_dataset=raw_eval, processing_class=fly_tokenizer
+    )
+    handed = SFTTrainer(
+        model=model,
+        args=dataclasses.replace(args, dataset_kwargs={"skip_prepare_dataset": True}),
+        train_dataset=prepared.train,
+        eval_dataset=prepared.eval,
+        processing_class=tokenizer_of(tiny_model),
+    )
     for split in ("train_dataset", "eval_dataset"):
         fly, mine = getattr(on_the_fly, split), getattr(handed, split)
         columns = ["input_ids", "labels"] + (["seq_lengths"] if packing else [])
@@ -90,8 +101,12 @@ def test_fingerprint_follows_data_tokenizer_and_options_not_paths_or_training_fl
         return cache.fingerprint(cache.DataOptions(dataset_name=str(path), **opts), tokenizer or tok, args)[0]
 
     base = fp()
-    assert base == fp(path=b, tokenizer=tokenizer_of(tmp_path / "model-copy"))  # same bytes, same tokenizer, other paths
-    assert base == fp(args=sft_args(tmp_path / "elsewhere", learning_rate=1e-3, num_train_epochs=7))  # training-only flags
+    assert base == fp(
+        path=b, tokenizer=tokenizer_of(tmp_path / "model-copy")
+    )  # same bytes, same tokenizer, other paths
+    assert base == fp(
+        args=sft_args(tmp_path / "elsewhere", learning_rate=1e-3, num_train_epochs=7)
+    )  # training-only flags
     assert base == fp(seed=7)  # the full data does not depend on the seed
 
     b.write_text(b.read_text().replace("plus", "Plus", 1))
@@ -122,11 +137,15 @@ def test_reuse_across_output_dirs_and_a_new_preparation_after_a_change(tiny_mode
     root = tmp_path / "cache"
     lines = []
     first = cache.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path / "run1"), log=quiet_log(lines), root=root)
-    again = cache.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path / "run2", learning_rate=0.1), log=quiet_log(lines), root=root)
+    again = cache.prepare(
+        opts, tokenizer_of(tiny_model), sft_args(tmp_path / "run2", learning_rate=0.1), log=quiet_log(lines), root=root
+    )
     assert not first.reused and again.reused and again.directory == first.directory
     assert f"reused prepared data {first.directory} (fingerprint {first.fingerprint})" in lines
     assert again.train["input_ids"] == first.train["input_ids"]
-    changed = cache.prepare(opts, tokenizer_of(tiny_model), sft_args(tmp_path, max_length=8), log=quiet_log(lines), root=root)
+    changed = cache.prepare(
+        opts, tokenizer_of(tiny_model), sft_args(tmp_path, max_length=8), log=quiet_log(lines), root=root
+    )
     assert not changed.reused and changed.fingerprint != first.fingerprint
     assert max(len(x) for x in changed.train["input_ids"]) == 8
 
@@ -156,8 +175,12 @@ cache.prepare(opts, AutoTokenizer.from_pretrained(sys.argv[1]), args, root=Path(
 def test_a_preparation_killed_half_way_is_never_taken_as_complete(tiny_model, tmp_path):
     path = write_jsonl(as_format(make_examples(24), "prompt_completion"), tmp_path / "d.jsonl")
     root = tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-c", KILLER, str(tiny_model), str(path), str(tmp_path / "o"), str(root)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, str(tiny_model), str(path), str(tmp_path / "o"), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -9, proc.stderr[-3000:]
     leftovers = list((root / "prepared").glob(".tmp-*"))
     assert len(leftovers) == 1 and (leftovers[0] / "eval").is_dir()  # it had written both splits
@@ -189,7 +212,9 @@ def test_other_ranks_wait_for_rank_0_then_read_its_files_or_its_error(tiny_model
 
     def rank1(env, key):
         try:
-            got[key] = cache.prepare(opts, tokenizer_of(tiny_model), args, env=env, root=root, log=quiet_log([]), timeout=120)
+            got[key] = cache.prepare(
+                opts, tokenizer_of(tiny_model), args, env=env, root=root, log=quiet_log([]), timeout=120
+            )
         except DataError as e:
             got[key] = e
 
@@ -208,8 +233,21 @@ def test_other_ranks_wait_for_rank_0_then_read_its_files_or_its_error(tiny_model
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"text": \n')
     bad_opts = cache.DataOptions(dataset_name=str(bad))
-    waiter = threading.Thread(target=lambda: got.update(bad=_try(lambda: cache.prepare(
-        bad_opts, tokenizer_of(tiny_model), args, env=rank_env(1, "30001"), root=root, log=quiet_log([]), timeout=120))))
+    waiter = threading.Thread(
+        target=lambda: got.update(
+            bad=_try(
+                lambda: cache.prepare(
+                    bad_opts,
+                    tokenizer_of(tiny_model),
+                    args,
+                    env=rank_env(1, "30001"),
+                    root=root,
+                    log=quiet_log([]),
+                    timeout=120,
+                )
+            )
+        )
+    )
     waiter.start()
     with pytest.raises(DataError, match="line 2 is not valid JSON"):
         cache.prepare(bad_opts, tokenizer_of(tiny_model), args, env=rank_env(0, "30001"), root=root, log=quiet_log([]))
@@ -219,9 +257,19 @@ def test_other_ranks_wait_for_rank_0_then_read_its_files_or_its_error(tiny_model
 
     # No rank 0 at all (say, a cache directory the nodes do not share): a clear error after the timeout.
     t0 = time.time()
-    with pytest.raises(DataError, match="rank 0 has not started preparing the data in .* LLMFT_CACHE must be on storage every node shares"):
-        cache.prepare(cache.DataOptions(dataset_name=str(path), data_percentage=50), tokenizer_of(tiny_model), args,
-                        env=rank_env(1, "30002"), root=root, log=quiet_log([]), timeout=2)
+    with pytest.raises(
+        DataError,
+        match="rank 0 has not started preparing the data in .* LLMFT_CACHE must be on storage every node shares",
+    ):
+        cache.prepare(
+            cache.DataOptions(dataset_name=str(path), data_percentage=50),
+            tokenizer_of(tiny_model),
+            args,
+            env=rank_env(1, "30002"),
+            root=root,
+            log=quiet_log([]),
+            timeout=2,
+        )
     assert time.time() - t0 < 30
 
 
@@ -234,10 +282,21 @@ def _try(fn):
 
 def test_bad_options_fail_before_anything_loads(tmp_path):
     for opts, strategy, message in [
-        (cache.DataOptions(dataset_name="d.jsonl"), "steps", "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"),
-        (cache.DataOptions(dataset_name="d.jsonl", eval_split_ratio=1.5), "no", "--eval_split_ratio must be in (0, 1)"),
-        (cache.DataOptions(dataset_name="d.jsonl", eval_split_ratio=0.1, eval_dataset_name="e.jsonl"), "no",
-         "give either --eval_dataset_name or --eval_split_ratio, not both"),
+        (
+            cache.DataOptions(dataset_name="d.jsonl"),
+            "steps",
+            "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05",
+        ),
+        (
+            cache.DataOptions(dataset_name="d.jsonl", eval_split_ratio=1.5),
+            "no",
+            "--eval_split_ratio must be in (0, 1)",
+        ),
+        (
+            cache.DataOptions(dataset_name="d.jsonl", eval_split_ratio=0.1, eval_dataset_name="e.jsonl"),
+            "no",
+            "give either --eval_dataset_name or --eval_split_ratio, not both",
+        ),
         (cache.DataOptions(dataset_name="d.jsonl", data_percentage=0), "no", "--data_percentage must be in (0, 100]"),
     ]:
         with pytest.raises(DataError) as e:
@@ -268,9 +327,17 @@ def test_an_unwritable_cache_is_one_clear_error(tiny_model, tmp_path):
     path = write_jsonl(as_format(make_examples(8), "text"), tmp_path / "d.jsonl")
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache should be")
-    with pytest.raises(DataError, match=r"cannot write prepared data under .*not-a-dir/prepared .* point LLMFT_CACHE at a writable directory"):
-        cache.prepare(cache.DataOptions(dataset_name=str(path)), tokenizer_of(tiny_model), sft_args(tmp_path), root=blocker,
-                        log=quiet_log([]))
+    with pytest.raises(
+        DataError,
+        match=r"cannot write prepared data under .*not-a-dir/prepared .* point LLMFT_CACHE at a writable directory",
+    ):
+        cache.prepare(
+            cache.DataOptions(dataset_name=str(path)),
+            tokenizer_of(tiny_model),
+            sft_args(tmp_path),
+            root=blocker,
+            log=quiet_log([]),
+        )
 
 
 def test_llmft_prepare_refuses_bad_input_with_one_line(tiny_model, tmp_path, capsys):
@@ -280,7 +347,10 @@ def test_llmft_prepare_refuses_bad_input_with_one_line(tiny_model, tmp_path, cap
     for extra, message in [
         (["--dataset_name", str(tmp_path / "nope.jsonl")], "nope.jsonl not found"),
         (["--dataset_name", "d.jsonl", "--eval_strategy", "steps"], "--eval_strategy steps needs evaluation data"),
-        (["--dataset_name", "d.jsonl", "--chat_template_path", "Qwen/Qwen2.5-0.5B-Instruct"], "takes a .jinja/.j2 template file"),
+        (
+            ["--dataset_name", "d.jsonl", "--chat_template_path", "Qwen/Qwen2.5-0.5B-Instruct"],
+            "takes a .jinja/.j2 template file",
+        ),
     ]:
         assert main(base + extra) == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmft prepare: error: ")]

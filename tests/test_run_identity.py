@@ -15,17 +15,31 @@ from llmft.training.run_identity import RUN_RECORD, RunMismatch, check_same_run,
 def _args(tmp_path, model, data, *extra):
     from llmft.train import make_parser
 
-    return make_parser().parse_args_and_config(args=[
-        "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "run"),
-        "--report_to", "none", *map(str, extra)])
+    return make_parser().parse_args_and_config(
+        args=[
+            "--model_name_or_path",
+            str(model),
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--report_to",
+            "none",
+            *map(str, extra),
+        ]
+    )
 
 
 def _identity(parsed, global_batch=8, zero_stage=2):
     from llmft.data.loading import content_fingerprint
 
     script_args = parsed[0]
-    return run_identity(*parsed, dataset_fingerprint=content_fingerprint(script_args.dataset_name),
-                        global_batch=global_batch, zero_stage=zero_stage)
+    return run_identity(
+        *parsed,
+        dataset_fingerprint=content_fingerprint(script_args.dataset_name),
+        global_batch=global_batch,
+        zero_stage=zero_stage,
+    )
 
 
 def _finished_run(out: Path, identity: dict) -> Path:
@@ -41,15 +55,26 @@ def _finished_run(out: Path, identity: dict) -> Path:
 
 
 def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_the_record_holds_what_defines_the_run_and_not_the_world_size(tiny_model, tiny_data, tmp_path):
-    parsed = _args(tmp_path, tiny_model, tiny_data, "--use_peft", "--lora_r", 8, "--lora_target_modules", "c_attn", "--packing")
+    parsed = _args(
+        tmp_path, tiny_model, tiny_data, "--use_peft", "--lora_r", 8, "--lora_target_modules", "c_attn", "--packing"
+    )
     identity = _identity(parsed)
     assert identity["model"] == str(tiny_model) and identity["dataset"] == str(tiny_data)
     assert identity["lora"]["r"] == 8 and identity["lora"]["target_modules"] == ["c_attn"]
-    assert (identity["packing"], identity["max_length"], identity["global_batch"], identity["zero_stage"]) == (True, 1024, 8, 2)
+    assert (identity["packing"], identity["max_length"], identity["global_batch"], identity["zero_stage"]) == (
+        True,
+        1024,
+        8,
+        2,
+    )
     assert not any("world" in key for key in identity)
     json.dumps(identity)  # written as JSON
 
@@ -66,18 +91,41 @@ def test_a_rerun_with_other_settings_is_refused_naming_each_difference(tiny_mode
         f.write('{"prompt": "one more", "completion": "record"}\n')
     before = _snapshot(out)
 
-    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "none",
-            "--use_peft", "--lora_r", "8", "--max_length", "128", "--global_batch_size", "16", "--per_device_train_batch_size", "8"]
+    argv = [
+        "--model_name_or_path",
+        str(tiny_model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+        "--use_peft",
+        "--lora_r",
+        "8",
+        "--max_length",
+        "128",
+        "--global_batch_size",
+        "16",
+        "--per_device_train_batch_size",
+        "8",
+    ]
     assert cli(make_parser(), argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in err if line.startswith("llmft train: error:")]
     assert len(errors) == 1, err
     line = errors[0]
     assert line.startswith(f"llmft train: error: {out} holds another run (")
-    for difference in (f"dataset content {data} (", "LoRA settings none -> {r 8, alpha 32", "max_length 1024 -> 128",
-                       "global batch 8 -> 16"):
+    for difference in (
+        f"dataset content {data} (",
+        "LoRA settings none -> {r 8, alpha 32",
+        "max_length 1024 -> 128",
+        "global batch 8 -> 16",
+    ):
         assert difference in line, difference
-    assert line.endswith(f"use a new --output_dir, or continue this run with the new settings on purpose: --resume_from_checkpoint {ckpt}")
+    assert line.endswith(
+        f"use a new --output_dir, or continue this run with the new settings on purpose: --resume_from_checkpoint {ckpt}"
+    )
     assert _snapshot(out) == before
 
 
@@ -105,9 +153,25 @@ def test_nothing_to_protect_means_nothing_refused(tiny_model, tiny_data, tmp_pat
 
 
 def test_differences_are_named_one_by_one():
-    saved = {"model": "gpt2", "lora": None, "global_batch": 32, "dataset": "a.jsonl", "dataset_fingerprint": "aaaa",
-             "quantization": None, "zero_stage": 2}
-    now = {**saved, "model": "/models/llama", "dataset": "b.jsonl", "dataset_fingerprint": "bbbb", "quantization": "4bit"}
-    assert differences(saved, now) == ["model gpt2 -> /models/llama", "dataset content a.jsonl (aaaa) -> b.jsonl (bbbb)",
-                                       "QLoRA quantization none -> 4bit"]
+    saved = {
+        "model": "gpt2",
+        "lora": None,
+        "global_batch": 32,
+        "dataset": "a.jsonl",
+        "dataset_fingerprint": "aaaa",
+        "quantization": None,
+        "zero_stage": 2,
+    }
+    now = {
+        **saved,
+        "model": "/models/llama",
+        "dataset": "b.jsonl",
+        "dataset_fingerprint": "bbbb",
+        "quantization": "4bit",
+    }
+    assert differences(saved, now) == [
+        "model gpt2 -> /models/llama",
+        "dataset content a.jsonl (aaaa) -> b.jsonl (bbbb)",
+        "QLoRA quantization none -> 4bit",
+    ]
     assert differences(saved, {**saved, "dataset": "moved/a.jsonl"}) == []  # same content under another path

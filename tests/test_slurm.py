@@ -75,10 +75,16 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
     submitted = {}
     # The user's command: sbatch slurm/run_llm.slurm --export=ALL,EPOCHS=1,... (sbatch hands --export=... to the script).
     cwd = tmp_path_factory.mktemp("users_job")
-    knobs = f"--export=ALL,EPOCHS=1,MODEL={tiny_model},DATASET={tiny_data},DATA_PERCENTAGE=25,GLOBAL_BATCH=4,MICRO_BATCH=2"
+    knobs = (
+        f"--export=ALL,EPOCHS=1,MODEL={tiny_model},DATASET={tiny_data},DATA_PERCENTAGE=25,GLOBAL_BATCH=4,MICRO_BATCH=2"
+    )
     # Its own llmft cache: the other jobs here train on the same file at the same time, and the one that hashes it
     # first keeps the fingerprint for all (the test counts this job's hashing).
-    submitted["users"] = (cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, LLMFT_CACHE=str(cwd / "llmft-cache")), cwd, None)
+    submitted["users"] = (
+        cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, LLMFT_CACHE=str(cwd / "llmft-cache")),
+        cwd,
+        None,
+    )
 
     # Preemption twice over: Slurm's time-limit signal (USR1 to the batch shell, as --signal=B:USR1@120 sends it,
     # with no periodic checkpoints, so the only one before the end is the one the signal asks for), and an
@@ -98,16 +104,26 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
             f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1{extra}"
         )
         job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, **env)
-        submitted[name] = (job, cwd, signal_when_training(cluster, job, cwd / f"llmft-{job}.out", min_step, [*command, job]))
+        submitted[name] = (
+            job,
+            cwd,
+            signal_when_training(cluster, job, cwd / f"llmft-{job}.out", min_step, [*command, job]),
+        )
 
     # The time limit, with a checkpoint that takes longer to write (12 s) than the USR1 lead (5 s): at step 3 the job's
     # time left becomes 40 s (a test hook; the job's real limit is 30 min, read from squeue at the start), less than
     # the run's final-save lead (1.5 x the estimated save + a step + 60 s): it stops, saves, and requeues itself.
     cwd = tmp_path_factory.mktemp("time_limit")
-    knobs = (f"--export=ALL,MAX_STEPS={TOTAL},GLOBAL_BATCH=16,MICRO_BATCH=2,SAVE_STEPS=1000,DATA_PERCENTAGE=100,MODEL={tiny_model},"
-             f"DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1")
-    job = cluster.sbatch(["--time=30", "--signal=B:USR1@5", str(SCRIPT), knobs], cwd=cwd,
-                         LLMFT_TEST_TIME_LEFT_AT_STEP="3:40", LLMFT_TEST_SAVE_DELAY_S="12")
+    knobs = (
+        f"--export=ALL,MAX_STEPS={TOTAL},GLOBAL_BATCH=16,MICRO_BATCH=2,SAVE_STEPS=1000,DATA_PERCENTAGE=100,MODEL={tiny_model},"
+        f"DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
+    )
+    job = cluster.sbatch(
+        ["--time=30", "--signal=B:USR1@5", str(SCRIPT), knobs],
+        cwd=cwd,
+        LLMFT_TEST_TIME_LEFT_AT_STEP="3:40",
+        LLMFT_TEST_SAVE_DELAY_S="12",
+    )
     submitted["time_limit"] = (job, cwd, None)
 
     # A user's plain `scancel`: the job must end, not requeue itself.
@@ -147,7 +163,10 @@ def assert_resumed_without_losing_or_repeating(text: str, ckpt: Path) -> int:
     assert step_lines(second_run) == list(range(resumed + 1, TOTAL + 1))
     # The checkpoint resumed from was complete: every rank's shard, then the marker.
     tag = ckpt / f"checkpoint-{resumed}" / f"global_step{resumed}"
-    assert optim_shards(tag) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert optim_shards(tag) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     assert json.loads((ckpt / f"checkpoint-{resumed}" / "llmft_complete.json").read_text())["world_size"] == 2
     # The persisted history agrees: one loss entry per step, 1..TOTAL, none twice.
     history = json.loads((ckpt / f"checkpoint-{TOTAL}" / "trainer_state.json").read_text())["log_history"]
@@ -186,17 +205,27 @@ def test_a_save_longer_than_the_usr1_lead_starts_early_enough_and_the_job_requeu
     # The job's end, read from squeue: 30 min from its start.
     m = re.search(rf"llmft: Slurm job {job} ends in (\d+) s; the final save starts (\d+) s before that", first)
     assert m and 1500 < int(m.group(1)) <= 1800 and 60 <= int(m.group(2)) < 120, first
-    assert re.search(rf"llmft: Slurm job {job} ends in 40 s: starting the final save now, \d+ s before the time limit "
-                     r"\(no save measured yet, estimated 0 s; x1.5 \+ a [\d.]+ s step \+ 60 s\)", first), first
-    saved = re.search(r"llmft: checkpoint-3 written and published in ([\d.]+) s; the final save now starts (\d+) s before", first)
+    assert re.search(
+        rf"llmft: Slurm job {job} ends in 40 s: starting the final save now, \d+ s before the time limit "
+        r"\(no save measured yet, estimated 0 s; x1.5 \+ a [\d.]+ s step \+ 60 s\)",
+        first,
+    ), first
+    saved = re.search(
+        r"llmft: checkpoint-3 written and published in ([\d.]+) s; the final save now starts (\d+) s before", first
+    )
     assert saved and float(saved.group(1)) >= 12 and int(saved.group(2)) >= 1.5 * 12 + 60, first
     assert "llmft: stopped for the time limit; saved checkpoint-3\n" in first
     assert f"llmft stopped for its final save before the time limit (exit 0); requeueing job {job}" in first
     assert "got SIGUSR1" not in text  # the USR1 (5 s before a 30 min limit) never came: the run stopped itself
     # The requeued attempt starts from the save the first one measured, not from the estimate.
-    again = re.search(rf"llmft: Slurm job {job} ends in \d+ s; the final save starts (\d+) s before that \(the longest "
-                      r"save so far took ([\d.]+) s", text[len(first):])
-    assert again and abs(float(again.group(2)) - float(saved.group(1))) <= 0.1 and int(again.group(1)) >= 78, text[len(first):]
+    again = re.search(
+        rf"llmft: Slurm job {job} ends in \d+ s; the final save starts (\d+) s before that \(the longest "
+        r"save so far took ([\d.]+) s",
+        text[len(first) :],
+    )
+    assert again and abs(float(again.group(2)) - float(saved.group(1))) <= 0.1 and int(again.group(1)) >= 78, text[
+        len(first) :
+    ]
     assert assert_resumed_without_losing_or_repeating(text, cwd / "ckpt") == 3
     assert not list((cwd / "ckpt").glob(".llmft-requeue-*")), "the requeue file must be cleaned up"
 
@@ -251,14 +280,20 @@ def test_a_job_stopped_on_two_nodes_resumes_on_one_node(cluster, tiny_model, tin
     text = read(tmp_path / f"llmft-{second}.out")
     assert info["JobState"] == "COMPLETED" and info["NodeList"] in ("n1", "n2"), f"{info}\n{text}"
     assert "run_llm.slurm: nodes 1: n" in text and "llmft plan: world size 1 (1 nodes x 1 processes" in text, text
-    m = re.search(r"llmft: resuming checkpoint-(\d+) written by 2 ranks on 1 ranks: universal checkpoint (\S+) "
-                  r"\(converted in \d+ s\), accumulation 2 -> 4, global batch 8 kept\n", text)
+    m = re.search(
+        r"llmft: resuming checkpoint-(\d+) written by 2 ranks on 1 ranks: universal checkpoint (\S+) "
+        r"\(converted in \d+ s\), accumulation 2 -> 4, global batch 8 kept\n",
+        text,
+    )
     assert m, text
     resumed = int(m.group(1))
     assert m.group(2) == str(ckpt / f"checkpoint-{resumed}" / f"universal_step{resumed}")
     # The conversion was sized for the node it ran on: its workers and their memory said before it ran.
-    assert re.search(rf"llmft: converting {ckpt}/checkpoint-{resumed} \(2 ranks, ZeRO stage 2\) to a universal checkpoint with "
-                     r"[12] extract and [12] merge worker\(s\) \(about [\d.]+ GiB host RAM of the [\d.]+ free for it here\)\n", text), text
+    assert re.search(
+        rf"llmft: converting {ckpt}/checkpoint-{resumed} \(2 ranks, ZeRO stage 2\) to a universal checkpoint with "
+        r"[12] extract and [12] merge worker\(s\) \(about [\d.]+ GiB host RAM of the [\d.]+ free for it here\)\n",
+        text,
+    ), text
     assert step_lines(before)[-1] >= resumed >= 2
     assert resumed < max_steps, before
     assert step_lines(text) == list(range(resumed + 1, max_steps + 1))  # nothing trained twice, nothing skipped
@@ -295,8 +330,10 @@ def test_wandb_offline_run_is_named_by_the_job_and_the_requeued_job_appends_to_i
     assert "llmft/train.py" not in text and text.count("llmft: W&B stopped logging") <= 1
     assert f"stop requested; saved checkpoint-{resumed}" in text
     last = text.rstrip().splitlines()[-1]
-    assert last == (f"run_llm.slurm: W&B ran offline; upload from a machine with internet: wandb sync --id {run_id} "
-                    f"-p llmft-test {runs[0]} {runs[1]}")
+    assert last == (
+        f"run_llm.slurm: W&B ran offline; upload from a machine with internet: wandb sync --id {run_id} "
+        f"-p llmft-test {runs[0]} {runs[1]}"
+    )
     assert WANDB_SECRET not in text
 
 
@@ -348,16 +385,33 @@ def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_infe
     step = done["global_step"]
     assert step == 16  # 25% of 256 examples = 64, global batch 4
     tag = ckpt / f"checkpoint-{step}" / f"global_step{step}"
-    assert optim_shards(tag) == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert optim_shards(tag) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     assert json.loads((ckpt / f"checkpoint-{step}" / "llmft_complete.json").read_text())["world_size"] == 2
 
     # Inference straight from the ZeRO checkpoint.
     proc = subprocess.run(
-        [sys.executable, "-m", "llmft.infer", str(tag), "--prompt", "What is 2 plus 3?", "--max_new_tokens", "8", "--json"],
-        cwd=REPO, env=cluster.env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "llmft.infer",
+            str(tag),
+            "--prompt",
+            "What is 2 plus 3?",
+            "--max_new_tokens",
+            "8",
+            "--json",
+        ],
+        cwd=REPO,
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    result = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert result["world_size"] == 2 and result["step"] == step
     assert len(result["generations"]) == 1 and result["generations"][0]["prompt"].startswith("What is 2 plus 3?")
 
@@ -382,31 +436,51 @@ def test_a_cancelled_job_ends_and_is_not_requeued(cluster, jobs):
 
 BAD = [
     # (sbatch arguments, message in the log)
-    (["{script}", "--export=ALL,EPOCHS=abc"], "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 10)"),
-    (["--export=ALL,EPOCHS=abc", "{script}"], "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 10)"),
-    (["{script}", "--export=ALL,EPOCHS=1,EPOCH=3"], "run_llm.slurm: error: unknown knob 'EPOCH' in '--export=ALL,EPOCHS=1,EPOCH=3'; known knobs: EPOCHS CHECKPOINT_DIR"),
-    (["{script}", "--export=ALL,ZERO_STAGE=7"], "run_llm.slurm: error: ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3"),
+    (
+        ["{script}", "--export=ALL,EPOCHS=abc"],
+        "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 10)",
+    ),
+    (
+        ["--export=ALL,EPOCHS=abc", "{script}"],
+        "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 10)",
+    ),
+    (
+        ["{script}", "--export=ALL,EPOCHS=1,EPOCH=3"],
+        "run_llm.slurm: error: unknown knob 'EPOCH' in '--export=ALL,EPOCHS=1,EPOCH=3'; known knobs: EPOCHS CHECKPOINT_DIR",
+    ),
+    (
+        ["{script}", "--export=ALL,ZERO_STAGE=7"],
+        "run_llm.slurm: error: ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3",
+    ),
     (["{script}", "--export=ALL,CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3"], "needs the pyxis SPANK plugin"),
     # sbatch's own --export splits a value at its commas and drops the rest; the job names what was lost.
-    (["--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models", "{script}"],
-     "'/models:/models' in 'sbatch --export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models' is not KEY=VALUE"),
+    (
+        ["--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models", "{script}"],
+        "'/models:/models' in 'sbatch --export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models' is not KEY=VALUE",
+    ),
     # The EFA profile on a node without EFA (like a g6): refused, not silently slow.
     (["{script}", "--export=ALL,NCCL_PROFILE=aws-efa"], "NCCL_PROFILE=aws-efa, but node"),
     # Knobs that look fine alone but make an impossible plan: llmft plan says so before torchrun starts.
     (["{script}", "--export=ALL,GLOBAL_BATCH=3,MICRO_BATCH=2"], "llmft plan: error:"),
     # Less memory than the run needs (sbatch --mem below the plan's host RAM): stopped before any model loads, naming
     # the limit and the flag, for the default ZERO_STAGE=2 as for auto.
-    (["--mem=300", "{script}", "--export=ALL,MODEL={model},GLOBAL_BATCH=4,MICRO_BATCH=2"],
-     "llmft plan: error: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing off does not fit on 2 x 1 CPU "
-     "process per node (no GPU), 0.3 GiB host RAM per node (the job's limit: SLURM_MEM_PER_NODE=300 MB): host RAM: needs "),
-    (["--mem=300", "{script}", "--export=ALL,MODEL={model},GLOBAL_BATCH=4,MICRO_BATCH=2,ZERO_STAGE=auto"],
-     "llmft plan: error: nothing fits: the closest, ZeRO-3, micro-batch 1 x accumulation 2, gradient checkpointing on, "
-     "breaks host RAM: needs "),
+    (
+        ["--mem=300", "{script}", "--export=ALL,MODEL={model},GLOBAL_BATCH=4,MICRO_BATCH=2"],
+        "llmft plan: error: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing off does not fit on 2 x 1 CPU "
+        "process per node (no GPU), 0.3 GiB host RAM per node (the job's limit: SLURM_MEM_PER_NODE=300 MB): host RAM: needs ",
+    ),
+    (
+        ["--mem=300", "{script}", "--export=ALL,MODEL={model},GLOBAL_BATCH=4,MICRO_BATCH=2,ZERO_STAGE=auto"],
+        "llmft plan: error: nothing fits: the closest, ZeRO-3, micro-batch 1 x accumulation 2, gradient checkpointing on, "
+        "breaks host RAM: needs ",
+    ),
     # a3's GPUDirect-TCPX without its plugin and RxDM (every node is checked): refused, not silently TCP.
-    (["{script}", "--export=ALL,NCCL_PROFILE=gcp-tcpx"],
-     "llmft plan: error: node n1: NCCL_PROFILE=gcp-tcpx: the GPUDirect-TCPX NCCL plugin (libnccl-net.so) is not on the "
-     "library path; install it (Google's nccl-plugin-gpudirecttcpx puts it in /var/lib/tcpx/lib64); no "
-     "receive-datapath-manager (RxDM) socket directory /run/tcpx"),
+    (
+        ["{script}", "--export=ALL,NCCL_PROFILE=gcp-tcpx"],
+        "llmft plan: error: node n1: NCCL_PROFILE=gcp-tcpx: the GPUDirect-TCPX NCCL plugin (libnccl-net.so) is not on the "
+        "library path; install it (Google's nccl-plugin-gpudirecttcpx puts it in /var/lib/tcpx/lib64); no "
+        "receive-datapath-manager (RxDM) socket directory /run/tcpx",
+    ),
 ]
 
 
@@ -417,8 +491,16 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
         cwd = tmp_path / str(i)
         cwd.mkdir()
         # A /sys without EFA, whatever the machine running the tests has.
-        jobs.append((cluster.sbatch([a.replace("{script}", str(SCRIPT)) for a in args], cwd=cwd, LLMFT_SYSFS_ROOT=str(tmp_path)),
-                     cwd, args, message))
+        jobs.append(
+            (
+                cluster.sbatch(
+                    [a.replace("{script}", str(SCRIPT)) for a in args], cwd=cwd, LLMFT_SYSFS_ROOT=str(tmp_path)
+                ),
+                cwd,
+                args,
+                message,
+            )
+        )
     for job, cwd, args, message in jobs:
         info = cluster.wait(job, timeout=120)
         text = read(cwd / f"llmft-{job}.out")
@@ -432,8 +514,11 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
         else:
             assert re.search(r"nearest|use|try|install", text.split("llmft plan: error:")[1]), text
         if "--mem=300" in args:  # the limit and the flag that fixes it
-            assert re.search(r"the job's allocation is the limit \(SLURM_MEM_PER_NODE=300 MB\): ask Slurm for \d+ GiB per node "
-                             r"with sbatch --mem=\d+G \(or --mem=0 for the whole node\)\n", text), text
+            assert re.search(
+                r"the job's allocation is the limit \(SLURM_MEM_PER_NODE=300 MB\): ask Slurm for \d+ GiB per node "
+                r"with sbatch --mem=\d+G \(or --mem=0 for the whole node\)\n",
+                text,
+            ), text
 
 
 # ---- resources: change #SBATCH --gpus-per-node only ---------------------------------------------
@@ -467,10 +552,20 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     # The aws-ofi-nccl plugin and libfabric where the loader finds them (LD_LIBRARY_PATH), as on a DLAMI.
     libs = str(fake_libraries(tmp_path / "ofi", "libnccl-net-ofi.so", "libfabric.so.1"))
     # sbatch's own --export: knobs in the environment; no OMP_NUM_THREADS of the user's, so llmft's split decides.
-    one = cluster.sbatch([knobs, str(SCRIPT)], cwd=tmp_path, LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="", LD_LIBRARY_PATH=libs)
+    one = cluster.sbatch(
+        [knobs, str(SCRIPT)], cwd=tmp_path, LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="", LD_LIBRARY_PATH=libs
+    )
     two = cluster.sbatch(
-        [str(edited), knobs + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5 --dataloader_num_workers 0 --save_total_limit 3"],
-        cwd=tmp_path, NCCL_SOCKET_IFNAME="eth9", LLMFT_SYSFS_ROOT=efa, OMP_NUM_THREADS="3", LD_LIBRARY_PATH=libs,
+        [
+            str(edited),
+            knobs
+            + ",LORA=1,WANDB_PROJECT=llmft-test,EXTRA_ARGS=--seed 7 --logging_steps 5 --dataloader_num_workers 0 --save_total_limit 3",
+        ],
+        cwd=tmp_path,
+        NCCL_SOCKET_IFNAME="eth9",
+        LLMFT_SYSFS_ROOT=efa,
+        OMP_NUM_THREADS="3",
+        LD_LIBRARY_PATH=libs,
     )
     for job in (one, two):
         assert cluster.wait(job, timeout=120)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
@@ -485,7 +580,11 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
     # --cpus-per-gpu=4 x 4 GPUs: the step gets all 16 CPUs; the user's OMP_NUM_THREADS and workers flag win.
     assert "processes per node 4; CPUs per node 16; OMP_NUM_THREADS=3" in b and "--cpus-per-task=16 " in b
     assert "4 per process (OMP_NUM_THREADS=4), 2 dataloader workers per process, 16 tokenisation processes" in b
-    assert "--dataset_num_proc 16 " in b and b.count("--dataloader_num_workers") == 1 and "--dataloader_num_workers 0" in b
+    assert (
+        "--dataset_num_proc 16 " in b
+        and b.count("--dataloader_num_workers") == 1
+        and "--dataloader_num_workers 0" in b
+    )
     for text in (a, b):
         assert "global batch 32 = " in text
         assert "DRY_RUN=1: not launching" in text
@@ -526,10 +625,18 @@ def test_the_allocation_on_each_node_decides_memory_gpus_numa_and_the_fabric(clu
         "per cpu": cluster.sbatch(["--mem-per-cpu=2048", str(per_cpu), f"--export=ALL,{model}"], cwd=tmp_path),
         "tight": cluster.sbatch(["--mem-per-cpu=100", str(per_cpu), f"--export=ALL,{model}"], cwd=tmp_path),
         "uneven": cluster.sbatch([str(uneven), f"--export=ALL,{model}"], cwd=tmp_path),
-        "numa": cluster.sbatch([str(SCRIPT), f"--export=ALL,{model}"], cwd=tmp_path, LLMFT_SYSFS_ROOT=str(sysfs),
-                               PATH=f"{bin_dir}:{cluster.env()['PATH']}"),
-        "no plugin": cluster.sbatch([str(SCRIPT), f"--export=ALL,{model},NCCL_PROFILE=aws-efa"], cwd=tmp_path,
-                                    LLMFT_SYSFS_ROOT=str(sysfs), LD_LIBRARY_PATH=""),
+        "numa": cluster.sbatch(
+            [str(SCRIPT), f"--export=ALL,{model}"],
+            cwd=tmp_path,
+            LLMFT_SYSFS_ROOT=str(sysfs),
+            PATH=f"{bin_dir}:{cluster.env()['PATH']}",
+        ),
+        "no plugin": cluster.sbatch(
+            [str(SCRIPT), f"--export=ALL,{model},NCCL_PROFILE=aws-efa"],
+            cwd=tmp_path,
+            LLMFT_SYSFS_ROOT=str(sysfs),
+            LD_LIBRARY_PATH="",
+        ),
     }
     out = {}
     for name, job in jobs.items():
@@ -537,30 +644,45 @@ def test_the_allocation_on_each_node_decides_memory_gpus_numa_and_the_fabric(clu
         out[name] = (info, read(tmp_path / f"llmft-{job}.out"))
     info, text = out["per cpu"]
     assert info["JobState"] == "COMPLETED", text
-    assert ("llmft plan: nodes: 2 x 1 GPU(s); memory the job may use: n1 8 GiB (SLURM_MEM_PER_CPU=2048 MB x 4 CPUs), "
-            "n2 8 GiB (SLURM_MEM_PER_CPU=2048 MB x 4 CPUs); planning with 8 GiB per node") in text
-    assert ("llmft plan: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing off fits (per process 2.47 GiB, "
-            "host 3.47 GiB per node) on 2 x 1 CPU process per node (no GPU), 8 GiB host RAM per node (the job's limit: node n1: "
-            "SLURM_MEM_PER_CPU=2048 MB x 4 CPUs)") in text and "llmft launch: nnodes=2 nproc_per_node=1 cpus_per_node=4 " in text
+    assert (
+        "llmft plan: nodes: 2 x 1 GPU(s); memory the job may use: n1 8 GiB (SLURM_MEM_PER_CPU=2048 MB x 4 CPUs), "
+        "n2 8 GiB (SLURM_MEM_PER_CPU=2048 MB x 4 CPUs); planning with 8 GiB per node"
+    ) in text
+    assert (
+        "llmft plan: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing off fits (per process 2.47 GiB, "
+        "host 3.47 GiB per node) on 2 x 1 CPU process per node (no GPU), 8 GiB host RAM per node (the job's limit: node n1: "
+        "SLURM_MEM_PER_CPU=2048 MB x 4 CPUs)"
+    ) in text and "llmft launch: nnodes=2 nproc_per_node=1 cpus_per_node=4 " in text
     assert "host_ram_gb=8 numa_binding=off" in text and "--mem=0 --kill-on-bad-exit=1 " in text
     info, text = out["tight"]
     assert info["ExitCode"] == "2:0", text
-    assert re.search(r"llmft plan: error: memory: .* 0.4 GiB host RAM per node \(the job's limit: (node n1: )?SLURM_MEM_PER_CPU=100 MB x 4 "
-                     r"CPUs\): host RAM: needs .* ask Slurm for \d+ GiB per node with sbatch --mem=\d+G", text), text
+    assert re.search(
+        r"llmft plan: error: memory: .* 0.4 GiB host RAM per node \(the job's limit: (node n1: )?SLURM_MEM_PER_CPU=100 MB x 4 "
+        r"CPUs\): host RAM: needs .* ask Slurm for \d+ GiB per node with sbatch --mem=\d+G",
+        text,
+    ), text
     info, text = out["uneven"]
     assert info["ExitCode"] == "2:0", text
-    assert re.search(r"llmft plan: error: the job's GPUs are spread unevenly over its nodes \(n1 [12], n2 [12]\), and every "
-                     r"node runs the same number of processes: ask for GPUs per node \(#SBATCH --gpus-per-node=N, not "
-                     r"--gpus=N\)\n", text), text
+    assert re.search(
+        r"llmft plan: error: the job's GPUs are spread unevenly over its nodes \(n1 [12], n2 [12]\), and every "
+        r"node runs the same number of processes: ask for GPUs per node \(#SBATCH --gpus-per-node=N, not "
+        r"--gpus=N\)\n",
+        text,
+    ), text
     info, text = out["numa"]
     assert info["JobState"] == "COMPLETED", text
     assert "llmft plan: NUMA binding node: each process on the CPUs of its GPU's NUMA node" in text
-    assert re.search(r"launch: srun .* -m torch.distributed.run --nnodes 2 --nproc_per_node 1 --numa-binding node "
-                     r"--rdzv_backend c10d ", text), text
+    assert re.search(
+        r"launch: srun .* -m torch.distributed.run --nnodes 2 --nproc_per_node 1 --numa-binding node "
+        r"--rdzv_backend c10d ",
+        text,
+    ), text
     info, text = out["no plugin"]
     assert info["ExitCode"] == "2:0", text
-    assert ("llmft plan: error: node n1: NCCL_PROFILE=aws-efa: the aws-ofi-nccl plugin NCCL_NET_PLUGIN=ofi loads "
-            "(libnccl-net-ofi.so) is not on the library path; install aws-ofi-nccl") in text
+    assert (
+        "llmft plan: error: node n1: NCCL_PROFILE=aws-efa: the aws-ofi-nccl plugin NCCL_NET_PLUGIN=ofi loads "
+        "(libnccl-net-ofi.so) is not on the library path; install aws-ofi-nccl"
+    ) in text
     assert "launch: srun" not in text
 
 
@@ -610,7 +732,9 @@ def test_the_default_checkpoint_dir_is_one_per_experiment(cluster, tmp_path):
         "exp": cluster.sbatch(["-J", "exp", str(SCRIPT), base + "org/a"], cwd=tmp_path),
         "other model": cluster.sbatch(["-J", "exp", str(SCRIPT), base + "org/b"], cwd=tmp_path),
         "other name": cluster.sbatch(["-J", "exp2", str(SCRIPT), base + "org/a"], cwd=tmp_path),
-        "rerun": cluster.sbatch(["-J", "exp", str(SCRIPT), base + "org/a", "EPOCHS=3"], cwd=tmp_path),  # more epochs: same run
+        "rerun": cluster.sbatch(
+            ["-J", "exp", str(SCRIPT), base + "org/a", "EPOCHS=3"], cwd=tmp_path
+        ),  # more epochs: same run
     }
     dirs = {}
     for what, job in submitted.items():
@@ -650,7 +774,9 @@ def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
     assert (ckpt / ".llmft-job").read_text().strip() == job
 
 
-def test_container_mounts_reach_pyxis_intact_and_the_container_is_created_once_per_node(cluster, tiny_model, tiny_data, tmp_path):
+def test_container_mounts_reach_pyxis_intact_and_the_container_is_created_once_per_node(
+    cluster, tiny_model, tiny_data, tmp_path
+):
     """With the pyxis stand-in (tests/pyxis_standin.c) srun takes pyxis's options and records what it got:
     several mounts separated by ';' in sbatch's own --export=... arrive as pyxis's comma list, and the paths the run
     uses are mounted wherever they live (the submit directory, CHECKPOINT_DIR, HF_HOME, LLMFT_CACHE, and MODEL and
@@ -662,31 +788,51 @@ def test_container_mounts_reach_pyxis_intact_and_the_container_is_created_once_p
     submit.mkdir()
     image = "nvcr.io#nvidia/pytorch:24.05-py3"
     hf_home, cache = tmp_path / "hf", tmp_path / "cache"
-    given = cluster.sbatch([f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CONTAINER_MOUNTS=/data:/data;/models:/models:ro",
-                            str(SCRIPT)], cwd=submit, LLMFT_TEST_PYXIS="1", HF_HOME=str(hf_home), LLMFT_CACHE=str(cache))
-    default = cluster.sbatch([str(SCRIPT), f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CHECKPOINT_DIR={submit / 'ck'},"
-                              f"MODEL={tiny_model},DATASET={tiny_data}"],
-                             cwd=submit, LLMFT_TEST_PYXIS="1", HF_HOME=str(hf_home), LLMFT_CACHE=str(cache))
+    given = cluster.sbatch(
+        [
+            f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CONTAINER_MOUNTS=/data:/data;/models:/models:ro",
+            str(SCRIPT),
+        ],
+        cwd=submit,
+        LLMFT_TEST_PYXIS="1",
+        HF_HOME=str(hf_home),
+        LLMFT_CACHE=str(cache),
+    )
+    default = cluster.sbatch(
+        [
+            str(SCRIPT),
+            f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CHECKPOINT_DIR={submit / 'ck'},"
+            f"MODEL={tiny_model},DATASET={tiny_data}",
+        ],
+        cwd=submit,
+        LLMFT_TEST_PYXIS="1",
+        HF_HOME=str(hf_home),
+        LLMFT_CACHE=str(cache),
+    )
     texts = {}
     for job in (given, default):
         info = cluster.wait(job, timeout=180)
         texts[job] = read(submit / f"llmft-{job}.out")
         assert info["JobState"] == "COMPLETED", texts[job]
         assert "llmft plan: world size 2 (2 nodes x 1 processes, from slurm)" in texts[job]  # planned inside the step
-    recorded = read(log)[len(before):].splitlines()
+    recorded = read(log)[len(before) :].splitlines()
     ckpt_given = re.search(r"llmft plan: checkpoint dir (\S+)", texts[given]).group(1)
     assert Path(ckpt_given).parent.parent == submit  # under the submit directory: its mount covers it
     mounts = f"/data:/data,/models:/models:ro,{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache}"
     assert recorded.count(f"container-mounts={mounts}") == 2, recorded  # the probe and the plan
-    defaults = (f"{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache},{tiny_model}:{tiny_model},"
-                f"{tiny_data.parent}:{tiny_data.parent}")  # CHECKPOINT_DIR (submit/ck) is under the submit directory
+    defaults = (
+        f"{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache},{tiny_model}:{tiny_model},"
+        f"{tiny_data.parent}:{tiny_data.parent}"
+    )  # CHECKPOINT_DIR (submit/ck) is under the submit directory
     assert recorded.count(f"container-mounts={defaults}") == 2, recorded
     assert recorded.count(f"container-image={image}") == 4 and recorded.count(f"container-workdir={submit}") == 4
     for job in (given, default):
         # Named by the job, and created once on each node although two steps ran there (n1: the probe and the plan).
         assert recorded.count(f"container-name=llmft-{job}") == 2, recorded
         assert sorted(r for r in recorded if r.startswith(f"container-created=llmft-{job}@")) == [
-            f"container-created=llmft-{job}@n1", f"container-created=llmft-{job}@n2"], recorded
+            f"container-created=llmft-{job}@n1",
+            f"container-created=llmft-{job}@n2",
+        ], recorded
         # The training launch carries the same container arguments.
         assert f"--container-image={image} --container-name=llmft-{job} --container-mounts=" in texts[job]
     assert f"--container-mounts={mounts} " in texts[given]

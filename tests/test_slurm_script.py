@@ -11,11 +11,18 @@ from conftest import require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "run_llm.slurm"
-SHELL_SCRIPTS = [SCRIPT, REPO / "slurm" / "local" / "start.sh", REPO / "slurm" / "local" / "stop.sh", REPO / "tests" / "system_deps.sh"]
+SHELL_SCRIPTS = [
+    SCRIPT,
+    REPO / "slurm" / "local" / "start.sh",
+    REPO / "slurm" / "local" / "stop.sh",
+    REPO / "tests" / "system_deps.sh",
+]
 
 
 def test_shell_scripts_are_shellcheck_clean():
-    proc = subprocess.run([require_tool("shellcheck"), "-s", "bash", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [require_tool("shellcheck"), "-s", "bash", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for script in SHELL_SCRIPTS:
         text = script.read_text()
@@ -44,21 +51,32 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         (["--export=ALL,GLOBAL_BATCH=-4"], "GLOBAL_BATCH=-4 is not a positive integer"),
         (["--export=ALL,MICRO_BATCH=1.5"], "MICRO_BATCH=1.5 is not a positive integer"),
         (["--export=ALL,MAX_STEPS=ten"], "MAX_STEPS=ten is not a positive integer"),
-        (["SAVE_TOTAL_LIMIT=-1"], "SAVE_TOTAL_LIMIT=-1 is not a number of checkpoints; use 0 (keep all) or more (default 2)"),
+        (
+            ["SAVE_TOTAL_LIMIT=-1"],
+            "SAVE_TOTAL_LIMIT=-1 is not a number of checkpoints; use 0 (keep all) or more (default 2)",
+        ),
         (["--export=ALL,OFFLOAD=maybe"], "OFFLOAD=maybe is not a boolean"),
         (["--export=ALL,OFFLOAD=1,ZERO_STAGE=1"], "OFFLOAD=1 needs ZERO_STAGE=2 or 3"),
         (["--export=ALL,OFFLOAD=1,ZERO_STAGE=auto"], "ZERO_STAGE=auto chooses the offload itself; drop OFFLOAD=1"),
-        (["--export=ALL,ZERO_STAGE=3,DS_CONFIG=ds_configs/zero3.json"], "give either ZERO_STAGE or DS_CONFIG, not both"),
+        (
+            ["--export=ALL,ZERO_STAGE=3,DS_CONFIG=ds_configs/zero3.json"],
+            "give either ZERO_STAGE or DS_CONFIG, not both",
+        ),
         (["--export=ALL,DS_CONFIG=/nonexistent/ds.json"], "DS_CONFIG=/nonexistent/ds.json: no such file"),
         (["--export=ALL,NCCL_PROFILE=azure"], "NCCL_PROFILE=azure is unknown; use gcp-g2, aws-efa, gcp-tcpx or ib"),
         (["--export=ALL,WANDB_MODE=loud"], "WANDB_MODE=loud: use online, offline or disabled"),
         (["--export=ALL,VENV=/nonexistent/venv"], "VENV=/nonexistent/venv is not a virtual environment"),
         (["--epochs", "3"], "cannot read argument '--epochs'"),
         # A comma inside an --export=... value splits it: the rest is named, not silently dropped.
-        (["--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models"],
-         "'/models:/models' in '--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models' is not KEY=VALUE: "
-         "a value was cut at a comma, which separates items in --export=...; separate CONTAINER_MOUNTS with ';'"),
-        (["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data /models"], "'/data /models' is not a mount SRC[:DST[:FLAGS]]; separate mounts with ';'"),
+        (
+            ["--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models"],
+            "'/models:/models' in '--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models' is not KEY=VALUE: "
+            "a value was cut at a comma, which separates items in --export=...; separate CONTAINER_MOUNTS with ';'",
+        ),
+        (
+            ["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data /models"],
+            "'/data /models' is not a mount SRC[:DST[:FLAGS]]; separate mounts with ';'",
+        ),
         (["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data:/data;;/x"], "'' is not a mount"),
         (["CONTAINER_MOUNTS=/data:/data"], "CONTAINER_MOUNTS=/data:/data needs CONTAINER_IMAGE"),
     ],
@@ -112,8 +130,21 @@ def test_values_are_data_never_code(tmp_path):
 def test_help_documents_every_knob_with_its_default():
     proc = run_script("--help")
     assert proc.returncode == 0
-    for line in ("EPOCHS=10", "CHECKPOINT_DIR=runs/<job name>-<run key>", "sbatch -J NAME", "DATA_PERCENTAGE=10", "ZERO_STAGE=2", "GLOBAL_BATCH=32",
-                 "MICRO_BATCH=4", "SAVE_TOTAL_LIMIT=2", "NCCL_PROFILE=", "CONTAINER_IMAGE=", "VENV=", "EXTRA_ARGS=", "WANDB_PROJECT="):
+    for line in (
+        "EPOCHS=10",
+        "CHECKPOINT_DIR=runs/<job name>-<run key>",
+        "sbatch -J NAME",
+        "DATA_PERCENTAGE=10",
+        "ZERO_STAGE=2",
+        "GLOBAL_BATCH=32",
+        "MICRO_BATCH=4",
+        "SAVE_TOTAL_LIMIT=2",
+        "NCCL_PROFILE=",
+        "CONTAINER_IMAGE=",
+        "VENV=",
+        "EXTRA_ARGS=",
+        "WANDB_PROJECT=",
+    ):
         assert line in proc.stdout, line
     knobs = SCRIPT.read_text().split("KNOBS=(")[1].split(")")[0].split()
     for knob in knobs:
@@ -122,8 +153,14 @@ def test_help_documents_every_knob_with_its_default():
 
 def test_sbatch_directives_for_multinode_preemption_safe_runs():
     directives = [line for line in SCRIPT.read_text().splitlines() if line.startswith("#SBATCH")]
-    for expected in ("--output=%x-%j.out", "--requeue", "--signal=B:USR1@120", "--ntasks-per-node=1", "--gpus-per-node=1",
-                     "--open-mode=append"):
+    for expected in (
+        "--output=%x-%j.out",
+        "--requeue",
+        "--signal=B:USR1@120",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=1",
+        "--open-mode=append",
+    ):
         assert any(expected in d for d in directives), expected
 
 
@@ -131,15 +168,23 @@ def fake_job_env(tmp_path: Path, **env: str) -> dict[str, str]:
     """Variables of a job whose Slurm cannot be reached (no slurm.conf): the script gets past the knobs."""
     conf = tmp_path / "empty-slurm.conf"
     conf.touch()
-    return dict(SLURM_JOB_ID="123", SLURM_JOB_NAME="t", SLURM_JOB_NODELIST="n[1-2]", SLURM_CONF=str(conf),
-                CHECKPOINT_DIR=str(tmp_path / "ckpt"), **env)
+    return dict(
+        SLURM_JOB_ID="123",
+        SLURM_JOB_NAME="t",
+        SLURM_JOB_NODELIST="n[1-2]",
+        SLURM_CONF=str(conf),
+        CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+        **env,
+    )
 
 
 def test_a_failing_scontrol_show_hostnames_is_one_clear_message(tmp_path):
     proc = run_script(**fake_job_env(tmp_path))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and "unbound variable" not in proc.stderr, proc.stderr
-    assert proc.stderr.startswith("run_llm.slurm: error: cannot list the job's nodes: 'scontrol show hostnames n[1-2]' failed: ")
+    assert proc.stderr.startswith(
+        "run_llm.slurm: error: cannot list the job's nodes: 'scontrol show hostnames n[1-2]' failed: "
+    )
 
 
 def test_pyxis_is_found_in_a_long_srun_help_under_pipefail(tmp_path):
@@ -148,11 +193,15 @@ def test_pyxis_is_found_in_a_long_srun_help_under_pipefail(tmp_path):
     one whose help (with pyxis's options first) is longer than a pipe buffer."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (tmp_path / "help.txt").write_text("      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH\n" + "      --padding\n" * 100_000)
+    (tmp_path / "help.txt").write_text(
+        "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH\n" + "      --padding\n" * 100_000
+    )
     srun = bin_dir / "srun"
     srun.write_text(f"#!/bin/bash\n[[ $1 == --help ]] && exec cat {tmp_path / 'help.txt'}\nexit 99\n")
     srun.chmod(0o755)
-    env = fake_job_env(tmp_path, CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:24.05-py3", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    env = fake_job_env(
+        tmp_path, CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:24.05-py3", PATH=f"{bin_dir}:{os.environ['PATH']}"
+    )
     for _ in range(3):
         proc = run_script(**env)
         assert "pyxis" not in proc.stderr, proc.stderr

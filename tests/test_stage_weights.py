@@ -45,11 +45,17 @@ def test_the_first_process_of_a_node_copies_once_and_the_others_load_its_copy(tm
     model = model_dir(tmp_path)
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/export {tmp_path / 'shared'} nfs rw 0 0\n")
-    env = {**os.environ, "LLMFT_PROC_MOUNTS": str(mounts), "LLMFT_STAGE_DIR": str(tmp_path / "local"),
-           "SLURMD_NODENAME": "n1"}
+    env = {
+        **os.environ,
+        "LLMFT_PROC_MOUNTS": str(mounts),
+        "LLMFT_STAGE_DIR": str(tmp_path / "local"),
+        "SLURMD_NODENAME": "n1",
+    }
     code = "import sys; from llmft.training.stage_weights import stage_weights; print('->', stage_weights(sys.argv[1], 3))"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(model)], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(model)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     text = "".join(outs)
@@ -62,8 +68,13 @@ def test_the_first_process_of_a_node_copies_once_and_the_others_load_its_copy(tm
     assert (target / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
     staged = [line for line in text.splitlines() if "staged the weights" in line]
     assert len(staged) == 1, text
-    assert staged[0].startswith(f"llmft: node n1: staged the weights of {model} (0.00 GB, 2 files) from nfs to node-local {target} in ")
-    assert staged[0].endswith("s at that rate") and "the node's 3 process(es) load the local copy: 2 full read(s) of shared storage saved, about" in staged[0]
+    assert staged[0].startswith(
+        f"llmft: node n1: staged the weights of {model} (0.00 GB, 2 files) from nfs to node-local {target} in "
+    )
+    assert (
+        staged[0].endswith("s at that rate")
+        and "the node's 3 process(es) load the local copy: 2 full read(s) of shared storage saved, about" in staged[0]
+    )
     said = []
     assert stage_weights(str(model), 3, env=env, log=said.append) == str(target) and said == []  # a later job: reused
     (model / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
@@ -78,7 +89,9 @@ def test_what_the_run_saves_names_the_source_not_the_local_copy(tiny_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_model)), LoraConfig(r=2, target_modules=["c_attn"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(tiny_model)), LoraConfig(r=2, target_modules=["c_attn"])
+    )
     source = "/home/u/.cache/huggingface/hub/models--org--m/snapshots/abc"
     restore_source_name(model, str(tiny_model), source)
     assert model.peft_config["default"].base_model_name_or_path == source

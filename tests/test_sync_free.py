@@ -47,14 +47,31 @@ def train_in_process(trainer_cls, model_dir, out, nan_at: int | None = None):
     from trl import SFTConfig
 
     torch.manual_seed(0)
-    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=4,
-                     logging_steps=2, learning_rate=5e-3, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
-                     seed=0, disable_tqdm=True, max_length=64)
+    args = SFTConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        logging_steps=2,
+        learning_rate=5e-3,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+        max_length=64,
+    )
     data = Dataset.from_list(as_format(make_examples(48), "prompt_completion"))
     counter = SyncCounter()
-    trainer = trainer_cls(model=str(model_dir), args=args, train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[counter.callback()])
-    with counter.installed(), (nan_loss_at(nan_at) if nan_at else contextlib.nullcontext()):
+    trainer = trainer_cls(
+        model=str(model_dir),
+        args=args,
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[counter.callback()],
+    )
+    with counter.installed(), nan_loss_at(nan_at) if nan_at else contextlib.nullcontext():
         trainer.train()
     logs = [{k: entry[k] for k in LOGGED} for entry in trainer.state.log_history if "loss" in entry]
     return logs, counter
@@ -79,7 +96,9 @@ def test_llmft_logs_what_trl_logs_without_reading_back_per_micro_batch(tiny_mode
 
 
 def test_reduce_metrics_gives_trls_per_micro_batch_ratios():
-    rows = torch.tensor([[4.0, 8.0, 2.0, 10.0], [0.0, 0.0, 0.0, 6.0], [2.0, 1.0, 2.0, 4.0]])  # label tokens, entropy, hits, fed
+    rows = torch.tensor(
+        [[4.0, 8.0, 2.0, 10.0], [0.0, 0.0, 0.0, 6.0], [2.0, 1.0, 2.0, 4.0]]
+    )  # label tokens, entropy, hits, fed
     doubled = []
     values, total = reduce_metrics(rows.clone(), 100, tp_size=1, all_reduce=lambda t: (doubled.append(1), t.mul_(2)))
     assert doubled  # summed over ranks first (two ranks with the same rows here): ratios unchanged, tokens doubled
@@ -92,11 +111,31 @@ def test_a_real_deepspeed_run_reads_nothing_back_per_micro_batch(tiny_model, tin
     """`llmft train` (ZeRO-2, 4 micro-batches per step): host reads inside the steps' micro-batches, outside the model's
     own code, stay below one per micro-batch (what is left is per optimizer step: DeepSpeed's gradient checks)."""
     out, probe = tmp_path / "run", tmp_path / "probe"
-    flags = ["--model_name_or_path", tiny_model, "--dataset_name", tiny_data, "--output_dir", out, "--report_to", "none",
-             "--logging_steps", 1, "--disable_tqdm", "true", "--max_steps", 3, "--save_strategy", "no", "--zero_stage", 2,
-             "--global_batch_size", 8, "--per_device_train_batch_size", 2]
-    run([PYTHON, PROBE, *map(str, flags)],
-        check=True, LLMFT_PROBE_DIR=str(probe), LLMFT_PROBE_SYNCS="1")
+    flags = [
+        "--model_name_or_path",
+        tiny_model,
+        "--dataset_name",
+        tiny_data,
+        "--output_dir",
+        out,
+        "--report_to",
+        "none",
+        "--logging_steps",
+        1,
+        "--disable_tqdm",
+        "true",
+        "--max_steps",
+        3,
+        "--save_strategy",
+        "no",
+        "--zero_stage",
+        2,
+        "--global_batch_size",
+        8,
+        "--per_device_train_batch_size",
+        2,
+    ]
+    run([PYTHON, PROBE, *map(str, flags)], check=True, LLMFT_PROBE_DIR=str(probe), LLMFT_PROBE_SYNCS="1")
     counted = json.loads((probe / "syncs.json").read_text())
     assert counted["micro_batches"] == 12
     ours = {site: n for site, n in counted["sites"].items() if not any(part in site for part in MODEL_CODE)}

@@ -25,19 +25,33 @@ def test_runs_are_named_by_job_grouped_and_keep_their_id_across_requeues(tmp_pat
     assert first["WANDB__TRANSACTION_LOG_FLUSH_INTERVAL"] == "2"  # what a SIGTERM'd service had not written is lost
     requeued = slurm_wandb_env({**JOB, "SLURM_RESTART_COUNT": "1"}, str(tmp_path / "ckpt"), online=False)
     assert requeued == first  # the requeued job resumes the same run
-    assert slurm_wandb_env({**JOB, "SLURM_JOB_ID": "1235"}, str(tmp_path / "ckpt"))["WANDB_RUN_ID"] != first["WANDB_RUN_ID"]
+    assert (
+        slurm_wandb_env({**JOB, "SLURM_JOB_ID": "1235"}, str(tmp_path / "ckpt"))["WANDB_RUN_ID"]
+        != first["WANDB_RUN_ID"]
+    )
     # A recycled job id (another cluster, or another output directory) is another run.
     assert slurm_wandb_env(JOB, str(tmp_path / "other"))["WANDB_RUN_ID"] != first["WANDB_RUN_ID"]
-    assert slurm_wandb_env({**JOB, "SLURM_CLUSTER_NAME": "c2"}, str(tmp_path / "ckpt"))["WANDB_RUN_ID"] != first["WANDB_RUN_ID"]
+    assert (
+        slurm_wandb_env({**JOB, "SLURM_CLUSTER_NAME": "c2"}, str(tmp_path / "ckpt"))["WANDB_RUN_ID"]
+        != first["WANDB_RUN_ID"]
+    )
 
 
 def test_array_tasks_user_settings_and_odd_job_names(tmp_path):
-    array = slurm_wandb_env({**JOB, "SLURM_JOB_ID": "1240", "SLURM_ARRAY_JOB_ID": "1234", "SLURM_ARRAY_TASK_ID": "6"}, str(tmp_path))
+    array = slurm_wandb_env(
+        {**JOB, "SLURM_JOB_ID": "1240", "SLURM_ARRAY_JOB_ID": "1234", "SLURM_ARRAY_TASK_ID": "6"}, str(tmp_path)
+    )
     assert array["WANDB_NAME"] == "llmft-1234_6" and array["WANDB_RUN_GROUP"] == "llmft-1234"  # one group per sweep
-    mine = slurm_wandb_env({**JOB, "WANDB_MODE": "online", "WANDB_NAME": "mine", "WANDB_RUN_GROUP": "g"}, str(tmp_path), online=None)
-    assert "WANDB_MODE" not in mine and "WANDB_NAME" not in mine and "WANDB_RUN_GROUP" not in mine  # the user's values win
+    mine = slurm_wandb_env(
+        {**JOB, "WANDB_MODE": "online", "WANDB_NAME": "mine", "WANDB_RUN_GROUP": "g"}, str(tmp_path), online=None
+    )
+    assert (
+        "WANDB_MODE" not in mine and "WANDB_NAME" not in mine and "WANDB_RUN_GROUP" not in mine
+    )  # the user's values win
     odd = slurm_wandb_env({**JOB, "SLURM_JOB_NAME": "my job/$(rm -rf ~)"}, str(tmp_path))
-    assert odd["WANDB_RUN_ID"].startswith("my-job-rm--rf-1234-") and set(odd["WANDB_RUN_ID"]) <= set("abcdefghijklmnopqrstuvwxyz0123456789-_.ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    assert odd["WANDB_RUN_ID"].startswith("my-job-rm--rf-1234-") and set(odd["WANDB_RUN_ID"]) <= set(
+        "abcdefghijklmnopqrstuvwxyz0123456789-_.ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    )
     assert slurm_wandb_env(JOB, str(tmp_path), online=True)["WANDB_MODE"] == "online"
     with pytest.raises(ValueError, match="not inside a Slurm job"):
         slurm_wandb_env({}, str(tmp_path))
@@ -70,8 +84,14 @@ def test_the_script_helper_prints_only_wandb_lines_and_never_the_key(tmp_path):
     secret = "wandb-secret-0123456789abcdef0123456789abcdef"
     env = subprocess_env(**JOB, WANDB_API_KEY=secret, WANDB_BASE_URL="http://127.0.0.1:9")
     env.pop("WANDB_MODE")
-    proc = subprocess.run([sys.executable, "-m", "llmft.tracking", "slurm-env", "--output_dir", str(tmp_path), "--timeout", "2"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmft.tracking", "slurm-env", "--output_dir", str(tmp_path), "--timeout", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert all(line.split("=", 1)[0].startswith("WANDB_") for line in lines)

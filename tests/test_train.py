@@ -29,8 +29,21 @@ PROBE = REPO / "tests" / "train_probe.py"
 def train_cmd(model, data, out, *extra, nproc=2):
     launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
     return launcher + [
-        "-m", "llmft.train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
-        "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", *map(str, extra),
+        "-m",
+        "llmft.train",
+        "--model_name_or_path",
+        str(model),
+        "--dataset_name",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        *map(str, extra),
     ]
 
 
@@ -44,8 +57,26 @@ def summary(out: Path) -> dict:
 
 def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "run"
-    proc = run(train_cmd(tiny_model, tiny_data, out, "--zero_stage", 2, "--max_steps", 10, "--save_steps", 5,
-                         "--global_batch_size", 8, "--per_device_train_batch_size", 2, "--learning_rate", "5e-3"), check=True)
+    proc = run(
+        train_cmd(
+            tiny_model,
+            tiny_data,
+            out,
+            "--zero_stage",
+            2,
+            "--max_steps",
+            10,
+            "--save_steps",
+            5,
+            "--global_batch_size",
+            8,
+            "--per_device_train_batch_size",
+            2,
+            "--learning_rate",
+            "5e-3",
+        ),
+        check=True,
+    )
     assert "llmft plan: world size 2 (1 nodes x 2 processes, from torchrun)" in proc.stdout
     logged = steps(proc.stdout)
     assert [s for s, *_ in logged] == list(range(1, 11))
@@ -54,7 +85,9 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
 
     tag = out / "checkpoint-10" / "global_step10"
     assert sorted(p.name for p in tag.iterdir()) == [
-        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
     for step in (5, 10):
         ckpt = f"checkpoint-{step}"
@@ -66,15 +99,24 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
         assert f"global_step{step}/mp_rank_00_model_states.pt" in marker["reported_by_rank"]["0"]
         assert (out / ckpt / "config.json").is_file() and (out / ckpt / "tokenizer.json").is_file()
     cfg = json.loads((out / "ds_config.json").read_text())
-    assert cfg["train_batch_size"] == 8 == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
+    assert (
+        cfg["train_batch_size"] == 8 == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2
+    )
     assert cfg["gradient_accumulation_steps"] == 2 and cfg["zero_optimization"]["stage"] == 2
     assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 10
     assert proc.stdout.count("llmft plan: world size") == 1  # rank 0 only
-    assert len(re.findall(r"llmft: (prepared|reused prepared) data ", proc.stdout)) == 1  # one preparation, logged once
+    assert (
+        len(re.findall(r"llmft: (prepared|reused prepared) data ", proc.stdout)) == 1
+    )  # one preparation, logged once
 
     # Speed, from the run itself: the step line's throughput fields and run_summary.json (CPU: no MFU, no GPU memory).
     for _, _, _, _, tps, padded, tflops, mfu, gpu_mem, data_share in STEP_RE.findall(proc.stdout):
-        assert 0 < int(tps) <= int(padded) and float(tflops) > 0 and mfu == gpu_mem == "n/a" and 0 <= float(data_share) <= 100
+        assert (
+            0 < int(tps) <= int(padded)
+            and float(tflops) > 0
+            and mfu == gpu_mem == "n/a"
+            and 0 <= float(data_share) <= 100
+        )
     s = summary(out)
     assert list(s) == list(SUMMARY_FIELDS)
     assert s["steps"] == 10 == s["global_step"] and s["world_size"] == 2 and s["gpu"] is None and s["mfu"] is None
@@ -86,18 +128,51 @@ def test_zero2_two_processes_trains_saves_shards_and_writes_the_resolved_config(
     assert proc.stdout.count("llmft: start-up ") == 1
 
 
-def test_a_run_that_saves_and_evaluates_every_step_reports_the_rate_of_one_that_does_not(tiny_model, tiny_data, tmp_path):
+def test_a_run_that_saves_and_evaluates_every_step_reports_the_rate_of_one_that_does_not(
+    tiny_model, tiny_data, tmp_path
+):
     """Saves and evaluations made 3 s and 2 s slower (tests/train_probe.py) at every step of a tiny model whose steps
     take a fraction of that: were they counted, the rate would drop ~50x. It matches the run without them (within
     5x: timing of tiny steps on a shared machine), and the time is reported on its own, in the summary and step lines."""
-    flags = ("--max_steps", 4, "--global_batch_size", 4, "--per_device_train_batch_size", 2, "--zero_stage", 2,
-             "--eval_split_ratio", "0.05")
+    flags = (
+        "--max_steps",
+        4,
+        "--global_batch_size",
+        4,
+        "--per_device_train_batch_size",
+        2,
+        "--zero_stage",
+        2,
+        "--eval_split_ratio",
+        "0.05",
+    )
     plain_out, saving_out = tmp_path / "plain", tmp_path / "saving"
     run(train_cmd(tiny_model, tiny_data, plain_out, *flags, "--save_strategy", "no", nproc=1), check=True)
-    saving = run([PYTHON, PROBE, *train_cmd(tiny_model, tiny_data, saving_out, *flags, "--save_steps", 1, "--eval_strategy",
-                                            "steps", "--eval_steps", 1, nproc=1)[3:]],
-                 check=True, timeout=1200, LLMFT_PROBE_DIR=str(tmp_path / "probe"), LLMFT_PROBE_MOMENTS="0",
-                 LLMFT_PROBE_SLOW_SAVE="3", LLMFT_PROBE_SLOW_EVAL="2")
+    saving = run(
+        [
+            PYTHON,
+            PROBE,
+            *train_cmd(
+                tiny_model,
+                tiny_data,
+                saving_out,
+                *flags,
+                "--save_steps",
+                1,
+                "--eval_strategy",
+                "steps",
+                "--eval_steps",
+                1,
+                nproc=1,
+            )[3:],
+        ],
+        check=True,
+        timeout=1200,
+        LLMFT_PROBE_DIR=str(tmp_path / "probe"),
+        LLMFT_PROBE_MOMENTS="0",
+        LLMFT_PROBE_SLOW_SAVE="3",
+        LLMFT_PROBE_SLOW_EVAL="2",
+    )
     plain, saved = summary(plain_out), summary(saving_out)
     assert saved["steps"] == plain["steps"] == 4 and saved["tokens"] == plain["tokens"]
     # steps of ~0.1 s on a shared machine vary 3x between runs; counted, 5 s of saving and evaluating per step would
@@ -136,8 +211,10 @@ def test_a_finished_epochs_run_run_again_trains_nothing_and_keeps_its_summary(ti
     assert [s for s, *_ in steps(first.stdout)] == [1, 2, 3, 4]
     kept = {name: (out / name).read_bytes() for name in ("model.safetensors", "run_summary.json")}
     again = run(train_cmd(tiny_model, data, out, *flags, nproc=1), check=True)
-    assert (f"llmft: {out} is already complete at step 4 (--num_train_epochs 1, 4 steps): nothing to train; "
-            "raise --num_train_epochs to train further") in again.stdout
+    assert (
+        f"llmft: {out} is already complete at step 4 (--num_train_epochs 1, 4 steps): nothing to train; "
+        "raise --num_train_epochs to train further"
+    ) in again.stdout
     assert {name: (out / name).read_bytes() for name in kept} == kept
     assert summary(out)["steps"] == 4
 
@@ -145,8 +222,20 @@ def test_a_finished_epochs_run_run_again_trains_nothing_and_keeps_its_summary(ti
 def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_data, tmp_path):
     """The preemption path: a stop request mid-run saves a complete checkpoint; a rerun continues from it."""
     out, stop = tmp_path / "run", tmp_path / "STOP"
-    flags = ("--zero_stage", 3, "--max_steps", 10, "--save_steps", 2, "--global_batch_size", 4,
-             "--per_device_train_batch_size", 1, "--learning_rate", "1e-3")
+    flags = (
+        "--zero_stage",
+        3,
+        "--max_steps",
+        10,
+        "--save_steps",
+        2,
+        "--global_batch_size",
+        4,
+        "--per_device_train_batch_size",
+        1,
+        "--learning_rate",
+        "1e-3",
+    )
     cmd = train_cmd(tiny_model, tiny_data, out, *flags)
 
     def request_stop_after_first_checkpoint():
@@ -165,7 +254,8 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
     assert summary(out)["steps"] == stopped  # written when a stop request ends the run early, too
     tag = out / f"checkpoint-{stopped}" / f"global_step{stopped}"
     assert sorted(p.name for p in tag.glob("zero_pp_rank_*_model_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
     ]
 
     stop.unlink()
@@ -190,10 +280,26 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
 def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_model, tiny_data, tmp_path):
     """On this CPU machine: the largest micro-batch up to the one given, no recomputation, ZeRO-2; the run uses it."""
     out = tmp_path / "auto"
-    proc = run(train_cmd(tiny_model, tiny_data, out, "--auto", "--max_steps", 1, "--global_batch_size", 8,
-                         "--per_device_train_batch_size", 4, nproc=1), check=True)
+    proc = run(
+        train_cmd(
+            tiny_model,
+            tiny_data,
+            out,
+            "--auto",
+            "--max_steps",
+            1,
+            "--global_batch_size",
+            8,
+            "--per_device_train_batch_size",
+            4,
+            nproc=1,
+        ),
+        check=True,
+    )
     line = next(line for line in proc.stdout.splitlines() if line.startswith("llmft plan: auto: "))
-    assert line.startswith("llmft plan: auto: ZeRO-2, micro-batch 4 x accumulation 2, gradient checkpointing off (per process")
+    assert line.startswith(
+        "llmft plan: auto: ZeRO-2, micro-batch 4 x accumulation 2, gradient checkpointing off (per process"
+    )
     assert "1 x 1 CPU process per node (no GPU)" in line and "no CPU offload needed; no recomputation needed" in line
     cfg = json.loads((out / "ds_config.json").read_text())
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 4
@@ -201,15 +307,28 @@ def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_mode
     assert "llmft: host memory: rank 0 " in proc.stdout and "llmft: host memory peak: rank 0 " in proc.stdout
 
 
-def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_with(tiny_model, tmp_path, monkeypatch):
+def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_with(
+    tiny_model, tmp_path, monkeypatch
+):
     """In-process, no training: --auto picks ZeRO-2 on this CPU machine for a new run, but a rerun into a directory
     whose run was ZeRO-3 keeps ZeRO-3 (DeepSpeed loads those shards only under it) and says so."""
     from llmft.train import RunSettings, choose_automatically, make_parser
 
     monkeypatch.setenv("LLMFT_HOST_RAM_GB", "16")
     out = tmp_path / "run"
-    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", "d.jsonl", "--output_dir", str(out), "--auto",
-            "--global_batch_size", "4", "--per_device_train_batch_size", "2"]
+    argv = [
+        "--model_name_or_path",
+        str(tiny_model),
+        "--dataset_name",
+        "d.jsonl",
+        "--output_dir",
+        str(out),
+        "--auto",
+        "--global_batch_size",
+        "4",
+        "--per_device_train_batch_size",
+        "2",
+    ]
     script_args, training_args, model_args, llmft_args = make_parser().parse_args_and_config(args=argv)
     run = RunSettings(script_args, training_args, model_args, llmft_args)
     choose = lambda: choose_automatically(run, "fp32", None)  # noqa: E731
@@ -245,11 +364,35 @@ def test_torch_compile_compiles_the_deepspeed_engine_and_trains_the_same(tiny_mo
     config = json.loads((model / "config.json").read_text())
     config.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # compiled dropout draws its randomness differently
     (model / "config.json").write_text(json.dumps(config))
-    flags = ("--zero_stage", 2, "--max_steps", 3, "--global_batch_size", 4, "--per_device_train_batch_size", 2,
-             "--learning_rate", "1e-3", "--save_strategy", "no")
+    flags = (
+        "--zero_stage",
+        2,
+        "--max_steps",
+        3,
+        "--global_batch_size",
+        4,
+        "--per_device_train_batch_size",
+        2,
+        "--learning_rate",
+        "1e-3",
+        "--save_strategy",
+        "no",
+    )
     plain = run(train_cmd(model, tiny_data, tmp_path / "plain", *flags, nproc=1), check=True)
-    compiled = run(train_cmd(model, tiny_data, tmp_path / "compiled", *flags, "--torch_compile", "true",
-                             "--torch_compile_backend", "eager", nproc=1), check=True)
+    compiled = run(
+        train_cmd(
+            model,
+            tiny_data,
+            tmp_path / "compiled",
+            *flags,
+            "--torch_compile",
+            "true",
+            "--torch_compile_backend",
+            "eager",
+            nproc=1,
+        ),
+        check=True,
+    )
     assert "llmft: torch.compile on (backend eager, mode default)" in compiled.stdout
     assert "torch.compile on" not in plain.stdout
     assert len(steps(compiled.stdout)) == 3
@@ -281,15 +424,47 @@ def test_yaml_config_column_mapping_chat_format_packing(tiny_model, tmp_path):
         f"model_name_or_path: {tiny_model}\ndataset_name: {qa}\nprompt_column: question\ncompletion_column: answer\n"
         f"zero_stage: 0\nmax_steps: 2\nsave_steps: 2\nper_device_train_batch_size: 2\nreport_to: none\neval_split_ratio: 0.25\n"
     )
-    proc = run([PYTHON, "-m", "llmft.train", "--config", str(config), "--output_dir", str(tmp_path / "qa_run"),
-                "--logging_steps", "1", "--disable_tqdm", "true"], check=True)
-    assert "24 records (prompt_completion, 100% of the split), 8 for evaluation" in proc.stdout and "ZeRO stage 0" in proc.stdout
+    proc = run(
+        [
+            PYTHON,
+            "-m",
+            "llmft.train",
+            "--config",
+            str(config),
+            "--output_dir",
+            str(tmp_path / "qa_run"),
+            "--logging_steps",
+            "1",
+            "--disable_tqdm",
+            "true",
+        ],
+        check=True,
+    )
+    assert (
+        "24 records (prompt_completion, 100% of the split), 8 for evaluation" in proc.stdout
+        and "ZeRO stage 0" in proc.stdout
+    )
     assert [s for s, *_ in steps(proc.stdout)] == [1, 2]
     assert re.search(r"llmft: step 2/2 eval loss [\d.]+ perplexity [\d.]+\n", proc.stdout), proc.stdout
 
     chat = write_jsonl(as_format(make_examples(16), "messages"), tmp_path / "chat.jsonl")
-    proc = run(train_cmd(tiny_model, chat, tmp_path / "chat_run", "--zero_stage", 1, "--max_steps", 1,
-                         "--per_device_train_batch_size", 2, "--packing", "--gradient_checkpointing", nproc=1), check=True)
+    proc = run(
+        train_cmd(
+            tiny_model,
+            chat,
+            tmp_path / "chat_run",
+            "--zero_stage",
+            1,
+            "--max_steps",
+            1,
+            "--per_device_train_batch_size",
+            2,
+            "--packing",
+            "--gradient_checkpointing",
+            nproc=1,
+        ),
+        check=True,
+    )
     assert "16 records (messages" in proc.stdout and (tmp_path / "chat_run" / "llmft_done.json").is_file()
 
 
@@ -303,21 +478,53 @@ def test_real_tokens_counted_the_same_padded_or_packed(tiny_model, tmp_path):
     model = tmp_path / "no-dropout"  # dropout draws differ with the batch's shape: off, so the losses can be compared
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
-    padded_run = run(train_cmd(model, data, tmp_path / "padded", *flags, "--per_device_train_batch_size", 8, nproc=1),
-                     check=True)
-    free_run = run(train_cmd(model, data, tmp_path / "free", *flags, "--per_device_train_batch_size", 8,
-                             "--padding_free", "true", nproc=1), check=True)
+    (model / "config.json").write_text(
+        json.dumps({**config, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+    )
+    padded_run = run(
+        train_cmd(model, data, tmp_path / "padded", *flags, "--per_device_train_batch_size", 8, nproc=1), check=True
+    )
+    free_run = run(
+        train_cmd(
+            model,
+            data,
+            tmp_path / "free",
+            *flags,
+            "--per_device_train_batch_size",
+            8,
+            "--padding_free",
+            "true",
+            nproc=1,
+        ),
+        check=True,
+    )
     free = summary(tmp_path / "free")
     assert free["steps"] == 3 and free["tokens"] == free["padded_tokens"] == summary(tmp_path / "padded")["tokens"]
     assert [loss for _, _, loss, _ in steps(free_run.stdout)] == pytest.approx(
-        [loss for _, _, loss, _ in steps(padded_run.stdout)], abs=2e-4)
-    proc = run(train_cmd(model, data, tmp_path / "packed", *flags, "--per_device_train_batch_size", 4, "--packing",
-                         "--max_length", 128, nproc=1), check=True)
+        [loss for _, _, loss, _ in steps(padded_run.stdout)], abs=2e-4
+    )
+    proc = run(
+        train_cmd(
+            model,
+            data,
+            tmp_path / "packed",
+            *flags,
+            "--per_device_train_batch_size",
+            4,
+            "--packing",
+            "--max_length",
+            128,
+            nproc=1,
+        ),
+        check=True,
+    )
     assert "llmft: attention llmft_sdpa_packed (auto): SDPA on each packed sample" in proc.stdout
     # the start lines say what padding costs this data, and what the run's batches do about it (llmft.padding)
-    assert re.search(r"llmft: data: 24 sequences, .* micro-batch of 8, \d+% of the tokens fed are padding: padding-free "
-                     r"batches would feed none", padded_run.stdout)
+    assert re.search(
+        r"llmft: data: 24 sequences, .* micro-batch of 8, \d+% of the tokens fed are padding: padding-free "
+        r"batches would feed none",
+        padded_run.stdout,
+    )
     assert "would be padding (padding-free: none is fed" in free_run.stdout
     assert re.search(r"would be padding; --packing: no padding, about \d+ samples per row of 128 tokens", proc.stdout)
     padded, packed = summary(tmp_path / "padded"), summary(tmp_path / "packed")
@@ -329,8 +536,10 @@ def test_held_out_evaluation_logs_loss_and_perplexity_and_the_data_is_prepared_o
     import math
 
     out, train_out, prepare_out = run_with_eval
-    evals = [(int(s), float(loss), float(ppl)) for s, loss, ppl in
-             re.findall(r"llmft: step (\d+)/6 eval loss ([\d.]+) perplexity ([\d.]+)", train_out)]
+    evals = [
+        (int(s), float(loss), float(ppl))
+        for s, loss, ppl in re.findall(r"llmft: step (\d+)/6 eval loss ([\d.]+) perplexity ([\d.]+)", train_out)
+    ]
     assert [s for s, *_ in evals] == [3, 6]
     for _, loss, ppl in evals:
         assert ppl == pytest.approx(math.exp(loss), rel=1e-3)
@@ -351,7 +560,14 @@ def test_wandb_offline_logs_without_network_and_never_prints_the_key(tiny_model,
     secret = "wandb-secret-0123456789abcdef0123456789abcdef"
     cmd = train_cmd(tiny_model, tiny_data, tmp_path / "run", "--zero_stage", 0, "--max_steps", 2, nproc=1)
     cmd[cmd.index("--report_to") + 1] = "wandb"
-    proc = run(cmd, check=True, WANDB_MODE="offline", WANDB_API_KEY=secret, WANDB_DIR=str(tmp_path), WANDB_PROJECT="llmft-test")
+    proc = run(
+        cmd,
+        check=True,
+        WANDB_MODE="offline",
+        WANDB_API_KEY=secret,
+        WANDB_DIR=str(tmp_path),
+        WANDB_PROJECT="llmft-test",
+    )
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     record = next(runs[0].glob("*.wandb")).read_bytes()
@@ -372,15 +588,24 @@ def _bad(tmp_path: Path, tiny_data: Path):
         (["--dataset_name", str(qa)], "dataset has columns answer, question but llmft needs"),
         (["--zero_stage", "7"], "unknown ZeRO stage 7"),
         (["--deepspeed", str(tmp_path / "nope.json")], f"DeepSpeed config {tmp_path / 'nope.json'} not found"),
-        (["--global_batch_size", "7", "--per_device_train_batch_size", "2"], "global batch 7 is not divisible by micro-batch 2 x world size 1 = 2; use global batch 6 or 8"),
+        (
+            ["--global_batch_size", "7", "--per_device_train_batch_size", "2"],
+            "global batch 7 is not divisible by micro-batch 2 x world size 1 = 2; use global batch 6 or 8",
+        ),
         (["--data_percentage", "150"], "--data_percentage must be in (0, 100], got 150"),
         (["--data_percentage", "0"], "--data_percentage must be in (0, 100], got 0"),
         (["--packing", "--packing_strategy", "wrapped"], "--packing_strategy wrapped concatenates samples"),
-        (["--attn_implementation", "flash_attention_2"], "flash_attention_2 needs a CUDA GPU and none is visible here"),
+        (
+            ["--attn_implementation", "flash_attention_2"],
+            "flash_attention_2 needs a CUDA GPU and none is visible here",
+        ),
         (["--use_liger_kernel", "true"], "--use_liger_kernel needs a CUDA GPU"),
         (["--auto", "--zero_stage", "3"], "--auto chooses the ZeRO stage and offload itself"),
         (["--save_consolidated", "--zero_stage", "2"], "under ZeRO-2 the final model is written whole already"),
-        (["--eval_strategy", "steps", "--eval_steps", "5"], "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"),
+        (
+            ["--eval_strategy", "steps", "--eval_steps", "5"],
+            "--eval_strategy steps needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05",
+        ),
         (["--eval_split_ratio", "1"], "--eval_split_ratio must be in (0, 1)"),
         (["--eval_dataset_name", str(tmp_path / "missing_eval.jsonl")], "missing_eval.jsonl not found"),
     ]
@@ -396,8 +621,17 @@ def test_bad_input_fails_fast_with_one_clear_line(tiny_model, tiny_data, tmp_pat
     parser = make_parser()
     for extra, message in _bad(tmp_path, tiny_data):
         out = tmp_path / "never"
-        argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--output_dir", str(out),
-                "--report_to", "none", *extra]
+        argv = [
+            "--model_name_or_path",
+            str(tiny_model),
+            "--dataset_name",
+            str(tiny_data),
+            "--output_dir",
+            str(out),
+            "--report_to",
+            "none",
+            *extra,
+        ]
         assert cli(parser, argv) == 2, extra
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if line.startswith("llmft train: error:")]
@@ -412,8 +646,20 @@ def test_bad_input_fails_fast_with_one_clear_line(tiny_model, tiny_data, tmp_pat
 def test_bad_input_from_the_llmft_command_exits_2_without_traceback(tiny_model, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a" "completion": "b"}\n')
-    proc = run([str(Path(PYTHON).parent / "llmft"), "train", "--model_name_or_path", str(tiny_model), "--dataset_name", str(bad),
-                "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
+    proc = run(
+        [
+            str(Path(PYTHON).parent / "llmft"),
+            "train",
+            "--model_name_or_path",
+            str(tiny_model),
+            "--dataset_name",
+            str(bad),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--report_to",
+            "none",
+        ]
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"llmft train: error: {bad}: line 2 is not valid JSON")
     assert "Traceback" not in proc.stderr
@@ -509,7 +755,11 @@ def test_stop_votes_are_spaced_by_step_time_and_every_rank_stops_at_the_same_ste
     launch = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
 
     def ranks(rank0_step_s, rank1_step_s, request_step, name):
-        run(launch + [str(rank0_step_s), str(rank1_step_s), str(request_step), str(tmp_path / name)], check=True, timeout=120)
+        run(
+            launch + [str(rank0_step_s), str(rank1_step_s), str(request_step), str(tmp_path / name)],
+            check=True,
+            timeout=120,
+        )
         return [json.loads((tmp_path / f"{name}.{r}").read_text()) for r in (0, 1)]
 
     fast = ranks(0.005, 0.02, 60, "fast")  # ~20 ms steps
@@ -559,7 +809,9 @@ def test_dataloader_workers_leave_stop_signals_to_their_rank():
             signal.signal(sig, handler)
 
 
-def test_save_total_limit_never_deletes_the_last_complete_checkpoint_for_an_incomplete_one(tiny_model, tiny_data, tmp_path):
+def test_save_total_limit_never_deletes_the_last_complete_checkpoint_for_an_incomplete_one(
+    tiny_model, tiny_data, tmp_path
+):
     """Issue 21, as a user met it: run 1 (--save_steps 2 --save_total_limit 2) leaves checkpoint-2 and -4; a stop save
     cut off leaves checkpoint-5 without its marker. The rerun resumes from 4 and moves 5 aside, saying so; while 6 is
     written (before it is complete) 4 is still there and complete; only once 8 is complete is 4 deleted.
@@ -575,14 +827,21 @@ def test_save_total_limit_never_deletes_the_last_complete_checkpoint_for_an_inco
         shard.unlink()
 
     cmd = train_cmd(tiny_model, tiny_data, out, "--max_steps", 8, *flags, nproc=1)
-    second = run([cmd[0], str(PROBE), *cmd[3:]], check=True, LLMFT_PROBE_DIR=str(probe), LLMFT_PROBE_LISTING="1",
-                 LLMFT_PROBE_MOMENTS="0")
+    second = run(
+        [cmd[0], str(PROBE), *cmd[3:]],
+        check=True,
+        LLMFT_PROBE_DIR=str(probe),
+        LLMFT_PROBE_LISTING="1",
+        LLMFT_PROBE_MOMENTS="0",
+    )
     assert f"llmft: resuming from {out / 'checkpoint-4'}" in second.stdout
     listing = {step: json.loads((probe / f"listing-at-save-{step}.json").read_text()) for step in (6, 8)}
     assert listing[6] == {"checkpoint-2": True, "checkpoint-4": True, "checkpoint-6": False}, listing
     assert listing[8] == {"checkpoint-4": True, "checkpoint-6": True, "checkpoint-8": False}, listing
-    assert (f"llmft: moved checkpoint-5 aside to {out / 'incomplete' / 'checkpoint-5'}: checkpoint-5 has no "
-            "llmft_complete.json: it was interrupted while saving; never resumed from, delete it to free its space") in second.stdout
+    assert (
+        f"llmft: moved checkpoint-5 aside to {out / 'incomplete' / 'checkpoint-5'}: checkpoint-5 has no "
+        "llmft_complete.json: it was interrupted while saving; never resumed from, delete it to free its space"
+    ) in second.stdout
     assert (out / "incomplete" / "checkpoint-5").is_dir()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
     assert "llmft: deleted checkpoint-4 (--save_total_limit 2 counts complete checkpoints only)" in second.stdout
@@ -623,6 +882,20 @@ def test_every_rank_reads_the_stop_file_and_the_vote_stops_them_all(tmp_path):
     seen.touch()
     script = tmp_path / "stopfile.py"
     script.write_text(STOP_FILE_SCRIPT)
-    run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(unseen), str(seen),
-         str(tmp_path / "stopped")], check=True, timeout=120)
+    run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(unseen),
+            str(seen),
+            str(tmp_path / "stopped"),
+        ],
+        check=True,
+        timeout=120,
+    )
     assert [json.loads((tmp_path / f"stopped.{r}").read_text()) for r in (0, 1)] == [1, 1]

@@ -32,7 +32,9 @@ def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
         if spec.endswith("wide"):  # ~50 MB of fp32 weights: large enough to measure memory against
             from transformers import GPT2Config
 
-            model = AutoModelForCausalLM.from_config(GPT2Config(**{**model.config.to_dict(), "n_embd": 512, "n_layer": 4, "n_head": 8}))
+            model = AutoModelForCausalLM.from_config(
+                GPT2Config(**{**model.config.to_dict(), "n_embd": 512, "n_layer": 4, "n_head": 8})
+            )
         config = {
             "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 1,
@@ -75,11 +77,42 @@ def ds_checkpoints(tmp_path_factory, tiny_model) -> Path:
     from conftest import PYTHON, run
 
     out = tmp_path_factory.mktemp("ds_ckpt")
-    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), __file__, str(out), str(tiny_model), *SPECS, MEMORY_SPEC],
-        timeout=400, check=True)
+    run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            __file__,
+            str(out),
+            str(tiny_model),
+            *SPECS,
+            MEMORY_SPEC,
+        ],
+        timeout=400,
+        check=True,
+    )
     # 3 ranks: partitions and paddings that do not divide evenly
-    run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port", str(free_port()), __file__,
-         str(out / "ranks3"), str(tiny_model), *SPECS_3_RANKS], timeout=400, check=True)
+    run(
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "3",
+            "--master_port",
+            str(free_port()),
+            __file__,
+            str(out / "ranks3"),
+            str(tiny_model),
+            *SPECS_3_RANKS,
+        ],
+        timeout=400,
+        check=True,
+    )
     return out
 
 
@@ -205,7 +238,20 @@ def test_plain_checkpoint_generates_with_model_name_and_glob_picks_highest_step(
 
     tags = sorted(str(p) for p in (ds_checkpoints / "2").glob("global_step*"))
     assert [Path(t).name for t in tags] == ["global_step2", "global_step3"]
-    main(make_parser().parse_args([*tags, "--model_name", str(tiny_model), "--prompt", "What is 2 plus 3?", "--max_new_tokens", "6", "--json"]))
+    main(
+        make_parser().parse_args(
+            [
+                *tags,
+                "--model_name",
+                str(tiny_model),
+                "--prompt",
+                "What is 2 plus 3?",
+                "--max_new_tokens",
+                "6",
+                "--json",
+            ]
+        )
+    )
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["checkpoint"].endswith("global_step3") and out["step"] == 3 and out["zero_stage"] == 2
@@ -279,8 +325,14 @@ BAD_INPUTS = {
     "does_not_exist": (lambda d: d / "nope" / "global_step3", "does not exist"),
     "glob_matched_nothing": (lambda d: d / "nope" / "global_step*", "no checkpoint matched"),
     "no_shards": (lambda d: (d / "empty").mkdir(exist_ok=True) or d / "empty", "holds no DeepSpeed checkpoint"),
-    "missing_rank_optim": (lambda d: _corrupt_copy(d, "2", "missing", _drop_rank1_optim), "missing shard for rank 1 of 2"),
-    "missing_rank_model_states": (lambda d: _corrupt_copy(d, "3", "missing3", _drop_rank1_model_states), "missing shard for rank 1 of 2"),
+    "missing_rank_optim": (
+        lambda d: _corrupt_copy(d, "2", "missing", _drop_rank1_optim),
+        "missing shard for rank 1 of 2",
+    ),
+    "missing_rank_model_states": (
+        lambda d: _corrupt_copy(d, "3", "missing3", _drop_rank1_model_states),
+        "missing shard for rank 1 of 2",
+    ),
     "truncated_shard": (lambda d: _corrupt_copy(d, "2", "truncated", _truncate), "is truncated or corrupt"),
     "garbage_shard": (lambda d: _corrupt_copy(d, "3", "garbage", _garbage), "is truncated or corrupt"),
     "code_bearing_shard": (lambda d: _corrupt_copy(d, "2", "code", _code_bearing), "--trust_checkpoint"),

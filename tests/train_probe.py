@@ -82,7 +82,11 @@ def _zero_lora_b_after_save(original):
 
             path = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}" / "adapter_model.safetensors"
             tensors = load_file(path)
-            save_file({k: torch.zeros_like(v) if "lora_B" in k else v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+            save_file(
+                {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in tensors.items()},
+                path,
+                metadata={"format": "pt"},
+            )
 
     return save
 
@@ -131,7 +135,9 @@ def count_syncs(out: Path) -> None:
         def on_train_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 out.mkdir(parents=True, exist_ok=True)
-                (out / "syncs.json").write_text(json.dumps({"micro_batches": counter.micro_batches, "sites": counter.sites}))
+                (out / "syncs.json").write_text(
+                    json.dumps({"micro_batches": counter.micro_batches, "sites": counter.sites})
+                )
 
     init = ProbedTrainer.__init__
 
@@ -157,7 +163,10 @@ def record_comms(out: Path) -> None:
             if state.global_step == 3 and state.is_world_process_zero:
                 from deepspeed.comm import comm
 
-                logged = {op: {str(size): v[0] for size, v in sizes.items()} for op, sizes in comm.comms_logger.comms_dict.items()}
+                logged = {
+                    op: {str(size): v[0] for size, v in sizes.items()}
+                    for op, sizes in comm.comms_logger.comms_dict.items()
+                }
                 out.mkdir(parents=True, exist_ok=True)
                 (out / "comms.json").write_text(json.dumps(logged))
 
@@ -172,7 +181,9 @@ def record_comms(out: Path) -> None:
 if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
 
-    trl.SFTTrainer = ProbedTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    trl.SFTTrainer = (
+        ProbedTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
+    )
     if os.environ.get("LLMFT_PROBE_SABOTAGE") == "zero_lora_b":
         import transformers
 
@@ -185,7 +196,9 @@ if __name__ == "__main__":  # patched only in the probe's own processes, never i
         if os.environ.get(variable):
             import transformers
 
-            setattr(transformers.Trainer, name, _slower(getattr(transformers.Trainer, name), float(os.environ[variable])))
+            setattr(
+                transformers.Trainer, name, _slower(getattr(transformers.Trainer, name), float(os.environ[variable]))
+            )
 
     if os.environ.get("LLMFT_PROBE_LISTING") == "1":
         import transformers

@@ -24,11 +24,11 @@ def records(path: Path):
         if left < 7:  # block trailer: padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:
             pos += left
             continue
-        chunks += data[pos + 7:pos + 7 + length]
+        chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
             record = pb.Record()
@@ -45,5 +45,7 @@ def run_info(path: Path) -> dict:
         if kind == "run" and "run_id" not in info:
             info.update(run_id=record.run.run_id, name=record.run.display_name, group=record.run.run_group)
         elif kind == "history":
-            info["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+            info["history"].append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return info

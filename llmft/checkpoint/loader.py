@@ -18,7 +18,14 @@ from llmft.checkpoint.zero import CheckpointError, ZeroCheckpoint, is_tag_dir, o
 from llmft.planning.hardware import choose_precision, local_gpu, torch_dtype
 from llmft.planning.model_shape import model_positions
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -39,7 +46,9 @@ def _tag_dir_in(path: Path) -> Path:
     if is_tag_dir(path):
         return path
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory: pass a global_stepN directory, a checkpoint-N directory or a run's output directory")
+        raise CheckpointError(
+            f"{path} is not a directory: pass a global_stepN directory, a checkpoint-N directory or a run's output directory"
+        )
     tag = tag_dir(path)
     if tag is not None:
         return tag
@@ -49,8 +58,10 @@ def _tag_dir_in(path: Path) -> Path:
     if ckpt is not None:
         return _tag_dir_in(ckpt)
     if notes:
-        raise CheckpointError(f"{path} holds no complete checkpoint ({notes[0].removeprefix('skipping ')}): "
-                              "pass a complete checkpoint-N directory, or resume training to write one")
+        raise CheckpointError(
+            f"{path} holds no complete checkpoint ({notes[0].removeprefix('skipping ')}): "
+            "pass a complete checkpoint-N directory, or resume training to write one"
+        )
     raise CheckpointError(
         f"{path} holds no DeepSpeed checkpoint (no *model_states.pt, no 'latest' file, no global_step* or checkpoint-* directories): "
         "pass a global_stepN directory, a checkpoint-N directory or a run's output directory"
@@ -67,7 +78,9 @@ def resolve_checkpoint(paths: list[str]) -> tuple[Path, str | None]:
         path = Path(p)
         if not path.exists():
             if glob.has_magic(p):
-                raise CheckpointError(f"no checkpoint matched {p} (the shell passed the pattern through unexpanded): check the directory and the pattern")
+                raise CheckpointError(
+                    f"no checkpoint matched {p} (the shell passed the pattern through unexpanded): check the directory and the pattern"
+                )
             raise CheckpointError(f"{p} does not exist: check the path")
         tags.append(_tag_dir_in(path))
     tags = sorted(set(tags), key=lambda t: (_step_of(t), str(t)))
@@ -118,7 +131,9 @@ def pick_device(name: str | None) -> str:
             raise CheckpointError(f"--device {name} but CUDA is not available here: use --device cpu")
         index = torch.device(name).index or 0
         if index >= torch.cuda.device_count():
-            raise CheckpointError(f"--device {name} but this machine has {torch.cuda.device_count()} CUDA device(s): use cuda:0 or cpu")
+            raise CheckpointError(
+                f"--device {name} but this machine has {torch.cuda.device_count()} CUDA device(s): use cuda:0 or cpu"
+            )
     return name
 
 
@@ -131,7 +146,6 @@ def pick_dtype(name: str | None, device: str, exporting: bool):
     there the dtype is how the weights are stored, not what a GPU computes in."""
     import torch
 
-
     requested = "auto" if name in (None, "auto") else _PRECISION_OF[DTYPES[name]]
     if exporting:
         return torch.float32 if requested == "auto" else torch_dtype(requested)
@@ -139,7 +153,9 @@ def pick_dtype(name: str | None, device: str, exporting: bool):
         gpu = local_gpu(torch.device(device).index or 0) if device.startswith("cuda") else None
         return torch_dtype(choose_precision(requested, gpu, inference=True))
     except ValueError as e:
-        raise CheckpointError(str(e).replace("--precision fp16", "--dtype float16").replace("--precision fp32", "--dtype float32")) from None
+        raise CheckpointError(
+            str(e).replace("--precision fp16", "--dtype float16").replace("--precision fp32", "--dtype float32")
+        ) from None
 
 
 def _hf(what: str, src: str, fn):
@@ -147,7 +163,9 @@ def _hf(what: str, src: str, fn):
         return fn()
     except (OSError, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot load the {what} of {src} ({reason}): pass --model_name with a local model directory or a hub name you can download") from None
+        raise CheckpointError(
+            f"cannot load the {what} of {src} ({reason}): pass --model_name with a local model directory or a hub name you can download"
+        ) from None
 
 
 def _empty_model(config, dtype, device):
@@ -228,7 +246,14 @@ class Loaded:
     seconds: float
 
 
-def load(tag_dir: Path, model_name: str | None = None, device: str = "cpu", dtype=None, merge: bool = False, trust: bool = False) -> Loaded:
+def load(
+    tag_dir: Path,
+    model_name: str | None = None,
+    device: str = "cpu",
+    dtype=None,
+    merge: bool = False,
+    trust: bool = False,
+) -> Loaded:
     """Model + tokenizer from a tag directory, weights read from the shards into the model in place."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -249,10 +274,14 @@ def load(tag_dir: Path, model_name: str | None = None, device: str = "cpu", dtyp
         if has_base:  # frozen base weights were saved in the shards too
             base = _empty_model(config, dtype, device)
         else:  # HF Trainer excludes frozen weights: they come from the base model
-            base = _hf("weights", src.config, lambda: AutoModelForCausalLM.from_pretrained(src.config, dtype=dtype).to(device))
+            base = _hf(
+                "weights", src.config, lambda: AutoModelForCausalLM.from_pretrained(src.config, dtype=dtype).to(device)
+            )
         model = PeftModel(base, peft_config)
         model.to(device=device, dtype=dtype)
-        fill_from_checkpoint(model, ckpt, f"{src.config} + LoRA adapter", allow_missing=lambda n: not has_base and "lora_" not in n)
+        fill_from_checkpoint(
+            model, ckpt, f"{src.config} + LoRA adapter", allow_missing=lambda n: not has_base and "lora_" not in n
+        )
         if merge:
             model = model.merge_and_unload()
     model.eval()
@@ -266,14 +295,27 @@ def new_token_budget(prompt_tokens: int, max_new_tokens: int, positions: int | N
         return max_new_tokens, None
     room = positions - prompt_tokens
     if room < 1:
-        raise CheckpointError(f"the prompt has {prompt_tokens} tokens and the model reads at most {positions} positions: "
-                              "shorten the prompt")
-    return room, (f"the prompt has {prompt_tokens} tokens: generating at most {room} new tokens, up to the model's "
-                  f"{positions} positions (not --max_new_tokens {max_new_tokens})")
+        raise CheckpointError(
+            f"the prompt has {prompt_tokens} tokens and the model reads at most {positions} positions: "
+            "shorten the prompt"
+        )
+    return room, (
+        f"the prompt has {prompt_tokens} tokens: generating at most {room} new tokens, up to the model's "
+        f"{positions} positions (not --max_new_tokens {max_new_tokens})"
+    )
 
 
-def generate(model, tokenizer, texts: list[str], max_new_tokens=50, temperature=None, top_p=None, seed=None, stream=False,
-             say=None) -> list[dict]:
+def generate(
+    model,
+    tokenizer,
+    texts: list[str],
+    max_new_tokens=50,
+    temperature=None,
+    top_p=None,
+    seed=None,
+    stream=False,
+    say=None,
+) -> list[dict]:
     """Batched generation, greedy unless temperature/top_p ask for sampling; streams a single prompt. New tokens stop at
     the model's positions (new_token_budget; `say` gets the note)."""
     import torch
@@ -284,13 +326,17 @@ def generate(model, tokenizer, texts: list[str], max_new_tokens=50, temperature=
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
-    max_new_tokens, note = new_token_budget(int(enc["input_ids"].shape[1]), max_new_tokens, model_positions(model.config))
+    max_new_tokens, note = new_token_budget(
+        int(enc["input_ids"].shape[1]), max_new_tokens, model_positions(model.config)
+    )
     if note and say is not None:
         say(note)
     sample = (temperature is not None and temperature > 0) or top_p is not None
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=tokenizer.pad_token_id)
     if sample:
-        kwargs.update(temperature=temperature if temperature else 1.0, top_p=top_p if top_p is not None else 1.0, top_k=None)
+        kwargs.update(
+            temperature=temperature if temperature else 1.0, top_p=top_p if top_p is not None else 1.0, top_k=None
+        )
     else:
         kwargs.update(temperature=None, top_p=None, top_k=None)
     if seed is not None:
@@ -303,9 +349,14 @@ def generate(model, tokenizer, texts: list[str], max_new_tokens=50, temperature=
     results = []
     for text, ids in zip(texts, new):
         ids = ids[ids != tokenizer.pad_token_id] if tokenizer.pad_token_id != tokenizer.eos_token_id else ids
-        results.append({"prompt": text, "completion": tokenizer.decode(ids, skip_special_tokens=True), "new_tokens": int(ids.numel())})
+        results.append(
+            {
+                "prompt": text,
+                "completion": tokenizer.decode(ids, skip_special_tokens=True),
+                "new_tokens": int(ids.numel()),
+            }
+        )
     return results
-
 
 
 @dataclass

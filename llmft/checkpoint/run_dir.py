@@ -118,7 +118,11 @@ def mark_complete(
         "reported_by_rank": {str(r): sorted(report) for r, report in enumerate(reports)},
     }
     if batch is not None:
-        payload["batch"] = {"micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum, "world_size": batch.world_size}
+        payload["batch"] = {
+            "micro_batch": batch.micro_batch,
+            "grad_accum": batch.grad_accum,
+            "world_size": batch.world_size,
+        }
     _write_json_atomic(marker, payload)
     return marker
 
@@ -150,7 +154,9 @@ def choose_checkpoint(output_dir: str | Path, *, unmarked_ok: bool = False) -> t
     marker, e.g. a plain HF Trainer run), the newest checkpoint-N is taken as it is.
     """
     found = checkpoint_dirs(output_dir)
-    foreign = not (Path(output_dir) / RUN_RECORD).exists() and not any((p / COMPLETE_MARKER).exists() for _, p in found)
+    foreign = not (Path(output_dir) / RUN_RECORD).exists() and not any(
+        (p / COMPLETE_MARKER).exists() for _, p in found
+    )
     if unmarked_ok and found and foreign:
         return found[-1][1], []
     notes = []
@@ -175,9 +181,13 @@ def tag_dir(ckpt_dir: str | Path) -> Path | None:
     if latest.is_file():
         tag = latest.read_text().strip()
         if not (ckpt / tag).is_dir():
-            raise CheckpointError(f"{latest} names {tag!r}, which is not in {ckpt}: pass the global_stepN directory you want")
+            raise CheckpointError(
+                f"{latest} names {tag!r}, which is not in {ckpt}: pass the global_stepN directory you want"
+            )
         return ckpt / tag
-    tags = [(int(m.group(1)), p) for p in ckpt.glob("global_step*") if p.is_dir() and (m := re.search(r"(\d+)$", p.name))]
+    tags = [
+        (int(m.group(1)), p) for p in ckpt.glob("global_step*") if p.is_dir() and (m := re.search(r"(\d+)$", p.name))
+    ]
     return max(tags)[1] if tags else None
 
 
@@ -204,8 +214,9 @@ def resolve_resume(output_dir: str | Path, requested: str | None) -> Path | None
     return path
 
 
-def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps: int,
-                          num_train_epochs: float | None = None) -> str | None:
+def nothing_left_to_train(
+    output_dir: str | Path, resume: Path | None, max_steps: int, num_train_epochs: float | None = None
+) -> str | None:
     """Whether resuming `resume` would train nothing: None to train on; else the one line to print.
 
     transformers' loop takes one more step before it looks at max_steps, so a run resumed at its last step (a job
@@ -234,7 +245,11 @@ def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps
         planned, epochs = state.get("max_steps"), state.get("num_train_epochs")
         if num_train_epochs is None or not isinstance(planned, int) or planned <= 0 or epochs != num_train_epochs:
             return None
-        max_steps, flag, limit = planned, "--num_train_epochs", f"--num_train_epochs {num_train_epochs:g}, {planned} steps"
+        max_steps, flag, limit = (
+            planned,
+            "--num_train_epochs",
+            f"--num_train_epochs {num_train_epochs:g}, {planned} steps",
+        )
     if step < max_steps:
         return None
     try:
@@ -245,8 +260,10 @@ def nothing_left_to_train(output_dir: str | Path, resume: Path | None, max_steps
         return f"{output_dir} is already complete at step {done} ({limit}): nothing to train; raise {flag} to train further"
     if by_epochs:
         return None
-    raise CheckpointError(f"{resume} already reached {limit}, but the run's final save did not finish: "
-                          f"write its model with `llmft infer {resume} --export DIR`, or raise --max_steps to train further")
+    raise CheckpointError(
+        f"{resume} already reached {limit}, but the run's final save did not finish: "
+        f"write its model with `llmft infer {resume} --export DIR`, or raise --max_steps to train further"
+    )
 
 
 def mark_done(output_dir: str | Path, global_step: int) -> Path:
@@ -305,6 +322,8 @@ def set_aside_incomplete(output_dir: str | Path) -> list[str]:
         if target.exists():
             shutil.rmtree(target)
         os.replace(path, target)
-        lines.append(f"moved {path.name} aside to {target}: {reason.replace(str(path), path.name)}; "
-                     "never resumed from, delete it to free its space")
+        lines.append(
+            f"moved {path.name} aside to {target}: {reason.replace(str(path), path.name)}; "
+            "never resumed from, delete it to free its space"
+        )
     return lines

@@ -98,7 +98,9 @@ def load_shard(path: Path, trust: bool = False) -> dict:
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"shard {path} is missing: the checkpoint is incomplete, copy the file over or use another checkpoint")
+        raise CheckpointError(
+            f"shard {path} is missing: the checkpoint is incomplete, copy the file over or use another checkpoint"
+        )
     if not zipfile.is_zipfile(path):
         raise CheckpointError(
             f"shard {path} is truncated or corrupt (not a readable torch zip archive): re-copy it or use another checkpoint"
@@ -259,7 +261,9 @@ def _open_zero012(tag_dir, model_file, optim, trust) -> ZeroCheckpoint:
         # (unpartitioned) optimizer state of the same file.
         shapes = {k: v.shape for k, v in module.items()}
         shared = _shared_from_storage(module)
-        return ZeroCheckpoint(tag_dir, 0, world_size, [model_file], [], shapes, shared, trust, meta.get("ds_version"), _meta=meta)
+        return ZeroCheckpoint(
+            tag_dir, 0, world_size, [model_file], [], shapes, shared, trust, meta.get("ds_version"), _meta=meta
+        )
     optim_files = _check_ranks(tag_dir, optim, world_size, _optim_name(optim))
     first = load_shard(optim_files[0], trust)
     osd = first.get("optimizer_state_dict", {})
@@ -277,7 +281,18 @@ def _open_zero012(tag_dir, model_file, optim, trust) -> ZeroCheckpoint:
     shared = {k: v for k, v in (meta.get("shared_params") or {}).items() if v in shapes}
     for k, v in shared.items():
         shapes[k] = shapes[v]
-    ckpt = ZeroCheckpoint(tag_dir, stage, world_size, [model_file], optim_files, shapes, shared, trust, meta.get("ds_version"), _meta=meta)
+    ckpt = ZeroCheckpoint(
+        tag_dir,
+        stage,
+        world_size,
+        [model_file],
+        optim_files,
+        shapes,
+        shared,
+        trust,
+        meta.get("ds_version"),
+        _meta=meta,
+    )
     ckpt._meta["paddings"] = osd.get("param_alignment_paddings")
     return ckpt
 
@@ -303,7 +318,9 @@ def _open_zero3(tag_dir, zero3_models, optim, trust) -> ZeroCheckpoint:
     shared = {k: v for k, v in (meta.get("shared_params") or {}).items() if v in shapes}
     for k, v in shared.items():
         shapes[k] = shapes[v]
-    return ZeroCheckpoint(tag_dir, 3, world_size, model_files, optim_files, shapes, shared, trust, meta.get("ds_version"), _meta=meta)
+    return ZeroCheckpoint(
+        tag_dir, 3, world_size, model_files, optim_files, shapes, shared, trust, meta.get("ds_version"), _meta=meta
+    )
 
 
 def _shared_from_storage(module: dict) -> dict[str, str]:
@@ -383,8 +400,11 @@ def _stage0_masters(meta: dict, shared: dict, buffers: set) -> dict[str, torch.T
     module, opt = meta["module"], meta.get("optimizer")
     if not isinstance(opt, dict):
         return {}
-    lowp = [k for k, v in module.items() if k not in shared and k not in buffers
-            and v.is_floating_point() and v.dtype != torch.float32]
+    lowp = [
+        k
+        for k, v in module.items()
+        if k not in shared and k not in buffers and v.is_floating_point() and v.dtype != torch.float32
+    ]
     if not lowp:
         return {}
     if not isinstance(opt.get("fp32_groups"), list):
@@ -431,7 +451,9 @@ def _read_zero12(ckpt: ZeroCheckpoint, dest) -> None:
     n_groups = len(param_shapes)
     for r, g in enumerate(groups_per_rank):
         if len(g) != n_groups:
-            raise CheckpointError(f"{ckpt.optim_files[r]} has {len(g)} parameter groups, expected {n_groups}: the shards come from different runs")
+            raise CheckpointError(
+                f"{ckpt.optim_files[r]} has {len(g)} parameter groups, expected {n_groups}: the shards come from different runs"
+            )
     # where each rank's partition starts within each group's full flat vector
     sizes = [[g[i].numel() for g in groups_per_rank] for i in range(n_groups)]
     starts = [[sum(s[:r]) for r in range(len(s))] for s in sizes]
@@ -441,7 +463,9 @@ def _read_zero12(ckpt: ZeroCheckpoint, dest) -> None:
         offset = 0
         pads = paddings[gi] if paddings is not None else None
         if pads is not None and len(pads) != len(shapes):
-            raise CheckpointError(f"{ckpt.optim_files[0]} alignment paddings do not match parameter group {gi}: the checkpoint is inconsistent")
+            raise CheckpointError(
+                f"{ckpt.optim_files[0]} alignment paddings do not match parameter group {gi}: the checkpoint is inconsistent"
+            )
         for pi, (name, shape) in enumerate(shapes.items()):
             n = _numel(shape)
             layout.append((gi, name, offset, n))
@@ -501,7 +525,10 @@ def _read_zero3(ckpt: ZeroCheckpoint, dest) -> None:
             if name in dest:
                 src = _read_range(groups, bounds, offset, piece, ckpt, r)
                 _copy_piece(dest[name], src, r, ws, name, ckpt)
-                if any(src.data_ptr() == g.data_ptr() + (offset - bounds[i]) * g.element_size() for i, g in enumerate(groups)):
+                if any(
+                    src.data_ptr() == g.data_ptr() + (offset - bounds[i]) * g.element_size()
+                    for i, g in enumerate(groups)
+                ):
                     _drop_pages(src)  # a view into the mapping (not a concatenated copy)
             offset += piece
         if offset != bounds[-1]:
@@ -514,7 +541,9 @@ def _read_zero3(ckpt: ZeroCheckpoint, dest) -> None:
 def _read_range(groups, bounds, start, length, ckpt, rank) -> torch.Tensor:
     end = start + length
     if end > bounds[-1]:
-        raise CheckpointError(f"{ckpt.optim_files[rank]} is shorter than its parameters need: the shard is truncated or from another run")
+        raise CheckpointError(
+            f"{ckpt.optim_files[rank]} is shorter than its parameters need: the shard is truncated or from another run"
+        )
     pieces = []
     for gi, g in enumerate(groups):
         lo, hi = bounds[gi], bounds[gi + 1]
@@ -530,7 +559,9 @@ def _copy_piece(dst: torch.Tensor, piece: torch.Tensor, rank: int, ws: int, name
     a, b = rank * size, min(n, (rank + 1) * size)
     if a < b:
         if piece.numel() < b - a:
-            raise CheckpointError(f"rank {rank}'s piece of {name} in {ckpt.tag_dir} is too short: the shard is corrupt or from another run")
+            raise CheckpointError(
+                f"rank {rank}'s piece of {name} in {ckpt.tag_dir} is too short: the shard is corrupt or from another run"
+            )
         _flat(dst)[a:b].copy_(piece[: b - a])
 
 

@@ -38,7 +38,9 @@ MARKER = "llmft_prepared.json"
 START_GRACE_S = 600  # waiting ranks give up when rank 0 has not started in this long (cache not shared?)
 
 
-cache_root = data.cache_root  # $LLMFT_CACHE, else llmft/ under $HF_HOME (llmft.data.loading: its fingerprints live there too)
+cache_root = (
+    data.cache_root
+)  # $LLMFT_CACHE, else llmft/ under $HF_HOME (llmft.data.loading: its fingerprints live there too)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: 
     if opts.dataset_mixture:
         check_mixture_options(opts)
     elif not opts.dataset_name:
-        raise DataError("--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)")
+        raise DataError(
+            "--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)"
+        )
     data.check_percentage(opts.data_percentage)
     if opts.eval_split_ratio is not None:
         data.check_eval_split_ratio(opts.eval_split_ratio)
@@ -95,22 +99,36 @@ def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: 
             raise DataError("give either --eval_dataset_name or --eval_split_ratio, not both")
     strategy = getattr(eval_strategy, "value", eval_strategy)
     if strategy not in (None, "no") and not opts.has_eval:
-        raise DataError(f"--eval_strategy {strategy} needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05")
+        raise DataError(
+            f"--eval_strategy {strategy} needs evaluation data: add --eval_dataset_name FILE or --eval_split_ratio 0.05"
+        )
     if (dataset_kwargs or {}).get("skip_prepare_dataset"):
-        raise DataError("llmft prepares the data itself (tokenised once, cached): drop skip_prepare_dataset from --dataset_kwargs")
+        raise DataError(
+            "llmft prepares the data itself (tokenised once, cached): drop skip_prepare_dataset from --dataset_kwargs"
+        )
 
 
 def check_mixture_options(opts: DataOptions) -> None:
     """A mixture replaces --dataset_name and the per-dataset flags (they go per source in its YAML); its sources
     are read and mapped here, so a bad mixture stops the run before any model loads."""
-    given = [flag for flag, value in (("--dataset_name", opts.dataset_name), ("--dataset_config", opts.dataset_config),
-                                      ("--prompt_column", opts.prompt_column), ("--completion_column", opts.completion_column),
-                                      ("--messages_column", opts.messages_column)) if value]
+    given = [
+        flag
+        for flag, value in (
+            ("--dataset_name", opts.dataset_name),
+            ("--dataset_config", opts.dataset_config),
+            ("--prompt_column", opts.prompt_column),
+            ("--completion_column", opts.completion_column),
+            ("--messages_column", opts.messages_column),
+        )
+        if value
+    ]
     if opts.data_percentage != 100:
         given.append("--data_percentage")
     if given:
-        raise DataError(f"--dataset_mixture lists the datasets: drop {', '.join(given)} (per source in the mixture YAML: "
-                        "path, config, columns, percentage)")
+        raise DataError(
+            f"--dataset_mixture lists the datasets: drop {', '.join(given)} (per source in the mixture YAML: "
+            "path, config, columns, percentage)"
+        )
     mixture.load_sources(mixture.read_mixture(opts.dataset_mixture, opts.seed), opts.text_field)
 
 
@@ -118,7 +136,9 @@ def apply_tokenizer_options(tokenizer, args) -> None:
     """What SFTTrainer's constructor does to the tokenizer before tokenising (--eos_token, --chat_template_path)."""
     if args.eos_token is not None:
         if args.eos_token not in tokenizer.get_vocab():
-            raise DataError(f"--eos_token {args.eos_token!r} is not in the tokenizer's vocabulary; pick one of its special tokens")
+            raise DataError(
+                f"--eos_token {args.eos_token!r} is not in the tokenizer's vocabulary; pick one of its special tokens"
+            )
         tokenizer.eos_token = args.eos_token
     if args.chat_template_path is not None:
         path = args.chat_template_path
@@ -164,23 +184,41 @@ def fingerprint(opts: DataOptions, tokenizer, args) -> tuple[str, dict]:
     if opts.dataset_mixture:
         train = {"mixture": mixture.mixture_key(mixture.read_mixture(opts.dataset_mixture, opts.seed))}
     else:
-        train = {"data": data.content_fingerprint(opts.dataset_name, opts.dataset_config), "config": opts.dataset_config,
-                 "split": opts.train_split}
+        train = {
+            "data": data.content_fingerprint(opts.dataset_name, opts.dataset_config),
+            "config": opts.dataset_config,
+            "split": opts.train_split,
+        }
     key = {
         "version": PREPARE_VERSION,
         "libraries": {m.__name__: m.__version__ for m in (trl, transformers, tokenizers, datasets)},
         "train": train,
         "eval": evaluation,
-        "columns": {"prompt": opts.prompt_column, "completion": opts.completion_column, "messages": opts.messages_column,
-                    "text": opts.text_field},
+        "columns": {
+            "prompt": opts.prompt_column,
+            "completion": opts.completion_column,
+            "messages": opts.messages_column,
+            "text": opts.text_field,
+        },
         "data_percentage": opts.data_percentage,
         "seed": opts.seed if subset else None,  # a --seed sweep over the full data shares one preparation
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "chat_template": getattr(tokenizer, "chat_template", None) or {"llmft_default": data.DEFAULT_CHAT_TEMPLATE},
         "eos_token": tokenizer.eos_token,
-        "sft": {name: getattr(args, name) for name in (
-            "dataset_text_field", "max_length", "truncation_mode", "packing", "packing_strategy", "eval_packing", "completion_only_loss",
-            "assistant_only_loss", "shuffle_dataset")},
+        "sft": {
+            name: getattr(args, name)
+            for name in (
+                "dataset_text_field",
+                "max_length",
+                "truncation_mode",
+                "packing",
+                "packing_strategy",
+                "eval_packing",
+                "completion_only_loss",
+                "assistant_only_loss",
+                "shuffle_dataset",
+            )
+        },
     }
     blob = json.dumps(key, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16], key
@@ -219,7 +257,9 @@ def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completio
     chat_template = None
     if args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
         chat_template = get_training_chat_template(tokenizer)
-    trainer_view = SimpleNamespace(_tokenizer=tokenizer, chat_template=chat_template, completion_only_loss=completion_only)
+    trainer_view = SimpleNamespace(
+        _tokenizer=tokenizer, chat_template=chat_template, completion_only_loss=completion_only
+    )
     with _this_process_only(sft_trainer):
         try:
             return SFTTrainer._prepare_dataset(trainer_view, dataset, tokenizer, args, packing, None, name)
@@ -233,11 +273,18 @@ def prepare_counted(dataset, tokenizer, args, *, packing: bool, name: str, compl
     tokenising data that already has input_ids and labels): the tokens are TRL's, tokenised once."""
     import dataclasses
 
-    full = trl_prepare(dataset, tokenizer, dataclasses.replace(args, max_length=None, packing=False, shuffle_dataset=False),
-                       packing=False, name=name, completion_only=completion_only)
+    full = trl_prepare(
+        dataset,
+        tokenizer,
+        dataclasses.replace(args, max_length=None, packing=False, shuffle_dataset=False),
+        packing=False,
+        name=name,
+        completion_only=completion_only,
+    )
     keep, drops = data_fit.truncation_of(args.max_length, packing, args.packing_strategy, args.truncation_mode)
-    fit = data_fit.fit_of(data_fit.summarise(full, args.max_length), max_length=args.max_length, keep=keep, drops=drops,
-                          masked=masked)
+    fit = data_fit.fit_of(
+        data_fit.summarise(full, args.max_length), max_length=args.max_length, keep=keep, drops=drops, masked=masked
+    )
     return trl_prepare(full, tokenizer, args, packing=packing, name=name, completion_only=completion_only), fit
 
 
@@ -256,8 +303,12 @@ def load_records(opts: DataOptions, mixed: dict | None = None):
     """(train, eval or None, shape): loaded, checked, mapped to TRL's columns, the eval split held out (before
     --data_percentage, so it does not move with it), then the training percentage taken. A mixture's record
     (its sources and the records each gave) goes into `mixed`."""
-    columns = dict(prompt_column=opts.prompt_column, completion_column=opts.completion_column,
-                   messages_column=opts.messages_column, text_field=opts.text_field)
+    columns = dict(
+        prompt_column=opts.prompt_column,
+        completion_column=opts.completion_column,
+        messages_column=opts.messages_column,
+        text_field=opts.text_field,
+    )
     if opts.dataset_mixture:
         spec = mixture.read_mixture(opts.dataset_mixture, opts.seed)
         sources, shape = mixture.load_sources(spec, opts.text_field)
@@ -265,14 +316,20 @@ def load_records(opts: DataOptions, mixed: dict | None = None):
         if mixed is not None:
             mixed.update(mixture.record(spec, counts))
     else:
-        train, shape = data.shape_for_sft(data.load_train_split(opts.dataset_name, opts.dataset_config, opts.train_split), **columns)
+        train, shape = data.shape_for_sft(
+            data.load_train_split(opts.dataset_name, opts.dataset_config, opts.train_split), **columns
+        )
     evaluation = None
     if opts.eval_split_ratio:
         train, evaluation = data.held_out_split(train, opts.eval_split_ratio)
     elif opts.eval_dataset_name:
-        evaluation, eval_shape = data.shape_for_sft(data.load_train_split(opts.eval_dataset_name, None, opts.eval_split), **columns)
+        evaluation, eval_shape = data.shape_for_sft(
+            data.load_train_split(opts.eval_dataset_name, None, opts.eval_split), **columns
+        )
         if eval_shape != shape:
-            raise DataError(f"--eval_dataset_name {opts.eval_dataset_name} holds {eval_shape} records but the training data is {shape}; use one format for both")
+            raise DataError(
+                f"--eval_dataset_name {opts.eval_dataset_name} holds {eval_shape} records but the training data is {shape}; use one format for both"
+            )
     train = data.take_percentage(train, opts.data_percentage, seed=opts.seed)
     return train, evaluation, shape
 
@@ -295,16 +352,32 @@ def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], No
     for split, records_of_split, split_packing in (("train", train, args.packing), ("eval", evaluation, eval_packing)):
         if records_of_split is None:
             continue
-        prepared[split], fit[split] = prepare_counted(records_of_split, tokenizer, args, packing=split_packing, name=split,
-                                                      completion_only=completion_only, masked=masked)
+        prepared[split], fit[split] = prepare_counted(
+            records_of_split,
+            tokenizer,
+            args,
+            packing=split_packing,
+            name=split,
+            completion_only=completion_only,
+            masked=masked,
+        )
     for split, ds in prepared.items():
         if len(ds) == 0:
-            raise DataError(f"no {split} sequences left after preparation (every record was fully masked or empty); check max_length and the data")
+            raise DataError(
+                f"no {split} sequences left after preparation (every record was fully masked or empty); check max_length and the data"
+            )
         ds.save_to_disk(str(out / split))
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-    info = {"shape": shape, "records": records, "sequences": {k: len(v) for k, v in prepared.items()},
-            "tokens": {k: _token_count(v) for k, v in prepared.items()}, "fit": fit, "seconds": round(time.time() - t0, 2),
-            "created": time.time(), "files": files}
+    info = {
+        "shape": shape,
+        "records": records,
+        "sequences": {k: len(v) for k, v in prepared.items()},
+        "tokens": {k: _token_count(v) for k, v in prepared.items()},
+        "fit": fit,
+        "seconds": round(time.time() - t0, 2),
+        "created": time.time(),
+        "files": files,
+    }
     if mixed:
         info["mixture"] = mixed
     return info
@@ -334,10 +407,19 @@ class Prepared:
 def write_run_record(output_dir: str | Path, opts: DataOptions, prepared: Prepared) -> Path:
     """`<output_dir>/llmft_data.json`: which data the run trained and evaluated on (for `llmft report`)."""
     info = prepared.info
-    record = {"dataset_name": opts.dataset_name, "eval_dataset_name": opts.eval_dataset_name, "eval_split_ratio": opts.eval_split_ratio,
-              "data_percentage": opts.data_percentage, "shape": prepared.shape, "fingerprint": prepared.fingerprint,
-              "prepared_dir": str(prepared.directory), "records": info.get("records"), "sequences": info.get("sequences"),
-              "tokens": info.get("tokens"), "fit": info.get("fit")}
+    record = {
+        "dataset_name": opts.dataset_name,
+        "eval_dataset_name": opts.eval_dataset_name,
+        "eval_split_ratio": opts.eval_split_ratio,
+        "data_percentage": opts.data_percentage,
+        "shape": prepared.shape,
+        "fingerprint": prepared.fingerprint,
+        "prepared_dir": str(prepared.directory),
+        "records": info.get("records"),
+        "sequences": info.get("sequences"),
+        "tokens": info.get("tokens"),
+        "fit": info.get("fit"),
+    }
     if opts.dataset_mixture:
         record["dataset_name"] = f"mixture {opts.dataset_mixture}"
         record["mixture"] = info.get("mixture")
@@ -367,7 +449,9 @@ def load_prepared_train(path: str | Path):
     if record.is_file():
         path = Path(json.loads(record.read_text()).get("prepared_dir") or path)
     if read_marker(path) is None:
-        raise ValueError(f"{path} is not complete prepared data: give the directory `llmft prepare` printed, or a run's --output_dir")
+        raise ValueError(
+            f"{path} is not complete prepared data: give the directory `llmft prepare` printed, or a run's --output_dir"
+        )
     from datasets import load_from_disk
 
     return load_from_disk(str(path / "train"))
@@ -385,8 +469,15 @@ def open_prepared(directory: Path, info: dict, fp: str, reused: bool) -> Prepare
 def attempt_id(env: Mapping[str, str] | None = None) -> str:
     """The same on every rank of one launch, different on the next (a requeue, a restart, another torchrun)."""
     env = os.environ if env is None else env
-    names = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-             "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+    names = (
+        "SLURM_JOB_ID",
+        "SLURM_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+    )
     return hashlib.sha256("|".join(env.get(n, "") for n in names).encode()).hexdigest()[:12]
 
 
@@ -423,8 +514,17 @@ def _remove_dead_tmp_dirs(root: Path, fp: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prepare(opts: DataOptions, tokenizer, args, *, log: Callable[[str], None] = print, timeout: float = 7200.0,
-            env: Mapping[str, str] | None = None, root: Path | None = None, positions: int | None = None) -> Prepared:
+def prepare(
+    opts: DataOptions,
+    tokenizer,
+    args,
+    *,
+    log: Callable[[str], None] = print,
+    timeout: float = 7200.0,
+    env: Mapping[str, str] | None = None,
+    root: Path | None = None,
+    positions: int | None = None,
+) -> Prepared:
     """The prepared train/eval datasets for these options: reused if complete in the cache, else built by global
     rank 0 while the other ranks wait for its marker (or its error note, or the timeout). The data fit of each split
     (llmft.data.fit) is logged, with a warning naming the fix where much is cut (positions: the model's)."""
@@ -452,11 +552,15 @@ def _prepare(opts: DataOptions, tokenizer, args, *, log, timeout, env, root) -> 
     try:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            _write_json(started, {"attempt": attempt, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()})
+            _write_json(
+                started, {"attempt": attempt, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+            )
             return _build_once(opts, tokenizer, args, root, fp, key, log)
         except OSError as e:  # the cache, not the data (data errors are DataErrors already)
-            raise DataError(f"cannot write prepared data under {root} ({e.strerror or e}): check its free space and "
-                            "permissions, or point LLMFT_CACHE at a writable directory every node shares") from None
+            raise DataError(
+                f"cannot write prepared data under {root} ({e.strerror or e}): check its free space and "
+                "permissions, or point LLMFT_CACHE at a writable directory every node shares"
+            ) from None
     except BaseException as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         with contextlib.suppress(OSError):
@@ -493,13 +597,25 @@ def _build_once(opts, tokenizer, args, root: Path, fp: str, key: dict, log) -> P
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     seqs, tokens = info["sequences"], info["tokens"]
-    log(f"prepared data {final} (fingerprint {fp}): {seqs['train']} training sequences ({tokens['train']} tokens)"
-        + (f", {seqs['eval']} evaluation sequences" if "eval" in seqs else "") + f" in {info['seconds']:.1f}s")
+    log(
+        f"prepared data {final} (fingerprint {fp}): {seqs['train']} training sequences ({tokens['train']} tokens)"
+        + (f", {seqs['eval']} evaluation sequences" if "eval" in seqs else "")
+        + f" in {info['seconds']:.1f}s"
+    )
     return open_prepared(final, read_marker(final) or info, fp, reused=False)
 
 
-def _wait(final: Path, fp: str, started: Path, failed: Path, attempt: str, since: float, timeout: float, root: Path,
-          poll: float = 1.0) -> Prepared:
+def _wait(
+    final: Path,
+    fp: str,
+    started: Path,
+    failed: Path,
+    attempt: str,
+    since: float,
+    timeout: float,
+    root: Path,
+    poll: float = 1.0,
+) -> Prepared:
     """Wait for rank 0's preparation: its marker, its error note, or give up with a reason."""
     t0 = time.time()
     seen_start = False
@@ -518,6 +634,8 @@ def _wait(final: Path, fp: str, started: Path, failed: Path, attempt: str, since
                 "every node shares (or run `llmft prepare` with the same flags before the job)"
             )
         if waited > timeout:
-            raise DataError(f"waited {waited:.0f}s for rank 0 to prepare the data in {final}; raise --prepare_timeout, "
-                            "or run `llmft prepare` with the same flags before the job")
+            raise DataError(
+                f"waited {waited:.0f}s for rank 0 to prepare the data in {final}; raise --prepare_timeout, "
+                "or run `llmft prepare` with the same flags before the job"
+            )
         time.sleep(poll)

@@ -52,7 +52,9 @@ def summarise(ds, max_length: int | None) -> dict[str, np.ndarray]:
     return {"lengths": lengths, "trained": total, "trained_head": head, "trained_tail": tail}
 
 
-def truncation_of(max_length: int | None, packing: bool, packing_strategy: str, truncation_mode: str) -> tuple[str | None, bool]:
+def truncation_of(
+    max_length: int | None, packing: bool, packing_strategy: str, truncation_mode: str
+) -> tuple[str | None, bool]:
     """(what is kept of a long record: "keep_start" / "keep_end" / None for nothing cut, whether records left without a
     trained token are dropped), as TRL's SFTTrainer._prepare_dataset and pack_dataset do it."""
     if max_length is None:
@@ -62,7 +64,9 @@ def truncation_of(max_length: int | None, packing: bool, packing_strategy: str, 
     return truncation_mode, True
 
 
-def fit_of(summary: dict[str, np.ndarray], *, max_length: int | None, keep: str | None, drops: bool, masked: bool) -> dict:
+def fit_of(
+    summary: dict[str, np.ndarray], *, max_length: int | None, keep: str | None, drops: bool, masked: bool
+) -> dict:
     """The figures for one split. keep/drops: `truncation_of`; masked: only part of each record trains (prompt/completion
     data, or assistant-only loss), so a cut can take part or all of what trains (the completion)."""
     lengths = np.asarray(summary["lengths"], dtype=np.int64)
@@ -105,14 +109,20 @@ def _percentile(lengths: np.ndarray, q: float) -> int:
 
 def fit_line(split: str, fit: dict) -> str:
     """One line: records kept/truncated/dropped, completions cut, tokens cut, length percentiles against max_length."""
-    parts = [f"{split} data: {fit['kept']} of {fit['records']} records kept, {fit['truncated']} truncated, {fit['dropped']} dropped"]
+    parts = [
+        f"{split} data: {fit['kept']} of {fit['records']} records kept, {fit['truncated']} truncated, {fit['dropped']} dropped"
+    ]
     if "completion_fully_cut" in fit:
-        parts.append(f"completion cut in {fit['completion_partly_cut'] + fit['completion_fully_cut']} "
-                     f"({fit['completion_fully_cut']} entirely)")
+        parts.append(
+            f"completion cut in {fit['completion_partly_cut'] + fit['completion_fully_cut']} "
+            f"({fit['completion_fully_cut']} entirely)"
+        )
     share = fit["tokens_cut"] / fit["tokens"] if fit["tokens"] else 0.0
     parts.append(f"{fit['tokens_cut']} of {fit['tokens']} tokens cut ({share:.1%})")
-    parts.append(f"length p50 {fit['length_p50']}, p95 {fit['length_p95']}, max {fit['length_max']} vs max_length "
-                 f"{fit['max_length'] if fit['max_length'] else 'none'}")
+    parts.append(
+        f"length p50 {fit['length_p50']}, p95 {fit['length_p95']}, max {fit['length_max']} vs max_length "
+        f"{fit['max_length'] if fit['max_length'] else 'none'}"
+    )
     return "; ".join(parts)
 
 
@@ -142,8 +152,10 @@ def fit_warning(split: str, fit: dict, positions: int | None) -> str | None:
         lost.append(f"{fit['completion_fully_cut']} lost their whole completion")
     want = suggested_max_length(fit)
     if positions and want > positions:
-        fix = (f"use a model with at least {want} positions (this one has {positions}; --max_length {positions} is its limit), "
-               f"or filter out records longer than {positions} tokens")
+        fix = (
+            f"use a model with at least {want} positions (this one has {positions}; --max_length {positions} is its limit), "
+            f"or filter out records longer than {positions} tokens"
+        )
     else:
         fix = f"raise --max_length to {want} (fits 95% of the records), use a longer-context model, or filter out the long records"
     return f"warning: {', '.join(lost)} at max_length {fit['max_length']}: {fix}"

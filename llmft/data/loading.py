@@ -58,9 +58,13 @@ def check_jsonl(path: Path) -> int:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or delete that line") from None
+                raise DataError(
+                    f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or delete that line"
+                ) from None
             if not isinstance(record, dict):
-                raise DataError(f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object; each line must be one {{...}} record")
+                raise DataError(
+                    f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object; each line must be one {{...}} record"
+                )
             count += 1
     return count
 
@@ -94,7 +98,9 @@ def check_utf8(path: Path) -> None:
         try:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:
-            raise DataError(f"{path}: line {lines} ends in the middle of a UTF-8 sequence; re-save the file as UTF-8") from None
+            raise DataError(
+                f"{path}: line {lines} ends in the middle of a UTF-8 sequence; re-save the file as UTF-8"
+            ) from None
 
 
 def data_files(name: str) -> list[Path]:
@@ -103,12 +109,19 @@ def data_files(name: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix.lower() in BUILDERS or p.suffix == ".arrow"))
+        return sorted(
+            p for p in path.rglob("*") if p.is_file() and (p.suffix.lower() in BUILDERS or p.suffix == ".arrow")
+        )
     return []
 
 
-def content_fingerprint(name: str, config_name: str | None = None, revision: str | None = None,
-                        env: Mapping[str, str] | None = None, log: Callable[[str], None] | None = None) -> str:
+def content_fingerprint(
+    name: str,
+    config_name: str | None = None,
+    revision: str | None = None,
+    env: Mapping[str, str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> str:
     """A short hash of what a dataset holds: the bytes of its local files (names relative to it, then
     contents), or for a hub dataset its name, config and revision. Equal fingerprints mean equal data;
     one edited byte changes it. Used to key prepared data and to tell whether a rerun is the same run.
@@ -145,8 +158,10 @@ def content_fingerprint(name: str, config_name: str | None = None, revision: str
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"key": key, "fingerprint": fingerprint}) + "\n")
         os.replace(tmp, entry)
-        (log or (lambda m: print(m, flush=True)))(f"llmft: hashed dataset {name}: {len(files)} file(s), {size} bytes in {time.perf_counter() - started:.1f}s "
-            f"(fingerprint {fingerprint}); kept in {entry} for every rank and later runs")
+        (log or (lambda m: print(m, flush=True)))(
+            f"llmft: hashed dataset {name}: {len(files)} file(s), {size} bytes in {time.perf_counter() - started:.1f}s "
+            f"(fingerprint {fingerprint}); kept in {entry} for every rank and later runs"
+        )
         return fingerprint
     finally:
         lock.release()
@@ -157,7 +172,9 @@ def cache_root(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     if env.get("LLMFT_CACHE"):
         return Path(env["LLMFT_CACHE"]).expanduser()
-    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    hf_home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
     return Path(hf_home).expanduser() / "llmft"
 
 
@@ -201,7 +218,9 @@ def load_train_split(name: str, config_name: str | None = None, split: str = "tr
     if path.is_file():
         builder = BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise DataError(f"unsupported dataset file type {path.suffix!r} for {path}; use one of {', '.join(BUILDERS)}")
+            raise DataError(
+                f"unsupported dataset file type {path.suffix!r} for {path}; use one of {', '.join(BUILDERS)}"
+            )
         if path.stat().st_size == 0:
             raise DataError(f"dataset {path} is empty; it needs at least one record")
         if path.suffix.lower() in TEXT_SUFFIXES:
@@ -220,7 +239,9 @@ def load_train_split(name: str, config_name: str | None = None, split: str = "tr
                     check_utf8(f)
             ds = _load_or_explain(files, lambda: load_dataset(str(path), split=split))
     elif looks_like_path(name):
-        raise DataError(f"dataset file {name} not found; pass an existing .jsonl/.json/.parquet/.csv file or directory, or a hub dataset name")
+        raise DataError(
+            f"dataset file {name} not found; pass an existing .jsonl/.json/.parquet/.csv file or directory, or a hub dataset name"
+        )
     else:
         ds = load_dataset(name, name=config_name, split=split)  # hub dataset (users with internet)
     if len(ds) == 0:
@@ -238,7 +259,9 @@ def _load_or_explain(files: list[Path], load):
     except Exception as e:  # pyarrow/json parser messages are long and name no line: find the line ourselves
         for f in files:
             if f.suffix.lower() == ".jsonl" or f.suffix.lower() == ".json" and not _one_json_document(f):
-                if check_jsonl(f) == 0:  # a .json file that is not one document is read as JSON Lines, as datasets does
+                if (
+                    check_jsonl(f) == 0
+                ):  # a .json file that is not one document is read as JSON Lines, as datasets does
                     raise DataError(f"dataset {f} is empty; it needs at least one record") from None
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise DataError(f"cannot read {', '.join(map(str, files[:3]))}: {reason}; check the file's format") from None
@@ -254,13 +277,25 @@ def _one_json_document(path: Path) -> bool:
         return False
 
 
-def shape_for_sft(ds, *, prompt_column: str | None = None, completion_column: str | None = None,
-                  messages_column: str | None = None, text_field: str = "text"):
+def shape_for_sft(
+    ds,
+    *,
+    prompt_column: str | None = None,
+    completion_column: str | None = None,
+    messages_column: str | None = None,
+    text_field: str = "text",
+):
     """Rename mapped columns to TRL's names and check the dataset has one of the shapes TRL trains on."""
-    renames = {src: dst for src, dst in ((prompt_column, "prompt"), (completion_column, "completion"), (messages_column, "messages")) if src}
+    renames = {
+        src: dst
+        for src, dst in ((prompt_column, "prompt"), (completion_column, "completion"), (messages_column, "messages"))
+        if src
+    }
     missing = [src for src in renames if src not in ds.column_names]
     if missing:
-        raise DataError(f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}")
+        raise DataError(
+            f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}"
+        )
     renames = {src: dst for src, dst in renames.items() if src != dst}
     if renames:
         ds = ds.rename_columns(renames)
@@ -316,7 +351,9 @@ def held_out_split(ds, ratio: float, seed: int = EVAL_SPLIT_SEED):
     n = len(ds)
     k = max(1, round(n * ratio))
     if k >= n:
-        raise DataError(f"--eval_split_ratio {ratio} of {n} record(s) leaves nothing to train on; use a smaller ratio or more data")
+        raise DataError(
+            f"--eval_split_ratio {ratio} of {n} record(s) leaves nothing to train on; use a smaller ratio or more data"
+        )
     held = sorted(random.Random(seed).sample(range(n), k))
     held_set = set(held)
     return ds.select([i for i in range(n) if i not in held_set]), ds.select(held)

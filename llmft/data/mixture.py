@@ -89,10 +89,14 @@ def _weight(value, where: str) -> float | None:
 def parse_mixture(doc, file: str, default_seed: int) -> Mixture:
     """The mixture a YAML document describes, checked (pure: reads no data)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("datasets"), list) or not doc["datasets"]:
-        raise DataError(f"--dataset_mixture {file}: expected a mapping with a non-empty 'datasets' list (path, weight, ... per source)")
+        raise DataError(
+            f"--dataset_mixture {file}: expected a mapping with a non-empty 'datasets' list (path, weight, ... per source)"
+        )
     unknown = set(doc) - {"datasets", "seed", "stopping_strategy"}
     if unknown:
-        raise DataError(f"--dataset_mixture {file}: unknown key(s) {', '.join(sorted(unknown))}; use datasets, seed, stopping_strategy")
+        raise DataError(
+            f"--dataset_mixture {file}: unknown key(s) {', '.join(sorted(unknown))}; use datasets, seed, stopping_strategy"
+        )
     strategy = doc.get("stopping_strategy", "first_exhausted")
     if strategy not in STRATEGIES:
         raise DataError(f"--dataset_mixture {file}: stopping_strategy {strategy!r}: use {' or '.join(STRATEGIES)}")
@@ -107,21 +111,35 @@ def parse_mixture(doc, file: str, default_seed: int) -> Mixture:
         where = f"--dataset_mixture {file}, dataset {i} ({entry['path']})"
         unknown = set(entry) - SOURCE_KEYS
         if unknown:
-            raise DataError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; use {', '.join(sorted(SOURCE_KEYS))}")
+            raise DataError(
+                f"{where}: unknown key(s) {', '.join(sorted(unknown))}; use {', '.join(sorted(SOURCE_KEYS))}"
+            )
         if "weight" not in entry:
             raise DataError(f"{where}: no weight: give a positive number, or all (every record once)")
         percentage = entry.get("percentage", 100.0)
         if isinstance(percentage, bool) or not isinstance(percentage, (int, float)) or not 0 < percentage <= 100:
             raise DataError(f"{where}: percentage {percentage!r} must be in (0, 100]")
         columns = entry.get("columns") or {}
-        if not isinstance(columns, dict) or any(r not in COLUMN_ROLES or not isinstance(c, str) for r, c in columns.items()):
-            raise DataError(f"{where}: columns {columns!r} must map {', '.join(COLUMN_ROLES)} to the source's field names")
+        if not isinstance(columns, dict) or any(
+            r not in COLUMN_ROLES or not isinstance(c, str) for r, c in columns.items()
+        ):
+            raise DataError(
+                f"{where}: columns {columns!r} must map {', '.join(COLUMN_ROLES)} to the source's field names"
+            )
         fmt = entry.get("format")
         if fmt is not None and fmt not in FORMATS:
             raise DataError(f"{where}: format {fmt!r}: use {', '.join(FORMATS)} (or leave it out: the columns decide)")
-        sources.append(Source(path=entry["path"], config=entry.get("config"), split=str(entry.get("split", "train")),
-                              percentage=float(percentage), weight=_weight(entry["weight"], where),
-                              columns=tuple(sorted(columns.items())), format=fmt))
+        sources.append(
+            Source(
+                path=entry["path"],
+                config=entry.get("config"),
+                split=str(entry.get("split", "train")),
+                percentage=float(percentage),
+                weight=_weight(entry["weight"], where),
+                columns=tuple(sorted(columns.items())),
+                format=fmt,
+            )
+        )
     return Mixture(file=file, sources=tuple(sources), seed=seed, stopping_strategy=strategy)
 
 
@@ -139,14 +157,24 @@ def read_mixture(path: str, default_seed: int) -> Mixture:
 
 
 def source_key(source: Source) -> dict:
-    return {"data": data.content_fingerprint(source.path, source.config), "config": source.config, "split": source.split,
-            "percentage": source.percentage, "weight": "all" if source.weight is None else source.weight,
-            "columns": dict(source.columns), "format": source.format}
+    return {
+        "data": data.content_fingerprint(source.path, source.config),
+        "config": source.config,
+        "split": source.split,
+        "percentage": source.percentage,
+        "weight": "all" if source.weight is None else source.weight,
+        "columns": dict(source.columns),
+        "format": source.format,
+    }
 
 
 def mixture_key(mixture: Mixture) -> dict:
     """Everything that decides the mixed records: every source (its bytes, not its path), weights, strategy, seed."""
-    return {"sources": [source_key(s) for s in mixture.sources], "stopping_strategy": mixture.stopping_strategy, "seed": mixture.seed}
+    return {
+        "sources": [source_key(s) for s in mixture.sources],
+        "stopping_strategy": mixture.stopping_strategy,
+        "seed": mixture.seed,
+    }
 
 
 def mixture_fingerprint(mixture: Mixture) -> str:
@@ -162,18 +190,27 @@ def load_source(source: Source, text_field: str, seed: int):
         columns = dict(source.columns)
         if "text" in columns and columns["text"] != text_field:
             if columns["text"] not in ds.column_names:
-                raise DataError(f"column(s) {columns['text']} not in the dataset; its columns are {', '.join(ds.column_names)}")
+                raise DataError(
+                    f"column(s) {columns['text']} not in the dataset; its columns are {', '.join(ds.column_names)}"
+                )
             ds = ds.rename_column(columns["text"], text_field)
-        ds, shape = data.shape_for_sft(ds, prompt_column=columns.get("prompt"), completion_column=columns.get("completion"),
-                                       messages_column=columns.get("messages"), text_field=text_field)
+        ds, shape = data.shape_for_sft(
+            ds,
+            prompt_column=columns.get("prompt"),
+            completion_column=columns.get("completion"),
+            messages_column=columns.get("messages"),
+            text_field=text_field,
+        )
     except DataError as e:
         raise DataError(f"{where}: {e}") from None
     except Exception as e:  # a hub dataset that cannot be fetched, a split that does not exist
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise DataError(f"{where} cannot be read ({reason}): check its path, config and split") from None
     if source.format is not None and shape != source.format:
-        raise DataError(f"{where}: its columns give {shape} records but the mixture says format {source.format}: "
-                        "fix its columns or its format")
+        raise DataError(
+            f"{where}: its columns give {shape} records but the mixture says format {source.format}: "
+            "fix its columns or its format"
+        )
     return ds, shape
 
 
@@ -183,7 +220,9 @@ def load_sources(mixture: Mixture, text_field: str) -> tuple[list, str]:
     shapes = {shape for _, shape in loaded}
     if len(shapes) > 1:
         listing = ", ".join(f"{s.describe()} is {shape}" for s, (_, shape) in zip(mixture.sources, loaded))
-        raise DataError(f"--dataset_mixture {mixture.file}: the sources must give one format after their column mappings ({listing})")
+        raise DataError(
+            f"--dataset_mixture {mixture.file}: the sources must give one format after their column mappings ({listing})"
+        )
     return [ds for ds, _ in loaded], shapes.pop()
 
 
@@ -197,14 +236,23 @@ def mix(datasets_: list, mixture: Mixture) -> tuple[object, list[int]]:
     try:
         if mixture.weighted:
             weighted = [tagged[i] for i in mixture.weighted]
-            parts.append(weighted[0] if len(weighted) == 1 else
-                         interleave_datasets(weighted, probabilities=mixture.probabilities(), seed=mixture.seed,
-                                             stopping_strategy=mixture.stopping_strategy))
+            parts.append(
+                weighted[0]
+                if len(weighted) == 1
+                else interleave_datasets(
+                    weighted,
+                    probabilities=mixture.probabilities(),
+                    seed=mixture.seed,
+                    stopping_strategy=mixture.stopping_strategy,
+                )
+            )
         parts += [tagged[i] for i, s in enumerate(mixture.sources) if s.weight is None]
         mixed = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     except ValueError as e:
-        raise DataError(f"--dataset_mixture {mixture.file}: the sources' records differ in type and cannot be mixed "
-                        f"({str(e).splitlines()[0][:200]}); give every source the same fields") from None
+        raise DataError(
+            f"--dataset_mixture {mixture.file}: the sources' records differ in type and cannot be mixed "
+            f"({str(e).splitlines()[0][:200]}); give every source the same fields"
+        ) from None
     if len(parts) > 1:
         mixed = mixed.shuffle(seed=mixture.seed).flatten_indices()
     counts = [0] * len(datasets_)
@@ -216,8 +264,20 @@ def mix(datasets_: list, mixture: Mixture) -> tuple[object, list[int]]:
 def record(mixture: Mixture, counts: list[int] | None) -> dict:
     """The mixture as `llmft_data.json` and the cache marker show it."""
     total = sum(counts) if counts else 0
-    return {"file": mixture.file, "seed": mixture.seed, "stopping_strategy": mixture.stopping_strategy,
-            "sources": [{"path": s.path, "config": s.config, "split": s.split, "percentage": s.percentage,
-                         "weight": "all" if s.weight is None else s.weight, "columns": dict(s.columns),
-                         **({"records": counts[i], "share": round(counts[i] / total, 4) if total else None} if counts else {})}
-                        for i, s in enumerate(mixture.sources)]}
+    return {
+        "file": mixture.file,
+        "seed": mixture.seed,
+        "stopping_strategy": mixture.stopping_strategy,
+        "sources": [
+            {
+                "path": s.path,
+                "config": s.config,
+                "split": s.split,
+                "percentage": s.percentage,
+                "weight": "all" if s.weight is None else s.weight,
+                "columns": dict(s.columns),
+                **({"records": counts[i], "share": round(counts[i] / total, 4) if total else None} if counts else {}),
+            }
+            for i, s in enumerate(mixture.sources)
+        ],
+    }

@@ -35,23 +35,33 @@ class PaddingReport:
 
     def lines(self, *, packing: bool, padding_free: bool) -> list[str]:
         """What the start lines say about this data with this run's settings."""
-        head = (f"data: {self.samples} sequences, mean {self.mean_length:.0f} tokens, longest {self.longest}; padded to the "
-                f"longest of a micro-batch of {self.micro_batch}, {self.padding_share:.0%} of the tokens fed are padding")
+        head = (
+            f"data: {self.samples} sequences, mean {self.mean_length:.0f} tokens, longest {self.longest}; padded to the "
+            f"longest of a micro-batch of {self.micro_batch}, {self.padding_share:.0%} of the tokens fed are padding"
+        )
         if packing:
-            return [head.replace("are padding", "would be padding") + f"; --packing: no padding, about "
-                    f"{self.samples_per_packed_row:.0f} samples per row of {self.max_length} tokens, so each micro-batch "
-                    f"(and optimizer step) holds about {self.samples_per_packed_row:.0f}x the samples it would unpacked"]
+            return [
+                head.replace("are padding", "would be padding") + f"; --packing: no padding, about "
+                f"{self.samples_per_packed_row:.0f} samples per row of {self.max_length} tokens, so each micro-batch "
+                f"(and optimizer step) holds about {self.samples_per_packed_row:.0f}x the samples it would unpacked"
+            ]
         if padding_free:
-            return [head.replace("are padding", "would be padding") + " (padding-free: none is fed, up to "
-                    f"{self.padding_free_gain:.2f}x the real tokens/s of padded batches)"]
+            return [
+                head.replace("are padding", "would be padding") + " (padding-free: none is fed, up to "
+                f"{self.padding_free_gain:.2f}x the real tokens/s of padded batches)"
+            ]
         advice = []
         if self.padding_share >= 0.05:
-            advice.append(f"padding-free batches would feed none (up to {self.padding_free_gain:.2f}x the real tokens/s; "
-                          "the default on GPUs with a varlen attention kernel, --padding_free true)")
+            advice.append(
+                f"padding-free batches would feed none (up to {self.padding_free_gain:.2f}x the real tokens/s; "
+                "the default on GPUs with a varlen attention kernel, --padding_free true)"
+            )
             if self.max_length and self.samples_per_packed_row >= 2:
-                advice.append(f"--packing also fills rows of {self.max_length} with about {self.samples_per_packed_row:.0f} "
-                              f"samples each (about {self.samples_per_packed_row:.0f}x the samples per step: lower "
-                              "--global_batch_size to keep them)")
+                advice.append(
+                    f"--packing also fills rows of {self.max_length} with about {self.samples_per_packed_row:.0f} "
+                    f"samples each (about {self.samples_per_packed_row:.0f}x the samples per step: lower "
+                    "--global_batch_size to keep them)"
+                )
         return [head + (": " + "; ".join(advice) if advice else " (padding-free would gain little)")]
 
     def as_dict(self) -> dict:
@@ -83,9 +93,17 @@ def padding_report(lengths: list[int], micro_batch: int, max_length: int | None)
     padded = expected_longest(lengths, micro_batch)
     share = max(0.0, 1.0 - mean / padded) if padded else 0.0
     per_row = (max_length / mean) if max_length and mean else 1.0
-    return PaddingReport(samples=len(lengths), mean_length=mean, longest=max(lengths), micro_batch=micro_batch,
-                         expected_padded_length=padded, padding_share=share, padding_free_gain=padded / mean if mean else 1.0,
-                         samples_per_packed_row=max(1.0, per_row), max_length=max_length)
+    return PaddingReport(
+        samples=len(lengths),
+        mean_length=mean,
+        longest=max(lengths),
+        micro_batch=micro_batch,
+        expected_padded_length=padded,
+        padding_share=share,
+        padding_free_gain=padded / mean if mean else 1.0,
+        samples_per_packed_row=max(1.0, per_row),
+        max_length=max_length,
+    )
 
 
 def prepared_lengths(dataset) -> list[int]:

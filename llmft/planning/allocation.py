@@ -53,8 +53,9 @@ def meminfo_total_gib(meminfo_text: str) -> float | None:
     return None
 
 
-def cgroup_memory_limit(proc_self_cgroup: str, read: Callable[[str], str | None],
-                        root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+def cgroup_memory_limit(
+    proc_self_cgroup: str, read: Callable[[str], str | None], root: str = "/sys/fs/cgroup"
+) -> tuple[int, str] | None:
     """The smallest memory limit (bytes, file) on this process's cgroup and its ancestors, or None when unlimited.
 
     `proc_self_cgroup` is /proc/self/cgroup's text; `read(path)` returns a file's text or None. cgroup v1 (and the
@@ -160,8 +161,13 @@ def gpus_on_node(env: Mapping[str, str]) -> int:
     return 0
 
 
-def job_memory(env: Mapping[str, str], meminfo_text: str | None, proc_self_cgroup: str,
-               read: Callable[[str], str | None], root: str = "/sys/fs/cgroup") -> MemoryLimit:
+def job_memory(
+    env: Mapping[str, str],
+    meminfo_text: str | None,
+    proc_self_cgroup: str,
+    read: Callable[[str], str | None],
+    root: str = "/sys/fs/cgroup",
+) -> MemoryLimit:
     """The memory this job may use on this node: the smallest of MemTotal, LLMFT_HOST_RAM_GB (run_llm.slurm's
     smallest node, or a user's figure), the cgroup limit and Slurm's per-node/CPU/GPU memory.
     ValueError when nothing gives a number or LLMFT_HOST_RAM_GB is not one."""
@@ -199,14 +205,24 @@ def read_text(path: str) -> str | None:
 
 def this_node_memory(env: Mapping[str, str] | None = None, meminfo: str = "/proc/meminfo") -> MemoryLimit:
     """job_memory with this machine's files."""
-    return job_memory(os.environ if env is None else env, read_text(meminfo), read_text("/proc/self/cgroup") or "",
-                      read_text)
+    return job_memory(
+        os.environ if env is None else env, read_text(meminfo), read_text("/proc/self/cgroup") or "", read_text
+    )
 
 
 def numa_nodes(sysfs: str = "/sys") -> int:
     """NUMA nodes on this machine (1 where sysfs does not say)."""
     try:
-        return max(1, len([p for p in Path(sysfs, "devices/system/node").iterdir() if p.name[4:].isdigit() and p.name.startswith("node")]))
+        return max(
+            1,
+            len(
+                [
+                    p
+                    for p in Path(sysfs, "devices/system/node").iterdir()
+                    if p.name[4:].isdigit() and p.name.startswith("node")
+                ]
+            ),
+        )
     except OSError:
         return 1
 
@@ -231,9 +247,16 @@ class NodeFacts:
 
     def line(self) -> str:
         """The `llmft node:` line: tab-separated, free text last."""
-        fields = [self.host, str(self.gpus), f"{self.memory.gib:g}",
-                  "" if self.memory.node_gib is None else f"{self.memory.node_gib:g}", str(self.numa_nodes),
-                  "1" if self.numactl else "0", self.memory.source, self.fabric_missing]
+        fields = [
+            self.host,
+            str(self.gpus),
+            f"{self.memory.gib:g}",
+            "" if self.memory.node_gib is None else f"{self.memory.node_gib:g}",
+            str(self.numa_nodes),
+            "1" if self.numactl else "0",
+            self.memory.source,
+            self.fabric_missing,
+        ]
         return "\t".join(["llmft node:", *(f.replace("\t", " ").replace("\n", " ") for f in fields)])
 
 
@@ -244,10 +267,20 @@ def parse_node_lines(text: str) -> list[NodeFacts]:
         if parts[0] != "llmft node:":
             continue
         if len(parts) != 9:
-            raise AllocationError(f"cannot read the node probe's line {line!r}: is llmft on every node the same version?")
+            raise AllocationError(
+                f"cannot read the node probe's line {line!r}: is llmft on every node the same version?"
+            )
         _, host, gpus, gib, node_gib, numa, numactl, source, missing = parts
-        nodes.append(NodeFacts(host, int(gpus), MemoryLimit(float(gib), source, float(node_gib) if node_gib else None),
-                               int(numa), numactl == "1", missing))
+        nodes.append(
+            NodeFacts(
+                host,
+                int(gpus),
+                MemoryLimit(float(gib), source, float(node_gib) if node_gib else None),
+                int(numa),
+                numactl == "1",
+                missing,
+            )
+        )
     return sorted(nodes, key=lambda n: n.host)  # srun prints them as they finish
 
 
@@ -264,8 +297,10 @@ def job_nodes(nodes: list[NodeFacts]) -> MemoryLimit:
     counts = {n.gpus for n in nodes}
     if len(counts) > 1:
         spread = ", ".join(f"{n.host} {n.gpus}" for n in nodes)
-        raise AllocationError(f"the job's GPUs are spread unevenly over its nodes ({spread}), and every node runs the same "
-                              "number of processes: ask for GPUs per node (#SBATCH --gpus-per-node=N, not --gpus=N)")
+        raise AllocationError(
+            f"the job's GPUs are spread unevenly over its nodes ({spread}), and every node runs the same "
+            "number of processes: ask for GPUs per node (#SBATCH --gpus-per-node=N, not --gpus=N)"
+        )
     smallest = min(nodes, key=lambda n: n.memory.gib)
     source = f"node {smallest.host}: {smallest.memory.source}"
     node_gib = min((n.memory.node_gib for n in nodes if n.memory.node_gib is not None), default=None)
@@ -293,20 +328,28 @@ def numa_binding(requested: str, nodes: list[NodeFacts]) -> tuple[str | None, st
             return None, f"off: numactl is missing on {', '.join(no_numactl)} (install it to bind)"
         return "node", "node: each process on the CPUs of its GPU's NUMA node"
     if no_gpu:
-        raise AllocationError(f"NUMA_BINDING={requested} binds each process to its GPU's NUMA node, and "
-                              f"{', '.join(no_gpu)} has no GPU; use NUMA_BINDING=auto or off")
+        raise AllocationError(
+            f"NUMA_BINDING={requested} binds each process to its GPU's NUMA node, and "
+            f"{', '.join(no_gpu)} has no GPU; use NUMA_BINDING=auto or off"
+        )
     if no_numactl:
-        raise AllocationError(f"NUMA_BINDING={requested} needs numactl (torch.numa.binding runs it), missing on "
-                              f"{', '.join(no_numactl)}: install numactl or use NUMA_BINDING=auto or off")
+        raise AllocationError(
+            f"NUMA_BINDING={requested} needs numactl (torch.numa.binding runs it), missing on "
+            f"{', '.join(no_numactl)}: install numactl or use NUMA_BINDING=auto or off"
+        )
     return requested, f"{requested} (NUMA_BINDING={requested})"
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m llmft.planning.allocation",
-                                     description="Print this node's allocation as one `llmft node:` line.")
-    parser.add_argument("--fabric", default="", help="also check this NCCL_PROFILE's plugin is here (aws-efa, gcp-tcpx)")
+    parser = argparse.ArgumentParser(
+        prog="python -m llmft.planning.allocation",
+        description="Print this node's allocation as one `llmft node:` line.",
+    )
+    parser.add_argument(
+        "--fabric", default="", help="also check this NCCL_PROFILE's plugin is here (aws-efa, gcp-tcpx)"
+    )
     args = parser.parse_args(argv)
     try:
         memory = this_node_memory()
@@ -315,12 +358,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     missing = ""
     if args.fabric:
-
         missing = fabric_missing(args.fabric, os.environ) or ""
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     sysfs = os.environ.get("LLMFT_SYSFS_ROOT", "/sys")  # tests only: a /sys with other NUMA nodes
-    print(NodeFacts(host, gpus_on_node(os.environ), memory, numa_nodes(sysfs), shutil.which("numactl") is not None,
-                    f"NCCL_PROFILE={args.fabric}: {missing}" if missing else "").line())
+    print(
+        NodeFacts(
+            host,
+            gpus_on_node(os.environ),
+            memory,
+            numa_nodes(sysfs),
+            shutil.which("numactl") is not None,
+            f"NCCL_PROFILE={args.fabric}: {missing}" if missing else "",
+        ).line()
+    )
     return 0
 
 

@@ -50,7 +50,9 @@ def nearest_micro_batches(global_batch: int, micro_batch: int, world_size: int, 
     return sorted(sorted(candidates, key=lambda m: (abs(m - micro_batch), -m))[:k])
 
 
-def plan_batch(world_size: int, micro_batch: int, global_batch: int | None = None, grad_accum: int | None = None) -> BatchPlan:
+def plan_batch(
+    world_size: int, micro_batch: int, global_batch: int | None = None, grad_accum: int | None = None
+) -> BatchPlan:
     """Solve for the gradient accumulation (or the global batch when none is asked for).
 
     - global_batch given: accumulation = global / (micro x world), which must be a whole number >= 1;

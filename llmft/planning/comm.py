@@ -51,22 +51,57 @@ class NodeNetwork:
 # (300 GB/s a direction), H100 SXM NVLink 4 (450 GB/s a direction).
 PCIE4, NVLINK_A100, NVLINK_H100 = 32.0, 300.0, 450.0
 NETWORKS: dict[str, NodeNetwork] = {
-    **{name: NodeNetwork(gbps, PCIE4, "PCIe") for name, gbps in (
-        ("g2-standard-4", 10), ("g2-standard-8", 16), ("g2-standard-12", 16), ("g2-standard-16", 32),
-        ("g2-standard-24", 32), ("g2-standard-32", 32), ("g2-standard-48", 50), ("g2-standard-96", 100),
-        ("g6.xlarge", 10), ("g6.2xlarge", 10), ("g6.4xlarge", 25), ("g6.8xlarge", 25), ("g6.12xlarge", 40),
-        ("g6.16xlarge", 25), ("g6.24xlarge", 50), ("g6.48xlarge", 100))},
-    **{name: NodeNetwork(gbps, NVLINK_A100, "NVLink") for name, gbps in (
-        ("a2-highgpu-1g", 24), ("a2-highgpu-2g", 32), ("a2-highgpu-4g", 50), ("a2-highgpu-8g", 100),
-        ("a2-ultragpu-1g", 24), ("a2-ultragpu-2g", 32), ("a2-ultragpu-4g", 50), ("a2-ultragpu-8g", 100),
-        ("p4d.24xlarge", 400))},
+    **{
+        name: NodeNetwork(gbps, PCIE4, "PCIe")
+        for name, gbps in (
+            ("g2-standard-4", 10),
+            ("g2-standard-8", 16),
+            ("g2-standard-12", 16),
+            ("g2-standard-16", 32),
+            ("g2-standard-24", 32),
+            ("g2-standard-32", 32),
+            ("g2-standard-48", 50),
+            ("g2-standard-96", 100),
+            ("g6.xlarge", 10),
+            ("g6.2xlarge", 10),
+            ("g6.4xlarge", 25),
+            ("g6.8xlarge", 25),
+            ("g6.12xlarge", 40),
+            ("g6.16xlarge", 25),
+            ("g6.24xlarge", 50),
+            ("g6.48xlarge", 100),
+        )
+    },
+    **{
+        name: NodeNetwork(gbps, NVLINK_A100, "NVLink")
+        for name, gbps in (
+            ("a2-highgpu-1g", 24),
+            ("a2-highgpu-2g", 32),
+            ("a2-highgpu-4g", 50),
+            ("a2-highgpu-8g", 100),
+            ("a2-ultragpu-1g", 24),
+            ("a2-ultragpu-2g", 32),
+            ("a2-ultragpu-4g", 50),
+            ("a2-ultragpu-8g", 100),
+            ("p4d.24xlarge", 400),
+        )
+    },
     "a3-highgpu-8g": NodeNetwork(1000, NVLINK_H100, "NVLink"),
     "p5.48xlarge": NodeNetwork(3200, NVLINK_H100, "NVLink"),
 }
 
 
-def messages(zero_stage: int, *, accumulation: int, world: int, gradient_bytes: float, param_bytes: float,
-             params: int, frozen_bytes: float = 0.0, max_live_parameters: int = MAX_LIVE_PARAMETERS) -> dict[str, float]:
+def messages(
+    zero_stage: int,
+    *,
+    accumulation: int,
+    world: int,
+    gradient_bytes: float,
+    param_bytes: float,
+    params: int,
+    frozen_bytes: float = 0.0,
+    max_live_parameters: int = MAX_LIVE_PARAMETERS,
+) -> dict[str, float]:
     """Bytes per optimizer step each rank hands to DeepSpeed's collectives: {"gradients": ..., "parameters": ...}
     (gradients: the full tensors reduced; parameters: this rank's partitions sent to the all-gathers)."""
     if world <= 1:
@@ -113,8 +148,9 @@ class StepTime:
         return self.exposed_comm_s > self.compute_s
 
 
-def step_time(zero_stage: int, msgs: dict[str, float], *, world: int, nnodes: int, compute_s: float,
-              network: NodeNetwork | None) -> StepTime:
+def step_time(
+    zero_stage: int, msgs: dict[str, float], *, world: int, nnodes: int, compute_s: float, network: NodeNetwork | None
+) -> StepTime:
     """Compute plus the communication compute does not hide (module docstring); no network known: compute only."""
     if world <= 1 or network is None:
         return StepTime(compute_s, 0.0, 0.0, "none" if world <= 1 else "unknown")

@@ -37,12 +37,15 @@ class ConversionPlan:
     fits: bool  # even one worker of each phase fits the budget
 
     def describe(self) -> str:
-        return (f"{self.extract_workers} extract and {self.merge_workers} merge worker(s), about "
-                f"{self.peak_bytes / GIB:.1f} GiB host RAM of {self.budget_bytes / GIB:.1f}, about {self.seconds:.0f} s")
+        return (
+            f"{self.extract_workers} extract and {self.merge_workers} merge worker(s), about "
+            f"{self.peak_bytes / GIB:.1f} GiB host RAM of {self.budget_bytes / GIB:.1f}, about {self.seconds:.0f} s"
+        )
 
 
-def plan_conversion(*, trainable: int, largest_tensor: int, saved_world: int, budget_bytes: int, cpus: int,
-                    io_mb_s: float) -> ConversionPlan:
+def plan_conversion(
+    *, trainable: int, largest_tensor: int, saved_world: int, budget_bytes: int, cpus: int, io_mb_s: float
+) -> ConversionPlan:
     """Workers for ds_to_universal's two phases within `budget_bytes` of host RAM and `cpus` CPUs."""
     shard = 12 * trainable / max(1, saved_world)
     base = WORKER_RUNTIME_BYTES + shard * SLACK

@@ -43,7 +43,9 @@ def template_path(zero_stage: int | None, offload: bool | str = False, deepspeed
             raise DSConfigError("give either --zero_stage or --deepspeed, not both")
         path = Path(deepspeed)
         if not path.is_file():
-            raise DSConfigError(f"DeepSpeed config {path} not found; pass an existing JSON file or --zero_stage {{0,1,2,3}}")
+            raise DSConfigError(
+                f"DeepSpeed config {path} not found; pass an existing JSON file or --zero_stage {{0,1,2,3}}"
+            )
         return path
     stage = 2 if zero_stage is None else zero_stage
     if stage not in ZERO_STAGES:
@@ -67,11 +69,15 @@ def load_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise DSConfigError(f"DeepSpeed config {path} is not valid JSON (line {e.lineno}: {e.msg}); fix the file") from None
+        raise DSConfigError(
+            f"DeepSpeed config {path} is not valid JSON (line {e.lineno}: {e.msg}); fix the file"
+        ) from None
     if not isinstance(config, dict):
         raise DSConfigError(f"DeepSpeed config {path} must hold a JSON object")
     if not isinstance(config.get("zero_optimization"), dict):  # HF's Trainer refuses such a config, without naming it
-        raise DSConfigError(f'DeepSpeed config {path} has no "zero_optimization" section; add e.g. "zero_optimization": {{"stage": 2}}')
+        raise DSConfigError(
+            f'DeepSpeed config {path} has no "zero_optimization" section; add e.g. "zero_optimization": {{"stage": 2}}'
+        )
     stage = config["zero_optimization"].get("stage", 0)
     if stage not in ZERO_STAGES:
         raise DSConfigError(f"DeepSpeed config {path} has unknown ZeRO stage {stage!r}; use 0, 1, 2 or 3")
@@ -84,13 +90,19 @@ def zero_stage_of(config: dict[str, Any]) -> int:
 
 def offloads(config: dict[str, Any]) -> bool:
     zero = config.get("zero_optimization", {})
-    return any(zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param"))
+    return any(
+        zero.get(k, {}).get("device", "none") not in ("none", None) for k in ("offload_optimizer", "offload_param")
+    )
 
 
 def offload_mode(config: dict[str, Any]) -> str:
     """none, optimizer or optimizer+params: what a config offloads to the CPU."""
     zero = config.get("zero_optimization", {})
-    on = [k for k in ("offload_optimizer", "offload_param") if zero.get(k, {}).get("device", "none") not in ("none", None)]
+    on = [
+        k
+        for k in ("offload_optimizer", "offload_param")
+        if zero.get(k, {}).get("device", "none") not in ("none", None)
+    ]
     return {(): "none", ("offload_optimizer",): "optimizer"}.get(tuple(on), "optimizer+params")
 
 
@@ -102,7 +114,7 @@ def _fill(section: dict[str, Any], key: str, value: Any, where: str) -> None:
     elif current != value and not (isinstance(current, list) and list(value) == current):
         raise DSConfigError(
             f"DeepSpeed config sets {where}{key}={current!r} but this run needs {value!r}; "
-            f"set it to \"auto\" in the config and let llmft compute it"
+            f'set it to "auto" in the config and let llmft compute it'
         )
 
 
@@ -137,9 +149,12 @@ def resolve(
             _fill(params, key, value, "optimizer.params.")
 
     zero = cfg.get("zero_optimization", {})
-    if any(zero.get(k) == "auto" for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")):
+    if any(
+        zero.get(k) == "auto"
+        for k in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    ):
         if hidden_size is None:
-            raise DSConfigError("ZeRO-3 bucket sizes are \"auto\" but the model's hidden size is unknown")
+            raise DSConfigError('ZeRO-3 bucket sizes are "auto" but the model\'s hidden size is unknown')
         # The sizes HF's integration derives from the hidden size, made explicit.
         for key, value in (
             ("reduce_bucket_size", hidden_size * hidden_size),
@@ -151,7 +166,9 @@ def resolve(
 
     leftover = list(_auto_fields(cfg))
     if leftover:
-        raise DSConfigError(f"DeepSpeed config fields llmft cannot fill: {', '.join(leftover)}; give them explicit values")
+        raise DSConfigError(
+            f"DeepSpeed config fields llmft cannot fill: {', '.join(leftover)}; give them explicit values"
+        )
     return cfg
 
 
@@ -166,7 +183,9 @@ TRAINER_OPTIMIZERS = ("sgd", "adagrad", "rmsprop", "adafactor")
 DEFAULT_OPTIM = "adamw_torch_fused"  # TRL's SFTConfig default
 
 
-def choose_optimizer(config: dict[str, Any], optim: str, *, optim_args: str | None = None, user_config: bool = False) -> dict[str, Any]:
+def choose_optimizer(
+    config: dict[str, Any], optim: str, *, optim_args: str | None = None, user_config: bool = False
+) -> dict[str, Any]:
     """The one decision about who runs --optim: returns `config` with its optimizer block kept, added or removed.
 
     user_config: the config is the user's own --deepspeed file (its optimizer block is theirs, not a template's).
@@ -179,21 +198,32 @@ def choose_optimizer(config: dict[str, Any], optim: str, *, optim_args: str | No
     supported = f"use one of {', '.join(DEEPSPEED_ADAMW)} (DeepSpeed's AdamW) or {', '.join(TRAINER_OPTIMIZERS)}"
     if optim in DEEPSPEED_ADAMW:
         if optim_args:
-            raise DSConfigError(f"--optim_args {optim_args!r} is not used by DeepSpeed's AdamW: drop it (set betas, eps and weight decay with --adam_beta1/--adam_beta2/--adam_epsilon/--weight_decay)")
+            raise DSConfigError(
+                f"--optim_args {optim_args!r} is not used by DeepSpeed's AdamW: drop it (set betas, eps and weight decay with --adam_beta1/--adam_beta2/--adam_epsilon/--weight_decay)"
+            )
         if block is None:
             if offload:  # DeepSpeed refuses a client optimizer with offload: give it its own AdamW
-                cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+                cfg["optimizer"] = {
+                    "type": "AdamW",
+                    "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+                }
             return cfg  # no block: the Trainer's torch AdamW runs, as the user's config asks
         if block_type.lower() not in ("adamw", "adam") and optim != DEFAULT_OPTIM:
-            raise DSConfigError(f"--optim {optim} contradicts the optimizer block ({block_type}) of your DeepSpeed config: drop --optim, or the block")
+            raise DSConfigError(
+                f"--optim {optim} contradicts the optimizer block ({block_type}) of your DeepSpeed config: drop --optim, or the block"
+            )
         return cfg
     if optim in TRAINER_OPTIMIZERS:
         if optim_args and optim == "adafactor":
             raise DSConfigError("--optim_args is not used by adafactor: drop it")
         if offload:
-            raise DSConfigError(f"--optim {optim} runs as the Trainer's optimizer, and DeepSpeed's CPU offload needs its own optimizer: drop --offload, or {supported}")
+            raise DSConfigError(
+                f"--optim {optim} runs as the Trainer's optimizer, and DeepSpeed's CPU offload needs its own optimizer: drop --offload, or {supported}"
+            )
         if block is not None and user_config:
-            raise DSConfigError(f"--optim {optim} contradicts the optimizer block ({block_type}) of your DeepSpeed config: remove the block to use {optim}")
+            raise DSConfigError(
+                f"--optim {optim} contradicts the optimizer block ({block_type}) of your DeepSpeed config: remove the block to use {optim}"
+            )
         cfg.pop("optimizer", None)  # HF then creates the Trainer's optimizer and hands it to DeepSpeed
         return cfg
     raise DSConfigError(f"--optim {optim} is not supported with DeepSpeed in llmft: {supported}")
@@ -221,7 +251,9 @@ def local_adam_facts() -> dict[str, bool]:
         installed_ops = {}
     from torch.utils.cpp_extension import CUDA_HOME
 
-    nvcc = (bool(CUDA_HOME) and os.access(os.path.join(CUDA_HOME, "bin", "nvcc"), os.X_OK)) or shutil.which("nvcc") is not None
+    nvcc = (bool(CUDA_HOME) and os.access(os.path.join(CUDA_HOME, "bin", "nvcc"), os.X_OK)) or shutil.which(
+        "nvcc"
+    ) is not None
     return {"fused_adam_prebuilt": bool(installed_ops.get("fused_adam")), "cuda_compiler": nvcc}
 
 

@@ -20,8 +20,12 @@ import os
 import subprocess
 from typing import Callable, Mapping
 
-OFI_INSTALL_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/opt/amazon/aws-ofi-nccl/lib",
-                    "/opt/aws-ofi-nccl/lib")
+OFI_INSTALL_DIRS = (
+    "/opt/amazon/ofi-nccl/lib",
+    "/opt/amazon/ofi-nccl/lib64",
+    "/opt/amazon/aws-ofi-nccl/lib",
+    "/opt/aws-ofi-nccl/lib",
+)
 LIBFABRIC = "libfabric.so"
 LIBFABRIC_DIRS = ("/opt/amazon/efa/lib", "/opt/amazon/efa/lib64")
 TCPX_PLUGIN = "libnccl-net.so"
@@ -47,7 +51,9 @@ def installed_in(name: str, dirs, exists: Callable[[str], bool]) -> str | None:
     return next((d for d in dirs if exists(f"{d}/{name}") or exists(f"{d}/{name}.1")), None)
 
 
-def fabric_problem(fabric: str, env: Mapping[str, str], ldconfig_text: str, exists: Callable[[str], bool]) -> str | None:
+def fabric_problem(
+    fabric: str, env: Mapping[str, str], ldconfig_text: str, exists: Callable[[str], bool]
+) -> str | None:
     """What this node lacks for the profile, with the fix; None when its plugin is findable."""
     path = env.get("LD_LIBRARY_PATH", "")
     if fabric == "aws-efa":
@@ -57,26 +63,43 @@ def fabric_problem(fabric: str, env: Mapping[str, str], ldconfig_text: str, exis
         found = exists(name) if "/" in plugin else loader_finds(name, path, ldconfig_text, exists)
         if not found:
             where = None if "/" in plugin else installed_in(name, OFI_INSTALL_DIRS, exists)
-            missing.append(f"the aws-ofi-nccl plugin NCCL_NET_PLUGIN={plugin} loads ({name}) is not on the library path"
-                           + (f"; it is installed in {where}: add it to LD_LIBRARY_PATH" if where else
-                              "; install aws-ofi-nccl (the EFA installer or a DLAMI has it) and add its lib directory to LD_LIBRARY_PATH"))
+            missing.append(
+                f"the aws-ofi-nccl plugin NCCL_NET_PLUGIN={plugin} loads ({name}) is not on the library path"
+                + (
+                    f"; it is installed in {where}: add it to LD_LIBRARY_PATH"
+                    if where
+                    else "; install aws-ofi-nccl (the EFA installer or a DLAMI has it) and add its lib directory to LD_LIBRARY_PATH"
+                )
+            )
         if not loader_finds(LIBFABRIC, path, ldconfig_text, exists):
             where = installed_in(LIBFABRIC, LIBFABRIC_DIRS, exists)
-            missing.append(f"libfabric ({LIBFABRIC}) is not on the library path"
-                           + (f"; it is installed in {where}: add it to LD_LIBRARY_PATH" if where else
-                              "; install the EFA software (aws-efa-installer)"))
+            missing.append(
+                f"libfabric ({LIBFABRIC}) is not on the library path"
+                + (
+                    f"; it is installed in {where}: add it to LD_LIBRARY_PATH"
+                    if where
+                    else "; install the EFA software (aws-efa-installer)"
+                )
+            )
         return "; ".join(missing) or None
     if fabric == "gcp-tcpx":
         missing = []
         if not loader_finds(TCPX_PLUGIN, path, ldconfig_text, exists):
             where = installed_in(TCPX_PLUGIN, TCPX_INSTALL_DIRS, exists)
-            missing.append(f"the GPUDirect-TCPX NCCL plugin ({TCPX_PLUGIN}) is not on the library path"
-                           + (f"; it is installed in {where}: add it to LD_LIBRARY_PATH" if where else
-                              f"; install it (Google's nccl-plugin-gpudirecttcpx puts it in {TCPX_INSTALL_DIRS[0]})"))
+            missing.append(
+                f"the GPUDirect-TCPX NCCL plugin ({TCPX_PLUGIN}) is not on the library path"
+                + (
+                    f"; it is installed in {where}: add it to LD_LIBRARY_PATH"
+                    if where
+                    else f"; install it (Google's nccl-plugin-gpudirecttcpx puts it in {TCPX_INSTALL_DIRS[0]})"
+                )
+            )
         rxdm = env.get("NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX", "").strip() or TCPX_RXDM_DEFAULT
         if not exists(rxdm):
-            missing.append(f"no receive-datapath-manager (RxDM) socket directory {rxdm}: start Google's tcpx-daemon "
-                           "(RxDM) on each node, or set NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX to where it listens")
+            missing.append(
+                f"no receive-datapath-manager (RxDM) socket directory {rxdm}: start Google's tcpx-daemon "
+                "(RxDM) on each node, or set NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX to where it listens"
+            )
         return "; ".join(missing) or None
     raise ValueError(f"unknown fabric {fabric!r}; known: {', '.join(FABRICS)}")
 

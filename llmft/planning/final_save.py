@@ -26,12 +26,12 @@ def parse_time_left(text: str) -> float | None:
     return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
-
-
 def final_save_lead(longest_save_s: float | None, estimate_s: float | None, step_s: float) -> float:
     """Seconds before the job's end at which the final save must start: the longest save measured (else the
     estimate, else UNMEASURED_SAVE_S) x FINAL_SAVE_FACTOR, plus the step in flight and FINAL_SAVE_MARGIN_S."""
-    save = longest_save_s if longest_save_s is not None else estimate_s if estimate_s is not None else UNMEASURED_SAVE_S
+    save = (
+        longest_save_s if longest_save_s is not None else estimate_s if estimate_s is not None else UNMEASURED_SAVE_S
+    )
     return FINAL_SAVE_FACTOR * save + max(step_s, 0.0) + FINAL_SAVE_MARGIN_S
 
 

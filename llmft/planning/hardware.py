@@ -114,7 +114,9 @@ def local_gpu(index: int = 0) -> GPU | None:
 
 
 # What "auto" means, in words (printed by `llmft plan` on a login node, where the GPU is not known yet).
-AUTO_PRECISION = "bf16 on GPUs with compute capability 8.0+ (A100, L4, H100), fp16 on older GPUs (T4, V100), fp32 on CPU"
+AUTO_PRECISION = (
+    "bf16 on GPUs with compute capability 8.0+ (A100, L4, H100), fp16 on older GPUs (T4, V100), fp32 on CPU"
+)
 
 
 def choose_precision(
@@ -136,7 +138,9 @@ def choose_precision(
     if requested not in PRECISIONS:
         raise HardwareError(f"unknown precision {requested!r}; use one of {', '.join(PRECISIONS)}")
     if bf16 and fp16:
-        raise HardwareError("--bf16 and --fp16 contradict each other: give one of them, or --precision auto|bf16|fp16|fp32")
+        raise HardwareError(
+            "--bf16 and --fp16 contradict each other: give one of them, or --precision auto|bf16|fp16|fp32"
+        )
     asked, flags = None, None
     if bf16 or fp16:
         asked, flags = ("bf16", "--bf16") if bf16 else ("fp16", "--fp16")
@@ -159,7 +163,9 @@ def choose_precision(
             f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}: use --precision fp16 (or auto)"
         )
     if requested == "fp16" and gpu is None and not inference:
-        raise HardwareError("fp16 mixed precision needs a GPU and none is visible here: use --precision fp32 (or auto)")
+        raise HardwareError(
+            "fp16 mixed precision needs a GPU and none is visible here: use --precision fp32 (or auto)"
+        )
     return requested
 
 
@@ -184,8 +190,9 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def choose_attention(requested: str | None, gpu: GPU | None, flash_installed: bool,
-                     model_supports: frozenset[str] | None = None) -> str:
+def choose_attention(
+    requested: str | None, gpu: GPU | None, flash_installed: bool, model_supports: frozenset[str] | None = None
+) -> str:
     """The one place llmft decides the attention implementation.
 
     auto (or unset): flash_attention_2 when flash-attn is installed and the GPU can run it (compute capability
@@ -204,15 +211,23 @@ def choose_attention(requested: str | None, gpu: GPU | None, flash_installed: bo
             return "flash_attention_2"
         return "sdpa" if "sdpa" in supports else "eager"
     if requested not in supports:
-        raise HardwareError(f"this model has no {requested} attention; use one of {', '.join(sorted(supports))} (or auto)")
+        raise HardwareError(
+            f"this model has no {requested} attention; use one of {', '.join(sorted(supports))} (or auto)"
+        )
     if requested == "flash_attention_2":
         if gpu is None:
-            raise HardwareError("--attn_implementation flash_attention_2 needs a CUDA GPU and none is visible here; use sdpa (or auto)")
+            raise HardwareError(
+                "--attn_implementation flash_attention_2 needs a CUDA GPU and none is visible here; use sdpa (or auto)"
+            )
         if not gpu.supports_flash_attention:
             cc = ".".join(map(str, gpu.compute_capability))
-            raise HardwareError(f"flash-attention 2 needs compute capability 8.0 or newer; this {gpu.name} has {cc}: use sdpa (or auto)")
+            raise HardwareError(
+                f"flash-attention 2 needs compute capability 8.0 or newer; this {gpu.name} has {cc}: use sdpa (or auto)"
+            )
         if not flash_installed:
-            raise HardwareError("--attn_implementation flash_attention_2 needs flash-attn: pip install 'llmft[gpu]' (or use sdpa)")
+            raise HardwareError(
+                "--attn_implementation flash_attention_2 needs flash-attn: pip install 'llmft[gpu]' (or use sdpa)"
+            )
     return requested
 
 
@@ -225,7 +240,9 @@ def liger_model_types() -> frozenset[str] | None:
     return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 
-def check_liger(gpu: GPU | None, model_type: str, supported: frozenset[str] | None, kernel_config: dict | None = None) -> None:
+def check_liger(
+    gpu: GPU | None, model_type: str, supported: frozenset[str] | None, kernel_config: dict | None = None
+) -> None:
     """Refuse --use_liger_kernel where it cannot work, instead of letting it do nothing or crash mid-run.
 
     Liger's kernels are Triton GPU kernels: no CUDA, no Liger. For a model type Liger has no kernels for,
@@ -237,12 +254,18 @@ def check_liger(gpu: GPU | None, model_type: str, supported: frozenset[str] | No
     too, with a traceback).
     """
     if gpu is None:
-        raise HardwareError("--use_liger_kernel needs a CUDA GPU (Liger's kernels are Triton GPU kernels) and none is visible here; drop the flag")
+        raise HardwareError(
+            "--use_liger_kernel needs a CUDA GPU (Liger's kernels are Triton GPU kernels) and none is visible here; drop the flag"
+        )
     if supported is None:
         raise HardwareError("--use_liger_kernel needs liger-kernel: pip install 'llmft[gpu]'")
     if model_type not in supported:
-        known = ", ".join(sorted(t for t in supported if t in {"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"}))
-        raise HardwareError(f"Liger has no kernels for model type {model_type!r} (it has them for {known}, ...); drop --use_liger_kernel")
+        known = ", ".join(
+            sorted(t for t in supported if t in {"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"})
+        )
+        raise HardwareError(
+            f"Liger has no kernels for model type {model_type!r} (it has them for {known}, ...); drop --use_liger_kernel"
+        )
     if (kernel_config or {}).get("fused_linear_cross_entropy"):
         raise HardwareError(
             "--liger_kernel_config fused_linear_cross_entropy is not supported: TRL's SFTTrainer uses its own fused LM head "
@@ -278,54 +301,92 @@ class NodeType:
 
 
 def _nodes(provider: str, gpu: str, source: str, rows) -> list[NodeType]:
-    return [NodeType(name, provider, GPUS[gpu], gpus, vcpus, float(ram), efa, source) for name, gpus, vcpus, ram, efa in rows]
+    return [
+        NodeType(name, provider, GPUS[gpu], gpus, vcpus, float(ram), efa, source)
+        for name, gpus, vcpus, ram, efa in rows
+    ]
 
 
 NODE_TYPES: dict[str, NodeType] = {
     n.name: n
     for n in (
         # name, GPUs, vCPUs, host RAM, EFA
-        *_nodes("gcp", "L4", GCP_GPU_PAGE, [
-            ("g2-standard-4", 1, 4, 16, False),
-            ("g2-standard-8", 1, 8, 32, False),
-            ("g2-standard-12", 1, 12, 48, False),
-            ("g2-standard-16", 1, 16, 64, False),
-            ("g2-standard-24", 2, 24, 96, False),
-            ("g2-standard-32", 1, 32, 128, False),
-            ("g2-standard-48", 4, 48, 192, False),
-            ("g2-standard-96", 8, 96, 384, False),
-        ]),
-        *_nodes("gcp", "A100-40GB", GCP_GPU_PAGE, [
-            ("a2-highgpu-1g", 1, 12, 85, False),
-            ("a2-highgpu-2g", 2, 24, 170, False),
-            ("a2-highgpu-4g", 4, 48, 340, False),
-            ("a2-highgpu-8g", 8, 96, 680, False),
-        ]),
-        *_nodes("gcp", "A100-80GB", GCP_GPU_PAGE, [
-            ("a2-ultragpu-1g", 1, 12, 170, False),
-            ("a2-ultragpu-2g", 2, 24, 340, False),
-            ("a2-ultragpu-4g", 4, 48, 680, False),
-            ("a2-ultragpu-8g", 8, 96, 1360, False),
-        ]),
-        *_nodes("gcp", "H100-80GB", GCP_GPU_PAGE, [
-            ("a3-highgpu-8g", 8, 208, 1872, False),
-        ]),
-        *_nodes("aws", "L4", AWS_AC_PAGE, [
-            ("g6.xlarge", 1, 4, 16, False),
-            ("g6.2xlarge", 1, 8, 32, False),
-            ("g6.4xlarge", 1, 16, 64, False),
-            ("g6.8xlarge", 1, 32, 128, True),
-            ("g6.12xlarge", 4, 48, 192, True),
-            ("g6.16xlarge", 1, 64, 256, True),
-            ("g6.24xlarge", 4, 96, 384, True),
-            ("g6.48xlarge", 8, 192, 768, True),
-        ]),
-        *_nodes("aws", "A100-40GB", AWS_AC_PAGE, [
-            ("p4d.24xlarge", 8, 96, 1152, True),
-        ]),
-        *_nodes("aws", "H100-80GB", AWS_AC_PAGE, [
-            ("p5.48xlarge", 8, 192, 2048, True),
-        ]),
+        *_nodes(
+            "gcp",
+            "L4",
+            GCP_GPU_PAGE,
+            [
+                ("g2-standard-4", 1, 4, 16, False),
+                ("g2-standard-8", 1, 8, 32, False),
+                ("g2-standard-12", 1, 12, 48, False),
+                ("g2-standard-16", 1, 16, 64, False),
+                ("g2-standard-24", 2, 24, 96, False),
+                ("g2-standard-32", 1, 32, 128, False),
+                ("g2-standard-48", 4, 48, 192, False),
+                ("g2-standard-96", 8, 96, 384, False),
+            ],
+        ),
+        *_nodes(
+            "gcp",
+            "A100-40GB",
+            GCP_GPU_PAGE,
+            [
+                ("a2-highgpu-1g", 1, 12, 85, False),
+                ("a2-highgpu-2g", 2, 24, 170, False),
+                ("a2-highgpu-4g", 4, 48, 340, False),
+                ("a2-highgpu-8g", 8, 96, 680, False),
+            ],
+        ),
+        *_nodes(
+            "gcp",
+            "A100-80GB",
+            GCP_GPU_PAGE,
+            [
+                ("a2-ultragpu-1g", 1, 12, 170, False),
+                ("a2-ultragpu-2g", 2, 24, 340, False),
+                ("a2-ultragpu-4g", 4, 48, 680, False),
+                ("a2-ultragpu-8g", 8, 96, 1360, False),
+            ],
+        ),
+        *_nodes(
+            "gcp",
+            "H100-80GB",
+            GCP_GPU_PAGE,
+            [
+                ("a3-highgpu-8g", 8, 208, 1872, False),
+            ],
+        ),
+        *_nodes(
+            "aws",
+            "L4",
+            AWS_AC_PAGE,
+            [
+                ("g6.xlarge", 1, 4, 16, False),
+                ("g6.2xlarge", 1, 8, 32, False),
+                ("g6.4xlarge", 1, 16, 64, False),
+                ("g6.8xlarge", 1, 32, 128, True),
+                ("g6.12xlarge", 4, 48, 192, True),
+                ("g6.16xlarge", 1, 64, 256, True),
+                ("g6.24xlarge", 4, 96, 384, True),
+                ("g6.48xlarge", 8, 192, 768, True),
+            ],
+        ),
+        *_nodes(
+            "aws",
+            "A100-40GB",
+            AWS_AC_PAGE,
+            [
+                ("p4d.24xlarge", 8, 96, 1152, True),
+            ],
+        ),
+        *_nodes(
+            "aws",
+            "H100-80GB",
+            AWS_AC_PAGE,
+            [
+                ("p5.48xlarge", 8, 192, 2048, True),
+            ],
+        ),
     )
 }
 
@@ -335,7 +396,9 @@ def node_type_by_name(name: str) -> NodeType:
     for key, node in NODE_TYPES.items():
         if key.lower() == name.strip().lower():
             return node
-    raise HardwareError(f"unknown node type {name!r}; known: {', '.join(NODE_TYPES)} (or give --gpu and --host_ram_gb)")
+    raise HardwareError(
+        f"unknown node type {name!r}; known: {', '.join(NODE_TYPES)} (or give --gpu and --host_ram_gb)"
+    )
 
 
 def local_host_ram_gib(env=None, meminfo: str = "/proc/meminfo") -> float:

@@ -120,7 +120,10 @@ CUDA_CONTEXT_GIB = 1.0
 FRAGMENTATION = 0.10
 PROCESS_HOST_GIB = {"cuda": 3.0, "cpu": 1.0}
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit weight + fp32 absmax per block of 64
-TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE
+TRL_TOKEN_TILE, TRL_VOCAB_TILE = (
+    4096,
+    32768,
+)  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE
 PREEMPT_WINDOW_S = 120  # slurm/run_llm.slurm: #SBATCH --signal=B:USR1@120
 WRITE_MB_S = {"gcp": 100.0, "aws": 240.0, None: 100.0}  # Filestore BASIC_HDD 1 TiB; FSx Lustre SCRATCH_2 1.2 TiB
 DEFAULT_MFU = 0.35
@@ -304,8 +307,16 @@ def ds_zero2_estimate(total_params, num_gpus_per_node=1, num_nodes=1, cpu_offloa
     return int(cpu_mem), int(gpu_mem)
 
 
-def ds_zero3_estimate(total_params, largest_layer_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=True,
-                      cpu_offload_params=True, zero_init=True, additional_buffer_factor=1.5):
+def ds_zero3_estimate(
+    total_params,
+    largest_layer_params,
+    num_gpus_per_node=1,
+    num_nodes=1,
+    cpu_offload=True,
+    cpu_offload_params=True,
+    zero_init=True,
+    additional_buffer_factor=1.5,
+):
     """estimate_zero3_model_states_mem_needs: (host bytes per node, GPU bytes per GPU, largest layer bytes)."""
     total_gpus = num_nodes * num_gpus_per_node
     gpus_factor = 1 / num_nodes
@@ -350,8 +361,9 @@ def frozen_bytes(shape: ModelShape, precision: str, load_in_4bit: bool) -> float
     return quantized * NF4_BYTES + (shape.frozen - quantized) * w
 
 
-def model_states_bytes(shape: ModelShape, zero_stage: int, offload: str, world: int, precision: str,
-                       load_in_4bit: bool = False) -> int:
+def model_states_bytes(
+    shape: ModelShape, zero_stage: int, offload: str, world: int, precision: str, load_in_4bit: bool = False
+) -> int:
     """Parameters, gradients and optimizer states one GPU holds (the formulas in the module docstring)."""
     if offload not in OFFLOADS:
         raise MemoryPlanError(f"unknown offload {offload!r}; use one of {', '.join(OFFLOADS)}")
@@ -401,8 +413,14 @@ def layer_activation_bytes_per_token(shape: ModelShape, precision: str, attentio
     return attn + mlp + masks - frozen + (a + mask) * shape.lora_inputs
 
 
-def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, gradient_checkpointing: bool, precision: str,
-                     attention: str = "sdpa") -> int:
+def activation_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    seq: int,
+    gradient_checkpointing: bool,
+    precision: str,
+    attention: str = "sdpa",
+) -> int:
     """Activations kept for the backward pass on one GPU: every layer's, or with full recomputation every layer's
     input plus one layer rebuilt at a time; plus the final norm and, with SDPA, the shared padding mask."""
     a = element_bytes(precision)["w"]
@@ -450,8 +468,11 @@ def zero_buffer_bytes(zero_stage: int, zero_config: dict, shape: ModelShape, pre
     if zero_stage == 2:
         return w * (double * size("reduce_bucket_size", 500_000_000) + size("allgather_bucket_size", 500_000_000))
     live = max(0, min(shape.total, size("stage3_max_live_parameters", 1_000_000_000)) - shape.largest_layer_params)
-    return w * (double * size("reduce_bucket_size", hidden * hidden)
-                + size("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)) + live)
+    return w * (
+        double * size("reduce_bucket_size", hidden * hidden)
+        + size("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
+        + live
+    )
 
 
 # ---- host, disk, time ---------------------------------------------------------------------------------------------
@@ -465,7 +486,9 @@ def checkpoint_bytes(shape: ModelShape, zero_stage: int, precision: str) -> int:
     if zero_stage < 3:
         size += w * T  # mp_rank_00_model_states.pt (frozen weights excluded with LoRA)
         if shape.lora:
-            size += w * T  # adapter_model.safetensors (a full model's weights are in the states file only: llmft.training.saving)
+            size += (
+                w * T
+            )  # adapter_model.safetensors (a full model's weights are in the states file only: llmft.training.saving)
     return size
 
 
@@ -516,7 +539,9 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
         model = b["w"] * (T if shape.lora else shape.total)
         final = model + min(model, HF_MAX_SHARD_BYTES)
     snapshot = async_save_bytes(shape, setting.zero_stage, job.precision, n, N) if job.async_save else 0
-    training = offload + on_cpu + max(saving, snapshot, final)  # a synchronous save first waits for the snapshot's writes
+    training = (
+        offload + on_cpu + max(saving, snapshot, final)
+    )  # a synchronous save first waits for the snapshot's writes
     return {
         "runtime": int(runtime),
         "loading": int(loading),
@@ -542,7 +567,13 @@ def flops_per_token(shape: ModelShape, seq: int, gradient_checkpointing: bool) -
 def tokens_per_second(job: Job, setting: Setting) -> float | None:
     if job.gpu is None or not job.gpu.peak_tflops:
         return None
-    return job.mfu * job.gpu.peak_tflops * 1e12 * job.world / flops_per_token(job.shape, job.max_length, setting.gradient_checkpointing)
+    return (
+        job.mfu
+        * job.gpu.peak_tflops
+        * 1e12
+        * job.world
+        / flops_per_token(job.shape, job.max_length, setting.gradient_checkpointing)
+    )
 
 
 # ---- candidates -----------------------------------------------------------------------------------------------------
@@ -552,8 +583,9 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     """Cost one setting against the job's hardware; `fits` and `why` say whether and which limit breaks."""
     shape = job.shape
     states = model_states_bytes(shape, setting.zero_stage, setting.offload, job.world, job.precision, job.load_in_4bit)
-    acts = activation_bytes(shape, setting.micro_batch, job.max_length, setting.gradient_checkpointing, job.precision,
-                            job.attention)
+    acts = activation_bytes(
+        shape, setting.micro_batch, job.max_length, setting.gradient_checkpointing, job.precision, job.attention
+    )
     loss = loss_buffer_bytes(shape, setting.micro_batch, job.max_length, job.precision)
     buckets = zero_buffer_bytes(setting.zero_stage, job.zero_config.get(setting.zero_stage, {}), shape, job.precision)
     allocated = states + acts + loss + buckets
@@ -564,15 +596,22 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     write_s = ckpt / (job.write_mb_s * 1e6)
     tps = tokens_per_second(job, setting)
     w = element_bytes(job.precision)["w"]
-    msgs = comm.messages(setting.zero_stage, accumulation=setting.grad_accum, world=job.world,
-                         gradient_bytes=shape.trainable * w, param_bytes=shape.trainable * w,
-                         frozen_bytes=frozen_bytes(shape, job.precision, job.load_in_4bit), params=shape.total)
+    msgs = comm.messages(
+        setting.zero_stage,
+        accumulation=setting.grad_accum,
+        world=job.world,
+        gradient_bytes=shape.trainable * w,
+        param_bytes=shape.trainable * w,
+        frozen_bytes=frozen_bytes(shape, job.precision, job.load_in_4bit),
+        params=shape.total,
+    )
     wire = comm.wire_bytes(setting.zero_stage, msgs, job.world)
     step_s, time = None, None
     if tps:
         tokens = setting.micro_batch * setting.grad_accum * job.world * job.max_length
-        time = comm.step_time(setting.zero_stage, msgs, world=job.world, nnodes=job.nnodes, compute_s=tokens / tps,
-                              network=job.network)
+        time = comm.step_time(
+            setting.zero_stage, msgs, world=job.world, nnodes=job.nnodes, compute_s=tokens / tps, network=job.network
+        )
         step_s, tps = time.step_s, tokens / time.step_s
 
     problems = []
@@ -580,12 +619,19 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     if limit is not None and device > limit * GIB:
         problems.append(f"GPU memory: needs {gib(device)} GiB of {limit:g}")
     if host["peak"] > job.host_ram_gib * GIB:
-        names = {"loading": "loading the weights", "offload": "offloaded states", "device_on_host": "the processes' tensors",
-                 "saving": "saving a checkpoint", "async_save": "--async_save's checkpoint in memory",
-                 "final_model": "the consolidated model"}
+        names = {
+            "loading": "loading the weights",
+            "offload": "offloaded states",
+            "device_on_host": "the processes' tensors",
+            "saving": "saving a checkpoint",
+            "async_save": "--async_save's checkpoint in memory",
+            "final_model": "the consolidated model",
+        }
         worst = max(names, key=lambda k: host[k])
-        problems.append(f"host RAM: needs {gib(host['peak'])} GiB per node of {job.host_ram_gib:g} "
-                        f"({names[worst]}: {gib(host[worst])} GiB)")
+        problems.append(
+            f"host RAM: needs {gib(host['peak'])} GiB per node of {job.host_ram_gib:g} "
+            f"({names[worst]}: {gib(host[worst])} GiB)"
+        )
     fits = not problems
     why = "; ".join(problems) if problems else "fits"
     return Estimate(setting, states, acts, loss, overhead, host, ckpt, write_s, step_s, tps, fits, why, wire, time)
@@ -673,8 +719,13 @@ def plan_memory(job: Job) -> MemoryPlan:
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
     if recommended is not None and recommended.setting.zero_stage == 2 and recommended.setting.grad_accum > 1:
-        same = [c for c in fitting if c.setting.zero_stage == 1 and c.setting.offload == recommended.setting.offload
-                and c.setting.gradient_checkpointing == recommended.setting.gradient_checkpointing]
+        same = [
+            c
+            for c in fitting
+            if c.setting.zero_stage == 1
+            and c.setting.offload == recommended.setting.offload
+            and c.setting.gradient_checkpointing == recommended.setting.gradient_checkpointing
+        ]
         if same:  # ZeRO-1 reduces gradients once per step, ZeRO-2 at every micro-batch
             fitting = same + [c for c in fitting if c is not same[0]]
             recommended = same[0]
@@ -697,21 +748,30 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
             return "not tried"
         best = min(others, key=lambda c: c.gpu_total + c.host["peak"])
         offload = "without offload" if best.setting.offload == "none" else f"offloading the {best.setting.offload}"
-        return f"ZeRO-{best.setting.zero_stage} {offload}, checkpointing " \
-               f"{'on' if best.setting.gradient_checkpointing else 'off'}: {best.why}"
+        return (
+            f"ZeRO-{best.setting.zero_stage} {offload}, checkpointing "
+            f"{'on' if best.setting.gradient_checkpointing else 'off'}: {best.why}"
+        )
 
     parts = []
     if s.offload == "none":
         parts.append("no CPU offload needed")
     else:
-        parts.append(f"CPU offload ({s.offload}) because nothing fits without it (closest: "
-                     f"{blocked(lambda o: o.offload == 'none')})")
+        parts.append(
+            f"CPU offload ({s.offload}) because nothing fits without it (closest: "
+            f"{blocked(lambda o: o.offload == 'none')})"
+        )
     if s.gradient_checkpointing:
         same = lambda o: o.offload == s.offload and o.zero_stage == s.zero_stage and not o.gradient_checkpointing  # noqa: E731
         if any(same(c.setting) for c in candidates):
             parts.append(f"gradient checkpointing because without it no micro-batch fits ({blocked(same)})")
-            if s.zero_stage < 3 and any(c.fits and c.setting.zero_stage == 3 and c.setting.offload == s.offload
-                                        and not c.setting.gradient_checkpointing for c in candidates):
+            if s.zero_stage < 3 and any(
+                c.fits
+                and c.setting.zero_stage == 3
+                and c.setting.offload == s.offload
+                and not c.setting.gradient_checkpointing
+                for c in candidates
+            ):
                 parts.append("ZeRO-3 without it would fit but trains slower (2x on an H100, bench/README.md)")
         else:
             parts.append("gradient checkpointing as asked")
@@ -720,8 +780,14 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
     if s.zero_stage == 3:
         lower = [c for c in candidates if c.setting.zero_stage < 3]
         tried_recompute = any(c.setting.gradient_checkpointing for c in lower)
-        parts.append(("ZeRO-3 because ZeRO-0/1/2 do not fit" + (", even with gradient checkpointing" if tried_recompute else ""))
-                     if lower else "ZeRO-3")
+        parts.append(
+            (
+                "ZeRO-3 because ZeRO-0/1/2 do not fit"
+                + (", even with gradient checkpointing" if tried_recompute else "")
+            )
+            if lower
+            else "ZeRO-3"
+        )
     elif s.zero_stage == 1 and s.grad_accum > 1:
         parts.append(f"ZeRO-1 reduces gradients once per step (ZeRO-2: at each of the {s.grad_accum} micro-batches)")
     else:
@@ -751,20 +817,24 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
                 f"exceeds the {job.free_disk_gib:.1f} GiB free in the output directory; lower --save_total_limit or free space"
             )
     elif job.free_disk_gib is not None and chosen.checkpoint > job.free_disk_gib * GIB:
-        out.append(f"one checkpoint ({gib(chosen.checkpoint)} GiB) exceeds the {job.free_disk_gib:.1f} GiB free in the output directory")
+        out.append(
+            f"one checkpoint ({gib(chosen.checkpoint)} GiB) exceeds the {job.free_disk_gib:.1f} GiB free in the output directory"
+        )
     if job.free_disk_gib is not None and not job.save_total_limit:
-        out.append("--save_total_limit is not set: every checkpoint is kept "
-                   f"({gib(chosen.checkpoint)} GiB each, {job.free_disk_gib:.1f} GiB free)")
+        out.append(
+            "--save_total_limit is not set: every checkpoint is kept "
+            f"({gib(chosen.checkpoint)} GiB each, {job.free_disk_gib:.1f} GiB free)"
+        )
     t = chosen.time
     if t is not None and t.network_bound:
         out.append(
             f"the network decides this job's speed: each GPU moves {gib(chosen.comm_bytes)} GiB per step over the {t.link} "
             f"({t.comm_s:.1f} s, {t.exposed_comm_s:.1f} s not hidden) against {t.compute_s:.1f} s of compute; what helps: "
             "fewer, larger nodes (NVLink or PCIe inside a node), LoRA (only the adapters' gradients move), a larger "
-            "micro-batch (fewer gradient reductions per step under ZeRO-2/3)")
+            "micro-batch (fewer gradient reductions per step under ZeRO-2/3)"
+        )
     needed = chosen.write_s + (chosen.step_s or 0)
     if needed > job.preempt_window_s:
-
         lead = final_save_lead(None, chosen.write_s, chosen.step_s or 0)
         out.append(
             f"a checkpoint ({gib(chosen.checkpoint)} GiB) takes {chosen.write_s:.0f} s to write at {job.write_mb_s:g} MB/s"
@@ -779,21 +849,26 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
 
 
 def _check_job(job: Job) -> None:
-    for name, value in (("nnodes", job.nnodes), ("nproc_per_node", job.nproc_per_node), ("max_length", job.max_length)):
+    for name, value in (
+        ("nnodes", job.nnodes),
+        ("nproc_per_node", job.nproc_per_node),
+        ("max_length", job.max_length),
+    ):
         if not isinstance(value, int) or value < 1:
             raise MemoryPlanError(f"--{name} must be a positive integer, got {value!r}")
     for name, value in (("global_batch_size", job.global_batch), ("per_device_train_batch_size", job.micro_batch)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise MemoryPlanError(f"--{name} must be a positive integer, got {value!r}")
     if job.global_batch is not None and job.micro_batch is not None:
-
         try:  # the same arithmetic, and the same message with the nearest batches that work, as the batch-only plan
             plan_batch(job.world, job.micro_batch, job.global_batch, job.grad_accum)
         except BatchError as e:
             raise MemoryPlanError(str(e)) from None
     elif job.global_batch is not None and job.global_batch % job.world:
-        raise MemoryPlanError(f"global batch {job.global_batch} is not divisible by the world size {job.world}: "
-                              f"use a multiple of {job.world}")
+        raise MemoryPlanError(
+            f"global batch {job.global_batch} is not divisible by the world size {job.world}: "
+            f"use a multiple of {job.world}"
+        )
     if job.host_ram_gib <= 0 or not math.isfinite(job.host_ram_gib):
         raise MemoryPlanError(f"host RAM must be a positive number of GiB, got {job.host_ram_gib!r}")
     if job.device_gib is not None and (job.device_gib <= 0 or not math.isfinite(job.device_gib)):
@@ -806,7 +881,9 @@ def _check_job(job: Job) -> None:
         raise MemoryPlanError("--load_in_4bit trains LoRA adapters on frozen 4-bit weights: add --use_peft")
     if job.load_in_4bit and (job.gpu is None or not job.gpu.bitsandbytes_4bit):
         where = "a CPU" if job.gpu is None else f"a {job.gpu.name}"
-        raise MemoryPlanError(f"--load_in_4bit needs bitsandbytes' 4-bit kernels (compute capability 7.5+), not {where}")
+        raise MemoryPlanError(
+            f"--load_in_4bit needs bitsandbytes' 4-bit kernels (compute capability 7.5+), not {where}"
+        )
     if job.save_consolidated and job.shape.lora:
         raise MemoryPlanError("--save_consolidated gathers a full ZeRO-3 model; a LoRA run saves its adapter instead")
     if job.attention not in ("sdpa", "flash_attention_2"):

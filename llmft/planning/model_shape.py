@@ -94,10 +94,14 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
     # Tensors of the MLP's width autograd keeps: SwiGLU gate, SiLU, up, product; a fused GELU its input and output;
     # the tanh-approximation written as elementwise ops (GPT-2's gelu_new) five; x * sigmoid(1.702 x) three.
     mlp_saved = 4 if gated else {"gelu_new": 5, "gelu_fast": 5, "quick_gelu": 3}.get(act, 2)
-    dropout = max(float(getattr(config, k, 0) or 0) for k in ("resid_pdrop", "hidden_dropout", "hidden_dropout_prob")) > 0
+    dropout = (
+        max(float(getattr(config, k, 0) or 0) for k in ("resid_pdrop", "hidden_dropout", "hidden_dropout_prob")) > 0
+    )
 
     stored = getattr(config, "dtype", None)  # transformers 5 reads config.json's torch_dtype into it too
-    checkpoint_dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(stored).replace("torch.", ""))
+    checkpoint_dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(
+        str(stored).replace("torch.", "")
+    )
 
     lora_params = lora_inputs = 0
     if use_peft:
@@ -109,7 +113,8 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 peft_model = get_peft_model(
-                    model, LoraConfig(r=lora_r, target_modules=_lora_targets(lora_target_modules), task_type="CAUSAL_LM")
+                    model,
+                    LoraConfig(r=lora_r, target_modules=_lora_targets(lora_target_modules), task_type="CAUSAL_LM"),
                 )
         except ValueError as e:
             raise MemoryPlanError(f"LoRA: {str(e).splitlines()[0]}") from None

@@ -49,8 +49,14 @@ class QuantRequest:
 
     @classmethod
     def from_model_args(cls, model_args) -> "QuantRequest":
-        return cls(model_args.load_in_4bit, model_args.load_in_8bit, model_args.bnb_4bit_quant_type,
-                   model_args.use_bnb_nested_quant, model_args.bnb_4bit_quant_storage, model_args.dtype)
+        return cls(
+            model_args.load_in_4bit,
+            model_args.load_in_8bit,
+            model_args.bnb_4bit_quant_type,
+            model_args.use_bnb_nested_quant,
+            model_args.bnb_4bit_quant_storage,
+            model_args.dtype,
+        )
 
 
 def bitsandbytes_version() -> str | None:
@@ -72,7 +78,13 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 def choose_quantization(
-    req: QuantRequest, *, gpu: GPU | None, zero_stage: int, offload: bool, use_peft: bool, precision: str,
+    req: QuantRequest,
+    *,
+    gpu: GPU | None,
+    zero_stage: int,
+    offload: bool,
+    use_peft: bool,
+    precision: str,
     bitsandbytes: str | None,
 ) -> dict | None:
     """BitsAndBytesConfig keyword arguments for this run, None without --load_in_4bit/8bit, or QuantizationError.
@@ -83,8 +95,10 @@ def choose_quantization(
     """
     if not (req.load_in_4bit or req.load_in_8bit):
         if req.quant_type != "nf4" or req.nested or req.quant_storage:
-            raise QuantizationError("--bnb_4bit_quant_type/--use_bnb_nested_quant/--bnb_4bit_quant_storage set without "
-                                    "--load_in_4bit: add --load_in_4bit, or drop them")
+            raise QuantizationError(
+                "--bnb_4bit_quant_type/--use_bnb_nested_quant/--bnb_4bit_quant_storage set without "
+                "--load_in_4bit: add --load_in_4bit, or drop them"
+            )
         return None
     flag = "--load_in_4bit" if req.load_in_4bit else "--load_in_8bit"
     if req.load_in_4bit and req.load_in_8bit:
@@ -94,33 +108,49 @@ def choose_quantization(
     if not use_peft:
         raise QuantizationError(f"{flag} trains LoRA adapters on a frozen quantized model (QLoRA): add --use_peft")
     if gpu is None:
-        raise QuantizationError(f"{flag} (QLoRA) needs a CUDA GPU for bitsandbytes' kernels and none is visible here: "
-                                "drop it to train LoRA in full precision, or run on a GPU node")
+        raise QuantizationError(
+            f"{flag} (QLoRA) needs a CUDA GPU for bitsandbytes' kernels and none is visible here: "
+            "drop it to train LoRA in full precision, or run on a GPU node"
+        )
     if not gpu.bitsandbytes_4bit:
         cc = f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}"
-        raise QuantizationError(f"{flag} needs compute capability 7.5+ (T4 or newer) for bitsandbytes; this {gpu.name} has {cc}")
+        raise QuantizationError(
+            f"{flag} needs compute capability 7.5+ (T4 or newer) for bitsandbytes; this {gpu.name} has {cc}"
+        )
     if offload:
-        raise QuantizationError(f"{flag} with --offload saves no GPU memory (the trainable LoRA weights are small; "
-                                "ZeRO-3 offload with QLoRA uses more): drop --offload")
+        raise QuantizationError(
+            f"{flag} with --offload saves no GPU memory (the trainable LoRA weights are small; "
+            "ZeRO-3 offload with QLoRA uses more): drop --offload"
+        )
     if req.load_in_8bit and zero_stage == 3:
-        raise QuantizationError("--load_in_8bit cannot run under ZeRO-3 (8-bit weights cannot be partitioned): "
-                                "use --zero_stage 2, or --load_in_4bit with ZeRO-3")
+        raise QuantizationError(
+            "--load_in_8bit cannot run under ZeRO-3 (8-bit weights cannot be partitioned): "
+            "use --zero_stage 2, or --load_in_4bit with ZeRO-3"
+        )
     if bitsandbytes is None:
-        raise QuantizationError(f"{flag} needs bitsandbytes: pip install -e '.[qlora]' in llmft's checkout (or pip install bitsandbytes)")
+        raise QuantizationError(
+            f"{flag} needs bitsandbytes: pip install -e '.[qlora]' in llmft's checkout (or pip install bitsandbytes)"
+        )
     if _version_tuple(bitsandbytes) < MIN_BITSANDBYTES:
-        raise QuantizationError(f"bitsandbytes {bitsandbytes} is too old for QLoRA under DeepSpeed: "
-                                f"pip install 'bitsandbytes>={'.'.join(map(str, MIN_BITSANDBYTES))}'")
+        raise QuantizationError(
+            f"bitsandbytes {bitsandbytes} is too old for QLoRA under DeepSpeed: "
+            f"pip install 'bitsandbytes>={'.'.join(map(str, MIN_BITSANDBYTES))}'"
+        )
     compute = _DTYPE_NAMES[precision]
     if req.dtype not in (None, "auto", "float32", compute):
-        raise QuantizationError(f"--dtype {req.dtype} contradicts the {precision} this run trains in: drop --dtype "
-                                "(QLoRA loads the rest of the model in the training precision)")
+        raise QuantizationError(
+            f"--dtype {req.dtype} contradicts the {precision} this run trains in: drop --dtype "
+            "(QLoRA loads the rest of the model in the training precision)"
+        )
     if req.load_in_8bit:
         return {"load_in_8bit": True, "model_dtype": compute}
     storage = req.quant_storage
     if zero_stage == 3:
         if storage not in (None, compute):
-            raise QuantizationError(f"--bnb_4bit_quant_storage {storage} under ZeRO-3 must match the training precision "
-                                    f"({compute}) so DeepSpeed can partition the 4-bit weights: drop it")
+            raise QuantizationError(
+                f"--bnb_4bit_quant_storage {storage} under ZeRO-3 must match the training precision "
+                f"({compute}) so DeepSpeed can partition the 4-bit weights: drop it"
+            )
         storage = compute
     out = {
         "load_in_4bit": True,

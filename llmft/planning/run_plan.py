@@ -40,8 +40,11 @@ class RunPlan:
 
     def lines(self) -> list[str]:
         b = self.batch
-        offload = {"none": "", "optimizer": " with CPU offload (optimizer)",
-                   "optimizer+params": " with CPU offload (optimizer and parameters)"}[self.offload_mode]
+        offload = {
+            "none": "",
+            "optimizer": " with CPU offload (optimizer)",
+            "optimizer+params": " with CPU offload (optimizer and parameters)",
+        }[self.offload_mode]
         auto = [f"llmft plan: auto: {self.auto}"] if self.auto else []
         return auto + [
             f"llmft plan: {self.world.describe()}",
@@ -75,8 +78,9 @@ def make_plan(
         config = load_config(path)
     except (BatchError, DSConfigError, LaunchEnvError) as e:
         raise PlanError(str(e)) from None
-    return RunPlan(world, batch, path, zero_stage_of(config), offloads(config), precision, output_dir,
-                   offload_mode(config), auto)
+    return RunPlan(
+        world, batch, path, zero_stage_of(config), offloads(config), precision, output_dir, offload_mode(config), auto
+    )
 
 
 # What `llmft train` uses when a flag is not given (TRL's SFTConfig / HF's TrainingArguments defaults).
@@ -95,7 +99,9 @@ class Hardware:
     node_type: str | None
     host_ram_source: str = ""  # what limits this job's host RAM when it is the allocation (llmft.planning.allocation)
     node_ram_gib: float | None = None  # the node's own RAM (MemTotal), when the allocation is the limit
-    cpus_per_node: int | None = None  # a catalogue node type's vCPUs; None: this job's (llmft.planning.world.discover_cpus)
+    cpus_per_node: int | None = (
+        None  # a catalogue node type's vCPUs; None: this job's (llmft.planning.world.discover_cpus)
+    )
 
     def describe(self, nnodes: int, nproc: int) -> str:
         if self.gpu is None:
@@ -119,21 +125,35 @@ class Hardware:
         need = math.ceil(min(c.host["peak"] for c in gpu_fits) / GIB)
         if self.node_ram_gib is not None and need > self.node_ram_gib:
             return ""  # the whole node is too small: the plan's own message says what else to change
-        return (f"; the job's allocation is the limit ({self.host_ram_source}): ask Slurm for {need} GiB per node "
-                f"with sbatch --mem={need}G (or --mem=0 for the whole node)")
+        return (
+            f"; the job's allocation is the limit ({self.host_ram_source}): ask Slurm for {need} GiB per node "
+            f"with sbatch --mem={need}G (or --mem=0 for the whole node)"
+        )
 
 
-def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None, node_type: str | None = None,
-                     host_ram_gb: float | None = None) -> Hardware:
+def resolve_hardware(
+    gpu: str | None = None,
+    gpu_memory_gb: float | None = None,
+    node_type: str | None = None,
+    host_ram_gb: float | None = None,
+) -> Hardware:
     """A catalogue node type, a GPU (by name or memory) with the host RAM given, or this machine."""
 
     if node_type:
         node = node_type_by_name(node_type)
         if gpu and gpu_by_name(gpu) != node.gpu:
-            raise PlanError(f"--gpu {gpu} contradicts --node_type {node.name}, which has {node.gpu.name}; give one of them")
-        return Hardware(node.gpu, node.gpu.memory_gib if gpu_memory_gb is None else gpu_memory_gb,
-                        node.host_ram_gib if host_ram_gb is None else host_ram_gb, node.gpus,
-                        node.provider, node.name, cpus_per_node=node.vcpus)
+            raise PlanError(
+                f"--gpu {gpu} contradicts --node_type {node.name}, which has {node.gpu.name}; give one of them"
+            )
+        return Hardware(
+            node.gpu,
+            node.gpu.memory_gib if gpu_memory_gb is None else gpu_memory_gb,
+            node.host_ram_gib if host_ram_gb is None else host_ram_gb,
+            node.gpus,
+            node.provider,
+            node.name,
+            cpus_per_node=node.vcpus,
+        )
     if gpu or gpu_memory_gb is not None:
         if host_ram_gb is None:
             raise PlanError("--gpu/--gpu_memory_gb needs --host_ram_gb (the node's RAM), or use --node_type")
@@ -155,13 +175,30 @@ def resolve_hardware(gpu: str | None = None, gpu_memory_gb: float | None = None,
     return Hardware(g, g.memory_gib if g else None, host, count, None, None, source, node_ram)
 
 
-def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, precision: str,
-               global_batch: int | None = None, micro_batch: int | None = None, max_micro_batch: int | None = None,
-               grad_accum: int | None = None, gradient_checkpointing: bool | None = None,
-               zero_stage: int | None = None, offload: bool | str | None = None, deepspeed: str | None = None,
-               load_in_4bit: bool = False, attention: str = "sdpa", save_total_limit: int | None = None,
-               output_dir: str | None = None, write_mb_s: float | None = None, mfu: float | None = None,
-               save_consolidated: bool = False, async_save: bool = False):
+def memory_job(
+    shape,
+    hardware: Hardware,
+    world: World,
+    *,
+    max_length: int,
+    precision: str,
+    global_batch: int | None = None,
+    micro_batch: int | None = None,
+    max_micro_batch: int | None = None,
+    grad_accum: int | None = None,
+    gradient_checkpointing: bool | None = None,
+    zero_stage: int | None = None,
+    offload: bool | str | None = None,
+    deepspeed: str | None = None,
+    load_in_4bit: bool = False,
+    attention: str = "sdpa",
+    save_total_limit: int | None = None,
+    output_dir: str | None = None,
+    write_mb_s: float | None = None,
+    mfu: float | None = None,
+    save_consolidated: bool = False,
+    async_save: bool = False,
+):
     """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given)."""
 
     stages, offload_modes = memory.Job.__dataclass_fields__["zero_stages"].default, memory.OFFLOADS
@@ -191,28 +228,62 @@ def memory_job(shape, hardware: Hardware, world: World, *, max_length: int, prec
             where = where.parent
         free = shutil.disk_usage(where).free / 2**30
     return memory.Job(
-        shape=shape, gpu=hardware.gpu, host_ram_gib=hardware.host_ram_gib, nnodes=world.nnodes,
-        nproc_per_node=world.procs_per_node, max_length=max_length, precision=precision, global_batch=global_batch,
-        micro_batch=micro_batch, max_micro_batch=max_micro_batch, grad_accum=grad_accum,
-        gpu_memory_gib=hardware.gpu_memory_gib, gradient_checkpointing=gradient_checkpointing, zero_stages=stages,
-        offloads=offload_modes, load_in_4bit=load_in_4bit, attention=attention, zero_config=zero_config,
-        save_total_limit=save_total_limit, free_disk_gib=free,
-        write_mb_s=memory.WRITE_MB_S.get(hardware.provider, memory.WRITE_MB_S[None]) if write_mb_s is None else write_mb_s,
-        mfu=memory.DEFAULT_MFU if mfu is None else mfu, save_consolidated=save_consolidated, async_save=async_save,
+        shape=shape,
+        gpu=hardware.gpu,
+        host_ram_gib=hardware.host_ram_gib,
+        nnodes=world.nnodes,
+        nproc_per_node=world.procs_per_node,
+        max_length=max_length,
+        precision=precision,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        max_micro_batch=max_micro_batch,
+        grad_accum=grad_accum,
+        gpu_memory_gib=hardware.gpu_memory_gib,
+        gradient_checkpointing=gradient_checkpointing,
+        zero_stages=stages,
+        offloads=offload_modes,
+        load_in_4bit=load_in_4bit,
+        attention=attention,
+        zero_config=zero_config,
+        save_total_limit=save_total_limit,
+        free_disk_gib=free,
+        write_mb_s=memory.WRITE_MB_S.get(hardware.provider, memory.WRITE_MB_S[None])
+        if write_mb_s is None
+        else write_mb_s,
+        mfu=memory.DEFAULT_MFU if mfu is None else mfu,
+        save_consolidated=save_consolidated,
+        async_save=async_save,
         network=comm.NETWORKS.get(hardware.node_type) if hardware.node_type else None,
     )
 
 
-def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: int, global_batch: int | None,
-                grad_accum: int | None, max_length: int, use_peft: bool, lora_r: int, lora_target_modules,
-                allow_gradient_checkpointing: bool, save_total_limit: int | None, output_dir: str,
-                attention: str | None, load_in_4bit: bool, save_consolidated: bool, trust_remote_code: bool = False, async_save: bool = False,
-                keep_zero_stage: int | None = None):
+def auto_choice(
+    model: str,
+    world: World,
+    *,
+    precision: str,
+    max_micro_batch: int,
+    global_batch: int | None,
+    grad_accum: int | None,
+    max_length: int,
+    use_peft: bool,
+    lora_r: int,
+    lora_target_modules,
+    allow_gradient_checkpointing: bool,
+    save_total_limit: int | None,
+    output_dir: str,
+    attention: str | None,
+    load_in_4bit: bool,
+    save_consolidated: bool,
+    trust_remote_code: bool = False,
+    async_save: bool = False,
+    keep_zero_stage: int | None = None,
+):
     """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
     computes the same answer: run_llm.slurm exports the smallest node's allocation as LLMFT_HOST_RAM_GB).
     keep_zero_stage: a resumed run's stage (its checkpoints load only under it); offload and batch stay free.
     Returns (Setting, one line saying what was chosen and why); PlanError when nothing fits."""
-
 
     hardware = resolve_hardware()
     try:
@@ -222,10 +293,20 @@ def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: in
         if global_batch is None:
             global_batch = max_micro_batch * (grad_accum or 1) * world.world_size
         job = memory_job(
-            shape, hardware, world, max_length=max_length, precision=precision, global_batch=global_batch,
-            max_micro_batch=max_micro_batch, gradient_checkpointing=None if allow_gradient_checkpointing else False,
-            load_in_4bit=load_in_4bit, attention=attention or "sdpa", save_total_limit=save_total_limit,
-            output_dir=output_dir, save_consolidated=save_consolidated, async_save=async_save,
+            shape,
+            hardware,
+            world,
+            max_length=max_length,
+            precision=precision,
+            global_batch=global_batch,
+            max_micro_batch=max_micro_batch,
+            gradient_checkpointing=None if allow_gradient_checkpointing else False,
+            load_in_4bit=load_in_4bit,
+            attention=attention or "sdpa",
+            save_total_limit=save_total_limit,
+            output_dir=output_dir,
+            save_consolidated=save_consolidated,
+            async_save=async_save,
         )
         if keep_zero_stage is not None:
             job = dataclasses.replace(job, zero_stages=(keep_zero_stage,))
@@ -237,8 +318,10 @@ def auto_choice(model: str, world: World, *, precision: str, max_micro_batch: in
         raise PlanError(f"--auto: on {where}: {mplan.reason}{hardware.allocation_hint(mplan)}")
     est = mplan.recommended
     device = "GPU" if hardware.gpu is not None else "per process"
-    line = (f"{est.setting.describe()} ({device} {est.as_dict()['gpu_total_gib']} GiB, host "
-            f"{est.as_dict()['host_ram_gib_per_node']} GiB per node) on {where}: {mplan.reason}")
+    line = (
+        f"{est.setting.describe()} ({device} {est.as_dict()['gpu_total_gib']} GiB, host "
+        f"{est.as_dict()['host_ram_gib_per_node']} GiB per node) on {where}: {mplan.reason}"
+    )
     if keep_zero_stage is not None:
         line += f"; ZeRO-{keep_zero_stage} kept: the run being resumed was trained with it"
     return est.setting, line

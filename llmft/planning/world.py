@@ -30,7 +30,9 @@ class World:
         return self.nnodes * self.procs_per_node
 
     def describe(self) -> str:
-        return f"world size {self.world_size} ({self.nnodes} nodes x {self.procs_per_node} processes, from {self.source})"
+        return (
+            f"world size {self.world_size} ({self.nnodes} nodes x {self.procs_per_node} processes, from {self.source})"
+        )
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -119,14 +121,18 @@ class CpuSplit:
 
     def warning(self) -> str | None:
         if self.cpus_per_node < self.procs_per_node:
-            return (f"only {self.cpus_per_node} CPU(s) per node for {self.procs_per_node} processes: they will share CPUs; "
-                    f"request more (#SBATCH --cpus-per-gpu=4 or more)")
+            return (
+                f"only {self.cpus_per_node} CPU(s) per node for {self.procs_per_node} processes: they will share CPUs; "
+                f"request more (#SBATCH --cpus-per-gpu=4 or more)"
+            )
         return None
 
     def describe(self) -> str:
-        return (f"CPUs {self.cpus_per_node} per node (from {self.source}): {self.threads_per_process} per process "
-                f"(OMP_NUM_THREADS={self.threads_per_process}), {self.dataloader_workers} dataloader workers per process, "
-                f"{self.dataset_num_proc} tokenisation processes")
+        return (
+            f"CPUs {self.cpus_per_node} per node (from {self.source}): {self.threads_per_process} per process "
+            f"(OMP_NUM_THREADS={self.threads_per_process}), {self.dataloader_workers} dataloader workers per process, "
+            f"{self.dataset_num_proc} tokenisation processes"
+        )
 
 
 def slurm_cpus_per_node(env: Mapping[str, str]) -> int | None:
@@ -165,7 +171,9 @@ def discover_cpus(env: Mapping[str, str] | None = None) -> tuple[int, str]:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1), "affinity"
 
 
-def launch_problem(env: Mapping[str, str], cuda_device_count: int, argv: list[str], module: str = "llmft.train") -> str | None:
+def launch_problem(
+    env: Mapping[str, str], cuda_device_count: int, argv: list[str], module: str = "llmft.train"
+) -> str | None:
     """None when this process may train as it was started; else why not, with the exact command to run instead.
 
     `llmft train` started directly (no torchrun) is one process. On a machine with several GPUs, or inside
@@ -178,15 +186,23 @@ def launch_problem(env: Mapping[str, str], cuda_device_count: int, argv: list[st
     world = discover_world(env, cuda_device_count)  # also checks the launcher's variables are numbers
     if world.source == "torchrun" or world.world_size <= 1:
         return None  # torchrun (or another launcher setting WORLD_SIZE) has set up the world, or there is one process
-    command = " ".join(shlex.quote(a) for a in ["torchrun", "--nproc_per_node", str(world.procs_per_node), "-m", module, *argv])
+    command = " ".join(
+        shlex.quote(a) for a in ["torchrun", "--nproc_per_node", str(world.procs_per_node), "-m", module, *argv]
+    )
     if world.source == "slurm":
         if world.nnodes > 1:
-            return (f"this Slurm job has {world.nnodes} nodes x {world.procs_per_node} processes, but llmft train was started "
-                    f"without torchrun and would train as one process: submit slurm/run_llm.slurm, which starts one torchrun per node")
-        return (f"this Slurm job has {world.procs_per_node} GPUs on its node, but llmft train was started without torchrun and "
-                f"would train as one process: run {command}")
-    return (f"this machine has {world.procs_per_node} GPUs, but llmft train was started without torchrun and would train "
-            f"as one process: run {command}   (or CUDA_VISIBLE_DEVICES=0 for one GPU)")
+            return (
+                f"this Slurm job has {world.nnodes} nodes x {world.procs_per_node} processes, but llmft train was started "
+                f"without torchrun and would train as one process: submit slurm/run_llm.slurm, which starts one torchrun per node"
+            )
+        return (
+            f"this Slurm job has {world.procs_per_node} GPUs on its node, but llmft train was started without torchrun and "
+            f"would train as one process: run {command}"
+        )
+    return (
+        f"this machine has {world.procs_per_node} GPUs, but llmft train was started without torchrun and would train "
+        f"as one process: run {command}   (or CUDA_VISIBLE_DEVICES=0 for one GPU)"
+    )
 
 
 def _cuda_device_count() -> int:
@@ -228,7 +244,7 @@ def _expand_one(item: str) -> list[str]:
     m = re.search(r"\[([^\]]*)\]", item)
     if not m:
         return [item]
-    prefix, suffix = item[: m.start()], item[m.end():]
+    prefix, suffix = item[: m.start()], item[m.end() :]
     out = []
     for rng in m.group(1).split(","):
         if "-" in rng:
@@ -264,15 +280,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-
-
-
-
-
-
-
-
-
-

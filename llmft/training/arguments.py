@@ -9,15 +9,27 @@ from dataclasses import dataclass, field
 class LlmftArguments:
     """What llmft adds to TRL's flags."""
 
-    zero_stage: int | None = field(default=None, metadata={"help": "ZeRO stage 0-3, using ds_configs/zeroN.json (default 2)."})
+    zero_stage: int | None = field(
+        default=None, metadata={"help": "ZeRO stage 0-3, using ds_configs/zeroN.json (default 2)."}
+    )
     offload: bool = field(default=False, metadata={"help": "Offload optimizer state (and ZeRO-3 parameters) to CPU."})
     global_batch_size: int | None = field(
-        default=None, metadata={"help": "Samples per optimizer step over all processes; accumulation is derived from it."}
+        default=None,
+        metadata={"help": "Samples per optimizer step over all processes; accumulation is derived from it."},
     )
-    data_percentage: float = field(default=100.0, metadata={"help": "Train on this percentage (0-100] of the training split."})
-    precision: str = field(default="auto", metadata={"help": "auto (bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU), bf16, fp16 or fp32."})
-    prompt_column: str | None = field(default=None, metadata={"help": "Dataset field holding the prompt (e.g. question)."})
-    completion_column: str | None = field(default=None, metadata={"help": "Dataset field holding the completion (e.g. answer)."})
+    data_percentage: float = field(
+        default=100.0, metadata={"help": "Train on this percentage (0-100] of the training split."}
+    )
+    precision: str = field(
+        default="auto",
+        metadata={"help": "auto (bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU), bf16, fp16 or fp32."},
+    )
+    prompt_column: str | None = field(
+        default=None, metadata={"help": "Dataset field holding the prompt (e.g. question)."}
+    )
+    completion_column: str | None = field(
+        default=None, metadata={"help": "Dataset field holding the completion (e.g. answer)."}
+    )
     messages_column: str | None = field(default=None, metadata={"help": "Dataset field holding chat messages."})
     stop_file: str | None = field(
         default=None,
@@ -25,34 +37,45 @@ class LlmftArguments:
     )
     auto: bool = field(
         default=False,
-        metadata={"help": "Let llmft's memory planner pick the ZeRO stage, CPU offload, micro-batch (up to "
-                          "--per_device_train_batch_size) and gradient checkpointing (never on with "
-                          "--gradient_checkpointing false) for this job's GPUs and RAM; see `llmft plan --model`."},
+        metadata={
+            "help": "Let llmft's memory planner pick the ZeRO stage, CPU offload, micro-batch (up to "
+            "--per_device_train_batch_size) and gradient checkpointing (never on with "
+            "--gradient_checkpointing false) for this job's GPUs and RAM; see `llmft plan --model`."
+        },
     )
     save_consolidated: bool = field(
         default=False,
-        metadata={"help": "ZeRO-3: gather the 16-bit model on rank 0 into --output_dir at the end (needs about twice "
-                          "its 16-bit size in host RAM there; `llmft plan --save_consolidated` counts it)."},
+        metadata={
+            "help": "ZeRO-3: gather the 16-bit model on rank 0 into --output_dir at the end (needs about twice "
+            "its 16-bit size in host RAM there; `llmft plan --save_consolidated` counts it)."
+        },
     )
     async_save: bool = field(
         default=False,
-        metadata={"help": "Write periodic checkpoints in the background while training goes on (llmft.training.async_save); "
-                          "the stop save and the last save stay synchronous. Holds a checkpoint's files in host RAM "
-                          "while they are written (`llmft plan --async_save` counts it)."},
+        metadata={
+            "help": "Write periodic checkpoints in the background while training goes on (llmft.training.async_save); "
+            "the stop save and the last save stay synchronous. Holds a checkpoint's files in host RAM "
+            "while they are written (`llmft plan --async_save` counts it)."
+        },
     )
     # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.training.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
     fp16_flag: bool | None = field(default=None, init=False, repr=False)
     eval_dataset_name: str | None = field(
-        default=None, metadata={"help": "Evaluation data: a file/directory, or a hub dataset (its --dataset_test_split)."}
+        default=None,
+        metadata={"help": "Evaluation data: a file/directory, or a hub dataset (its --dataset_test_split)."},
     )
     eval_split_ratio: float | None = field(
-        default=None, metadata={"help": "Hold out this fraction (0-1) of the training split for evaluation (deterministic)."}
+        default=None,
+        metadata={"help": "Hold out this fraction (0-1) of the training split for evaluation (deterministic)."},
     )
     prepare_timeout: float = field(
         default=7200.0, metadata={"help": "Seconds the other ranks wait for rank 0 to prepare (tokenise) the data."}
     )
     dataset_mixture: str | None = field(
-        default=None, metadata={"help": "A YAML listing several datasets (path, columns, split, percentage, weight or all) "
-                                        "to train on as one weighted mixture, instead of --dataset_name; see llmft.data.mixture."}
+        default=None,
+        metadata={
+            "help": "A YAML listing several datasets (path, columns, split, percentage, weight or all) "
+            "to train on as one weighted mixture, instead of --dataset_name; see llmft.data.mixture."
+        },
     )

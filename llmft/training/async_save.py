@@ -56,8 +56,12 @@ class BackgroundWriter:
 
     name = "llmft BackgroundWriter"
 
-    def __init__(self, synchronous: Callable[[], bool], zipfile_serialization: bool = True,
-                 write: Callable[[Path, memoryview], None] | None = None):
+    def __init__(
+        self,
+        synchronous: Callable[[], bool],
+        zipfile_serialization: bool = True,
+        write: Callable[[Path, memoryview], None] | None = None,
+    ):
         self.synchronous = synchronous
         self.zipfile_serialization = zipfile_serialization
         self._write = write  # None: write_file (looked up when writing)
@@ -154,8 +158,10 @@ def install(engine, synchronous: Callable[[], bool]) -> BackgroundWriter:
 
     current = engine.checkpoint_engine
     if type(current) is not TorchCheckpointEngine:
-        raise ValueError(f"--async_save replaces DeepSpeed's default checkpoint engine, but this DeepSpeed config chose "
-                         f"{type(current).__name__}: drop its checkpoint writer settings or --async_save")
+        raise ValueError(
+            f"--async_save replaces DeepSpeed's default checkpoint engine, but this DeepSpeed config chose "
+            f"{type(current).__name__}: drop its checkpoint writer settings or --async_save"
+        )
     writer = BackgroundWriter(synchronous, zipfile_serialization=getattr(current, "zipfile_serialization", True))
     engine.checkpoint_engine = writer
     return writer

@@ -74,8 +74,9 @@ def paths_held_open(proc_root: Path = Path("/proc")) -> set[str]:
     return held
 
 
-def clear_stale_build_locks(root: Path, *, mounts_text: str | None = None, held: set[str] | None = None,
-                            now: float | None = None) -> list[LockFinding]:
+def clear_stale_build_locks(
+    root: Path, *, mounts_text: str | None = None, held: set[str] | None = None, now: float | None = None
+) -> list[LockFinding]:
     """Find the op build locks under `root` that no process holds; remove those on a local filesystem."""
     # <root>/<pyXY_cuZZ>/<op>/lock under torch's default root; <root>/<op>/lock when TORCH_EXTENSIONS_DIR is set (torch
     # then builds directly in it: the Slurm script's node-local directory, llmft's per-environment one)
@@ -99,16 +100,29 @@ def clear_stale_build_locks(root: Path, *, mounts_text: str | None = None, held:
                 lock.unlink()
             except FileNotFoundError:
                 continue  # its builder just finished
-            findings.append(LockFinding(lock, True, f"removed a stale build lock {lock} (left by a build that was "
-                                                    "killed; no process holds it) so the op can be built again"))
+            findings.append(
+                LockFinding(
+                    lock,
+                    True,
+                    f"removed a stale build lock {lock} (left by a build that was "
+                    "killed; no process holds it) so the op can be built again",
+                )
+            )
             continue
         try:
             age = now - lock.stat().st_mtime
         except FileNotFoundError:
             continue
         if age >= SHARED_LOCK_WARN_SECONDS:
-            findings.append(LockFinding(lock, False, (
-                f"build lock {lock} on a {fs_type} filesystem is {age / 60:.0f} min old and no process here holds "
-                f"it: if no machine is building that op now, remove it (rm {lock}), else loading the op waits "
-                "forever; a node-local TORCH_EXTENSIONS_DIR avoids this")))
+            findings.append(
+                LockFinding(
+                    lock,
+                    False,
+                    (
+                        f"build lock {lock} on a {fs_type} filesystem is {age / 60:.0f} min old and no process here holds "
+                        f"it: if no machine is building that op now, remove it (rm {lock}), else loading the op waits "
+                        "forever; a node-local TORCH_EXTENSIONS_DIR avoids this"
+                    ),
+                )
+            )
     return findings

@@ -109,7 +109,9 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
             self.zero_stage, self.batch, self.keep = zero_stage, batch, keep  # keep: --save_total_limit
             self.make_writer = make_writer
             self.refused: str | None = None
-            self.writer = None  # llmft.training.async_save.BackgroundWriter, installed once the DeepSpeed engine exists
+            self.writer = (
+                None  # llmft.training.async_save.BackgroundWriter, installed once the DeepSpeed engine exists
+            )
             self.pending: Path | None = None  # a checkpoint whose files are being written in the background
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -135,13 +137,15 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.pending is not None:
-                busy, = all_ranks_max(int(self.writer.busy()), device=args.device)
+                (busy,) = all_ranks_max(int(self.writer.busy()), device=args.device)
                 if not busy:
                     self._publish_written(args, state, control)
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.writer is not None:
-                self.writer.synchronous = lambda: True  # the final save_model (ZeRO-3 shards) is on disk when it returns
+                self.writer.synchronous = lambda: (
+                    True
+                )  # the final save_model (ZeRO-3 shards) is on disk when it returns
                 self.writer.wait()
                 if self.pending is not None:
                     self._publish_written(args, state, control)
@@ -149,9 +153,11 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
         def _publish_written(self, args, state, control):
             """Publish the pending checkpoint, whose background writes have finished on every rank, unless one failed."""
             ckpt, self.pending = self.pending, None
-            failed, = all_ranks_max(int(self.writer.failure() is not None), device=args.device)
+            (failed,) = all_ranks_max(int(self.writer.failure() is not None), device=args.device)
             if failed:
-                self.refused = f"{ckpt} not published as complete: {self.writer.failure() or 'a write failed on another rank'}"
+                self.refused = (
+                    f"{ckpt} not published as complete: {self.writer.failure() or 'a write failed on another rank'}"
+                )
                 control.should_training_stop = True
             else:
                 self._publish(ckpt, args, state)
@@ -198,7 +204,9 @@ def _graceful_stop_class(TrainerCallback):
         def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
             for sig in STOP_SIGNALS:
                 signal.signal(sig, self._request)
-            atexit.unregister(kill_leftover_workers)  # once, and after multiprocessing's own exit hook so it runs first
+            atexit.unregister(
+                kill_leftover_workers
+            )  # once, and after multiprocessing's own exit hook so it runs first
             atexit.register(kill_leftover_workers)
             # accelerate's DataLoaderShard wraps the torch DataLoader that forks the workers (per epoch, after this)
             loader = getattr(train_dataloader, "base_dataloader", train_dataloader)
@@ -206,11 +214,21 @@ def _graceful_stop_class(TrainerCallback):
                 loader.worker_init_fn = functools.partial(worker_ignores_stop_signals, loader.worker_init_fn)
             if self.deadline is not None:
                 left = self.deadline.time_left()
-                log(f"Slurm job {self.deadline.job_id} " + ("has no time limit llmft can read: no early final save"
-                    if left is None else f"ends in {left:.0f} s; the final save starts {self.deadline.lead(0):.0f} s "
-                    "before that (" + (f"the longest save so far took {self.deadline.longest_save_s:.1f} s"
-                                       if self.deadline.longest_save_s is not None else "estimated")
-                    + "; re-measured at each save)"))
+                log(
+                    f"Slurm job {self.deadline.job_id} "
+                    + (
+                        "has no time limit llmft can read: no early final save"
+                        if left is None
+                        else f"ends in {left:.0f} s; the final save starts {self.deadline.lead(0):.0f} s "
+                        "before that ("
+                        + (
+                            f"the longest save so far took {self.deadline.longest_save_s:.1f} s"
+                            if self.deadline.longest_save_s is not None
+                            else "estimated"
+                        )
+                        + "; re-measured at each save)"
+                    )
+                )
 
         def _hold(self, step: int) -> None:
             """LLMFT_TEST_HOLD_AT_STEP: wait here until a stop is requested (bounded)."""
@@ -233,7 +251,9 @@ def _graceful_stop_class(TrainerCallback):
                 step_s = (now - self.last_vote[1]) / (step - self.last_vote[0])
             asked = self.requested or stop_file_present(self.stop_file)
             late = self.deadline.due(step, step_s) if self.deadline is not None and not asked else None
-            stop, smallest = all_ranks_max(int(asked or bool(late)), -interval, device=args.device)  # max of -interval: the smallest
+            stop, smallest = all_ranks_max(
+                int(asked or bool(late)), -interval, device=args.device
+            )  # max of -interval: the smallest
             self.next_vote, self.last_vote = step - smallest, (step, now)
             if stop and step < state.max_steps:
                 control.should_save = True
@@ -259,10 +279,14 @@ def compile_report(trainer):
                 return
             engine = trainer.model_wrapped
             if not getattr(engine, "is_compiled", False):
-                raise TrainError(f"--torch_compile was not applied to the model ({type(engine).__name__}): "
-                                 "use accelerate and DeepSpeed versions that compile DeepSpeed engines, or drop --torch_compile")
+                raise TrainError(
+                    f"--torch_compile was not applied to the model ({type(engine).__name__}): "
+                    "use accelerate and DeepSpeed versions that compile DeepSpeed engines, or drop --torch_compile"
+                )
             mode = args.torch_compile_mode or "default"
-            log(f"torch.compile on (backend {args.torch_compile_backend or 'inductor'}, mode {mode}): "
-                "the first steps compile, and steps whose batch shapes are new may compile again")
+            log(
+                f"torch.compile on (backend {args.torch_compile_backend or 'inductor'}, mode {mode}): "
+                "the first steps compile, and steps whose batch shapes are new may compile again"
+            )
 
     return CompileReport()

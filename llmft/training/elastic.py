@@ -85,8 +85,14 @@ class Resume:
         if not self.universal:
             changed = [c for c in self.changes() if not c.endswith(" kept")]
             return f"resuming from {self.checkpoint}" + (f": {', '.join(self.changes())}" if changed else "")
-        who = f"written by {self.saved_world} ranks on {self.world} ranks" if self.saved_world != self.world else f"written with ZeRO stage {self.saved_stage}"
-        parts = [f"universal checkpoint {universal_dir(self.checkpoint)}" + (f" ({how})" if how else "")] + self.changes()
+        who = (
+            f"written by {self.saved_world} ranks on {self.world} ranks"
+            if self.saved_world != self.world
+            else f"written with ZeRO stage {self.saved_stage}"
+        )
+        parts = [
+            f"universal checkpoint {universal_dir(self.checkpoint)}" + (f" ({how})" if how else "")
+        ] + self.changes()
         return f"resuming {name} {who}: {', '.join(parts)}"
 
 
@@ -160,7 +166,14 @@ def ways_to_keep(global_batch: int, micro_batch: int, world: int) -> str:
     if micros:
         hints.append("--per_device_train_batch_size " + " or ".join(map(str, micros)))
     worlds = [w for w in range(1, global_batch // micro_batch + 1) if global_batch % (micro_batch * w) == 0]
-    near = [w for w in (max((w for w in worlds if w < world), default=None), min((w for w in worlds if w > world), default=None)) if w]
+    near = [
+        w
+        for w in (
+            max((w for w in worlds if w < world), default=None),
+            min((w for w in worlds if w > world), default=None),
+        )
+        if w
+    ]
     if near:
         hints.append(" or ".join(map(str, near)) + " ranks")
     others = nearest_global_batches(global_batch, micro_batch, world)
@@ -185,7 +198,11 @@ def universal_dir(ckpt: Path) -> Path:
 
 
 def _files(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file() and p.name != UNIVERSAL_MARKER}
+    return {
+        str(p.relative_to(root)): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != UNIVERSAL_MARKER
+    }
 
 
 def conversion_problem(ckpt: Path) -> str | None:
@@ -262,8 +279,13 @@ def convert(ckpt: Path, workers: int | None = None, merge_workers: int | None = 
     workers = workers or max(1, min(4, (os.cpu_count() or 2) // 2))
     merge_workers = merge_workers or max(1, workers // 2)
     args = argparse.Namespace(
-        input_folder=str(ckpt / tag), output_folder=str(staged), num_extract_workers=workers, num_merge_workers=merge_workers,
-        keep_temp_folder=False, strict=True, inject_missing_state=True,
+        input_folder=str(ckpt / tag),
+        output_folder=str(staged),
+        num_extract_workers=workers,
+        num_merge_workers=merge_workers,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
     )
     log = tmp / "conversion.log"
     try:
@@ -276,7 +298,12 @@ def convert(ckpt: Path, workers: int | None = None, merge_workers: int | None = 
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"converting {ckpt} to a universal checkpoint failed ({reason}); log: {log}") from None
     shutil.move(str(log), staged / "conversion.log")
-    marker = {"source": tag, "converted_at": time.time(), "seconds": round(time.time() - t0, 3), "files": _files(staged)}
+    marker = {
+        "source": tag,
+        "converted_at": time.time(),
+        "seconds": round(time.time() - t0, 3),
+        "files": _files(staged),
+    }
     _write_atomic(staged / UNIVERSAL_MARKER, json.dumps(marker, indent=2) + "\n")
     os.replace(staged, out)
     _write_atomic(ckpt / LATEST_UNIVERSAL, out.name)
@@ -284,8 +311,9 @@ def convert(ckpt: Path, workers: int | None = None, merge_workers: int | None = 
     return time.time() - t0
 
 
-def conversion_workers(resume: Resume, trainable: int, largest_tensor: int, procs_per_node: int,
-                       env=None, meminfo: str = "/proc/meminfo"):
+def conversion_workers(
+    resume: Resume, trainable: int, largest_tensor: int, procs_per_node: int, env=None, meminfo: str = "/proc/meminfo"
+):
     """ds_to_universal's workers for this node (llmft.planning.conversion): within the memory this job may use here
     (llmft.planning.allocation) and the machine has available, less the node's other ranks waiting, on its CPUs.
     Returns the ConversionPlan; CheckpointError, naming the numbers and the ways out, when one worker does not fit."""
@@ -299,13 +327,20 @@ def conversion_workers(resume: Resume, trainable: int, largest_tensor: int, proc
     except (OSError, StopIteration, ValueError, IndexError):
         pass
     budget -= (procs_per_node - 1) * GIB  # the node's other ranks wait with torch loaded
-    conv = plan_conversion(trainable=trainable, largest_tensor=largest_tensor, saved_world=resume.saved_world or 1,
-                           budget_bytes=int(budget), cpus=discover_cpus(env)[0], io_mb_s=100.0)
+    conv = plan_conversion(
+        trainable=trainable,
+        largest_tensor=largest_tensor,
+        saved_world=resume.saved_world or 1,
+        budget_bytes=int(budget),
+        cpus=discover_cpus(env)[0],
+        io_mb_s=100.0,
+    )
     if not conv.fits:
         raise CheckpointError(
             f"converting {resume.checkpoint} to a universal checkpoint needs about {conv.peak_bytes / GIB:.1f} GiB of host "
             f"RAM with one worker, and {budget / GIB:.1f} GiB is free for it on this node (the job may use {limit.gib:g} GiB "
-            f"here: {limit.source}): resume on {resume.saved_world} ranks, or on a node with more memory (sbatch --mem=0)")
+            f"here: {limit.source}): resume on {resume.saved_world} ranks, or on a node with more memory (sbatch --mem=0)"
+        )
     return conv
 
 
@@ -328,9 +363,13 @@ def prepare(resume: Resume, is_first_rank: bool, log=print, poll_s: float = 1.0,
         if sizing is not None:
             conv = conversion_workers(resume, *sizing)
             workers, merge = conv.extract_workers, conv.merge_workers
-            sized = f" with {conv.extract_workers} extract and {conv.merge_workers} merge worker(s) (about " \
-                    f"{conv.peak_bytes / 2**30:.1f} GiB host RAM of the {conv.budget_bytes / 2**30:.1f} free for it here)"
-        log(f"converting {resume.checkpoint} ({resume.saved_world} ranks, ZeRO stage {resume.saved_stage}) to a universal checkpoint{sized}")
+            sized = (
+                f" with {conv.extract_workers} extract and {conv.merge_workers} merge worker(s) (about "
+                f"{conv.peak_bytes / 2**30:.1f} GiB host RAM of the {conv.budget_bytes / 2**30:.1f} free for it here)"
+            )
+        log(
+            f"converting {resume.checkpoint} ({resume.saved_world} ranks, ZeRO stage {resume.saved_stage}) to a universal checkpoint{sized}"
+        )
         seconds = convert(resume.checkpoint, workers, merge)
         return f"converted in {seconds:.0f} s" + ("" if "does not exist" in problem else f"; redone: {problem}")
     while conversion_problem(resume.checkpoint) is not None:  # if the first rank fails, torchrun ends this one

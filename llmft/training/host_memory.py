@@ -39,7 +39,6 @@ def report_callback(before_loading: int, after_loading: int):
     import torch.distributed as dist
     from transformers import TrainerCallback
 
-
     def gather(value):
         if dist.is_available() and dist.is_initialized():
             out = [None] * dist.get_world_size()
@@ -51,9 +50,14 @@ def report_callback(before_loading: int, after_loading: int):
         def on_train_begin(self, args, state, control, **kwargs):
             ranks = gather((before_loading, after_loading))
             if rank0():
-                print("llmft: host memory: " + ", ".join(
-                    f"rank {r} {_gib(b)} before loading, {_gib(p)} peak after loading" for r, (b, p) in enumerate(ranks)
-                ), flush=True)
+                print(
+                    "llmft: host memory: "
+                    + ", ".join(
+                        f"rank {r} {_gib(b)} before loading, {_gib(p)} peak after loading"
+                        for r, (b, p) in enumerate(ranks)
+                    ),
+                    flush=True,
+                )
 
         def on_train_end(self, args, state, control, **kwargs):
             ranks = gather((os.uname().nodename, peak_rss()))
@@ -66,12 +70,18 @@ def report_callback(before_loading: int, after_loading: int):
             if torch.cuda.is_available():
                 gpu = gather((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
             if rank0() and gpu:
-                print("llmft: GPU memory peak: " + ", ".join(
-                    f"rank {r} {_gib(a)} allocated, {_gib(b)} reserved" for r, (a, b) in enumerate(gpu)
-                ), flush=True)
+                print(
+                    "llmft: GPU memory peak: "
+                    + ", ".join(f"rank {r} {_gib(a)} allocated, {_gib(b)} reserved" for r, (a, b) in enumerate(gpu)),
+                    flush=True,
+                )
             if rank0():
-                print("llmft: host memory peak: " + ", ".join(f"rank {r} {_gib(p)}" for r, (_, p) in enumerate(ranks))
-                      + "; per node (sum of its ranks' peaks): " + ", ".join(f"{h} {_gib(t)}" for h, t in nodes.items()),
-                      flush=True)
+                print(
+                    "llmft: host memory peak: "
+                    + ", ".join(f"rank {r} {_gib(p)}" for r, (_, p) in enumerate(ranks))
+                    + "; per node (sum of its ranks' peaks): "
+                    + ", ".join(f"{h} {_gib(t)}" for h, t in nodes.items()),
+                    flush=True,
+                )
 
     return HostMemory()

@@ -26,8 +26,19 @@ from llmft.errors import LlmftError
 
 LOCK_SUBDIR = ".llmft-locks"
 # Formats transformers never loads: original checkpoints (Llama's original/consolidated.*.pth), other frameworks.
-SKIP_ALWAYS = ("original/*", "*.pth", "*.gguf", "*.onnx", "onnx/*", "*.msgpack", "*.h5", "*.ot", "*.tflite",
-               "coreml/*", "openvino/*")
+SKIP_ALWAYS = (
+    "original/*",
+    "*.pth",
+    "*.gguf",
+    "*.onnx",
+    "onnx/*",
+    "*.msgpack",
+    "*.h5",
+    "*.ot",
+    "*.tflite",
+    "coreml/*",
+    "openvino/*",
+)
 
 
 class HubError(LlmftError, ValueError):
@@ -128,31 +139,50 @@ def _download_snapshot(repo_id: str, revision: str | None) -> str:
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     where = os.environ.get("HF_HOME") or "~/.cache/huggingface"
-    print(f"llmft: downloading {repo_id} (revision {revision or 'main'}) into the Hugging Face cache ({where}); "
-          f"the job's other processes wait for it", flush=True)
+    print(
+        f"llmft: downloading {repo_id} (revision {revision or 'main'}) into the Hugging Face cache ({where}); "
+        f"the job's other processes wait for it",
+        flush=True,
+    )
     try:
         info = HfApi().model_info(repo_id, revision=revision)
         files = [s.rfilename for s in info.siblings or []]
         return snapshot_download(repo_id, revision=revision, ignore_patterns=skip_patterns(files))
     except GatedRepoError:
-        raise HubError(f"model {repo_id} is gated: accept its license on https://huggingface.co/{repo_id} and set HF_TOKEN") from None
+        raise HubError(
+            f"model {repo_id} is gated: accept its license on https://huggingface.co/{repo_id} and set HF_TOKEN"
+        ) from None
     except RepositoryNotFoundError:
-        raise HubError(f"model {repo_id}: no such local directory, and no such model on the Hugging Face Hub "
-                       f"(a private model needs HF_TOKEN)") from None
+        raise HubError(
+            f"model {repo_id}: no such local directory, and no such model on the Hugging Face Hub "
+            f"(a private model needs HF_TOKEN)"
+        ) from None
     except RevisionNotFoundError:
         raise HubError(f"model {repo_id} has no revision {revision!r}; check --model_revision") from None
-    except (HfHubHTTPError, OSError, httpx2.TransportError) as e:  # no network on the compute nodes, Hub down, a full disk
+    except (
+        HfHubHTTPError,
+        OSError,
+        httpx2.TransportError,
+    ) as e:  # no network on the compute nodes, Hub down, a full disk
         cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
         if isinstance(cached, str):  # downloaded before: transformers reads it from the cache
-            print(f"llmft: the Hub is unreachable ({type(e).__name__}); using the cached copy of {repo_id}", flush=True)
+            print(
+                f"llmft: the Hub is unreachable ({type(e).__name__}); using the cached copy of {repo_id}", flush=True
+            )
             return str(Path(cached).parent)
-        raise HubError(f"cannot download model {repo_id} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
-                       f"download it where there is internet (hf download {repo_id}) into HF_HOME={where}, "
-                       f"or pass a local model directory") from None
+        raise HubError(
+            f"cannot download model {repo_id} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+            f"download it where there is internet (hf download {repo_id}) into HF_HOME={where}, "
+            f"or pass a local model directory"
+        ) from None
 
 
-def resolve_model(name_or_path: str, revision: str | None = None, env: Mapping[str, str] | None = None,
-                  download: Callable[[str, str | None], str] | None = None) -> str:
+def resolve_model(
+    name_or_path: str,
+    revision: str | None = None,
+    env: Mapping[str, str] | None = None,
+    download: Callable[[str, str | None], str] | None = None,
+) -> str:
     """What to load: a local directory as is; a hub id fetched once per job into the cache (its snapshot path).
 
     In offline mode (HF_HUB_OFFLINE=1) the name is returned and transformers reads its cache.
@@ -161,9 +191,13 @@ def resolve_model(name_or_path: str, revision: str | None = None, env: Mapping[s
     if os.path.isdir(name_or_path):
         return name_or_path
     if os.path.exists(name_or_path):
-        raise HubError(f"model {name_or_path} is a file; pass a model directory (config.json, weights, tokenizer) or a Hugging Face Hub id")
+        raise HubError(
+            f"model {name_or_path} is a file; pass a model directory (config.json, weights, tokenizer) or a Hugging Face Hub id"
+        )
     if _looks_like_path(name_or_path):
-        raise HubError(f"model directory {name_or_path} does not exist; pass an existing directory or a Hugging Face Hub id (org/name)")
+        raise HubError(
+            f"model directory {name_or_path} does not exist; pass an existing directory or a Hugging Face Hub id (org/name)"
+        )
     from huggingface_hub import constants
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -171,7 +205,9 @@ def resolve_model(name_or_path: str, revision: str | None = None, env: Mapping[s
     try:
         validate_repo_id(name_or_path)
     except HFValidationError:
-        raise HubError(f"model {name_or_path!r} is neither a local directory nor a Hugging Face Hub id (org/name)") from None
+        raise HubError(
+            f"model {name_or_path!r} is neither a local directory nor a Hugging Face Hub id (org/name)"
+        ) from None
     if constants.is_offline_mode():
         return name_or_path
     lock_dir = Path(constants.HF_HUB_CACHE) / LOCK_SUBDIR

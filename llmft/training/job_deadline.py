@@ -50,7 +50,9 @@ SAVE_RECORD = "llmft_save_seconds.json"  # in --output_dir: a requeued attempt s
 def query_time_left(job_id: str, timeout: float = 10.0) -> float | None:
     """The Slurm job's time left in seconds, from squeue; None when Slurm does not say (unreachable, no limit)."""
     try:
-        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True, timeout=timeout
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return parse_time_left(proc.stdout) if proc.returncode == 0 else None
@@ -78,14 +80,23 @@ def save_delay_s() -> float:
 
 def forced_vote_steps() -> set[int]:
     """Steps every rank votes at whatever the vote spacing: the test hooks' steps."""
-    return {hook[0] for hook in (_step_hook("LLMFT_TEST_TIME_LEFT_AT_STEP"), _step_hook("LLMFT_TEST_HOLD_AT_STEP")) if hook}
+    return {
+        hook[0] for hook in (_step_hook("LLMFT_TEST_TIME_LEFT_AT_STEP"), _step_hook("LLMFT_TEST_HOLD_AT_STEP")) if hook
+    }
 
 
 class JobDeadline:
     """Rank 0's view of its Slurm job's end and of its own saves; `due` says when to stop for the final save."""
 
-    def __init__(self, job_id: str, estimate_s: float | None, query=query_time_left, clock=time.monotonic,
-                 record: str | Path | None = None, background: bool = True):
+    def __init__(
+        self,
+        job_id: str,
+        estimate_s: float | None,
+        query=query_time_left,
+        clock=time.monotonic,
+        record: str | Path | None = None,
+        background: bool = True,
+    ):
         self.job_id, self.estimate_s, self.query, self.clock = job_id, estimate_s, query, clock
         self.background, self.poller = background, None  # background: re-read Slurm's answer in a thread
         self.record = Path(record) if record else None  # SAVE_RECORD: the longest save, kept across requeues
@@ -137,17 +148,26 @@ class JobDeadline:
         left, lead = self.time_left(step), self.lead(step_s)
         if not final_save_due(left, lead):
             return None
-        measured = (f"the longest save took {self.longest_save_s:.1f} s" if self.longest_save_s is not None
-                    else f"no save measured yet, estimated {UNMEASURED_SAVE_S if self.estimate_s is None else self.estimate_s:.0f} s")
-        return (f"Slurm job {self.job_id} ends in {max(left, 0):.0f} s: starting the final save now, {lead:.0f} s before "
-                f"the time limit ({measured}; x{FINAL_SAVE_FACTOR:g} + a {step_s:.1f} s step + {FINAL_SAVE_MARGIN_S:.0f} s)")
+        measured = (
+            f"the longest save took {self.longest_save_s:.1f} s"
+            if self.longest_save_s is not None
+            else f"no save measured yet, estimated {UNMEASURED_SAVE_S if self.estimate_s is None else self.estimate_s:.0f} s"
+        )
+        return (
+            f"Slurm job {self.job_id} ends in {max(left, 0):.0f} s: starting the final save now, {lead:.0f} s before "
+            f"the time limit ({measured}; x{FINAL_SAVE_FACTOR:g} + a {step_s:.1f} s step + {FINAL_SAVE_MARGIN_S:.0f} s)"
+        )
 
     def record_save(self, seconds: float) -> None:
         self.longest_save_s = max(seconds, self.longest_save_s or 0.0)
         if self.record is not None:
             tmp = self.record.with_name(f".{self.record.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"longest_save_seconds": round(self.longest_save_s, 3),
-                                       "last_save_seconds": round(seconds, 3)}) + "\n")
+            tmp.write_text(
+                json.dumps(
+                    {"longest_save_seconds": round(self.longest_save_s, 3), "last_save_seconds": round(seconds, 3)}
+                )
+                + "\n"
+            )
             os.replace(tmp, self.record)
 
 
@@ -188,8 +208,10 @@ def time_each_save(trainer, deadline: JobDeadline | None, log) -> None:
             line = f"checkpoint-{trainer.state.global_step} written and published in {seconds:.1f} s"
             if deadline is not None:
                 deadline.record_save(seconds)
-                line += (f"; the final save now starts {deadline.lead(0):.0f} s before the job's time limit "
-                         f"({FINAL_SAVE_FACTOR:g} x the longest save, {deadline.longest_save_s:.1f} s, + {FINAL_SAVE_MARGIN_S:.0f} s + a step)")
+                line += (
+                    f"; the final save now starts {deadline.lead(0):.0f} s before the job's time limit "
+                    f"({FINAL_SAVE_FACTOR:g} x the longest save, {deadline.longest_save_s:.1f} s, + {FINAL_SAVE_MARGIN_S:.0f} s + a step)"
+                )
             log(line)
         return out
 

@@ -52,8 +52,13 @@ def write_error_line(line: str) -> bool:
     launcher prints it alone. Returns whether the rank was started by llmft's launcher (so it need not print)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        data = {"message": {"message": line, LLMFT_LINE: line,
-                            "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        data = {
+            "message": {
+                "message": line,
+                LLMFT_LINE: line,
+                "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+            }
+        }
         try:
             with open(path, "w") as f:
                 json.dump(data, f)
@@ -84,7 +89,9 @@ def launch(nproc_per_node: int, train_argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.distributed.run").setLevel(logging.CRITICAL)
     os.environ[LAUNCHED_BY_LLMFT] = "1"
-    args = torchrun.parse_args(["--standalone", "--nproc_per_node", str(nproc_per_node), "-m", "llmft.train", *train_argv])
+    args = torchrun.parse_args(
+        ["--standalone", "--nproc_per_node", str(nproc_per_node), "-m", "llmft.train", *train_argv]
+    )
     try:
         torchrun.run(args)
     except ChildFailedError as e:

@@ -47,14 +47,30 @@ from pathlib import Path
 
 STARTUP_PHASES = ("import", "data", "model_load", "deepspeed_init", "first_step")
 SUMMARY_FIELDS = (
-    "steps", "tokens", "padded_tokens", "tokens_per_second", "padded_tokens_per_second", "tflops_per_gpu", "mfu",
-    "peak_gpu_memory_gib", "peak_host_rss_gib", "train_loss", "world_size", "gpu", "train_seconds", "save_seconds",
-    "eval_seconds", "wall_seconds", "startup_seconds", "global_step",
+    "steps",
+    "tokens",
+    "padded_tokens",
+    "tokens_per_second",
+    "padded_tokens_per_second",
+    "tflops_per_gpu",
+    "mfu",
+    "peak_gpu_memory_gib",
+    "peak_host_rss_gib",
+    "train_loss",
+    "world_size",
+    "gpu",
+    "train_seconds",
+    "save_seconds",
+    "eval_seconds",
+    "wall_seconds",
+    "startup_seconds",
+    "global_step",
 )
 NON_TRAINING = ("save", "eval")  # what the meter takes out of the training time and reports on its own
 
 
 # --- FLOPs ----------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class FlopShape:
@@ -135,6 +151,7 @@ def mfu(tflops_per_gpu: float | None, gpu) -> float | None:
 
 # --- Start-up clock -------------------------------------------------------------------------------------------------
 
+
 def process_start_time() -> float:
     """When this process started (wall clock), from /proc; the import time of this module elsewhere."""
     try:
@@ -209,6 +226,7 @@ def timing_model_load(clock: StartupClock):
 
 # --- The meter: counts, timing, the step line and run_summary.json --------------------------------------------------
 
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has compiled in this process so far; 0 where it never ran (dynamo not even imported)."""
     import sys
@@ -241,8 +259,12 @@ class Meter:
         import torch
 
         self.shape, self.gpu, self.clock, self.world_size = shape, gpu, clock, world_size
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.counts = torch.zeros(3, dtype=torch.float64, device=self.device)  # real, all, sum s^2 (this rank, cumulative)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        self.counts = torch.zeros(
+            3, dtype=torch.float64, device=self.device
+        )  # real, all, sum s^2 (this rank, cumulative)
         self.data_seconds = 0.0  # this rank, cumulative
         self.outside = dict.fromkeys(NON_TRAINING, 0.0)  # seconds spent saving / evaluating, this rank, cumulative
         self._outside_depth = 0  # nested non-training calls (evaluate over several eval sets calls itself) count once
@@ -299,17 +321,28 @@ class Meter:
 
         sums = torch.cat([s[1] for s in snapshots])
         peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else -1.0
-        maxes = torch.tensor([s[2] for s in snapshots] + [float(compiled), peak_gpu, _peak_host_rss_gib()],
-                             dtype=torch.float64, device=self.device)
+        maxes = torch.tensor(
+            [s[2] for s in snapshots] + [float(compiled), peak_gpu, _peak_host_rss_gib()],
+            dtype=torch.float64,
+            device=self.device,
+        )
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         sums, maxes = sums.tolist(), maxes.tolist()
         out = []
         for i, s in enumerate(snapshots):
-            real, padded, sum_sq = sums[3 * i: 3 * i + 3]
-            out.append({"time": s[0], "tokens": real, "padded_tokens": padded, "sum_sq": sum_sq, "data_seconds": maxes[i],
-                        **{f"{kind}_seconds": s[3][kind] for kind in NON_TRAINING}})  # this rank's own, like time
+            real, padded, sum_sq = sums[3 * i : 3 * i + 3]
+            out.append(
+                {
+                    "time": s[0],
+                    "tokens": real,
+                    "padded_tokens": padded,
+                    "sum_sq": sum_sq,
+                    "data_seconds": maxes[i],
+                    **{f"{kind}_seconds": s[3][kind] for kind in NON_TRAINING},
+                }
+            )  # this rank's own, like time
         self.any_compiled = maxes[-3] > 0
         self.peak_gpu_gib = maxes[-2] if maxes[-2] >= 0 else None
         self.peak_rss_gib = maxes[-1]
@@ -352,11 +385,15 @@ class Meter:
             "train_loss": None if train_loss is None else round(float(train_loss), 6),
             "world_size": self.world_size,
             "gpu": self.gpu.name if self.gpu is not None else None,
-            "train_seconds": round(end["time"] - start["time"] - sum(end[f"{k}_seconds"] - start[f"{k}_seconds"] for k in NON_TRAINING), 3),
+            "train_seconds": round(
+                end["time"] - start["time"] - sum(end[f"{k}_seconds"] - start[f"{k}_seconds"] for k in NON_TRAINING), 3
+            ),
             **{f"{kind}_seconds": round(self.outside[kind], 3) for kind in NON_TRAINING},  # the final save included
             "wall_seconds": round(time.time() - self.clock.start, 3),
             "startup_seconds": self.clock.rounded(),
-            "global_step": None if global_step is None else int(global_step),  # the run's step (`steps`: this attempt's)
+            "global_step": None
+            if global_step is None
+            else int(global_step),  # the run's step (`steps`: this attempt's)
         }
 
     def write_summary(self, output_dir: str | Path, train_loss: float | None, global_step: int | None = None) -> Path:
@@ -406,7 +443,10 @@ def _callback_class():
                 m.clock.add("first_step", m.first[0] - m.begin[0])
                 if state.is_world_process_zero:
                     phases = ", ".join(f"{k} {v:.1f}" for k, v in m.clock.seconds.items())
-                    print(f"llmft: start-up {m.first[0] - m.clock.start:.1f} s to the end of the first step ({phases})", flush=True)
+                    print(
+                        f"llmft: start-up {m.first[0] - m.clock.start:.1f} s to the end of the first step ({phases})",
+                        flush=True,
+                    )
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             m = self.meter
@@ -422,7 +462,12 @@ def _callback_class():
             logs.update(kept)  # save/eval_seconds too (W&B)
             keep_in_log_history(state.log_history, state.global_step, kept)
             if state.is_world_process_zero:
-                print(format_step_line(state.global_step, state.max_steps, logs["loss"], logs.get("learning_rate", 0.0), rates), flush=True)
+                print(
+                    format_step_line(
+                        state.global_step, state.max_steps, logs["loss"], logs.get("learning_rate", 0.0), rates
+                    ),
+                    flush=True,
+                )
 
         def on_train_end(self, args, state, control, **kwargs):
             m = self.meter
@@ -430,8 +475,11 @@ def _callback_class():
             start, first, end = m.reduce([m.begin, m.first or end, end])
             m.totals = {"start": start, "first": first, "end": end}
             if m.steady_from > 1 and m.steps > m.steady_from and state.is_world_process_zero:
-                print(f"llmft: run_summary.json rates are over steps {m.steady_from + 1}-{m.steps} (torch.compile "
-                      f"compiled until step {m.steady_from})", flush=True)
+                print(
+                    f"llmft: run_summary.json rates are over steps {m.steady_from + 1}-{m.steps} (torch.compile "
+                    f"compiled until step {m.steady_from})",
+                    flush=True,
+                )
 
     return ThroughputCallback
 
@@ -483,8 +531,11 @@ def log_perplexity(trainer) -> None:
     def log(logs, *args, **kwargs):
         add_perplexity(logs)
         if "eval_loss" in logs and trainer.state.is_world_process_zero:
-            print(f"llmft: step {trainer.state.global_step}/{trainer.state.max_steps} eval loss {logs['eval_loss']:.4f} "
-                  f"perplexity {logs['eval_perplexity']:.3f}", flush=True)
+            print(
+                f"llmft: step {trainer.state.global_step}/{trainer.state.max_steps} eval loss {logs['eval_loss']:.4f} "
+                f"perplexity {logs['eval_perplexity']:.3f}",
+                flush=True,
+            )
         return trainer_log(logs, *args, **kwargs)
 
     trainer.log = log

@@ -39,10 +39,14 @@ def load_model_files(model_args, training_args) -> ModelFiles:
     path = Path(name).expanduser()
     if name.startswith(("/", "./", "../", "~")) or path.exists():
         if not path.exists():
-            raise TrainError(f"model directory {name} not found: pass an existing local model directory or a hub model name")
+            raise TrainError(
+                f"model directory {name} not found: pass an existing local model directory or a hub model name"
+            )
         if not path.is_dir() or not (path / "config.json").is_file():
-            raise TrainError(f"{name} is not a model directory (no config.json in it): pass a directory saved with "
-                             "save_pretrained, or a hub model name")
+            raise TrainError(
+                f"{name} is not a model directory (no config.json in it): pass a directory saved with "
+                "save_pretrained, or a hub model name"
+            )
     name = hub.resolve_model(name, model_args.model_revision)
     kwargs = {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code}
     loaded = []
@@ -51,12 +55,15 @@ def load_model_files(model_args, training_args) -> ModelFiles:
             loaded.append(cls.from_pretrained(name, **kwargs))
         except (OSError, ValueError) as e:
             reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise TrainError(f"cannot load the {what} of {name} (revision {model_args.model_revision}): {reason}") from None
+            raise TrainError(
+                f"cannot load the {what} of {name} (revision {model_args.model_revision}): {reason}"
+            ) from None
     return ModelFiles(loaded[0], loaded[1], name)
 
 
-def model_init_kwargs(model_args, training_args, quantization: dict | None, precision: str = "fp32",
-                      attention: str | None = None) -> dict:
+def model_init_kwargs(
+    model_args, training_args, quantization: dict | None, precision: str = "fp32", attention: str | None = None
+) -> dict:
     """How SFTTrainer loads the weights: the same revision as the config and tokenizer, llmft's QLoRA dtype, the
     attention implementation llmft chose (llmft.planning.hardware.choose_attention, llmft.training.packing.check_packing).
 

@@ -43,8 +43,15 @@ class PackingError(LlmftError, ValueError):
     """Packing would let samples attend to each other; the message says what to change."""
 
 
-def check_packing(*, packing: bool, padding_free: bool, strategy: str, attention: str, masks_from_positions: bool,
-                  sliding_window: bool = False) -> str:
+def check_packing(
+    *,
+    packing: bool,
+    padding_free: bool,
+    strategy: str,
+    attention: str,
+    masks_from_positions: bool,
+    sliding_window: bool = False,
+) -> str:
     """The one place llmft decides whether packed / padding-free batches are correct for this run, and the attention
     implementation to load for them: SDPA becomes llmft's per-sample SDPA, unless the model has sliding-window
     layers (which the per-sample causal SDPA would not honour: those keep transformers' SDPA and its mask)."""
@@ -74,17 +81,33 @@ def uses_sliding_window(model_config) -> bool:
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return True
-    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True) is not False
+    return (
+        getattr(config, "sliding_window", None) is not None
+        and getattr(config, "use_sliding_window", True) is not False
+    )
 
 
-def packed_kernel(*, device_type: str, dtype: str, dropout: float, head_dim: int, varlen_available: bool,
-                  capability: tuple[int, int] | None = None) -> str:
+def packed_kernel(
+    *,
+    device_type: str,
+    dtype: str,
+    dropout: float,
+    head_dim: int,
+    varlen_available: bool,
+    capability: tuple[int, int] | None = None,
+) -> str:
     """Which kernel runs a padding-free batch's attention: "varlen" (PyTorch's own variable-length flash kernel,
     `torch.nn.attention.varlen.varlen_attn`: one launch for all samples) where it can (CUDA on compute capability
     8.0+: it is aten's flash-attention 2, which a T4 or V100 lacks; 16-bit, no dropout, head_dim <= 256, PyTorch
     2.9+), else "per_sample" (one SDPA call per sample and layer: any device and dtype)."""
-    if (varlen_available and device_type == "cuda" and (capability is None or tuple(capability) >= (8, 0))
-            and dtype in ("bfloat16", "float16") and dropout == 0.0 and head_dim <= 256):
+    if (
+        varlen_available
+        and device_type == "cuda"
+        and (capability is None or tuple(capability) >= (8, 0))
+        and dtype in ("bfloat16", "float16")
+        and dropout == 0.0
+        and head_dim <= 256
+    ):
         return "varlen"
     return "per_sample"
 
@@ -113,11 +136,14 @@ def packed_kernel_for(model_config, *, cuda: bool, precision: str, capability: t
     """packed_kernel for this run's model and machine (what `llmft train` logs; the forward decides per call)."""
     config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return packed_kernel(device_type="cuda" if cuda else "cpu",
-                         dtype={"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
-                         dropout=float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", 0.0) or 0.0),
-                         head_dim=head_dim,
-                         varlen_available=_varlen() is not None, capability=capability)
+    return packed_kernel(
+        device_type="cuda" if cuda else "cpu",
+        dtype={"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
+        dropout=float(getattr(config, "attention_dropout", None) or getattr(config, "attn_pdrop", 0.0) or 0.0),
+        head_dim=head_dim,
+        varlen_available=_varlen() is not None,
+        capability=capability,
+    )
 
 
 def _varlen_forward(module, query, key, value, longest: int, cu, scaling):
@@ -152,9 +178,14 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
     if cu is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
-    kernel = packed_kernel(device_type=query.device.type, dtype=str(query.dtype).removeprefix("torch."), dropout=dropout,
-                           head_dim=query.shape[-1], varlen_available=_varlen() is not None,
-                           capability=_capability(query.device.index or 0) if query.device.type == "cuda" else None)
+    kernel = packed_kernel(
+        device_type=query.device.type,
+        dtype=str(query.dtype).removeprefix("torch."),
+        dropout=dropout,
+        head_dim=query.shape[-1],
+        varlen_available=_varlen() is not None,
+        capability=_capability(query.device.index or 0) if query.device.type == "cuda" else None,
+    )
     if kernel == "varlen" and kwargs.get("position_bias") is None and kwargs.get("softcap") is None:
         longest = kwargs.get("max_length_q")  # TRL's collator computes it on the host: no device-to-host copy
         if not isinstance(longest, int):
@@ -165,13 +196,25 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
         bounds = cu.tolist()
         cu._llmft_bounds = bounds
     rest = {k: v for k, v in kwargs.items() if k not in _SEQUENCE_KWARGS}
-    pieces = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **rest)[0]
-              for a, b in zip(bounds, bounds[1:]) if b > a]
+    pieces = [
+        sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **rest)[0]
+        for a, b in zip(bounds, bounds[1:])
+        if b > a
+    ]
     return torch.cat(pieces, dim=1), None
 
 
-def choose_padding_free(*, requested: bool | None, packing: bool, cuda: bool, micro_batch: int, attention: str,
-                        kernel: str, masks_from_positions: bool, sliding_window: bool) -> tuple[bool, str]:
+def choose_padding_free(
+    *,
+    requested: bool | None,
+    packing: bool,
+    cuda: bool,
+    micro_batch: int,
+    attention: str,
+    kernel: str,
+    masks_from_positions: bool,
+    sliding_window: bool,
+) -> tuple[bool, str]:
     """Whether a run's padded batches go padding-free, and why (a line for the log; empty when nothing changes).
 
     Padding-free: each micro-batch's samples (the same ones, in the same order) flattened into one row with
@@ -189,15 +232,25 @@ def choose_padding_free(*, requested: bool | None, packing: bool, cuda: bool, mi
     if micro_batch == 1:
         return False, ""  # one sample per micro-batch: no padding to remove
     if not masks_from_positions:
-        return False, keep + "this model's code does not build its masks from position ids (padding-free would mix samples)"
+        return (
+            False,
+            keep + "this model's code does not build its masks from position ids (padding-free would mix samples)",
+        )
     if attention == "flash_attention_2":
-        return True, ("padding-free batches (auto): the same samples per micro-batch without pad tokens, through "
-                      "flash-attention's varlen kernel; --padding_free false keeps padding")
+        return True, (
+            "padding-free batches (auto): the same samples per micro-batch without pad tokens, through "
+            "flash-attention's varlen kernel; --padding_free false keeps padding"
+        )
     if attention == "sdpa" and not sliding_window and kernel == "varlen":
-        return True, ("padding-free batches (auto): the same samples per micro-batch without pad tokens, through "
-                      "PyTorch's varlen flash kernel; --padding_free false keeps padding")
-    why = {"sdpa": "sliding-window layers need transformers' own SDPA mask" if sliding_window
-           else "no varlen flash kernel here (it needs compute capability 8.0+, bf16/fp16 and PyTorch 2.9+)"}
+        return True, (
+            "padding-free batches (auto): the same samples per micro-batch without pad tokens, through "
+            "PyTorch's varlen flash kernel; --padding_free false keeps padding"
+        )
+    why = {
+        "sdpa": "sliding-window layers need transformers' own SDPA mask"
+        if sliding_window
+        else "no varlen flash kernel here (it needs compute capability 8.0+, bf16/fp16 and PyTorch 2.9+)"
+    }
     return False, keep + why.get(attention, f"attention {attention} has no varlen kernel")
 
 

@@ -39,16 +39,24 @@ def decide(saved: dict | None, current: dict, *, deepspeed_scheduler: bool, outp
     to compare, and `apply_to` still writes the flags over the restored state)."""
     if not saved:
         return []
-    changed = [name for name in ("optim",) + OPTIMIZER_FLAGS + SCHEDULE_FLAGS if name in saved and saved[name] != current[name]]
+    changed = [
+        name
+        for name in ("optim",) + OPTIMIZER_FLAGS + SCHEDULE_FLAGS
+        if name in saved and saved[name] != current[name]
+    ]
     way_out = f"use a new --output_dir, or rerun with the old value to continue {output_dir}"
     for name in changed:
         if name == "optim":
-            raise RerunRefused(f"--optim {saved[name]} -> {current[name]}: the checkpoint in {output_dir} holds {saved[name]}'s "
-                               f"state, which {current[name]} cannot continue; {way_out}")
+            raise RerunRefused(
+                f"--optim {saved[name]} -> {current[name]}: the checkpoint in {output_dir} holds {saved[name]}'s "
+                f"state, which {current[name]} cannot continue; {way_out}"
+            )
         if deepspeed_scheduler and name in SCHEDULE_FLAGS + ("learning_rate",):
-            raise RerunRefused(f"--{name} {_show(saved[name])} -> {_show(current[name])}: your DeepSpeed config's scheduler block "
-                               f"restores its own schedule from the checkpoint in {output_dir}; {way_out} (or change the "
-                               "scheduler block with a new --output_dir)")
+            raise RerunRefused(
+                f"--{name} {_show(saved[name])} -> {_show(current[name])}: your DeepSpeed config's scheduler block "
+                f"restores its own schedule from the checkpoint in {output_dir}; {way_out} (or change the "
+                "scheduler block with a new --output_dir)"
+            )
     return [f"--{name} {_show(saved[name])} -> {_show(current[name])}" for name in changed]
 
 
@@ -95,8 +103,10 @@ def apply_to(optimizer, scheduler, training_args) -> dict:
 def applied_line(step: int, changed: dict) -> str:
     """One line: the restored values replaced by the flags, from the resumed step on."""
     parts = [f"--{flag} {_show(old)} -> {_show(new)}" for flag, (old, new) in changed.items()]
-    return (f"resumed at step {step} with new values, in effect from this step: {'; '.join(parts)} "
-            "(the checkpoint's optimizer moments and step count are kept)")
+    return (
+        f"resumed at step {step} with new values, in effect from this step: {'; '.join(parts)} "
+        "(the checkpoint's optimizer moments and step count are kept)"
+    )
 
 
 def callback(log):

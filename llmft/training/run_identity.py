@@ -44,8 +44,9 @@ def _model_id(name: str) -> str:
     return str(path.resolve()) if path.exists() else name
 
 
-def run_identity(script_args, training_args, model_args, llmft_args, *, dataset_fingerprint: str, global_batch: int,
-                 zero_stage: int) -> dict:
+def run_identity(
+    script_args, training_args, model_args, llmft_args, *, dataset_fingerprint: str, global_batch: int, zero_stage: int
+) -> dict:
     """The settings that make two runs the same experiment, as a JSON-able dict (keys as in LABELS)."""
     lora = None
     if model_args.use_peft:
@@ -64,13 +65,19 @@ def run_identity(script_args, training_args, model_args, llmft_args, *, dataset_
     return {
         "model": _model_id(model_args.model_name_or_path),
         "model_revision": model_args.model_revision,
-        "dataset": _model_id(script_args.dataset_name or getattr(llmft_args, "dataset_mixture", None) or ""),  # shown, not compared
+        "dataset": _model_id(
+            script_args.dataset_name or getattr(llmft_args, "dataset_mixture", None) or ""
+        ),  # shown, not compared
         "dataset_fingerprint": dataset_fingerprint,
         "dataset_config": script_args.dataset_config,
         "dataset_split": script_args.dataset_train_split,
         "data_percentage": llmft_args.data_percentage,
-        "columns": {"prompt": llmft_args.prompt_column, "completion": llmft_args.completion_column,
-                    "messages": llmft_args.messages_column, "text": training_args.dataset_text_field},
+        "columns": {
+            "prompt": llmft_args.prompt_column,
+            "completion": llmft_args.completion_column,
+            "messages": llmft_args.messages_column,
+            "text": training_args.dataset_text_field,
+        },
         "lora": lora,
         "quantization": quant,
         "max_length": training_args.max_length,
@@ -136,7 +143,8 @@ def check_same_run(output_dir: str | Path, identity: dict, resume_requested: str
         return diffs
     ckpt = latest_complete(output_dir)
     way_out = "use a new --output_dir" + (
-        f", or continue this run with the new settings on purpose: --resume_from_checkpoint {ckpt}" if ckpt else "")
+        f", or continue this run with the new settings on purpose: --resume_from_checkpoint {ckpt}" if ckpt else ""
+    )
     raise RunMismatch(f"{output_dir} holds another run ({'; '.join(diffs)}): {way_out}")
 
 

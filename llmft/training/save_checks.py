@@ -42,7 +42,7 @@ def _is_peft(model) -> bool:
 def _saved_names(model, names: list[str]) -> dict[str, str]:
     """Parameter name -> the key a save writes: PEFT's own renaming for adapters, the name itself otherwise."""
     if not _is_peft(model):
-        return {n: n[len("module."):] if n.startswith("module.") else n for n in names}
+        return {n: n[len("module.") :] if n.startswith("module.") else n for n in names}
     import torch
     from peft import get_peft_model_state_dict
 
@@ -73,7 +73,9 @@ def live_tensors(model) -> list[Tensor]:
         flags[i] = float(local.numel() > 0 and bool(local.detach().ne(0).any()))
     if dist.is_available() and dist.is_initialized():
         # NCCL reduces GPU tensors only (ZeRO-3 offload keeps the slices themselves on the CPU).
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
         flags = flags.to(device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         flags = flags.cpu()
@@ -151,7 +153,9 @@ def problems(directory: str | Path, expected: list[Tensor], adapter: bool) -> li
             continue
         path, shape = found[key]
         if shape != t.shape:
-            out.append(f"{path}: {key} has shape {list(shape)}, the model's is {list(t.shape)} (a partition saved instead of the whole tensor)")
+            out.append(
+                f"{path}: {key} has shape {list(shape)}, the model's is {list(t.shape)} (a partition saved instead of the whole tensor)"
+            )
         elif t.nonzero:
             zero_checks.setdefault(path, []).append(key)
     for path, keys in zero_checks.items():

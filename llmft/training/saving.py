@@ -30,7 +30,10 @@ from llmft.training import sync_free
 
 
 def is_zero3(trainer) -> bool:
-    return bool(trainer.is_deepspeed_enabled) and trainer.accelerator.deepspeed_config["zero_optimization"].get("stage") == 3
+    return (
+        bool(trainer.is_deepspeed_enabled)
+        and trainer.accelerator.deepspeed_config["zero_optimization"].get("stage") == 3
+    )
 
 
 def trainable_state_dict(trainer) -> dict | None:
@@ -54,7 +57,6 @@ def trainer_class(save_consolidated: bool = False):
     from transformers.trainer_pt_utils import remove_dummy_checkpoint
     from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
     from trl import SFTTrainer
-
 
     class LlmftSFTTrainer(sync_free.mixin_class(SFTTrainer)):
         def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -95,5 +97,7 @@ def final_model_note(output_dir: str, step: int, zero_stage: int, lora: bool, sa
     if zero_stage != 3 or lora or save_consolidated:
         return f"model saved to {output_dir}"
     ckpt = os.path.join(output_dir, f"checkpoint-{step}")
-    return (f"weights are the ZeRO-3 shards in {ckpt if os.path.isdir(ckpt) else output_dir} "
-            f"(llmft infer {output_dir}; --export DIR writes a Hugging Face model; --save_consolidated gathers one at the end)")
+    return (
+        f"weights are the ZeRO-3 shards in {ckpt if os.path.isdir(ckpt) else output_dir} "
+        f"(llmft infer {output_dir}; --export DIR writes a Hugging Face model; --save_consolidated gathers one at the end)"
+    )

@@ -24,8 +24,22 @@ from typing import Callable, Mapping
 
 # Filesystem types every node mounts from elsewhere: network and cluster filesystems, and FUSE mounts (gcsfuse,
 # mountpoint-s3, sshfs, ...). Local ones (ext4, xfs, btrfs, tmpfs, overlay) are read at local-disk speed already.
-SHARED_TYPES = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "glusterfs", "9p", "wekafs",
-                "panfs", "orangefs", "virtiofs")
+SHARED_TYPES = (
+    "nfs",
+    "nfs4",
+    "lustre",
+    "gpfs",
+    "cifs",
+    "smb3",
+    "beegfs",
+    "ceph",
+    "glusterfs",
+    "9p",
+    "wekafs",
+    "panfs",
+    "orangefs",
+    "virtiofs",
+)
 MARKER = ".llmft-staged.json"
 
 
@@ -74,8 +88,14 @@ def stage_key(model_dir: Path, files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def stage_weights(model: str, procs_per_node: int, *, env: Mapping[str, str] | None = None,
-                  mounts_text: str | None = None, log: Callable[[str], None] | None = None) -> str:
+def stage_weights(
+    model: str,
+    procs_per_node: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    mounts_text: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> str:
     """The directory to load the weights from: a node-local copy when `model` is on shared storage (made once per
     node, by whichever process of the node comes first), else `model` itself. Logs what was copied, how fast, and
     the shared-storage reads it saves. Not staged (said, once) when the local disk has too little room."""
@@ -87,7 +107,9 @@ def stage_weights(model: str, procs_per_node: int, *, env: Mapping[str, str] | N
         return model
     if mounts_text is None:
         try:
-            mounts_text = Path(env.get("LLMFT_PROC_MOUNTS", "/proc/mounts")).read_text()  # LLMFT_PROC_MOUNTS: tests only
+            mounts_text = Path(
+                env.get("LLMFT_PROC_MOUNTS", "/proc/mounts")
+            ).read_text()  # LLMFT_PROC_MOUNTS: tests only
         except OSError:
             return model
     fstype = shared_fs(str(path.resolve()), mounts_text)
@@ -111,8 +133,10 @@ def stage_weights(model: str, procs_per_node: int, *, env: Mapping[str, str] | N
         if (target / MARKER).is_file():
             return str(target)  # staged by another process of this node while this one waited
         if size * 1.05 > free:
-            say(f"weights not staged: {size / 1e9:.1f} GB does not fit in the {free / 1e9:.1f} GB free in {root}; "
-                f"every process reads {model} from {fstype} (set LLMFT_STAGE_DIR to a larger local disk)")
+            say(
+                f"weights not staged: {size / 1e9:.1f} GB does not fit in the {free / 1e9:.1f} GB free in {root}; "
+                f"every process reads {model} from {fstype} (set LLMFT_STAGE_DIR to a larger local disk)"
+            )
             return model
         tmp = root / f".{target.name}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,12 +145,16 @@ def stage_weights(model: str, procs_per_node: int, *, env: Mapping[str, str] | N
         for f in files:
             shutil.copyfile(f, tmp / f.name)  # follows hub-cache symlinks
         seconds = max(time.perf_counter() - started, 1e-6)
-        (tmp / MARKER).write_text(json.dumps({"source": str(path.resolve()), "bytes": size, "seconds": seconds}) + "\n")
+        (tmp / MARKER).write_text(
+            json.dumps({"source": str(path.resolve()), "bytes": size, "seconds": seconds}) + "\n"
+        )
         os.replace(tmp, target)
     saved = (procs_per_node - 1) * seconds
-    say(f"staged the weights of {model} ({size / 1e9:.2f} GB, {len(files)} files) from {fstype} to node-local "
+    say(
+        f"staged the weights of {model} ({size / 1e9:.2f} GB, {len(files)} files) from {fstype} to node-local "
         f"{target} in {seconds:.1f}s ({size / 1e6 / seconds:.0f} MB/s); the node's {procs_per_node} process(es) load "
-        f"the local copy: {procs_per_node - 1} full read(s) of shared storage saved, about {saved:.0f}s at that rate")
+        f"the local copy: {procs_per_node - 1} full read(s) of shared storage saved, about {saved:.0f}s at that rate"
+    )
     return str(target)
 
 

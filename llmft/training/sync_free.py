@@ -29,7 +29,9 @@ def plain_loss_path(trainer) -> bool:
     """Whether TRL's compute_loss would take its plain path (the model's fused log-probs, nll or dft) for training:
     the only path mixin_class replicates."""
     pc = getattr(trainer.accelerator, "parallelism_config", None)
-    sequence_parallel = pc is not None and getattr(pc, "sp_backend", None) == "deepspeed" and getattr(pc, "sp_enabled", False)
+    sequence_parallel = (
+        pc is not None and getattr(pc, "sp_backend", None) == "deepspeed" and getattr(pc, "sp_enabled", False)
+    )
     return not (
         sequence_parallel
         or trainer.compute_loss_func is not None
@@ -38,7 +40,9 @@ def plain_loss_path(trainer) -> bool:
     )
 
 
-def reduce_metrics(rows, total_tokens_before: int, tp_size: int, all_reduce=None) -> tuple[dict[str, list[float]], int]:
+def reduce_metrics(
+    rows, total_tokens_before: int, tp_size: int, all_reduce=None
+) -> tuple[dict[str, list[float]], int]:
     """TRL's logged values from the interval's per-micro-batch sums: `rows` is a (micro-batches, 4) tensor of
     [label tokens, entropy sum, top-1 hits, input tokens] on this rank; `all_reduce` sums it over ranks in place.
     Returns ({"entropy": [...], "mean_token_accuracy": [...]} per micro-batch, the new cumulative token count)."""
@@ -52,8 +56,10 @@ def reduce_metrics(rows, total_tokens_before: int, tp_size: int, all_reduce=None
     total = total_tokens_before
     for t in tokens:
         total += int(t) // tp_size
-    return {"entropy": [ratio(e, n) for e, n in zip(entropy, valid)],
-            "mean_token_accuracy": [ratio(c, n) for c, n in zip(correct, valid)]}, total
+    return {
+        "entropy": [ratio(e, n) for e, n in zip(entropy, valid)],
+        "mean_token_accuracy": [ratio(c, n) for c, n in zip(correct, valid)],
+    }, total
 
 
 def mixin_class(base):
@@ -95,10 +101,16 @@ def mixin_class(base):
                 fed = torch.full((), float(inputs["position_ids"].size(1)), dtype=torch.float64, device=device)
             else:
                 raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
-            self._llmft_rows.append(torch.stack([
-                outputs.label_mask.sum().to(device, torch.float64), outputs.entropy.detach().sum().to(device, torch.float64),
-                outputs.is_top1.sum().to(device, torch.float64), fed.to(device, torch.float64),
-            ]))
+            self._llmft_rows.append(
+                torch.stack(
+                    [
+                        outputs.label_mask.sum().to(device, torch.float64),
+                        outputs.entropy.detach().sum().to(device, torch.float64),
+                        outputs.is_top1.sum().to(device, torch.float64),
+                        fed.to(device, torch.float64),
+                    ]
+                )
+            )
             return loss
 
         def log(self, logs, start_time=None):
@@ -107,7 +119,9 @@ def mixin_class(base):
 
                 rows, self._llmft_rows = torch.stack(self._llmft_rows), []
                 reduce = dist.all_reduce if dist.is_available() and dist.is_initialized() else None
-                values, self._total_train_tokens = reduce_metrics(rows, self._total_train_tokens, self._tp_size, reduce)
+                values, self._total_train_tokens = reduce_metrics(
+                    rows, self._total_train_tokens, self._tp_size, reduce
+                )
                 for name in METRICS:
                     self._metrics["train"][name].extend(values[name])
                 self._metrics["train"]["num_tokens"] = [self._total_train_tokens]

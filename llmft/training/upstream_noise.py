@@ -24,8 +24,9 @@ from llmft.training.build_locks import extensions_root
 USUAL_BUILD_TIME = {"cpu_adam": "about 1 minute", "fused_adam": "1-3 minutes", "cpu_adagrad": "about 1 minute"}
 
 
-def keyed_extensions_dir(env: Mapping[str, str], prefix: str, torch_version: str, deepspeed_version: str,
-                         default_root: Path) -> Path | None:
+def keyed_extensions_dir(
+    env: Mapping[str, str], prefix: str, torch_version: str, deepspeed_version: str, default_root: Path
+) -> Path | None:
     """The TORCH_EXTENSIONS_DIR for this environment (None when the user set one: theirs wins): under torch's default
     root, one directory per (environment prefix, torch, DeepSpeed)."""
     if env.get("TORCH_EXTENSIONS_DIR"):
@@ -39,7 +40,6 @@ def use_keyed_extensions_dir(log: Callable[[str], None]) -> Path | None:
     import deepspeed
     import torch
 
-
     path = keyed_extensions_dir(os.environ, sys.prefix, torch.__version__, deepspeed.__version__, extensions_root())
     if path is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = str(path)
@@ -49,8 +49,10 @@ def use_keyed_extensions_dir(log: Callable[[str], None]) -> Path | None:
 def op_build_line(name: str, build_dir: Path, accelerator: str) -> str:
     """The line said before DeepSpeed compiles an op."""
     usual = USUAL_BUILD_TIME.get(name, "1-3 minutes")
-    return (f"DeepSpeed is compiling its {name} op for {accelerator} (it is not prebuilt in this environment and not yet in "
-            f"{build_dir}); usually {usual}, once: later runs load it from there")
+    return (
+        f"DeepSpeed is compiling its {name} op for {accelerator} (it is not prebuilt in this environment and not yet in "
+        f"{build_dir}); usually {usual}, once: later runs load it from there"
+    )
 
 
 def op_is_built(build_dir: Path, name: str) -> bool:

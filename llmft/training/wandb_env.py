@@ -78,7 +78,9 @@ def slurm_wandb_env(env: Mapping[str, str], output_dir: str, online: bool | None
     job_name = _safe(env.get("SLURM_JOB_NAME") or "job")
     array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
     shown_id = f"{array_job}_{array_task}" if array_job and array_task else job_id
-    place = hashlib.sha256(f"{env.get('SLURM_CLUSTER_NAME', '')}|{os.path.abspath(output_dir)}".encode()).hexdigest()[:8]
+    place = hashlib.sha256(f"{env.get('SLURM_CLUSTER_NAME', '')}|{os.path.abspath(output_dir)}".encode()).hexdigest()[
+        :8
+    ]
     wanted = {
         "WANDB_NAME": f"{job_name}-{shown_id}",
         "WANDB_RUN_GROUP": f"{job_name}-{array_job}" if array_job else job_name,
@@ -116,8 +118,10 @@ def guard_wandb(trainer, log) -> bool:
                     return _original(*args, **kwargs)
                 except errors as e:
                     state["dead"] = True
-                    log(f"W&B stopped logging ({type(e).__name__}: {e}; its service process ended, e.g. on SIGTERM); "
-                        "training goes on, and what was logged before is in the run's files")
+                    log(
+                        f"W&B stopped logging ({type(e).__name__}: {e}; its service process ended, e.g. on SIGTERM); "
+                        "training goes on, and what was logged before is in the run's files"
+                    )
                     return None
 
             setattr(cb, name, guarded)
