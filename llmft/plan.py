@@ -467,6 +467,13 @@ def make_parser(subparsers=None):
         action="store_true",
         help="also print the world and CPU split as one 'llmft launch: key=value ...' line (read by slurm/run_llm.slurm)",
     )
+    add_memory_plan_arguments(parser)
+    parser.set_defaults(func=main)
+    return parser
+
+
+def add_memory_plan_arguments(parser) -> None:
+    """The flags of a memory plan (--model) and of the run's data and length it is made for."""
     mem = parser.add_argument_group("memory plan (--model)")
     mem.add_argument(
         "--model", default=None, help="model directory, a directory holding only config.json, or a hub id"
@@ -548,8 +555,6 @@ def make_parser(subparsers=None):
     run.add_argument("--data_percentage", type=float, default=100.0, help="default 100 (all of it)")
     run.add_argument("--num_train_epochs", type=float, default=3.0, help="default 3 (llmft train's)")
     run.add_argument("--max_steps", type=int, default=None)
-    parser.set_defaults(func=main)
-    return parser
 
 
 def _bool(value: str, flag: str) -> bool:

@@ -63,7 +63,7 @@ def test_plan_with_data_prints_its_fit_and_an_sbatch_line_with_every_knob(capsys
     assert "llmft plan: train data: " in out and "vs max_length 32" in out
     assert "llmft plan: warning: " in out and "raise --max_length to" in out  # GSM8K-like answers do not fit 32 tokens
     line = (tmp_path / "w" / "sbatch.txt").read_text().strip()
-    export = shlex.split(line)[4]
+    export = next(a for a in shlex.split(line) if a.startswith("--export="))
     for knob in (f"MODEL={tiny_model}", f"DATASET={data}", "DATA_PERCENTAGE=50", "EPOCHS=2", "GLOBAL_BATCH=8"):
         assert f",{knob}," in export + ",", knob
     assert "--prompt_column question --completion_column answer" in export and "--max_length 32" in export
@@ -88,7 +88,7 @@ def test_plan_without_data_says_the_line_needs_a_dataset(capsys, tiny_model, tmp
         tmp_path / "w",
     )
     assert rc == 0
-    export = shlex.split((tmp_path / "w" / "sbatch.txt").read_text())[4]
+    export = next(a for a in shlex.split((tmp_path / "w" / "sbatch.txt").read_text()) if a.startswith("--export="))
     assert (
         "EPOCHS=3" in export and "DATA_PERCENTAGE=100" in export
     )  # llmft train's defaults, not the script's 10 and 10%
