@@ -35,6 +35,7 @@ prints the torchrun command.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -374,7 +375,10 @@ def choose_attention_and_length(run: RunSettings, decided: Decisions, model_conf
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
     target = model.lora_target_modules
     if isinstance(target, str) and target != "all-linear" and re.fullmatch(r"[\w.]+", target):
-        run = dataclasses.replace(run, model=dataclasses.replace(model, lora_target_modules=[target]))
+        # a copy, not dataclasses.replace: ModelConfig's __post_init__ would turn [target] back into a string
+        model = copy.copy(model)
+        model.lora_target_modules = [target]
+        run = dataclasses.replace(run, model=model)
     max_length, note = cap_max_length(model_config, training.max_length)
     if note:
         log(note)
