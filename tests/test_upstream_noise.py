@@ -25,6 +25,11 @@ def test_the_op_cache_is_keyed_by_environment_torch_and_deepspeed_unless_the_use
         upstream_noise.keyed_extensions_dir({"TORCH_EXTENSIONS_DIR": "/mine"}, "/envs/a", "2.13.0", "0.19.8", root)
         is None
     )
+    # the Slurm script's node-local root: still one directory per environment under it
+    node = {"LLMFT_EXTENSIONS_ROOT": "/tmp/llmft-me/torch_extensions"}
+    a_node = upstream_noise.keyed_extensions_dir(node, "/envs/a", "2.13.0+cpu", "0.19.8", root)
+    assert a_node.parent == Path("/tmp/llmft-me/torch_extensions") and a_node.name == a.name
+    assert a_node != upstream_noise.keyed_extensions_dir(node, "/envs/b", "2.13.0+cpu", "0.19.8", root)
 
 
 def test_a_line_is_said_before_deepspeed_compiles_an_op_and_not_when_it_is_cached(tmp_path, monkeypatch):

@@ -27,10 +27,12 @@ USUAL_BUILD_TIME = {"cpu_adam": "about 1 minute", "fused_adam": "1-3 minutes", "
 def keyed_extensions_dir(
     env: Mapping[str, str], prefix: str, torch_version: str, deepspeed_version: str, default_root: Path
 ) -> Path | None:
-    """The TORCH_EXTENSIONS_DIR for this environment (None when the user set one: theirs wins): under torch's default
-    root, one directory per (environment prefix, torch, DeepSpeed)."""
+    """The TORCH_EXTENSIONS_DIR for this environment (None when the user set one: theirs wins): under
+    LLMFT_EXTENSIONS_ROOT (the Slurm script's node-local directory) or torch's default root, one directory per
+    (environment prefix, torch, DeepSpeed), so two environments on one node never rebuild each other's ops."""
     if env.get("TORCH_EXTENSIONS_DIR"):
         return None
+    default_root = Path(env["LLMFT_EXTENSIONS_ROOT"]) if env.get("LLMFT_EXTENSIONS_ROOT") else default_root
     key = hashlib.sha256(f"{os.path.realpath(prefix)}|{torch_version}|{deepspeed_version}".encode()).hexdigest()[:10]
     return default_root / f"llmft-torch{torch_version.split('+')[0]}-ds{deepspeed_version}-{key}"
 
