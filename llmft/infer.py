@@ -35,8 +35,9 @@ from pathlib import Path
 
 from llmft.checkpoint.loader import DTYPES, Loaded, generate, load, pick_device, pick_dtype, resolve_checkpoint
 from llmft.checkpoint.zero import CheckpointError
-from llmft.command import command_parser
+from llmft.command import command_parser, report_error
 from llmft.data.loading import DataError, check_utf8
+from llmft.errors import LlmftError
 
 # --------------------------------------------------------------------------------------------------
 # Which checkpoint
@@ -231,9 +232,8 @@ def run(args) -> dict:
 def main(args) -> int:
     try:
         run(args)
-    except CheckpointError as e:
-        print(f"llmft infer: error: {e}", file=sys.stderr)
-        return 2
+    except LlmftError as e:
+        return report_error("infer", e, all_ranks=True)
     return 0
 
 

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmft.command import command_parser
+from llmft.command import command_parser, report_error
 from llmft.errors import LlmftError
 
 TOKENS_PER_SECOND_KEYS = ("tokens_per_second", "train_tokens_per_second_step", "tokens_per_sec")
@@ -508,8 +508,8 @@ def main(args) -> int:
     out = args.output or (args.run_dir[0] / "report" if len(args.run_dir) == 1 else Path("llmft_report"))
     try:
         written = report(args.run_dir, out)
-    except ReportError as e:
-        raise SystemExit(f"llmft report: error: {e}") from None
+    except LlmftError as e:
+        return report_error("report", e, all_ranks=True)
     for path in written["plots"].values():
         print(f"llmft report: wrote {path}")
     print(f"llmft report: summary {written['summary']}")

@@ -513,6 +513,27 @@ CASES = [
         ],
         "global batch 30 is not divisible by micro-batch 2 x world size 4 = 8; use global batch 24 or 32",
     ),
+    # ---------------------------------------------------------------- llmft report
+    Case(
+        "report",
+        "missing_run_dir",
+        lambda w: [str(w.root / "nope")],
+        "nope is not a directory: pass a run's --output_dir",
+    ),
+    Case("report", "file_not_dir", lambda w: [str(w.data)], "is not a directory: pass a run's --output_dir"),
+    Case("report", "empty_dir", lambda w: [w.dir("empty")], "holds no trainer_state.json, run_summary.json or eval"),
+    Case(
+        "report",
+        "unrelated_dir",
+        lambda w: [str(Path(w.file("notes/readme.txt", "hello")).parent)],
+        "holds no trainer_state.json, run_summary.json or eval",
+    ),
+    Case(
+        "report",
+        "second_run_missing",
+        lambda w: [str(Path(w.file("run_a/run_summary.json", "{}")).parent), str(w.root / "gone")],
+        "is not a directory: pass a run's --output_dir",
+    ),
     Case("plan", "zero_stage_unknown", lambda w: ["--zero_stage", "5"], "unknown ZeRO stage 5"),
     Case(
         "plan",
@@ -729,6 +750,12 @@ def run_plan(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
     return _in_process(lambda: main(make_parser().parse_args(args)))
 
 
+def run_report(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
+    from llmft.report import main, make_parser
+
+    return _in_process(lambda: main(make_parser().parse_args([*args, "--output", str(w.out / "report")])))
+
+
 def run_slurm(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
     from test_slurm_script import run_script
 
@@ -757,6 +784,7 @@ RUNNERS = {
     "infer": Runner(run_infer, "llmft infer", True),
     "eval": Runner(run_eval, "llmft eval", True),
     "plan": Runner(run_plan, "llmft plan", True),
+    "report": Runner(run_report, "llmft report", True),
     "slurm": Runner(run_slurm, "run_llm.slurm", False),
     "manage_cluster": Runner(run_manage_cluster, "manage_cluster.sh", False, exit_code=None),
 }

@@ -179,15 +179,16 @@ def test_an_older_run_alone_degrades_and_says_what_is_missing(tmp_path):
     ) in written["summary"].read_text()
 
 
-def test_not_a_run_directory_is_one_clear_line(tmp_path):
+def test_not_a_run_directory_is_one_clear_line(tmp_path, capsys):
+    """Like every llmft command: one line on stderr, exit code 2 (llmft.command.report_error)."""
     (tmp_path / "empty").mkdir()
     for path, message in (
         (tmp_path / "missing", "is not a directory"),
         (tmp_path / "empty", "holds no trainer_state.json"),
     ):
-        with pytest.raises(SystemExit) as e:
-            report.main(SimpleNamespace(run_dir=[path], output=tmp_path / "out"))
-        assert str(e.value).startswith("llmft report: error: ") and message in str(e.value)
+        assert report.main(SimpleNamespace(run_dir=[path], output=tmp_path / "out")) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("llmft report: error: ") and message in err[0]
 
 
 def test_a_real_run_and_its_llmft_eval_result(run_with_eval, tmp_path, legends, monkeypatch):
