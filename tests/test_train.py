@@ -278,7 +278,8 @@ def test_zero3_stops_on_request_then_resumes_where_it_stopped(tiny_model, tiny_d
 
 
 def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_model, tiny_data, tmp_path):
-    """On this CPU machine: the largest micro-batch up to the one given, no recomputation, ZeRO-2; the run uses it."""
+    """On this CPU machine: the largest micro-batch up to the one given, no recomputation, ZeRO-1 (with accumulation it
+    reduces gradients once per step, ZeRO-2 at every micro-batch: llmft.planning.comm); the run uses it."""
     out = tmp_path / "auto"
     proc = run(
         train_cmd(
@@ -298,11 +299,11 @@ def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_mode
     )
     line = next(line for line in proc.stdout.splitlines() if line.startswith("llmft plan: auto: "))
     assert line.startswith(
-        "llmft plan: auto: ZeRO-2, micro-batch 4 x accumulation 2, gradient checkpointing off (per process"
+        "llmft plan: auto: ZeRO-1, micro-batch 4 x accumulation 2, gradient checkpointing off (per process"
     )
     assert "1 x 1 CPU process per node (no GPU)" in line and "no CPU offload needed; no recomputation needed" in line
     cfg = json.loads((out / "ds_config.json").read_text())
-    assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_micro_batch_size_per_gpu"] == 4
+    assert cfg["zero_optimization"]["stage"] == 1 and cfg["train_micro_batch_size_per_gpu"] == 4
     assert cfg["gradient_accumulation_steps"] == 2
     assert "llmft: host memory: rank 0 " in proc.stdout and "llmft: host memory peak: rank 0 " in proc.stdout
 
@@ -310,7 +311,7 @@ def test_auto_takes_the_planners_setting_for_this_machine_and_says_why(tiny_mode
 def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_with(
     tiny_model, tmp_path, monkeypatch
 ):
-    """In-process, no training: --auto picks ZeRO-2 on this CPU machine for a new run, but a rerun into a directory
+    """In-process, no training: --auto picks ZeRO-1 on this CPU machine for a new run, but a rerun into a directory
     whose run was ZeRO-3 keeps ZeRO-3 (DeepSpeed loads those shards only under it) and says so."""
     from llmft.train import RunSettings, choose_automatically, make_parser
 
@@ -333,7 +334,7 @@ def test_auto_on_a_rerun_keeps_the_zero_stage_the_runs_checkpoints_were_written_
     run = RunSettings(script_args, training_args, model_args, llmft_args)
     choose = lambda: choose_automatically(run, "fp32", None)  # noqa: E731
     setting, line = choose()
-    assert setting.zero_stage == 2 and "kept" not in line
+    assert setting.zero_stage == 1 and "kept" not in line  # accumulation 2: ZeRO-1 moves the least
     (out / "checkpoint-2").mkdir(parents=True)
     (out / "llmft_run.json").write_text(json.dumps({"zero_stage": 3}))
     setting, line = choose()
