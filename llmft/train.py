@@ -61,6 +61,7 @@ from llmft.planning.world import LaunchEnvError, discover_world, launch_problem,
 from llmft.training import (
     async_save,
     build_locks,
+    collective_timeout,
     elastic,
     host_memory,
     job_deadline,
@@ -601,13 +602,18 @@ def build_trainer(
     log_perplexity(trainer)
     guard_wandb(trainer, log)
     meter = metrics.attach(trainer, clock, decided.gpu)  # step line, W&B metrics, run_summary.json
-    stop.deadline = job_deadline.JobDeadline.for_this_job(
-        lambda: estimated_save_s(
-            *job_deadline.parameter_counts(trainer.model), decided.plan.zero_stage, decided.precision
-        ),
-        args.output_dir,
+    save_estimate = estimated_save_s(
+        *job_deadline.parameter_counts(trainer.model), decided.plan.zero_stage, decided.precision
     )
-    job_deadline.time_each_save(trainer, stop.deadline, log)
+    stop.deadline = job_deadline.JobDeadline.for_this_job(lambda: save_estimate, args.output_dir)
+    timeout = collective_timeout.callback(
+        log,
+        given_s=args.ddp_timeout if run.llmft.ddp_timeout_given else None,
+        estimated_save_s=save_estimate,
+        longest_save_s=job_deadline.read_longest_save(Path(args.output_dir) / job_deadline.SAVE_RECORD),
+    )
+    trainer.add_callback(timeout)  # last: it reads every other callback's should_save
+    job_deadline.time_each_save(trainer, stop.deadline, log, timeout)
     return trainer, RunCallbacks(publish, stop, meter)
 
 

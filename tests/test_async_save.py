@@ -132,6 +132,14 @@ def test_async_checkpoints_are_published_after_their_files_and_resume_like_synch
         LLMFT_PROBE_RELEASE_STEP="3",
         LLMFT_PROBE_DIR=str(tmp_path / "probe"),
     )
+    # the collective timeout (as torch reports it back) follows what the run measured: 1800 s until 5 steps are
+    # measured, then the 300 s floor (these steps and saves are short), 1800 s again for the final save
+    sized = [line for line in sync.splitlines() if line.startswith("llmft: collective timeout")]
+    assert sized == [
+        "llmft: collective timeout 1800 s (start-up, nothing measured yet)",
+        "llmft: collective timeout 300 s (at least 300 s)",
+        "llmft: collective timeout 1800 s (after training)",
+    ], sync
     seen = json.loads((tmp_path / "probe" / "held.json").read_text())
     assert seen == {"marker": False, "shards": []}, seen  # at step 3: no marker while the shards are unwritten
     lines = held.splitlines()

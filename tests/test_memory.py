@@ -429,6 +429,8 @@ def test_8b_on_a2_highgpu_8g_fits_without_offload_and_warns_about_the_preemption
         in warning
     )
     assert 1400 < lead < 1600, lead  # 964 s to write
+    # and the collective timeout it will run with: never shorter than 2 x that save, not transformers' 1800 s
+    assert f"a dead node stops the job after at most {2 * rec.write_s:.0f} s (the collective timeout" in warning
 
 
 def test_save_total_limit_beyond_free_disk_is_warned(llama8b):

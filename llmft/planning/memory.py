@@ -110,6 +110,7 @@ from dataclasses import dataclass, field, replace
 from llmft.errors import LlmftError
 from llmft.planning import comm
 from llmft.planning.batch import BatchError, plan_batch
+from llmft.planning.collective_timeout import SAVE_FACTOR, collective_timeout
 from llmft.planning.final_save import FINAL_SAVE_FACTOR, FINAL_SAVE_MARGIN_S, final_save_lead
 from llmft.planning.hardware import GPU
 
@@ -843,7 +844,9 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
             f"a Slurm run stops for its final save {lead:.0f} s ({lead / 60:.0f} min) before the time limit instead "
             f"({FINAL_SAVE_FACTOR:g} x {chosen.write_s:.0f} s + the step + {FINAL_SAVE_MARGIN_S:.0f} s; after its first save, "
             f"{FINAL_SAVE_FACTOR:g} x the longest it measured), and trains that much less per job (faster storage, or LoRA, "
-            "shortens it)"
+            "shortens it); a dead node stops the job after at most "
+            f"{collective_timeout(chosen.step_s or 0.0, chosen.write_s)[0]:.0f} s (the collective timeout, never shorter "
+            f"than {SAVE_FACTOR:g} x a save)"
         )
     return out
 

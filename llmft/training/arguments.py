@@ -61,6 +61,7 @@ class LlmftArguments:
     # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.training.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
     fp16_flag: bool | None = field(default=None, init=False, repr=False)
+    ddp_timeout_given: bool = field(default=False, init=False, repr=False)  # else llmft sizes it
     eval_dataset_name: str | None = field(
         default=None,
         metadata={"help": "Evaluation data: a file/directory, or a hub dataset (its --dataset_test_split)."},

@@ -21,6 +21,7 @@ from pathlib import Path
 from trl import TrlParser
 
 from llmft.errors import LlmftError
+from llmft.planning.collective_timeout import STARTUP_S
 from llmft.planning.ds_config import load_config, template_path
 
 USED, PASSED, CHECKED, REFUSED, EVAL = "used", "passed", "checked", "refused", "eval"
@@ -342,6 +343,10 @@ class TrainParser(TrlParser):
         # itself when not given (llmft.packing.choose_padding_free)
         self.set_defaults(fp16=None, padding_free=None)
         self.precision_flags: dict[str, bool | None] = {"bf16": None, "fp16": None}
+        # None: not given; llmft then sizes the collective timeout from the run (llmft.training.collective_timeout)
+        if any("--ddp_timeout" in a.option_strings for a in self._actions):
+            self.set_defaults(ddp_timeout=None)
+        self.ddp_timeout_given = False
 
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)
@@ -354,6 +359,9 @@ class TrainParser(TrlParser):
                     ns.gradient_checkpointing_kwargs,
                     None,
                 )
+        if hasattr(ns, "ddp_timeout"):
+            self.ddp_timeout_given = ns.ddp_timeout is not None
+            ns.ddp_timeout = int(STARTUP_S) if ns.ddp_timeout is None else ns.ddp_timeout
         if hasattr(ns, "bf16") and hasattr(ns, "fp16"):
             self.precision_flags = {"bf16": ns.bf16, "fp16": ns.fp16}
             ns.bf16, ns.fp16 = False, False
@@ -370,6 +378,7 @@ class TrainParser(TrlParser):
         for obj in out:
             if hasattr(obj, "bf16_flag"):
                 obj.bf16_flag, obj.fp16_flag = self.precision_flags["bf16"], self.precision_flags["fp16"]
+                obj.ddp_timeout_given = self.ddp_timeout_given
         return out
 
 

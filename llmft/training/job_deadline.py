@@ -190,10 +190,10 @@ def parameter_counts(model) -> tuple[int, int]:
     return total, trainable
 
 
-def time_each_save(trainer, deadline: JobDeadline | None, log) -> None:
+def time_each_save(trainer, deadline: JobDeadline | None, log, timeout=None) -> None:
     """Time every checkpoint save, from the Trainer's _save_checkpoint to the end of the on_save callbacks that check,
     publish and rotate it (rank 0 ends after the barrier every rank reaches once its files are written), log it, and
-    give it to the deadline."""
+    give it to the deadline (rank 0 of a Slurm job) and to the collective timeout (every rank)."""
     save, on_save = trainer._save_checkpoint, trainer.callback_handler.on_save
     started: list[float] = []
 
@@ -205,6 +205,8 @@ def time_each_save(trainer, deadline: JobDeadline | None, log) -> None:
         out = on_save(*args, **kwargs)
         if started:
             seconds = time.monotonic() - started.pop()
+            if timeout is not None:
+                timeout.save_measured(seconds)
             line = f"checkpoint-{trainer.state.global_step} written and published in {seconds:.1f} s"
             if deadline is not None:
                 deadline.record_save(seconds)
