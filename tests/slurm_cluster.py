@@ -1,6 +1,7 @@
 """A real local Slurm cluster for the tests: slurm/local/start.sh once per session, stop.sh at the end.
 
-Nothing here imitates Slurm: jobs go through sbatch to slurmctld and run on two slurmd (n1, n2).
+Nothing here imitates Slurm: jobs go through sbatch to slurmctld and run on slurmd n1 and n2 (partition debug, the default),
+and n3 besides them in the hidden partition spare.
 If Slurm cannot be installed or started the tests FAIL (in CI and outside it), they never skip.
 """
 
@@ -125,7 +126,7 @@ def build_pyxis_standin(state: Path) -> Path:
 
 
 def start_cluster(state: Path) -> SlurmCluster:
-    """Start munge, slurmctld and slurmd n1/n2 (installed by `make test`'s set-up step, tests/system_deps.sh)."""
+    """Start munge, slurmctld and slurmd n1-n3 (installed by `make test`'s set-up step, tests/system_deps.sh)."""
     plugstack = build_pyxis_standin(state)
     proc = subprocess.run(
         ["bash", str(LOCAL / "start.sh"), "--plugstack", str(plugstack), str(state)],

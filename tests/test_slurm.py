@@ -1,4 +1,5 @@
-"""slurm/run_llm.slurm on a real local Slurm cluster (slurm/local: munge, slurmctld, slurmd n1 + n2).
+"""slurm/run_llm.slurm on a real local Slurm cluster (slurm/local: munge, slurmctld, slurmd n1 + n2, and n3 in
+a hidden partition).
 
 Jobs are submitted with sbatch exactly as a user would, run srun + torchrun + DeepSpeed for real on
 two Slurm nodes, and are preempted the way Slurm does it (USR1 to the batch shell, scontrol requeue).
@@ -7,6 +8,7 @@ two Slurm nodes, and are preempted the way Slurm does it (USR1 to the batch shel
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -865,9 +867,92 @@ def test_stop_ends_only_the_daemons_its_cluster_started(cluster, tmp_path):
     other = tmp_path / "other"
     start_cluster(other)
     pids = [line.split() for line in (other / "run" / "started.pids").read_text().splitlines()]
-    assert [name for name, _ in pids] == ["munged", "slurmctld", "slurmd", "slurmd"]
+    assert [name for name, _ in pids] == ["munged", "slurmctld", "slurmd", "slurmd", "slurmd"]
     stop_cluster(other)
     for name, pid in pids:
         assert not Path(f"/proc/{pid}").exists() or name not in Path(f"/proc/{pid}/comm").read_text(), (name, pid)
     # The session's cluster is untouched.
-    assert cluster.cmd(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout.split() == ["n1", "idle", "n2", "idle"]
+    nodes = sorted(set(cluster.cmd(["sinfo", "-a", "-h", "-N", "-o", "%N %t"]).stdout.splitlines()))
+    assert nodes == ["n1 idle", "n2 idle", "n3 idle"], nodes
+
+
+def test_a_rank_killed_mid_run_names_its_node_and_the_job_requeues_once_without_it(
+    cluster, tiny_model, tiny_data, tmp_path
+):
+    """A rank dies (SIGKILL from tests/kill_hook, once checkpoint-2 is complete: the attempt made progress) on node n2
+    of a 2-node job in the partition with a spare node. The job ends within seconds, not at a collective timeout; it
+    names the rank and the node in one line, requeues itself once with n2 excluded, and the restart trains on n1
+    and the spare n3 from the newest complete checkpoint to the end."""
+    max_steps = 12
+    ckpt = tmp_path / "ckpt"
+    marker = ckpt / "checkpoint-2" / "llmft_complete.json"
+    knobs = (
+        f"--export=ALL,MAX_STEPS={max_steps},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,"
+        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
+    )
+    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
+    job = cluster.sbatch(
+        ["--partition=spare", "--nodes=2", str(SCRIPT), knobs],
+        cwd=tmp_path,
+        LLMFT_TEST_KILL_NODE="n2",
+        LLMFT_TEST_KILL_AFTER=str(marker),
+        LLMFT_TEST_KILL_RECORD=str(tmp_path / "killed"),
+        PYTHONPATH=hook,
+    )
+    log = tmp_path / f"llmft-{job}.out"
+    requeued_at = None
+    deadline = time.time() + 900
+    while requeued_at is None and time.time() < deadline:
+        if f"requeueing job {job} (restart 1 of at most 3 after failures)" in read(log):
+            requeued_at = time.time()
+        time.sleep(0.2)
+    info = cluster.wait(job, timeout=900)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
+    assert info["ExcNodeList"] == "n2" and info["NodeList"] == "n[1,3]", info
+    rank, killed_at = (tmp_path / "killed").read_text().split()
+    assert requeued_at is not None and requeued_at - float(killed_at) < 120, text  # not the 30-minute default
+    failed = rf"run_llm.slurm: training failed \(exit \d+\): rank {rank} on node n2 failed first \(exit code -9, SIGKILL\)\n"
+    assert len(re.findall(failed, text)) == 1, text
+    requeue = re.search(
+        rf"requeueing job {job} \(restart 1 of at most 3 after failures\) from checkpoint-(\d+), excluding node\(s\) n2\n",
+        text,
+    )
+    assert requeue, text
+    assert "requeued after failures 0 of at most 3 times\n" in text, text
+    first, second = text.split("restart 1, submitted", 1)
+    assert second.split("\n", 1)[0].endswith("requeued after failures 1 of at most 3 times"), second
+    assert "run_llm.slurm: nodes 2: n1 n2;" in first and "run_llm.slurm: nodes 2: n1 n3;" in second, text
+    resumed = int(re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", second).group(1))
+    assert resumed >= int(requeue.group(1)) >= 2
+    assert step_lines(second) == list(range(resumed + 1, max_steps + 1))
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == max_steps
+
+
+def test_a_failed_attempt_that_wrote_no_checkpoint_is_not_requeued(cluster, tiny_model, tiny_data, tmp_path):
+    """A rank on n2 dies before the first checkpoint: a restart would fail the same way, so the job fails once,
+    names the rank and node, and says why it is not requeued."""
+    ckpt = tmp_path / "ckpt"
+    knobs = (
+        f"--export=ALL,MAX_STEPS=4,GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,"
+        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix}"
+    )
+    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
+    job = cluster.sbatch(
+        [str(SCRIPT), knobs],
+        cwd=tmp_path,
+        LLMFT_TEST_KILL_NODE="n2",
+        LLMFT_TEST_KILL_AFTER=str(tiny_model / "config.json"),  # there from the start: killed as it starts
+        LLMFT_TEST_KILL_RECORD=str(tmp_path / "killed"),
+        PYTHONPATH=hook,
+    )
+    info = cluster.wait(job, timeout=600)
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{text}"
+    rank = (tmp_path / "killed").read_text().split()[0]
+    failed = rf"run_llm.slurm: training failed \(exit \d+\): rank {rank} on node n2 failed first \(exit code -9, SIGKILL\)\n"
+    assert re.search(failed, text), text
+    assert (
+        "run_llm.slurm: not requeueing: this attempt wrote no new complete checkpoint (newest: none), "
+        "so another would fail the same way\n"
+    ) in text, text

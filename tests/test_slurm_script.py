@@ -55,6 +55,10 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
             ["SAVE_TOTAL_LIMIT=-1"],
             "SAVE_TOTAL_LIMIT=-1 is not a number of checkpoints; use 0 (keep all) or more (default 2)",
         ),
+        (
+            ["MAX_RESTARTS=three"],
+            "MAX_RESTARTS=three is not a number of restarts; use 0 (never requeue a failed attempt) or more (default 3)",
+        ),
         (["--export=ALL,OFFLOAD=maybe"], "OFFLOAD=maybe is not a boolean"),
         (["--export=ALL,OFFLOAD=1,ZERO_STAGE=1"], "OFFLOAD=1 needs ZERO_STAGE=2 or 3"),
         (["--export=ALL,OFFLOAD=1,ZERO_STAGE=auto"], "ZERO_STAGE=auto chooses the offload itself; drop OFFLOAD=1"),
@@ -139,6 +143,7 @@ def test_help_documents_every_knob_with_its_default():
         "GLOBAL_BATCH=32",
         "MICRO_BATCH=4",
         "SAVE_TOTAL_LIMIT=2",
+        "MAX_RESTARTS=3",
         "NCCL_PROFILE=",
         "CONTAINER_IMAGE=",
         "VENV=",

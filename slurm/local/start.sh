@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Start a real Slurm cluster on this one machine: munge, slurmctld and two slurmd (nodes n1, n2),
-# each node with four GPUs as Slurm sees them (empty device files; torch sees no CUDA).
+# Start a real Slurm cluster on this one machine: munge, slurmctld and three slurmd, each node with four
+# GPUs as Slurm sees them (empty device files; torch sees no CUDA). Partition debug (the default) has n1 and
+# n2; the hidden partition spare has n1-n3, for a job that must go on without a node it excluded.
 #
 #   slurm/local/start.sh [--install] [--plugstack FILE] [STATE_DIR]
 #   export SLURM_CONF=STATE_DIR/slurm.conf      # then: sinfo, sbatch, squeue, scontrol ...
@@ -75,7 +76,7 @@ port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 ports=()
 p=${LLMFT_SLURM_PORT_BASE:-16817}
 [[ "$p" =~ ^[0-9]+$ ]] || die "LLMFT_SLURM_PORT_BASE must be a port number, got '$p'"
-while (( ${#ports[@]} < 3 )); do
+while (( ${#ports[@]} < 4 )); do
   (( p < 65000 )) || die "no free ports found from ${LLMFT_SLURM_PORT_BASE:-16817} up"
   if port_free "$p"; then ports+=("$p"); fi
   p=$((p + 1))
@@ -94,7 +95,7 @@ plugstack_line="# PlugStackConfig: none (start.sh --plugstack FILE)"
 if [[ -n "$plugstack" ]]; then plugstack_line="PlugStackConfig=$plugstack"; fi
 render() {
   sed -e "s|@STATE@|$state|g" -e "s|@HOST@|$host|g" -e "s|@USER@|$user|g" -e "s|@CPUS@|$cpus|g" -e "s|@MEM@|$mem|g" -e "s|@PLUGSTACK@|$plugstack_line|g" \
-      -e "s|@CTLD_PORT@|${ports[0]}|g" -e "s|@N1_PORT@|${ports[1]}|g" -e "s|@N2_PORT@|${ports[2]}|g" "$1" > "$2"
+      -e "s|@CTLD_PORT@|${ports[0]}|g" -e "s|@N1_PORT@|${ports[1]}|g" -e "s|@N2_PORT@|${ports[2]}|g" -e "s|@N3_PORT@|${ports[3]}|g" "$1" > "$2"
 }
 render "$here/slurm.conf.in" "$state/slurm.conf"
 render "$here/gres.conf.in" "$state/gres.conf"
@@ -122,20 +123,20 @@ wait_pidfile munged "$state/run/munged.pid"
 
 slurmctld -c -f "$state/slurm.conf" || die "slurmctld failed to start; see $state/log/slurmctld.log"
 wait_pidfile slurmctld "$state/run/slurmctld.pid"
-for n in n1 n2; do
+for n in n1 n2 n3; do
   slurmd -N "$n" -f "$state/slurm.conf" || die "slurmd $n failed to start; see $state/log/slurmd-$n.log"
   wait_pidfile slurmd "$state/run/slurmd-$n.pid"
 done
 
-# Ready when both nodes are idle.
+# Ready when every node is idle (sinfo -a: also the hidden partition's).
 for _ in $(seq 1 120); do
-  idle=$(sinfo -h -N -o '%N %t' 2>/dev/null | grep -c ' idle' || true)
-  if [[ "$idle" == 2 ]]; then
+  idle=$(sinfo -a -h -N -o '%N %t' 2>/dev/null | sort -u | grep -c ' idle' || true)
+  if [[ "$idle" == 3 ]]; then
     {
       echo "# source this file to use the local cluster"
       echo "export SLURM_CONF=$state/slurm.conf"
     } > "$state/env"
-    echo "local Slurm cluster up: nodes n1 n2 (4 GPUs each as Slurm sees them), controller port ${ports[0]}"
+    echo "local Slurm cluster up: nodes n1 n2, and n3 in the hidden partition spare (4 GPUs each as Slurm sees them), controller port ${ports[0]}"
     echo "export SLURM_CONF=$state/slurm.conf"
     exit 0
   fi
