@@ -1,6 +1,7 @@
 """The training stall per checkpoint, synchronous saves against --async_save, side by side.
 
     python bench/bench_async_save.py            # GPT-2 124M shape, 1 process, ZeRO-2, fp32 (CPU), 3 checkpoints per run
+    python bench/bench_async_save.py --model llama-1b --max_length 1024 --save_steps 20   # on a GPU: 1.24B, bf16
 
 Three `llmft train` runs through bench/timed_train.py, alternated: no checkpoints, synchronous checkpoints, and
 --async_save, all with the same steps. The checkpoints (2 GB each here) go to this machine's disk, where one takes
@@ -9,7 +10,9 @@ checkpoints, the loop time running from the first step's end to the last step's 
 costs training: the write itself (synchronous), the serialisation into memory (async), and any slowdown of the
 steps while a background write goes on. The last step is no save step, so every checkpoint measured is a periodic
 one (a stop save and the last save are synchronous in both modes). Also printed: how long Trainer._save_checkpoint
-held training each time, and the run's peak host RSS (the async snapshot's memory).
+held training each time, and the run's peak host RSS (the async snapshot's memory). Last, the checkpoint's size and
+write time against the planner's figures (llmft.planning.memory.checkpoint_bytes, and its write time at the
+bandwidth this disk showed and at the planner's 100 MB/s shared-filesystem default).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from pathlib import Path
 
 from benchlib import REPO, demo_model, environment, gpt2_124m_model, launcher, run
 
+from llmft.planning.memory import WRITE_MB_S, checkpoint_bytes
+from llmft.planning.model_shape import load_model_config, model_shape
+
 SAVE_RE = re.compile(r"bench: checkpoint-(\d+) save ([\d.]+) s")
 STEP_END_RE = re.compile(r"bench: step (\d+) end ([\d.]+)")
 
@@ -31,9 +37,16 @@ def main() -> None:
     p.add_argument("--save_steps", type=int, default=30)
     p.add_argument("--checkpoints", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--model", choices=("gpt2-124m", "llama-1b"), default="gpt2-124m", help="llama-1b needs CUDA")
+    p.add_argument("--max_length", type=int, default=64)
     a = p.parse_args()
 
-    model = gpt2_124m_model(a.root)
+    if a.model == "llama-1b":
+        from gpu import build_model
+
+        model = build_model(a.root)
+    else:
+        model = gpt2_124m_model(a.root)
     _, data = demo_model(a.root)
     max_steps = a.save_steps * a.checkpoints + a.save_steps // 2
     print(environment())
@@ -42,6 +55,8 @@ def main() -> None:
         f"{'run':<10} {'loop s':>8} {'median step s':>14} {'stall/ckpt s':>13} {'save call s (each)':>28} {'peak RSS GiB':>13}"
     )
     loops: dict[str, list[float]] = {}
+    sync_saves: list[float] = []
+    ckpt_bytes = 0
     for i in range(a.repeats):
         for name in ("none", "sync", "async"):
             out = a.root / name
@@ -62,7 +77,7 @@ def main() -> None:
                     "--global_batch_size",
                     "1",
                     "--max_length",
-                    "64",
+                    str(a.max_length),
                     "--max_steps",
                     str(max_steps),
                     "--learning_rate",
@@ -83,6 +98,9 @@ def main() -> None:
             steps = [ends[s] - ends[s - 1] for s in range(2, max_steps + 1) if (s - 1) % a.save_steps]
             saves = [float(s) for _, s in SAVE_RE.findall(r.stdout)]
             loops.setdefault(name, []).append(loop)
+            if name == "sync":
+                sync_saves += saves
+                ckpt_bytes = checkpoint_size(out)
             stall = (loop - loops["none"][-1]) / a.checkpoints if name != "none" else 0.0
             rss = r.summary()["peak_host_rss_gib"]
             print(
@@ -96,6 +114,49 @@ def main() -> None:
         f"({asyn / sync:.3f}x)"
         if sync > 0
         else "no stall measured for synchronous saves"
+    )
+    print(against_planner(model, ckpt_bytes, sync_saves, a.root))
+
+
+def checkpoint_size(out: Path) -> int:
+    """Bytes of the newest checkpoint directory of a run."""
+    newest = max(out.glob("checkpoint-*"), key=lambda d: int(d.name.split("-")[1]))
+    return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+
+
+def disk_write_mb_s(root: Path, size_mb: int = 1024) -> float:
+    """This disk's sequential write bandwidth: size_mb written in 64 MB blocks and fsynced, then removed."""
+    import os
+    import time
+
+    block = os.urandom(64 * 2**20)
+    path = root / "bench_disk_write.tmp"
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(size_mb // 64):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return size_mb * 2**20 / seconds / 1e6
+
+
+def against_planner(model: Path, measured_bytes: int, saves: list[float], root: Path) -> str:
+    """The planner's checkpoint size and write time (bytes / bandwidth) against the synchronous saves, with the
+    bandwidth this disk showed for a plain sequential write."""
+    import torch
+
+    precision = "bf16" if torch.cuda.is_available() else "fp32"  # what llmft train chose (--precision auto)
+    planned = checkpoint_bytes(model_shape(load_model_config(str(model))), 2, precision)
+    save = statistics.median(saves)
+    disk = disk_write_mb_s(root)
+    planned_s = planned / (disk * 1e6)
+    return (
+        f"checkpoint {measured_bytes / 1e6:.0f} MB measured, {planned / 1e6:.0f} MB planned ({measured_bytes / planned:.3f}x); "
+        f"median synchronous save {save:.2f} s; this disk writes {disk:.0f} MB/s, at which the planner's figure is "
+        f"{planned_s:.2f} s (measured {save / planned_s:.2f}x that), and {planned / (WRITE_MB_S[None] * 1e6):.0f} s at "
+        f"its {WRITE_MB_S[None]:g} MB/s shared-filesystem default"
     )
 
 
