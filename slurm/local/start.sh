@@ -91,11 +91,12 @@ if (( cpus < 16 )); then cpus=16; fi
 # Each node's memory as Slurm sees it: this machine's (MB), so a job with --mem=0 (run_llm.slurm) gets what the
 # machine has; memory is not a consumable resource here (CR_Core), so jobs still share the nodes.
 mem=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024}' /proc/meminfo)
+first_job_id=$(( 1 + (ports[0] % 25) * 400 ))  # 25 ranges of 400 ids: ports 4 apart get different ones
 plugstack_line="# PlugStackConfig: none (start.sh --plugstack FILE)"
 if [[ -n "$plugstack" ]]; then plugstack_line="PlugStackConfig=$plugstack"; fi
 render() {
   sed -e "s|@STATE@|$state|g" -e "s|@HOST@|$host|g" -e "s|@USER@|$user|g" -e "s|@CPUS@|$cpus|g" -e "s|@MEM@|$mem|g" -e "s|@PLUGSTACK@|$plugstack_line|g" \
-      -e "s|@CTLD_PORT@|${ports[0]}|g" -e "s|@N1_PORT@|${ports[1]}|g" -e "s|@N2_PORT@|${ports[2]}|g" -e "s|@N3_PORT@|${ports[3]}|g" "$1" > "$2"
+      -e "s|@CTLD_PORT@|${ports[0]}|g" -e "s|@N1_PORT@|${ports[1]}|g" -e "s|@N2_PORT@|${ports[2]}|g" -e "s|@N3_PORT@|${ports[3]}|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" "$1" > "$2"
 }
 render "$here/slurm.conf.in" "$state/slurm.conf"
 render "$here/gres.conf.in" "$state/gres.conf"
