@@ -96,3 +96,54 @@ def test_ddp_timeout_given_is_kept_and_not_given_is_sized(argv, given, value):
     parsed = parse_train_flags(make_parser(), ["--model_name_or_path", "m", "--dataset_name", "d", *argv])
     training, extra = parsed[1], parsed[3]
     assert (extra.ddp_timeout_given, training.ddp_timeout) == (given, value)
+
+
+class Control:
+    should_save = False
+
+
+def drive(monkeypatch, **kwargs) -> tuple[object, list[str], list[float]]:
+    """The callback with torch's setter replaced by a recorder (the real one is tested above and in test_async_save)."""
+    from llmft.training import collective_timeout as ct
+
+    applied: list[float] = []
+    monkeypatch.setattr(ct, "set_timeout", lambda s: applied.append(s) or s)
+    lines: list[str] = []
+    cb = ct.callback(lines.append, **kwargs)
+    cb.on_train_begin(None, None, Control())
+    return cb, lines, applied
+
+
+def test_the_callback_lowers_after_five_steps_raises_for_a_save_and_resets_after_training(monkeypatch):
+    cb, lines, applied = drive(monkeypatch, given_s=None, estimated_save_s=1500.0, longest_save_s=None)
+    for _ in range(5):
+        cb.on_step_end(None, None, Control())
+    saving = Control()
+    saving.should_save = True
+    cb.on_step_end(None, None, saving)  # a first save: the planner's 1500 s, twice
+    cb.save_measured(200.0)  # measured: back down to 2 x 200 s between saves
+    cb.on_train_end(None, None, Control())
+    assert lines == [
+        "collective timeout 1800 s (start-up, nothing measured yet)",
+        "collective timeout 300 s (at least 300 s)",
+        "collective timeout 3000 s (a first save: 2 x the planner's estimate 1500 s)",
+        "collective timeout 400 s (2 x the longest save 200.0 s)",
+        "collective timeout 1800 s (after training)",
+    ]
+    assert applied == [1800.0, 300.0, 3000.0, 400.0, 1800.0]
+
+
+def test_a_requeued_run_starts_from_the_save_an_earlier_attempt_measured(monkeypatch):
+    _, lines, _ = drive(monkeypatch, given_s=None, estimated_save_s=10.0, longest_save_s=1200.0)
+    assert lines == ["collective timeout 2400 s (start-up: 2 x the longest save 1200.0 s)"]
+
+
+def test_ddp_timeout_given_is_never_changed_and_warned_when_shorter_than_a_save(monkeypatch):
+    cb, lines, applied = drive(monkeypatch, given_s=600, estimated_save_s=964.0, longest_save_s=None)
+    for _ in range(10):
+        cb.on_step_end(None, None, Control())
+    cb.on_train_end(None, None, Control())
+    assert applied == [] and lines == [
+        "collective timeout 600 s (--ddp_timeout, as given: not sized from the run); "
+        "warning: shorter than 2 x a save (964 s), which may then time out"
+    ]
