@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 from pathlib import Path
 
@@ -39,6 +40,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--model", choices=("gpt2-124m", "llama-1b"), default="gpt2-124m", help="llama-1b needs CUDA")
     p.add_argument("--max_length", type=int, default=64)
+    p.add_argument(
+        "--save_total_limit",
+        type=int,
+        default=None,
+        help="complete checkpoints kept during a run (the 1B model's are 15 GB each: 1 fits a 64 GB disk)",
+    )
     a = p.parse_args()
 
     if a.model == "llama-1b":
@@ -90,6 +97,7 @@ def main() -> None:
                     "10",
                 ]
                 + (["--save_strategy", "no"] if name == "none" else ["--save_steps", str(a.save_steps)])
+                + ([] if a.save_total_limit is None else ["--save_total_limit", str(a.save_total_limit)])
             )
             cmd += ["--async_save"] if name == "async" else []
             r = run(name, cmd, out)
@@ -103,6 +111,8 @@ def main() -> None:
                 ckpt_bytes = checkpoint_size(out)
             stall = (loop - loops["none"][-1]) / a.checkpoints if name != "none" else 0.0
             rss = r.summary()["peak_host_rss_gib"]
+            for done in out.glob("checkpoint-*"):  # measured: the next run needs the disk space
+                shutil.rmtree(done)
             print(
                 f"{name + str(i):<10} {loop:>8.1f} {statistics.median(steps):>14.3f} {stall:>13.2f} "
                 f"{' '.join(f'{s:.2f}' for s in saves) or '-':>28} {rss:>13.2f}"
