@@ -1,15 +1,18 @@
 """How long DeepSpeed's save_checkpoint holds training: its default engine (torch.save to the files) against
-llmft's BackgroundWriter (--async_save: serialise into memory, a thread writes), alternated, in one process.
+llmft's BackgroundWriter (--async_save: a host snapshot, then a thread writes), alternated, in one process.
 
-    python bench/async_save_stall.py [--layers 6] [--repeats 3]
+    python bench/async_save_stall.py [--layers 6] [--repeats 3]        # GPT-2-shaped, fp32, CPU (gloo)
+    python bench/async_save_stall.py --model llama-1b --repeats 1      # on a GPU: 1.1B Llama shape, bf16, NCCL
 
-A GPT-2-shaped model (768 wide, 50257 vocabulary, random weights) under ZeRO-2 on one CPU process (gloo) takes one
-step, then saves repeatedly into a fresh directory on this machine's disk. Printed per save: the seconds
-save_checkpoint blocked, and for the background writer also the seconds until its files were on disk (fsynced).
-The full training-loop bench is bench/bench_async_save.py.
+One ZeRO-2 process takes one optimizer step, then saves repeatedly into a fresh directory on this machine's disk.
+Printed per save: the seconds save_checkpoint blocked and, for the background writers, the seconds until their files
+were on disk (fsynced; a synchronous save's are flushed with os.sync). `bytesio` is the earlier --async_save, which
+serialised the whole state into a BytesIO on the training thread, kept here to measure the change side by side. The
+full training-loop bench is bench/bench_async_save.py.
 """
 
 import argparse
+import io
 import os
 import shutil
 import sys
@@ -19,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 p = argparse.ArgumentParser()
-p.add_argument("--layers", type=int, default=6)
+p.add_argument("--model", choices=("gpt2", "llama-1b"), default="gpt2")
+p.add_argument("--layers", type=int, default=6, help="gpt2 only")
 p.add_argument("--repeats", type=int, default=3)
 p.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1] / "runs" / "async_save_stall")
 a = p.parse_args()
@@ -27,39 +31,92 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from llmft.training.async_save import BackgroundWriter  # noqa: E402
+from llmft.training.async_save import BackgroundWriter, partial_path  # noqa: E402
 
-deepspeed.init_distributed(dist_backend="gloo")
-model = GPT2LMHeadModel(GPT2Config(n_layer=a.layers))
+
+def write_bytes(path, data) -> None:
+    tmp = partial_path(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class BytesIOWriter(BackgroundWriter):
+    """The earlier --async_save: torch.save into a BytesIO on the training thread, a thread writes the bytes."""
+
+    def __init__(self):
+        super().__init__(lambda: False, write=write_bytes)
+
+    def save(self, state_dict, path):
+        buffer = io.BytesIO()
+        torch.save(state_dict, buffer)
+        data = buffer.getbuffer()
+        with self._lock:
+            self._pending += 1
+            self.bytes_in_flight += data.nbytes
+        self._queue.put((Path(path), data, [], None, data.nbytes))
+
+
+def build_model():
+    if a.model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(n_layer=a.layers)), "gloo", {}
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(  # bench/gpu.py's 1.1B shape
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model, "nccl", {"bf16": {"enabled": True}}
+
+
+model, backend, precision = build_model()
+deepspeed.init_distributed(dist_backend=backend)
 cfg = {
     "train_micro_batch_size_per_gpu": 1,
     "gradient_accumulation_steps": 1,
     "zero_optimization": {"stage": 2},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    **precision,
 }
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-ids = torch.randint(0, 1000, (1, 64))
+ids = torch.randint(0, 1000, (1, 64), device=engine.device)
 engine.backward(engine(input_ids=ids, labels=ids).loss)
 engine.step()
-torch_engine, writer = engine.checkpoint_engine, BackgroundWriter(lambda: False)
+torch_engine, writer, bytesio = engine.checkpoint_engine, BackgroundWriter(lambda: False), BytesIOWriter()
 params = sum(p.numel() for p in model.parameters())
-print(f"GPT-2 {a.layers} x 768, {params / 1e6:.0f}M parameters, ZeRO-2, fp32, 1 process; torch {torch.__version__}")
+device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+print(
+    f"{a.model}, {params / 1e6:.0f}M parameters, ZeRO-2, {'bf16' if precision else 'fp32'}, 1 process on {device}; "
+    f"torch {torch.__version__}, deepspeed {deepspeed.__version__}; {time.strftime('%Y-%m-%d %H:%M %Z')}"
+)
 print(f"{'engine':<12} {'blocked s':>10} {'on disk s':>10} {'MB':>8}")
+engines = [("snapshot", writer), ("torch.save", torch_engine), ("bytesio", bytesio)]
 for i in range(a.repeats):
-    for name, ce in (("torch.save", torch_engine), ("background", writer)):
+    for name, ce in engines + ([("snapshot", writer)] if i == a.repeats - 1 else []):
         out = a.root / f"{name}-{i}"
         shutil.rmtree(out, ignore_errors=True)
         engine.checkpoint_engine = ce
         t = time.perf_counter()
         engine.save_checkpoint(str(out))
         blocked = time.perf_counter() - t
-        if ce is writer:
-            writer.wait()
-        else:
+        if ce is torch_engine:
             os.sync()  # the synchronous save's bytes are in the page cache: count their flush like the writer's fsync
+        else:
+            ce.wait()
         on_disk = time.perf_counter() - t
         size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
         print(f"{name:<12} {blocked:>10.2f} {on_disk:>10.2f} {size:>8.0f}", flush=True)
         shutil.rmtree(out, ignore_errors=True)
+pinned = sum(h.numel() for pairs in writer._snapshots._free.values() for h, pin in pairs if pin)
+print(f"snapshot buffers: {writer._snapshots.allocated_bytes / 1e9:.2f} GB held, {pinned / 1e9:.2f} GB page-locked")

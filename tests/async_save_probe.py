@@ -22,10 +22,10 @@ HOLD, RELEASE = f"checkpoint-{os.environ['LLMFT_PROBE_HOLD_CKPT']}", int(os.envi
 released = threading.Event()
 
 
-def held_write(path, data):
+def held_write(path, state, *args, **kwargs):
     if HOLD in Path(path).parts:
         released.wait(timeout=600)
-    return original_write(path, data)
+    return original_write(path, state, *args, **kwargs)
 
 
 class Release(TrainerCallback):

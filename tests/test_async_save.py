@@ -47,18 +47,26 @@ def test_a_background_save_returns_before_its_file_is_written_and_keeps_the_stat
 
     sync = {"now": False}
     writer = BackgroundWriter(lambda: sync["now"], write=slow_write)
-    state = {"w": torch.arange(6.0), "step": 3}
+    state = {"w": torch.arange(6.0), "step": 3, "param_groups": [{"lr": 0.5}]}
     state["tied"] = state["w"][:3]  # a view of the same storage: saved once, as torch.save does
     target = tmp_path / "optim_states.pt"
     writer.save(state, str(target))
     state["w"].add_(100)  # the next optimizer step changes the tensor in place: the snapshot keeps the saved values
+    state["param_groups"][0]["lr"] = 0.25  # and the scheduler its groups' values
     assert writer.busy() and not target.exists() and not partial_path(target).exists()
     gate.set()
     writer.wait()
     assert not writer.busy() and written == [target] and not partial_path(target).exists()
     loaded = torch.load(target)
     assert torch.equal(loaded["w"], torch.arange(6.0)) and loaded["step"] == 3
+    assert loaded["param_groups"] == [{"lr": 0.5}]
     assert loaded["tied"].untyped_storage().data_ptr() == loaded["w"].untyped_storage().data_ptr()
+    # the next save reuses the host buffers: a run holds one checkpoint's bytes, as the planner counts
+    gate.set()
+    writer.save(state, str(tmp_path / "again.pt"))
+    writer.wait()
+    assert writer._snapshots.allocated_bytes == state["w"].nbytes
+    assert torch.equal(torch.load(tmp_path / "again.pt")["w"], torch.arange(6.0) + 100)
 
     sync["now"] = True  # the stop save and the last save: on disk when save() returns
     writer.save(state, str(tmp_path / "sync.pt"))

@@ -494,10 +494,11 @@ def checkpoint_bytes(shape: ModelShape, zero_stage: int, precision: str) -> int:
 
 
 def async_save_bytes(shape: ModelShape, zero_stage: int, precision: str, nproc_per_node: int, world: int) -> int:
-    """Host RAM on the first node while an --async_save checkpoint is written (llmft.training.async_save): the files its
-    ranks write through DeepSpeed's checkpoint engine, serialised in memory: each rank's optimizer shard (12 T / N: the
-    fp32 masters are ZeRO-3's weights too) and, under ZeRO-0/1/2, rank 0's module states (w T). A LoRA adapter is
-    written by the Trainer itself, synchronously. One node: `checkpoint_bytes` of a full fine-tune."""
+    """Host RAM on the first node for --async_save checkpoints (llmft.training.async_save): the files its ranks write
+    through DeepSpeed's checkpoint engine, snapshotted into host buffers (page-locked on a GPU, kept from the first
+    background save until the first synchronous one): each rank's optimizer shard (12 T / N: the fp32 masters are
+    ZeRO-3's weights too) and, under ZeRO-0/1/2, rank 0's module states (w T). A LoRA adapter is written by the
+    Trainer itself, synchronously. One node: `checkpoint_bytes` of a full fine-tune."""
     w = element_bytes(precision)["w"]
     T = shape.trainable
     return int(12 * T / world * nproc_per_node + (0 if zero_stage == 3 else w * T))

@@ -1,11 +1,13 @@
 """Periodic checkpoints written while training goes on (`--async_save`).
 
 DeepSpeed writes a checkpoint through its engine's `checkpoint_engine.save(state_dict, path)`, one call per file
-(module states, each rank's optimizer shard). `BackgroundWriter` takes that place: it serialises the state into host
-memory (`torch.save` into a buffer: the same bytes the synchronous save writes, a consistent snapshot of tensors the
-next optimizer step changes in place) and returns; a thread of the rank writes the bytes to
-`.<name>.partial` beside the final path, fsyncs and renames it. Training waits only for the serialisation (and, on a
-GPU, the device-to-host copy it includes).
+(module states, each rank's optimizer shard). `BackgroundWriter` takes that place: it snapshots the state into host
+memory and returns; a thread of the rank `torch.save`s the snapshot to `.<name>.partial` beside the final path, fsyncs
+and renames it. The snapshot copies each tensor's whole storage once (views keep sharing it, as torch.save writes them)
+into host buffers that are kept and reused from save to save; on a GPU they are page-locked, so the device-to-host
+copy is a DMA queued on the training stream (it precedes the next step's in-place updates) that the writer thread
+waits for. Training waits only for queueing those copies. An earlier version serialised the whole state into a
+`BytesIO` on the training thread: on an H100 that held training longer than a synchronous save did (bench/README.md).
 
 Why not DeepSpeed 0.19.8's own writers (bench/README.md, "Saves that do not stall training"): any
 `"checkpoint": {"writer": ...}` fails under torchrun (it reads CROSS_RANK/CROSS_SIZE, set only by DeepSpeed's launcher)
@@ -19,18 +21,21 @@ What stays as it was:
   and the rank reports that list the files are taken then;
 - the stop save, the save at the last step and every save after training are written synchronously
   (`synchronous()` says so at save time), so a run that ends has its checkpoint on disk when it exits;
-- one checkpoint in flight at a time: a save waits for the previous one's writes first, so host memory holds at most
-  one checkpoint's bytes per rank (`llmft.memory.host_ram` counts them as `async_save`).
+- one checkpoint in flight at a time: a save waits for the previous one's writes first, so host memory holds one
+  checkpoint's bytes per rank, kept for reuse from the first background save until the first synchronous one
+  (`llmft.memory.host_ram` counts them as `async_save`).
 """
 
 from __future__ import annotations
 
-import io
+import copy
 import os
 import queue
 import threading
 from pathlib import Path
 from typing import Callable
+
+PIN_MIN_BYTES = 1 << 20  # smaller storages are copied synchronously: page-locking each costs more than it saves
 
 
 def partial_path(path: str | Path) -> Path:
@@ -39,14 +44,116 @@ def partial_path(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def write_file(path: str | Path, data) -> None:
-    """Write `data` (bytes-like) to `path` atomically and durably: a reader sees the whole file or none."""
+def write_file(path: str | Path, state, zipfile_serialization: bool = True) -> None:
+    """`torch.save` `state` to `path` atomically and durably: a reader sees the whole file or none."""
+    import torch
+
     tmp = partial_path(path)
     with open(tmp, "wb") as f:
-        f.write(data)
+        torch.save(state, f, _use_new_zipfile_serialization=zipfile_serialization)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class HostSnapshot:
+    """A copy of a state dict in host buffers that are reused across saves: `take` starts the copies, `release` returns
+    the buffers once the snapshot is written.
+
+    Each distinct storage is copied whole, once, and every tensor becomes the same view of its copy, so the saved file
+    holds what torch.save of the original would (tensors read back from CPU). Containers are rebuilt and other values
+    deep-copied: the next step may change them in place. On CUDA the buffers are allocated at their exact size and
+    page-locked in place (cudaHostRegister; torch's pinned allocator rounds each block up to a power of two)."""
+
+    def __init__(self):
+        self._free: dict[int, list] = {}  # bytes -> unused (host buffer, page-locked) pairs
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0  # host memory held for snapshots: one checkpoint's tensors (llmft.memory counts it)
+
+    def _buffer(self, nbytes: int, pin: bool):
+        import torch
+
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            self.allocated_bytes += nbytes
+        if pin:
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
+            except (RuntimeError, AttributeError):
+                pin = False  # pageable: the copy is then synchronous, still correct
+        return host, pin
+
+    def take(self, state) -> tuple[object, list, object]:
+        """(the snapshot, its buffers, a CUDA event the copies complete at, or None)."""
+        import torch
+
+        storages: dict[tuple, object] = {}  # (device, address, bytes) -> host uint8 copy
+        buffers: list = []
+        memo: dict[int, object] = {}
+        cuda = False
+
+        def host_copy(storage):
+            nonlocal cuda
+            key = (str(storage.device), storage.data_ptr(), storage.nbytes())
+            if key not in storages:
+                pin = storage.device.type == "cuda" and storage.nbytes() >= PIN_MIN_BYTES
+                host, pinned = self._buffer(storage.nbytes(), pin)
+                source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                host.copy_(source, non_blocking=pinned)
+                cuda |= pinned
+                buffers.append((host, pinned))
+                storages[key] = host
+            return storages[key]
+
+        def snap(obj):
+            if id(obj) in memo:
+                return memo[id(obj)]
+            if isinstance(obj, torch.Tensor):
+                host = host_copy(obj.untyped_storage())
+                view = torch.empty(0, dtype=obj.dtype).set_(
+                    host.untyped_storage(), obj.storage_offset(), obj.size(), obj.stride()
+                )
+                if isinstance(obj, torch.nn.Parameter):
+                    view = torch.nn.Parameter(view, requires_grad=obj.requires_grad)
+                elif obj.requires_grad:
+                    view.requires_grad_(True)
+                out = view
+            elif isinstance(obj, dict):
+                out = type(obj)((k, snap(v)) for k, v in obj.items())
+            elif isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+                out = type(obj)(snap(v) for v in obj)
+            else:
+                out = copy.deepcopy(obj)
+            memo[id(obj)] = out
+            return out
+
+        snapshot = snap(state)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return snapshot, buffers, event
+
+    def release(self, buffers: list) -> None:
+        with self._lock:
+            for host, pinned in buffers:
+                self._free.setdefault(host.numel(), []).append((host, pinned))
+
+    def clear(self) -> None:
+        """Give the host memory back (unlocked first): before a synchronous save, which needs its own."""
+        import torch
+
+        with self._lock:
+            for buffers in self._free.values():
+                for host, pinned in buffers:
+                    if pinned:
+                        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+            self._free.clear()
+            self.allocated_bytes = 0
 
 
 class BackgroundWriter:
@@ -60,7 +167,7 @@ class BackgroundWriter:
         self,
         synchronous: Callable[[], bool],
         zipfile_serialization: bool = True,
-        write: Callable[[Path, memoryview], None] | None = None,
+        write: Callable[[Path, object], None] | None = None,
     ):
         self.synchronous = synchronous
         self.zipfile_serialization = zipfile_serialization
@@ -70,6 +177,7 @@ class BackgroundWriter:
         self._lock = threading.Lock()
         self._error: str | None = None
         self.bytes_in_flight = 0
+        self._snapshots = HostSnapshot()
         self._thread = threading.Thread(target=self._run, name="llmft-checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -85,15 +193,15 @@ class BackgroundWriter:
 
         if self.synchronous():
             self.wait()
+            self._snapshots.clear()  # the stop save and those at the end: the run needs no snapshot after them
             torch.save(state_dict, path, _use_new_zipfile_serialization=self.zipfile_serialization)
             return
-        buffer = io.BytesIO()
-        torch.save(state_dict, buffer, _use_new_zipfile_serialization=self.zipfile_serialization)
-        data = buffer.getbuffer()
+        snapshot, buffers, copied = self._snapshots.take(state_dict)
+        nbytes = sum(host.numel() for host, _ in buffers)
         with self._lock:
             self._pending += 1
-            self.bytes_in_flight += data.nbytes
-        self._queue.put((Path(path), data, buffer))
+            self.bytes_in_flight += nbytes
+        self._queue.put((Path(path), snapshot, buffers, copied, nbytes))
 
     def load(self, path: str, map_location=None):
         import torch
@@ -135,18 +243,23 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while True:
-            path, data, buffer = self._queue.get()
+            path, snapshot, buffers, copied, nbytes = self._queue.get()
             try:
+                if copied is not None:
+                    copied.synchronize()
                 if self._error is None:
-                    (self._write or write_file)(path, data)
-            except OSError as e:
-                self._error = f"writing {path} failed: {e.strerror or e}"
+                    if self._write is not None:
+                        self._write(path, snapshot)
+                    else:
+                        write_file(path, snapshot, self.zipfile_serialization)
+            except (OSError, RuntimeError) as e:
+                self._error = f"writing {path} failed: {getattr(e, 'strerror', None) or e}"
             finally:
+                del snapshot
+                self._snapshots.release(buffers)
                 with self._lock:
                     self._pending -= 1
-                    self.bytes_in_flight -= data.nbytes
-                data.release()
-                del buffer
+                    self.bytes_in_flight -= nbytes
                 self._queue.task_done()
 
 
