@@ -5,7 +5,8 @@ The process group starts with --ddp_timeout (1800 s unless given). Once MIN_STEP
 drops to max(300 s, 20 x the median step, 2 x the longest save); before each save it rises to cover the save (the
 first one by the planner's estimate); after training it returns to the start-up value for the final save and
 export. Every rank does this itself, from its own clock: the timeout is per rank. `--ddp_timeout` given by the user
-is kept as given, all run long. Each change is logged once, as torch reports it back.
+is kept as given, all run long, on every group (torch's new_group, which DeepSpeed calls for its data-parallel groups,
+defaults to 30 minutes whatever the default group's timeout). Each change is logged once, as torch reports it back.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def callback(log, *, given_s: float | None, estimated_save_s: float | None, long
                     if bound and given_s < SAVE_FACTOR * bound
                     else ""
                 )
+                set_timeout(given_s)  # DeepSpeed's own groups were made with torch's default, not --ddp_timeout
                 log(f"collective timeout {given_s:.0f} s (--ddp_timeout, as given: not sized from the run){warn}")
             else:
                 self._resize()
