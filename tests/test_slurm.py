@@ -956,3 +956,90 @@ def test_a_failed_attempt_that_wrote_no_checkpoint_is_not_requeued(cluster, tiny
         "run_llm.slurm: not requeueing: this attempt wrote no new complete checkpoint (newest: none), "
         "so another would fail the same way\n"
     ) in text, text
+
+
+def test_a_hung_rank_ends_the_job_at_the_collective_timeout_and_the_job_requeues_without_its_node(
+    cluster, tiny_model, tiny_data, tmp_path
+):
+    """A rank on n2 hangs (tests/kill_hook: its next all_reduce once checkpoint-2 is complete never returns) without
+    dying: its peer on n1 waits in ZeRO's gradient all-reduce until the collective timeout (--ddp_timeout 30, which before this reached only the default
+    group: DeepSpeed's own groups kept torch's 30 minutes). The line blames n2, whose rank stopped answering, not n1,
+    whose rank timed out waiting for it, and the job requeues without n2."""
+    max_steps = 12
+    ckpt = tmp_path / "ckpt"
+    knobs = (
+        f"--export=ALL,MAX_STEPS={max_steps},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,"
+        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix},"
+        "EXTRA_ARGS=--logging_steps 1 --ddp_timeout 30"
+    )
+    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
+    job = cluster.sbatch(
+        ["--partition=spare", "--nodes=2", str(SCRIPT), knobs],
+        cwd=tmp_path,
+        LLMFT_TEST_KILL_NODE="n2",
+        LLMFT_TEST_KILL_SIGNAL="HANG",
+        LLMFT_TEST_KILL_AFTER=str(ckpt / "checkpoint-2" / "llmft_complete.json"),
+        LLMFT_TEST_KILL_RECORD=str(tmp_path / "hung"),
+        PYTHONPATH=hook,
+    )
+    log = tmp_path / f"llmft-{job}.out"
+    requeued_at = None
+    deadline = time.time() + 900
+    while requeued_at is None and time.time() < deadline:
+        if f"requeueing job {job} (restart 1 of at most 3 after failures)" in read(log):
+            requeued_at = time.time()
+        time.sleep(0.2)
+    info = cluster.wait(job, timeout=900)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
+    assert info["ExcNodeList"] == "n2" and info["NodeList"] == "n[1,3]", info
+    first, second = text.split("restart 1, submitted", 1)
+    assert "llmft: collective timeout 30 s (--ddp_timeout, as given: not sized from the run)\n" in first, first
+    assert re.search(r"Timed out waiting 30000ms for (recv|send)", first), first  # gloo's timeout: 30 s, not 1800
+    hung_rank, hung_at = (tmp_path / "hung").read_text().split()
+    waiting_rank = 1 - int(hung_rank)  # the other rank of 2
+    # n2's line depends on who ends first: its torchrun (then "stopped answering") or Slurm's SIGKILL after KillWait,
+    # which leaves n2 nothing written (then "reported nothing"); either way n2 is named and n1 is not
+    blamed = (
+        r"run_llm.slurm: training failed \(exit \d+\): node n2 (stopped answering \((a rank|rank \d) there hung or died\)|"
+        r"reported nothing \(it died, or its processes hung\)): "
+        rf"rank {waiting_rank} on node n1 timed out waiting for it in a collective\n"
+    )
+    assert len(re.findall(blamed, first)) == 1, first
+    assert re.search(
+        rf"requeueing job {job} \(restart 1 of at most 3 after failures\) from checkpoint-\d+, excluding node\(s\) n2\n",
+        first,
+    )
+    assert requeued_at is not None and requeued_at - float(hung_at) < 30 + 120, (
+        text
+    )  # the timeout, then a minute or two
+    resumed = int(re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", second).group(1))
+    assert step_lines(second) == list(range(resumed + 1, max_steps + 1))
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == max_steps
+
+
+BLAME = re.search(r"^blame_failure\(\) \{.*?^\}\n", SCRIPT.read_text(), re.S | re.M).group(0)
+
+
+@pytest.mark.parametrize(
+    "lines, blamed",
+    [
+        # a rank killed on n2; n1's rank then failed on the closed connection, and n2's torchrun was signalled last
+        ({"n1": "11.0 n1 0 1 1 failed", "n2": "10.5 n2 1 -9 1 failed"}, "n2 1 -9 failed"),
+        # a hung rank on n2: n1 timed out waiting; n2's torchrun was then ended by srun and named no rank
+        ({"n1": "10.0 n1 1 1 1 timeout", "n2": "10.5 n2 - - 1 failed"}, "n2 - - failed"),
+        # a dead node n2 writes nothing; n1 timed out waiting for it
+        ({"n1": "10.0 n1 0 1 1 timeout"}, "n2   silent"),
+        # every node timed out: the rank that hung is not known, nobody is blamed by name of a failure
+        ({"n1": "10.0 n1 0 1 1 timeout", "n2": "10.2 n2 1 1 1 timeout"}, "n1 0 1 timeout"),
+        # a line from before the cause field (a job requeued across the upgrade)
+        ({"n1": "10.0 n1 0 1 1", "n2": "10.1 n2 1 -9 1"}, "n2 1 -9 failed"),
+    ],
+)
+def test_the_failure_is_blamed_on_the_node_whose_rank_failed_not_on_those_that_waited(tmp_path, lines, blamed):
+    """run_llm.slurm's blame_failure on the failure lines the nodes write (time node rank code rc cause)."""
+    for i, (node, line) in enumerate(sorted(lines.items())):
+        (tmp_path / f"node-{i}").write_text(line + "\n")
+    script = f'{BLAME}\nhosts=(n1 n2)\nblame_failure "$1"\necho "$failed_node $failed_rank $failed_code $failed_how"'
+    out = subprocess.run(["bash", "-c", script, "blame", str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout == blamed + "\n"

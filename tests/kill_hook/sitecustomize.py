@@ -1,8 +1,45 @@
-"""Test hook (tests/test_slurm.py): on PYTHONPATH, it SIGKILLs the training rank on node $LLMFT_TEST_KILL_NODE once
-the file $LLMFT_TEST_KILL_AFTER exists (a checkpoint's marker: a known step), in a job's first attempt only, and
-writes that rank and the time to $LLMFT_TEST_KILL_RECORD. Every other process is left alone."""
+"""Test hook (tests/test_slurm.py): on PYTHONPATH, it fails the training rank on node $LLMFT_TEST_KILL_NODE once the
+file $LLMFT_TEST_KILL_AFTER exists (a checkpoint's marker: a known step), in a job's first attempt only, and writes
+that rank and the time to $LLMFT_TEST_KILL_RECORD. $LLMFT_TEST_KILL_SIGNAL says how: KILL (the default) SIGKILLs it;
+HANG makes its next all_reduce never return, like a rank stuck before a collective (a kernel, a read, a deadlock), so
+its peers wait in theirs. Every other process is left alone."""
 
 import os
+
+
+def _record() -> None:
+    import time
+
+    with open(os.environ["LLMFT_TEST_KILL_RECORD"], "w") as f:
+        f.write(f"{os.environ['RANK']} {time.time()}\n")
+
+
+def _kill_when_there(path: str) -> None:
+    import signal
+    import time
+
+    while not os.path.exists(path):
+        time.sleep(0.1)
+    _record()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hang_at_next_all_reduce(path: str) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        if os.path.exists(path):
+            _record()
+            while True:
+                time.sleep(3600)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = all_reduce
+
 
 if (
     os.environ.get("LLMFT_TEST_KILL_AFTER")
@@ -11,15 +48,9 @@ if (
     and os.environ.get("SLURMD_NODENAME") == os.environ.get("LLMFT_TEST_KILL_NODE")
     and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
 ):
-    import signal
-    import threading
-    import time
+    if os.environ.get("LLMFT_TEST_KILL_SIGNAL") == "HANG":
+        _hang_at_next_all_reduce(os.environ["LLMFT_TEST_KILL_AFTER"])
+    else:
+        import threading
 
-    def _kill_when_there(path: str) -> None:
-        while not os.path.exists(path):
-            time.sleep(0.1)
-        with open(os.environ["LLMFT_TEST_KILL_RECORD"], "w") as f:
-            f.write(f"{os.environ['RANK']} {time.time()}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=_kill_when_there, args=(os.environ["LLMFT_TEST_KILL_AFTER"],), daemon=True).start()
+        threading.Thread(target=_kill_when_there, args=(os.environ["LLMFT_TEST_KILL_AFTER"],), daemon=True).start()
