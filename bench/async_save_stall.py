@@ -65,16 +65,10 @@ def build_model():
         from transformers import GPT2Config, GPT2LMHeadModel
 
         return GPT2LMHeadModel(GPT2Config(n_layer=a.layers)), "gloo", {}
+    from gpu import LLAMA_1B
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(  # bench/gpu.py's 1.1B shape
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-    )
+    config = LlamaConfig(**LLAMA_1B)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     return model, "nccl", {"bf16": {"enabled": True}}

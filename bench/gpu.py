@@ -33,6 +33,14 @@ from pathlib import Path
 from benchlib import PYTHON, REPO, environment, launcher, run, varied_texts
 
 ON_OFF = {"on": True, "off": False}
+LLAMA_1B = dict(  # TinyLlama's shape: 1.1B parameters
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+)
 DIMENSIONS = ("z2", "z3", "pad", "pack", "liger", "compile", "ckpt", "lora", "qlora")
 
 
@@ -64,12 +72,7 @@ def build_model(root: Path) -> Path:
     if not (model / "config.json").is_file():
         tokenizer = make_tokenizer()
         config = LlamaConfig(
-            vocab_size=32000,
-            hidden_size=2048,
-            intermediate_size=5632,
-            num_hidden_layers=22,
-            num_attention_heads=32,
-            num_key_value_heads=4,
+            **LLAMA_1B,
             max_position_embeddings=4096,
             bos_token_id=tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id,

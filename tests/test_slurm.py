@@ -876,6 +876,30 @@ def test_stop_ends_only_the_daemons_its_cluster_started(cluster, tmp_path):
     assert nodes == ["n1 idle", "n2 idle", "n3 idle"], nodes
 
 
+def run_with_a_failing_rank(cluster, tmp_path, knobs: str, how: str, after: Path) -> tuple[dict, str, float | None]:
+    """Submit a 2-node job to the partition with a spare node, tests/kill_hook failing the rank on n2 (`how`: KILL or
+    HANG) once `after` exists; (the job's final scontrol fields, its log, when its log first said it requeued)."""
+    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
+    job = cluster.sbatch(
+        ["--partition=spare", "--nodes=2", str(SCRIPT), knobs],
+        cwd=tmp_path,
+        LLMFT_TEST_KILL_NODE="n2",
+        LLMFT_TEST_KILL_SIGNAL=how,
+        LLMFT_TEST_KILL_AFTER=str(after),
+        LLMFT_TEST_KILL_RECORD=str(tmp_path / "failed_rank"),
+        PYTHONPATH=hook,
+    )
+    log = tmp_path / f"llmft-{job}.out"
+    requeued_at = None
+    deadline = time.time() + 900
+    while requeued_at is None and time.time() < deadline:
+        if f"requeueing job {job} (restart 1 of at most 3 after failures)" in read(log):
+            requeued_at = time.time()
+        time.sleep(0.2)
+    info = cluster.wait(job, timeout=900)
+    return info, read(log), requeued_at
+
+
 def test_a_rank_killed_mid_run_names_its_node_and_the_job_requeues_once_without_it(
     cluster, tiny_model, tiny_data, tmp_path
 ):
@@ -890,27 +914,11 @@ def test_a_rank_killed_mid_run_names_its_node_and_the_job_requeues_once_without_
         f"--export=ALL,MAX_STEPS={max_steps},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,"
         f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix},EXTRA_ARGS=--logging_steps 1"
     )
-    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
-    job = cluster.sbatch(
-        ["--partition=spare", "--nodes=2", str(SCRIPT), knobs],
-        cwd=tmp_path,
-        LLMFT_TEST_KILL_NODE="n2",
-        LLMFT_TEST_KILL_AFTER=str(marker),
-        LLMFT_TEST_KILL_RECORD=str(tmp_path / "killed"),
-        PYTHONPATH=hook,
-    )
-    log = tmp_path / f"llmft-{job}.out"
-    requeued_at = None
-    deadline = time.time() + 900
-    while requeued_at is None and time.time() < deadline:
-        if f"requeueing job {job} (restart 1 of at most 3 after failures)" in read(log):
-            requeued_at = time.time()
-        time.sleep(0.2)
-    info = cluster.wait(job, timeout=900)
-    text = read(log)
+    info, text, requeued_at = run_with_a_failing_rank(cluster, tmp_path, knobs, "KILL", marker)
+    job = info["JobId"]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
     assert info["ExcNodeList"] == "n2" and info["NodeList"] == "n[1,3]", info
-    rank, killed_at = (tmp_path / "killed").read_text().split()
+    rank, killed_at = (tmp_path / "failed_rank").read_text().split()
     assert requeued_at is not None and requeued_at - float(killed_at) < 120, text  # not the 30-minute default
     failed = rf"run_llm.slurm: training failed \(exit \d+\): rank {rank} on node n2 failed first \(exit code -9, SIGKILL\)\n"
     assert len(re.findall(failed, text)) == 1, text
@@ -972,31 +980,15 @@ def test_a_hung_rank_ends_the_job_at_the_collective_timeout_and_the_job_requeues
         f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix},"
         "EXTRA_ARGS=--logging_steps 1 --ddp_timeout 30"
     )
-    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
-    job = cluster.sbatch(
-        ["--partition=spare", "--nodes=2", str(SCRIPT), knobs],
-        cwd=tmp_path,
-        LLMFT_TEST_KILL_NODE="n2",
-        LLMFT_TEST_KILL_SIGNAL="HANG",
-        LLMFT_TEST_KILL_AFTER=str(ckpt / "checkpoint-2" / "llmft_complete.json"),
-        LLMFT_TEST_KILL_RECORD=str(tmp_path / "hung"),
-        PYTHONPATH=hook,
-    )
-    log = tmp_path / f"llmft-{job}.out"
-    requeued_at = None
-    deadline = time.time() + 900
-    while requeued_at is None and time.time() < deadline:
-        if f"requeueing job {job} (restart 1 of at most 3 after failures)" in read(log):
-            requeued_at = time.time()
-        time.sleep(0.2)
-    info = cluster.wait(job, timeout=900)
-    text = read(log)
+    after = ckpt / "checkpoint-2" / "llmft_complete.json"
+    info, text, requeued_at = run_with_a_failing_rank(cluster, tmp_path, knobs, "HANG", after)
+    job = info["JobId"]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
     assert info["ExcNodeList"] == "n2" and info["NodeList"] == "n[1,3]", info
     first, second = text.split("restart 1, submitted", 1)
     assert "llmft: collective timeout 30 s (--ddp_timeout, as given: not sized from the run)\n" in first, first
     assert re.search(r"Timed out waiting 30000ms for (recv|send)", first), first  # gloo's timeout: 30 s, not 1800
-    hung_rank, hung_at = (tmp_path / "hung").read_text().split()
+    hung_rank, hung_at = (tmp_path / "failed_rank").read_text().split()
     waiting_rank = 1 - int(hung_rank)  # the other rank of 2
     # n2's line depends on who ends first: its torchrun (then "stopped answering") or Slurm's SIGKILL after KillWait,
     # which leaves n2 nothing written (then "reported nothing"); either way n2 is named and n1 is not
