@@ -25,6 +25,15 @@ p = argparse.ArgumentParser()
 p.add_argument("--model", choices=("gpt2", "llama-1b"), default="gpt2")
 p.add_argument("--layers", type=int, default=6, help="gpt2 only")
 p.add_argument("--repeats", type=int, default=3)
+p.add_argument(
+    "--engines", nargs="+", choices=("snapshot", "torch.save", "bytesio"), default=None, help="default: all"
+)
+p.add_argument(
+    "--steps_during_write",
+    type=int,
+    default=0,
+    help="then time N steps without a write, and N steps right after a background save, while its write runs",
+)
 p.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1] / "runs" / "async_save_stall")
 a = p.parse_args()
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -96,8 +105,11 @@ print(
 )
 print(f"{'engine':<12} {'blocked s':>10} {'on disk s':>10} {'MB':>8}")
 engines = [("snapshot", writer), ("torch.save", torch_engine), ("bytesio", bytesio)]
+engines = [(name, ce) for name, ce in engines if a.engines is None or name in a.engines]
 for i in range(a.repeats):
-    for name, ce in engines + ([("snapshot", writer)] if i == a.repeats - 1 else []):
+    for name, ce in engines + (
+        [("snapshot", writer)] if i == a.repeats - 1 and ("snapshot", writer) in engines else []
+    ):
         out = a.root / f"{name}-{i}"
         shutil.rmtree(out, ignore_errors=True)
         engine.checkpoint_engine = ce
@@ -114,3 +126,34 @@ for i in range(a.repeats):
         shutil.rmtree(out, ignore_errors=True)
 pinned = sum(h.numel() for pairs in writer._snapshots._free.values() for h, pin in pairs if pin)
 print(f"snapshot buffers: {writer._snapshots.allocated_bytes / 1e9:.2f} GB held, {pinned / 1e9:.2f} GB page-locked")
+
+
+def step_times(n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+if a.steps_during_write:
+    import statistics
+
+    engine.checkpoint_engine = writer
+    quiet = step_times(a.steps_during_write)
+    out = a.root / "during-write"
+    shutil.rmtree(out, ignore_errors=True)
+    engine.save_checkpoint(str(out))
+    during = step_times(a.steps_during_write)
+    still_writing = writer.busy()
+    writer.wait()
+    shutil.rmtree(out, ignore_errors=True)
+    print(
+        f"median step: {statistics.median(quiet):.3f} s without a write, {statistics.median(during):.3f} s while the "
+        f"background write runs ({statistics.median(during) / statistics.median(quiet):.2f}x; the write "
+        f"{'outlasted' if still_writing else 'ended within'} those {a.steps_during_write} steps)"
+    )
