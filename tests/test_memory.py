@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -431,6 +432,33 @@ def test_8b_on_a2_highgpu_8g_fits_without_offload_and_warns_about_the_preemption
     assert 1400 < lead < 1600, lead  # 964 s to write
     # and the collective timeout it will run with: never shorter than 2 x that save, not transformers' 1800 s
     assert f"a dead node stops the job after at most {2 * rec.write_s:.0f} s (the collective timeout" in warning
+
+
+def test_a_long_periodic_save_on_a_gpu_suggests_async_save_with_the_host_ram_it_needs(llama8b):
+    """8B full fine-tune on a2-highgpu-8g (680 GiB per node): a 90 GiB checkpoint at 100 MB/s holds training for its
+    whole write; the plan names --async_save and the host RAM it takes, which this node has. Not once it is on, not
+    on a CPU run (measured: there the background write slows the steps more than it saves)."""
+    _, full, _ = llama8b
+    job = node_job(full, "a2-highgpu-8g", 1, global_batch=64)
+    plan = plan_memory(job)
+    rec = plan.recommended
+    [hint] = [w for w in plan.warnings if "--async_save" in w]
+    snapshot = estimate(dataclasses.replace(job, async_save=True), rec.setting).host["async_save"]
+    assert snapshot >= 80 * 2**30  # the whole checkpoint's optimizer shards and weights on the one node
+    assert hint.startswith(
+        f"each periodic checkpoint holds training for its whole write ({rec.write_s:.0f} s at 100 MB/s)"
+    )
+    assert hint.endswith(
+        f"for {round(snapshot / 2**30, 2)} GiB of host RAM on the first node, kept while the run lasts: "
+        "this node's 680 GiB has room for it"
+    )
+    assert not [w for w in plan_memory(dataclasses.replace(job, async_save=True)).warnings if "--async_save" in w]
+    # a node with room for the run but not for the snapshot too
+    tight = dataclasses.replace(job, host_ram_gib=math.ceil(rec.host["peak"] / 2**30) + 1)
+    assert plan_memory(tight).recommended.setting == rec.setting
+    assert any(
+        w.endswith(f"more than this node's {tight.host_ram_gib:g} GiB can spare") for w in plan_memory(tight).warnings
+    )
 
 
 def test_save_total_limit_beyond_free_disk_is_warned(llama8b):
