@@ -262,9 +262,11 @@ def test_an_assert_is_named_with_its_message_and_the_first_failure_is_torchruns_
 
 def test_llmfts_one_line_error_is_an_application_failure():
     report = classify(
-        "gpu1", 1, "llmft: error: --dataset_text_field text: no such column\n" + summary(0, 1, "2026-11-26_18:00:04")
+        "gpu1",
+        1,
+        "llmft train: error: --dataset_text_field text: no such column\n" + summary(0, 1, "2026-11-26_18:00:04"),
     )
-    assert (report.kind, report.cause) == ("app", "llmft: error: --dataset_text_field text: no such column")
+    assert (report.kind, report.cause) == ("app", "llmft train: error: --dataset_text_field text: no such column")
 
 
 def test_gloo_closed_connection_counts_like_a_timeout_not_as_evidence():
@@ -289,6 +291,7 @@ def test_a_hung_rank_names_its_node_but_excludes_it_only_with_evidence():
     assert requeue and exclude == []
     n2 = classify("n2", 143, "", kernel_log=XID_79)
     lines, requeue, exclude = decide([n1, n2], attempt(hosts=["n1", "n2"], usable=["n1", "n2", "n3"]))
+    assert lines[0].startswith("training failed (exit 1): node n2 stopped answering (a rank there hung or died)")
     assert lines[1] == f"node n2: GPU failure: {XID_79}" and exclude == ["n2"]
 
 
@@ -405,3 +408,15 @@ def test_the_command_line_the_job_script_uses(tmp_path, monkeypatch, capsys):
         "exclude: n2\n"
         "requeue: 1\n"
     )
+
+
+def test_no_evidence_says_what_the_node_could_not_read():
+    unread = ["the kernel log (journalctl -k and dmesg refused or missing)", "nvidia-smi (not installed)"]
+    killed = classify("gpu3", 1, summary(19, -9, "2026-11-26_18:00:02", "SIGKILL"), unread=unread)
+    lines, requeue, exclude = decide(others("gpu3") + [killed], attempt())
+    assert lines[1] == (
+        "no evidence against node gpu3 (no GPU Xid/ECC error or fabric error in its kernel log or output; not read "
+        "there: the kernel log (journalctl -k and dmesg refused or missing), nvidia-smi (not installed)): it is not "
+        "excluded"
+    )
+    assert requeue and exclude == []

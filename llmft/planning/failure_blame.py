@@ -14,7 +14,7 @@ excluded only on evidence about the node itself:
 
 Everything else is what the node saw, not what it is: NCCL's "remote process exited", "unhandled system error",
 "Connection reset by peer" and gloo's closed connection count like collective timeouts (the node waited for a peer
-that failed). A Python exception in a rank (CUDA/torch out of memory, an assert, a bad record, `llmft: error:`) is an
+that failed). A Python exception in a rank (CUDA/torch out of memory, an assert, a bad record, `llmft train: error:`) is an
 application failure: it fails the same way on any node, so it is said in one line with its cause and the job is not
 requeued. "First" is torchrun's own root-cause time (its error summary's "Root Cause (first observed failure)"), not
 when each torchrun exited, which mostly measures its shutdown wait.
@@ -89,6 +89,7 @@ OOM = re.compile(r"OutOfMemoryError|out of memory", re.I)
 RANK_PREFIX = re.compile(r"^\[(default)?rank\d+\]:\s?")
 EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)|AssertionError)(: (.*))?$")
 LAUNCHER_ERRORS = ("ChildFailedError", "SignalException")
+LLMFT_ERROR = re.compile(r"^llmft( \w+)?: error: ")  # llmft's one-line errors (llmft.command.report_error)
 
 
 @dataclass
@@ -126,7 +127,7 @@ def root_cause(stderr: str) -> dict:
 
 def exceptions(stderr: str) -> list[str]:
     """The exception line ("Type: message") ending each Python traceback in the ranks' output, in order, without
-    torchrun's own ChildFailedError; and llmft's one-line errors (`llmft: error: ...`)."""
+    torchrun's own ChildFailedError; and llmft's one-line errors (`llmft train: error: ...`)."""
     found, in_traceback = [], False
     for raw in stderr.splitlines():
         line = RANK_PREFIX.sub("", raw)
@@ -137,7 +138,7 @@ def exceptions(stderr: str) -> list[str]:
             match = EXCEPTION_LINE.match(line.strip())
             if match and not match.group(1).endswith(LAUNCHER_ERRORS):
                 found.append(line.strip())
-        elif line.startswith("llmft: error:"):
+        elif LLMFT_ERROR.match(line):
             found.append(line.strip())
     return found
 
@@ -292,7 +293,7 @@ def signal_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def blame(reports: list[NodeReport], hosts: list[str], rc: int) -> Blame:
+def blame(reports: list[NodeReport], hosts: list[str], rc: int, trace_dir: str = "CHECKPOINT_DIR/nccl_trace") -> Blame:
     """The attempt's failure in one line, and the nodes to run without. A node is excluded only on evidence about it:
     its GPU or fabric failed (its report's kind), or it reported nothing while every node that did report only
     waited (timed out, or saw a peer fail): then it died or its processes hung. A node that reported nothing beside
@@ -314,10 +315,11 @@ def blame(reports: list[NodeReport], hosts: list[str], rc: int) -> Blame:
         culprit = first(known or own)
         line = own_failure_line(head, culprit, first(waiting) if waiting else None)
     elif silent:
-        line = f"{head}: node {', '.join(silent)} reported nothing (it died, or its processes hung): {waited(first(waiting))}"
+        dead = ", ".join(silent)
+        line = f"{head}: node {dead} reported nothing (it died, or its processes hung): {waited(first(waiting))}"
         return Blame(line, exclude=silent)
     else:
-        line = everyone_waited_line(head, first(waiting))
+        line = everyone_waited_line(head, first(waiting), trace_dir)
         return Blame(line)
     extra = [f"node {r.node}: {'GPU' if r.kind == 'gpu' else 'fabric'} failure: {r.cause}" for r in evidence]
     nodes = sorted({r.node for r in evidence}, key=lambda n: (n not in hosts, hosts.index(n) if n in hosts else 0, n))
@@ -328,8 +330,8 @@ def blame(reports: list[NodeReport], hosts: list[str], rc: int) -> Blame:
         nodes = []
     elif not nodes and culprit.kind in ("signal", "failed"):
         extra.append(
-            f"no evidence against node {culprit.node} (no GPU Xid/ECC error or fabric error in its kernel log or output): "
-            "it is not excluded"
+            f"no evidence against node {culprit.node} (no GPU Xid/ECC error or fabric error in its kernel log "
+            f"or output{unread_text(culprit)}): it is not excluded"
         )
     deterministic = not evidence and culprit.kind == "app"
     return Blame(
@@ -340,10 +342,17 @@ def blame(reports: list[NodeReport], hosts: list[str], rc: int) -> Blame:
     )
 
 
+def unread_text(report: NodeReport) -> str:
+    """ "; not read there: the kernel log (...)" for what the node's probe could not read."""
+    return f"; not read there: {', '.join(report.unread)}" if report.unread else ""
+
+
 def own_failure_line(head: str, culprit: NodeReport, waiter: NodeReport | None) -> str:
-    """The line for a rank that failed on its own: with its cause for an exception, or, when it ended without one
-    (no signal of its own, no exception) while others waited for it, as a node that stopped answering (it hung)."""
-    if culprit.kind == "failed" and waiter is not None:
+    """The line for a rank that failed on its own: with its cause for an exception; or, when it did not end by itself
+    (no exit code of its own, or srun's SIGTERM) while others waited for it, as a node that stopped answering: its
+    rank hung (a GPU hang is such a rank too, with an Xid beside it)."""
+    ended_on_its_own = culprit.kind == "app" or (culprit.exitcode is not None and culprit.exitcode != -15)
+    if not ended_on_its_own and waiter is not None:
         there = f"rank {culprit.rank} there" if culprit.rank is not None else "a rank there"
         return f"{head}: node {culprit.node} stopped answering ({there} hung or died): {waited(waiter)}"
     rank = culprit.rank if culprit.rank is not None else "?"
@@ -358,14 +367,14 @@ def waited(report: NodeReport) -> str:
     return f"{who(report)} saw its peer fail ({report.cause})"
 
 
-def everyone_waited_line(head: str, earliest: NodeReport) -> str:
+def everyone_waited_line(head: str, earliest: NodeReport, trace_dir: str) -> str:
     """Every node only waited: which rank hung or failed is not known, and no node is blamed."""
     if earliest.kind == "timeout":
         what = f"every node timed out waiting in a collective ({who(earliest)} first), so which rank hung is not known"
     else:
         what = f"every node saw a peer fail ({who(earliest)} first: {earliest.cause}), so which failed is not known"
     return (
-        f"{head}: {what}: CHECKPOINT_DIR/nccl_trace holds the flight recorder's dumps "
+        f"{head}: {what}: {trace_dir} holds the flight recorder's dumps "
         "(python -m torch.distributed.flight_recorder.fr_trace); no node is excluded"
     )
 
@@ -435,6 +444,7 @@ class Attempt:
     end_step: int  # and when it ended
     already_excluded: list[str] = field(default_factory=list)
     usable: list[str] | None = None  # the partition's usable nodes (None: sinfo could not tell)
+    trace_dir: str = "CHECKPOINT_DIR/nccl_trace"  # where the flight recorder dumps
 
 
 def decide(reports: list[NodeReport], attempt: Attempt) -> tuple[list[str], bool, list[str]]:
@@ -442,7 +452,7 @@ def decide(reports: list[NodeReport], attempt: Attempt) -> tuple[list[str], bool
     fail the same way: the line says how to fix and resume), MAX_RESTARTS reached, or an attempt that wrote no new
     complete checkpoint (another would fail the same way, at the same place). Else requeued without the nodes with
     evidence against them, as far as the partition can spare them."""
-    found = blame(reports, attempt.hosts, attempt.rc)
+    found = blame(reports, attempt.hosts, attempt.rc, attempt.trace_dir)
     lines = found.line.split("\n")
     resume = f"from checkpoint-{attempt.end_step}" if attempt.end_step else "from the start (no complete checkpoint)"
     if found.deterministic:
@@ -503,7 +513,8 @@ def make_parser() -> argparse.ArgumentParser:
     decide_.add_argument("--max_restarts", type=int, required=True)
     decide_.add_argument("--start_step", type=int, required=True)
     decide_.add_argument("--end_step", type=int, required=True)
-    decide_.add_argument("--excluded", default="", help="the job's exclude list now (comma-separated)")
+    decide_.add_argument("--excluded", default="", help="the job's exclude list now (a hostlist)")
+    decide_.add_argument("--trace_dir", default="CHECKPOINT_DIR/nccl_trace", help="where the flight recorder dumps")
     decide_.add_argument("--sinfo", type=Path, help='`sinfo -h -N -o "%%N %%t" -p PARTITION` output (absent: unknown)')
     decide_.add_argument("--reservation", type=Path, help="`scontrol show reservation NAME` output")
     return parser
@@ -528,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         end_step=args.end_step,
         already_excluded=expand_hostlist(args.excluded) if args.excluded else [],
         usable=usable_nodes(sinfo, reservation) if sinfo is not None else None,
+        trace_dir=args.trace_dir,
     )
     lines, requeue, exclude = decide(read_reports(args.reports), attempt)
     for line in lines:
