@@ -7,6 +7,7 @@ import json
 import shutil
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import PYTHON, REPO, run
@@ -233,3 +234,75 @@ def test_the_planner_counts_the_async_snapshot_in_host_ram():
     off, on = host(False), host(True)
     assert off["async_save"] == 0 and on["async_save"] == memory.checkpoint_bytes(shape, 3, "bf16")
     assert on["peak"] - off["peak"] >= on["async_save"] - max(off["saving"], off["final_model"])
+
+
+def test_a_write_that_raises_anything_fails_its_checkpoint_stops_the_run_and_no_save_waits_forever(tmp_path):
+    """A ValueError stands in for a MemoryError or a pickling error: the thread must not die with it unseen."""
+    import torch
+
+    from llmft.training.callbacks import checkpoint_callbacks
+
+    def broken_write(path, data):
+        raise ValueError("cannot pickle 'generator' object")
+
+    writer = BackgroundWriter(lambda: False, write=broken_write)
+    ckpt = tmp_path / "checkpoint-2"
+    (ckpt / "global_step2").mkdir(parents=True)
+    writer.save({"x": torch.ones(2)}, str(ckpt / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    writer.wait()
+    assert not writer.busy() and writer.failure() == (
+        f"writing {ckpt}/global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt failed: ValueError: "
+        "cannot pickle 'generator' object"
+    )
+    # the next save's wait returns (the thread is alive and drains its queue, writing nothing more)
+    second = threading.Thread(
+        target=lambda: (writer.save({"x": torch.ones(2)}, str(tmp_path / "b.pt")), writer.wait())
+    )
+    second.start()
+    second.join(timeout=60)
+    assert not second.is_alive() and not (tmp_path / "b.pt").exists()
+
+    # the checkpoint whose write failed is not published, and the run stops with the reason
+    Publish, _ = checkpoint_callbacks()
+    publish = Publish(zero_stage=2, batch=None)
+    publish.writer, publish.pending = writer, ckpt
+    args = SimpleNamespace(device="cpu", output_dir=str(tmp_path), process_index=0, world_size=1)
+    state, control = (
+        SimpleNamespace(global_step=3, is_world_process_zero=True),
+        SimpleNamespace(should_training_stop=False),
+    )
+    publish.on_step_end(args, state, control)
+    assert control.should_training_stop and not (ckpt / "llmft_complete.json").exists()
+    assert publish.refused == f"{ckpt} not published as complete: {writer.failure()}"
+
+
+class StandInCudart:
+    """torch.cuda.cudart() as far as page-locking goes: cudaHostRegister answers `status`, calls are counted."""
+
+    def __init__(self, status: int):
+        self.status, self.registered, self.cleared = status, 0, 0
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.registered += 1
+        return self.status
+
+    def cudaGetLastError(self):
+        self.cleared += 1
+        return self.status
+
+
+def test_after_one_failed_page_lock_the_error_is_cleared_and_no_buffer_is_page_locked_again():
+    from llmft.training.async_save import PIN_MIN_BYTES, HostSnapshot, page_lock
+
+    assert page_lock(StandInCudart(0), 4096, PIN_MIN_BYTES) is None
+    refused = StandInCudart(2)  # cudaErrorMemoryAllocation
+    snapshots = HostSnapshot(cudart=lambda: refused)
+    _, pinned = snapshots._buffer(PIN_MIN_BYTES, pin=True)
+    assert not pinned and refused.registered == 1 and refused.cleared == 1  # CUDA's last error read back, cleared
+    assert snapshots.pin_refused == f"page-locking a {PIN_MIN_BYTES}-byte snapshot buffer failed (CUDA error 2)"
+    for _ in range(3):  # the rest of the run: pageable buffers, and no more cudaHostRegister calls
+        _, pinned = snapshots._buffer(2 * PIN_MIN_BYTES, pin=True)
+        assert not pinned
+    assert refused.registered == 1 and refused.cleared == 1
+    works = HostSnapshot(cudart=lambda: StandInCudart(0))
+    assert works._buffer(PIN_MIN_BYTES, pin=True)[1] and works.pin_refused is None

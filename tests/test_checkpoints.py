@@ -244,3 +244,44 @@ def test_a_rerun_moves_incomplete_checkpoints_aside_in_its_own_run_only(tmp_path
     assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-4"]
     assert (tmp_path / "incomplete" / "checkpoint-5" / "global_step5").is_dir()
     assert latest_complete(tmp_path) == tmp_path / "checkpoint-4"
+
+
+@pytest.mark.parametrize(
+    "zero_stage, rank1_writes, missing",
+    [
+        # ZeRO-2: rank 1 wrote its RNG state, not its optimizer shard (its background write failed)
+        (2, ["rng_state_1.pth"], ["rank 1: its ZeRO-2 optim_states shard (zero_pp_rank_1_*_optim_states.pt)"]),
+        # ZeRO-3: every rank writes its module shard too
+        (
+            3,
+            ["global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"],
+            ["rank 1: its ZeRO-3 model_states shard (zero_pp_rank_1_*_model_states.pt)"],
+        ),
+        # what rank 0 wrote for itself, rank 1 writes for itself (here: the Trainer's RNG state)
+        (2, ["global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt"], ["rank 1: rng_state_1.pth"]),
+        (2, ["global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"], []),
+        (
+            3,
+            [f"global_step4/zero_pp_rank_1_mp_rank_00_{k}_states.pt" for k in ("optim", "model")]
+            + ["rng_state_1.pth"],
+            [],
+        ),
+    ],
+)
+def test_a_rank_that_reported_some_files_but_not_all_it_writes_leaves_the_checkpoint_unpublished(
+    tmp_path, zero_stage, rank1_writes, missing
+):
+    from llmft.checkpoint.run_dir import missing_rank_files
+
+    ckpt = tmp_path / "checkpoint-4"
+    rank0 = ["global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_state_0.pth"]
+    rank0 += ["global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt"] if zero_stage == 3 else []
+    rank0 += ["global_step4/mp_rank_00_model_states.pt"] if zero_stage < 3 else []
+    for rel in rank0 + rank1_writes:
+        (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / rel).write_bytes(b"x")
+    reports = [rank_report(ckpt, 0), rank_report(ckpt, 1)]
+    assert missing_rank_files(reports, zero_stage) == missing
+    marker = mark_complete(ckpt, 2, zero_stage, reports)
+    assert (marker is None) == bool(missing)
+    assert (latest_complete(tmp_path) is None) == bool(missing)

@@ -87,6 +87,45 @@ def rank_report(ckpt_dir: str | Path, rank: int) -> dict[str, int]:
     return {rel: size for rel, size in _listing(Path(ckpt_dir)).items() if owner_rank(rel) == rank}
 
 
+def _rank_template(relpath: str) -> str | None:
+    """A per-rank file's path with its rank replaced by `{rank}`; None for a file rank 0 writes for everyone."""
+    parent, name = os.path.split(relpath)
+    for pattern in _RANK_FILE_RES:
+        m = pattern.match(name)
+        if m:
+            name = name[: m.start(1)] + "{rank}" + name[m.end(1) :]
+            return f"{parent}/{name}" if parent else name
+    return None
+
+
+def missing_rank_files(reports: list[dict[str, int]], zero_stage: int | None) -> list[str]:
+    """The files some rank should have reported and did not, as `rank R: what` (empty: none missing).
+
+    A rank that reported some files is not thereby complete: a background write that failed (or a rank killed
+    between two files) leaves it with, say, its RNG state but not its optimizer shard. What each rank writes is
+    derived, not listed per case: (1) DeepSpeed's ZeRO layout: every data-parallel rank writes its own
+    `zero_pp_rank_R_mp_rank_*_optim_states.pt` under ZeRO 1-3, and its own `..._model_states.pt` under ZeRO-3
+    (below 3, rank 0's mp_rank_00_model_states.pt holds the whole module); (2) symmetry: a per-rank file that one
+    rank wrote (its rank in the name), every rank writes with its own rank in that place (the Trainer's
+    rng_state_R.pth, the shards in the same tag directory, a bf16_ prefix)."""
+    stage = zero_stage or 0
+    kinds = [("optim_states", stage >= 1), ("model_states", stage >= 3)]
+    templates = sorted({t for report in reports for rel in report if (t := _rank_template(rel)) is not None})
+    missing = []
+    for rank, report in enumerate(reports):
+        names, absent = {Path(rel).name for rel in report}, []
+        for kind, needed in kinds:
+            shard = re.compile(rf"^(?:bf16_)?zero_pp_rank_{rank}_mp_rank_\d+_{kind}\.pt$")
+            if needed and not any(shard.match(name) for name in names):
+                absent.append(shard)  # said once, not again as the other ranks' same file
+                missing.append(f"rank {rank}: its ZeRO-{stage} {kind} shard (zero_pp_rank_{rank}_*_{kind}.pt)")
+        for template in templates:
+            rel = template.format(rank=rank)
+            if rel not in report and not any(shard.match(Path(rel).name) for shard in absent):
+                missing.append(f"rank {rank}: {rel}")
+    return missing
+
+
 def mark_complete(
     ckpt_dir: str | Path,
     world_size: int,
@@ -97,14 +136,17 @@ def mark_complete(
     """Publish the completeness marker; call on one rank after all ranks finished saving.
 
     `reports[r]` is rank r's `rank_report`; the marker lists their union. Without reports (a world of one)
-    this process's own listing is the writer's view. Returns None, publishing nothing, when a rank of a
-    multi-rank run reported no files: its shard is missing, and the checkpoint must not pass as complete.
+    this process's own listing is the writer's view, published as listed. Returns None, publishing nothing, when
+    a report is short of what its rank writes (`missing_rank_files`; a rank of a multi-rank run that reported
+    nothing among them): the checkpoint must not pass as complete.
     `batch` (a llmft.planning.batch.BatchPlan) is recorded so a resume on another world keeps the global batch.
     """
     ckpt = Path(ckpt_dir)
     if reports is None:
         reports = [_listing(ckpt)]
-    elif len(reports) != world_size or (world_size > 1 and not all(reports)):
+    elif (
+        len(reports) != world_size or (world_size > 1 and not all(reports)) or missing_rank_files(reports, zero_stage)
+    ):
         return None
     files: dict[str, int] = {}
     for report in reports:

@@ -35,6 +35,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from llmft.planning.world import log
+
 PIN_MIN_BYTES = 1 << 20  # smaller storages are copied synchronously: page-locking each costs more than it saves
 
 
@@ -56,6 +58,29 @@ def write_file(path: str | Path, state, zipfile_serialization: bool = True) -> N
     os.replace(tmp, path)
 
 
+def page_lock(cudart, address: int, nbytes: int) -> str | None:
+    """Page-lock `nbytes` of host memory at `address` in place (cudaHostRegister); None when done, else why not.
+
+    A failed cudaHostRegister (too much locked memory for the node or the container's limit, a driver that
+    refuses it) leaves CUDA's last error set, and a later, unrelated CUDA call would report it as its own failure:
+    the error is read back (cudaGetLastError clears it) here, where it happened. The caller then stops trying for the
+    rest of the run (the same request fails the same way, and each failure costs a driver call): its buffers stay
+    pageable, so their device-to-host copies are synchronous, slower but correct."""
+    try:
+        status = int(cudart.cudaHostRegister(address, nbytes, 0))
+    except (RuntimeError, AttributeError, TypeError) as e:  # a torch built without CUDA's runtime bindings
+        status, why = -1, str(e)
+    else:
+        why = f"CUDA error {status}"
+    if status == 0:
+        return None
+    try:
+        cudart.cudaGetLastError()
+    except (RuntimeError, AttributeError):
+        pass
+    return f"page-locking a {nbytes}-byte snapshot buffer failed ({why})"
+
+
 class HostSnapshot:
     """A copy of a state dict in host buffers that are reused across saves: `take` starts the copies, `release` returns
     the buffers once the snapshot is written.
@@ -65,7 +90,9 @@ class HostSnapshot:
     deep-copied: the next step may change them in place. On CUDA the buffers are allocated at their exact size and
     page-locked in place (cudaHostRegister; torch's pinned allocator rounds each block up to a power of two)."""
 
-    def __init__(self):
+    def __init__(self, cudart=None):
+        self._cudart = cudart or (lambda: __import__("torch").cuda.cudart())  # a stand-in in the tests
+        self.pin_refused: str | None = None  # why page-locking failed once: no buffer is page-locked after that
         self._free: dict[int, list] = {}  # bytes -> unused (host buffer, page-locked) pairs
         self._lock = threading.Lock()
         self.allocated_bytes = 0  # host memory held for snapshots: one checkpoint's tensors (llmft.memory counts it)
@@ -80,12 +107,11 @@ class HostSnapshot:
         host = torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
             self.allocated_bytes += nbytes
-        if pin:
-            try:
-                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
-            except (RuntimeError, AttributeError):
-                pin = False  # pageable: the copy is then synchronous, still correct
-        return host, pin
+        if pin and self.pin_refused is None:
+            self.pin_refused = page_lock(self._cudart(), host.data_ptr(), nbytes)
+            if self.pin_refused is not None:
+                log(f"warning: {self.pin_refused}; snapshots stay pageable for the rest of the run (slower copies)")
+        return host, pin and self.pin_refused is None
 
     def take(self, state) -> tuple[object, list, object]:
         """(the snapshot, its buffers, a CUDA event the copies complete at, or None)."""
@@ -238,7 +264,8 @@ class BackgroundWriter:
         self._queue.join()
 
     def failure(self) -> str | None:
-        """The first write that failed (one line), if any; the checkpoint it belonged to must not be published."""
+        """The first write that failed (one line, `write_failure`), if any; the checkpoint it belonged to must not be
+        published, and every later background write is skipped."""
         return self._error
 
     def _run(self) -> None:
@@ -252,8 +279,8 @@ class BackgroundWriter:
                         self._write(path, snapshot)
                     else:
                         write_file(path, snapshot, self.zipfile_serialization)
-            except (OSError, RuntimeError) as e:
-                self._error = f"writing {path} failed: {getattr(e, 'strerror', None) or e}"
+            except BaseException as e:  # noqa: BLE001 - any failure fails this save: write_failure says why
+                self._error = self._error or write_failure(path, e)
             finally:
                 del snapshot
                 self._snapshots.release(buffers)
@@ -261,6 +288,18 @@ class BackgroundWriter:
                     self._pending -= 1
                     self.bytes_in_flight -= nbytes
                 self._queue.task_done()
+
+
+def write_failure(path: Path, error: BaseException) -> str:
+    """What a failed background write reports (one line). Any exception counts, not only the filesystem's: a
+    MemoryError, a pickling error or a bug in a stand-in writer would otherwise end the writer thread unseen, leave
+    `failure()` empty and `busy()` false, let the checkpoint be published without the file, and hang the next save's
+    wait until the collective timeout killed the job. The thread records it and goes on draining its queue (writing
+    nothing more), so no save ever waits for a dead thread; the trainer's callback then refuses the checkpoint and
+    stops the run with this line (llmft.training.callbacks: a run that cannot write its checkpoints would otherwise
+    train on for hours with nothing to resume from, and after a MemoryError the process itself is suspect)."""
+    why = getattr(error, "strerror", None) or str(error)
+    return f"writing {path} failed: {type(error).__name__}" + (f": {why}" if why else "")
 
 
 def install(engine, synchronous: Callable[[], bool]) -> BackgroundWriter:

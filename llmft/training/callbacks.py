@@ -175,8 +175,13 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
                     for gone in run_dir.rotate(args.output_dir, self.keep, state.best_model_checkpoint):
                         log(f"deleted {gone.name} (--save_total_limit {self.keep} counts complete checkpoints only)")
                 else:
-                    missing = [r for r, files in enumerate(reports) if not files]
-                    log(f"warning: not marking {ckpt} complete: rank(s) {missing} reported no files")
+                    empty = [r for r, files in enumerate(reports) if not files]
+                    why = (
+                        f"rank(s) {empty} reported no files"
+                        if empty
+                        else "; ".join(run_dir.missing_rank_files(reports, self.zero_stage))
+                    )
+                    log(f"warning: not marking {ckpt} complete: {why}")
             if dist.is_initialized():
                 dist.barrier()
 
