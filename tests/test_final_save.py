@@ -151,3 +151,80 @@ def test_slurm_is_asked_again_in_the_background(monkeypatch):
     assert answered.wait(10)
     d.poller.join(10)
     assert d.time_left(3) == 200.0  # the new answer, from when it was asked
+
+
+def test_a_failed_or_rate_limited_poll_keeps_the_last_good_end(monkeypatch):
+    from llmft.training.job_deadline import UNANSWERED
+
+    monkeypatch.delenv("LLMFT_TEST_TIME_LEFT_AT_STEP", raising=False)
+    now = [0.0]
+    slurm = FakeSlurm(600.0)
+    d = JobDeadline("42", estimate_s=100.0, query=slurm, clock=lambda: now[0], background=False)
+    assert d.time_left(1) == 600.0
+    slurm.left = UNANSWERED  # squeue failed (slurmctld busy, rate-limited)
+    now[0] += JOB_END_POLL_S
+    assert slurm.asked == 1 and d.time_left(2) == 600.0 - JOB_END_POLL_S and slurm.asked == 2
+    now[0] += 400.0  # still unanswered: the end stands, and the final save comes when it is due
+    assert d.due(3, 1.0).startswith("Slurm job 42 ends in 140 s: starting the final save now, 211 s before")
+    slurm.left = None  # squeue answers: no limit (`scontrol update TimeLimit=UNLIMITED`)
+    now[0] += JOB_END_POLL_S
+    assert d.time_left(4) is None and d.due(5, 1.0) is None
+
+
+@pytest.mark.parametrize(
+    "text, left",
+    [
+        ("1000 1:00:00\n", 3500.0),  # asked at Unix time 1000 with an hour left; read at 1100
+        ("1000.5 1-00:00:00", 86400.0 + 0.5 - 100.0),
+        ("1000 UNLIMITED\n", None),  # no time limit
+        ("1000", None),  # squeue printed nothing: the job is gone, no limit is made up
+        ("", "unanswered"),  # a file being replaced, or not written yet
+        ("garbage 5:00", "unanswered"),
+    ],
+)
+def test_the_batch_shells_job_end_file_is_read_as_of_when_it_was_written(text, left):
+    from llmft.training.job_deadline import time_left_from_file
+
+    assert time_left_from_file(text, now_unix=1100.0) == left
+
+
+def test_without_squeue_rank_0_reads_the_end_from_the_batch_shells_file_and_squeue_wins_when_it_answers(
+    tmp_path, monkeypatch
+):
+    """Inside a container (pyxis) there is usually no squeue: the batch shell, which has one, keeps the job's end in
+    a file (slurm/run_llm.slurm); a requeue or `scontrol update TimeLimit=` is in the file by the shell's next poll."""
+    from llmft.training.job_deadline import JOB_END_FILE_ENV, UNANSWERED
+
+    monkeypatch.delenv("LLMFT_TEST_TIME_LEFT_AT_STEP", raising=False)
+    now, wall = [0.0], [50_000.0]
+    end_file = tmp_path / ".llmft-job-end-42"
+    end_file.write_text("49990 30:00\n")  # written 10 s ago: 30 minutes left then
+    slurm = FakeSlurm(UNANSWERED)  # no Slurm client here
+    d = JobDeadline(
+        "42",
+        estimate_s=10.0,
+        query=slurm,
+        clock=lambda: now[0],
+        background=False,
+        end_file=end_file,
+        wall_clock=lambda: wall[0],
+    )
+    assert d.time_left(1) == 1790.0
+    end_file.write_text("50050 1:00\n")  # TimeLimit lowered: the shell's next poll says a minute is left
+    now[0] += JOB_END_POLL_S
+    wall[0] += JOB_END_POLL_S
+    assert d.time_left(2) == 50.0 and d.due(2, 0.0).startswith("Slurm job 42 ends in 50 s")
+    end_file.unlink()  # no file (and no squeue): the last good answer stands
+    now[0] += JOB_END_POLL_S
+    wall[0] += JOB_END_POLL_S
+    assert d.time_left(3) == 50.0 - JOB_END_POLL_S
+    end_file.write_text(f"{wall[0]:.0f} 10:00\n")
+    slurm.left = 3000.0  # squeue answers after all: its answer wins over the file's
+    now[0] += JOB_END_POLL_S
+    wall[0] += JOB_END_POLL_S
+    assert d.time_left(4) == 3000.0
+    # and the run finds the file where the batch shell says it is
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(JOB_END_FILE_ENV, str(end_file))
+    assert JobDeadline.for_this_job(lambda: 1.0, tmp_path).end_file == str(end_file)

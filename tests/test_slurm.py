@@ -233,7 +233,7 @@ def test_a_save_longer_than_the_usr1_lead_starts_early_enough_and_the_job_requeu
 
 
 def test_the_job_end_is_read_from_slurm_and_again_after_a_time_limit_change(cluster, tmp_path, monkeypatch):
-    from llmft.training.job_deadline import query_time_left
+    from llmft.training.job_deadline import UNANSWERED, query_time_left
 
     job = cluster.cmd(["sbatch", "--parsable", "--time=5", "--wrap", "sleep 300"], cwd=tmp_path).stdout.strip()
     try:
@@ -246,7 +246,7 @@ def test_the_job_end_is_read_from_slurm_and_again_after_a_time_limit_change(clus
         assert 540 < query_time_left(job) <= 600
     finally:
         cluster.cmd(["scancel", job])
-    assert query_time_left("999999") is None  # no such job: squeue fails, no limit is made up
+    assert query_time_left("999999") == UNANSWERED  # no such job: squeue fails, and says nothing of a limit
 
 
 def test_scontrol_requeue_resumes_from_the_newest_complete_checkpoint(cluster, jobs):

@@ -47,15 +47,60 @@ HOLD_LIMIT_S = 600.0
 SAVE_RECORD = "llmft_save_seconds.json"  # in --output_dir: a requeued attempt starts from the saves measured before
 
 
-def query_time_left(job_id: str, timeout: float = 10.0) -> float | None:
-    """The Slurm job's time left in seconds, from squeue; None when Slurm does not say (unreachable, no limit)."""
+UNANSWERED = "unanswered"  # a source of the job's end that gave no answer this time (not: "no time limit")
+JOB_END_FILE_ENV = "LLMFT_JOB_END_FILE"  # slurm/run_llm.slurm names the file it keeps the job's end in
+
+
+def query_time_left(job_id: str, timeout: float = 10.0) -> float | None | str:
+    """The Slurm job's time left in seconds, from squeue; None when Slurm says there is no limit (or the job is
+    gone); UNANSWERED when squeue did not answer (absent, as in most containers, failed, rate-limited, timed out)."""
     try:
         proc = subprocess.run(
             ["squeue", "-h", "-j", job_id, "-o", "%L"], capture_output=True, text=True, timeout=timeout
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_time_left(proc.stdout) if proc.returncode == 0 else None
+        return UNANSWERED
+    return parse_time_left(proc.stdout) if proc.returncode == 0 else UNANSWERED
+
+
+def time_left_from_file(text: str, now_unix: float) -> float | None | str:
+    """Seconds left from the job-end file slurm/run_llm.slurm writes: `<Unix time asked> <squeue %L then>`, so the
+    answer is as right as squeue's was when the batch shell asked, however old the file (the end does not move
+    unless `scontrol update TimeLimit=` moves it, and the shell asks again every JOB_END_POLL_S). None: no limit;
+    UNANSWERED: no readable file."""
+    parts = text.split(maxsplit=1)
+    try:
+        asked = float(parts[0])
+    except (IndexError, ValueError):
+        return UNANSWERED
+    left = parse_time_left(parts[1]) if len(parts) == 2 else None
+    return None if left is None else asked + left - now_unix
+
+
+def read_job_end_file(path: str | Path | None, now_unix: float) -> float | None | str:
+    """`time_left_from_file` of the file at `path` (UNANSWERED without one). Its directory is listed first: on NFS,
+    opening a name another node just replaced (the shell renames a new file into place) can reach the old file
+    through a cached lookup, and listing the directory revalidates it (as stop_file_present does)."""
+    if not path:
+        return UNANSWERED
+    try:
+        os.listdir(os.path.dirname(os.path.abspath(path)))
+        return time_left_from_file(Path(path).read_text(), now_unix)
+    except OSError:
+        return UNANSWERED
+
+
+def job_end(
+    at: float, squeue: float | None | str, from_file: float | None | str, previous: float | None
+) -> float | None:
+    """The job's end on rank 0's clock, from the answers asked at `at`: squeue's when it answers (the freshest: a
+    TimeLimit change shows at once), else the batch shell's file (in a container with no Slurm client squeue never
+    answers; the file is at most one of the shell's polls old), else the last good answer: one failed or
+    rate-limited poll must not turn the early final save off until the next one. None: the job has no limit."""
+    for answer in (squeue, from_file):
+        if answer != UNANSWERED:
+            return None if answer is None else at + answer
+    return previous
 
 
 def _step_hook(name: str) -> tuple[int, float] | None:
@@ -96,8 +141,11 @@ class JobDeadline:
         clock=time.monotonic,
         record: str | Path | None = None,
         background: bool = True,
+        end_file: str | Path | None = None,
+        wall_clock=time.time,
     ):
         self.job_id, self.estimate_s, self.query, self.clock = job_id, estimate_s, query, clock
+        self.end_file, self.wall_clock = end_file, wall_clock  # the batch shell's job-end file (JOB_END_FILE_ENV)
         self.background, self.poller = background, None  # background: re-read Slurm's answer in a thread
         self.record = Path(record) if record else None  # SAVE_RECORD: the longest save, kept across requeues
         self.longest_save_s: float | None = read_longest_save(self.record) if self.record else None
@@ -113,7 +161,7 @@ class JobDeadline:
         job = os.environ.get("SLURM_JOB_ID")
         if not job or os.environ.get("RANK", "0") != "0":
             return None
-        return cls(job, estimate(), record=Path(output_dir) / SAVE_RECORD)
+        return cls(job, estimate(), record=Path(output_dir) / SAVE_RECORD, end_file=os.environ.get(JOB_END_FILE_ENV))
 
     def time_left(self, step: int | None = None) -> float | None:
         """Seconds left of the job; `step`: the optimizer step just trained (None before training)."""
@@ -137,8 +185,9 @@ class JobDeadline:
 
     def _ask(self, at: float) -> None:
         left = self.query(self.job_id)
+        from_file = read_job_end_file(self.end_file, self.wall_clock()) if left == UNANSWERED else UNANSWERED
         self.asked_at = at
-        self.end = None if left is None else at + left
+        self.end = job_end(at, left, from_file, self.end)
 
     def lead(self, step_s: float) -> float:
         return final_save_lead(self.longest_save_s, self.estimate_s, step_s)
