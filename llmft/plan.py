@@ -54,6 +54,18 @@ from llmft.planning.world import CpuSplit, World, cpu_split, discover_cpus, disc
 # ---- the memory plan (--model): llmft.planning.memory on a model shape and the hardware --------------------------------------
 
 
+def network_assumption(network: comm.NodeNetwork) -> str:
+    """The plan's one line on how communication was costed (llmft.planning.comm's docstring says why)."""
+    between = f"{network.network_gbps:g} Gbps network" + (f" ({network.network})" if network.network else "")
+    faster = "".join(f"; --nccl_profile {p}: {g:g} Gbps over {n}" for p, g, n in network.fabrics)
+    return (
+        f"communication over the node's {between}{faster}, or {network.intra_link} inside one node, at "
+        f"{comm.LINK_EFFICIENCY:.0%} of the link; ZeRO-2/3 reduce gradients behind each micro-batch's own backward, "
+        "its last bucket exposed; ZeRO-0/1's reduction at the step's end and the all-gather after it exposed "
+        "(llmft.planning.comm)"
+    )
+
+
 def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     """The memory plan as printed: the model and hardware, the recommendation and why, the candidate table,
     warnings, and the assumptions behind the numbers."""
@@ -101,13 +113,12 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
         else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process"
     )
     lora = "; LoRA dropout on (TRL's default 0.05; 0 keeps less)" if job.shape.lora else ""
-    network = (
-        "no node type: communication not modelled"
-        if job.network is None
-        else f"communication over the node's {job.network.network_gbps:g} Gbps network, or {job.network.intra_link} "
-        f"inside one node, at {comm.LINK_EFFICIENCY:.0%} of the link, ZeRO-2/3's per-micro-batch traffic hidden "
-        "behind compute up to its length, ZeRO-0/1's reduction and the parameter all-gather not (llmft.planning.comm)"
-    )
+    network = "no node type: communication not modelled" if job.network is None else network_assumption(job.network)
+    if job.gpu is not None and any(o != "none" for o in job.offloads):
+        network += (
+            f"; CPU offload's copies over each GPU's PCIe link at {comm.host_link_gbytes_s(job.gpu.name):g} GB/s, "
+            "not hidden (its CPU optimizer step is not modelled)"
+        )
     out.append(
         f"llmft plan: assumed: {device}; {peak}{lora}; {network}; checkpoints written at {job.write_mb_s:g} MB/s; "
         f"the Slurm script's USR1 warning {job.preempt_window_s:g} s before the time limit (llmft.planning.memory documents each term)"
@@ -341,6 +352,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
         mfu=args.mfu,
         save_consolidated=args.save_consolidated,
         async_save=args.async_save,
+        nccl_profile=args.nccl_profile,
     )
     try:
         mplan = plan_memory(job)
@@ -490,6 +502,13 @@ def add_memory_plan_arguments(parser) -> None:
         help="g2-standard-4, a2-highgpu-8g, g6.12xlarge, p4d.24xlarge, ... (llmft.planning.hardware.NODE_TYPES)",
     )
     mem.add_argument(
+        "--nccl_profile",
+        default=None,
+        choices=comm.NCCL_PROFILES,
+        help="slurm/run_llm.slurm's NCCL_PROFILE the job runs with: a3-highgpu-8g reaches its 800 Gbps GPUDirect-TCPX "
+        "only with gcp-tcpx (else its 200 Gbps host NIC)",
+    )
+    mem.add_argument(
         "--host_ram_gb",
         type=float,
         default=None,
@@ -571,6 +590,7 @@ MEMORY_ONLY = (
     "gpu",
     "gpu_memory_gb",
     "node_type",
+    "nccl_profile",
     "host_ram_gb",
     "max_length",
     "gradient_checkpointing",

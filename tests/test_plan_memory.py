@@ -336,3 +336,16 @@ def test_save_total_limit_is_checked_against_the_output_dirs_free_space(capsys, 
     assert "GiB free in the output directory; lower --save_total_limit or free space" in out
     rc, out, _ = llmft_plan(capsys, *args)
     assert "llmft plan: warning: --save_total_limit is not set: every checkpoint is kept (89.75 GiB each" in out
+
+
+def test_a3_plans_its_gpudirect_tcpx_bandwidth_only_with_the_nccl_profile_that_loads_it(capsys, llama_config):
+    args = ("--model", llama_config, "--node_type", "a3-highgpu-8g", "--nnodes", 2, "--global_batch_size", 64)
+    rc, plain, _ = llmft_plan(capsys, *args, "--zero_stage", 2)
+    assert rc == 0
+    assert "200 Gbps network (the host gVNIC, NCCL's plain sockets); --nccl_profile gcp-tcpx: 800 Gbps" in plain
+    rc, tcpx, _ = llmft_plan(capsys, *args, "--zero_stage", 2, "--nccl_profile", "gcp-tcpx")
+    assert rc == 0 and "800 Gbps network (GPUDirect-TCPX, NCCL_PROFILE=gcp-tcpx)" in tcpx
+    rc, slow, _ = llmft_plan(capsys, *args, "--zero_stage", 2, "--json")
+    rc, fast, _ = llmft_plan(capsys, *args, "--zero_stage", 2, "--nccl_profile", "gcp-tcpx", "--json")
+    slow, fast = json.loads(slow)["recommended"], json.loads(fast)["recommended"]
+    assert fast["comm_s"] < slow["comm_s"] and fast["tokens_per_s"] >= slow["tokens_per_s"]

@@ -97,9 +97,11 @@ forward (2 P) with recomputation; tokens/s = MFU x peak x GPUs / FLOPs per token
 Communication (llmft.planning.comm, when the node type is known): the bytes each rank moves per optimizer step by ZeRO stage
 (ZeRO-1 reduces gradients once per step, ZeRO-2/3 at every micro-batch, ZeRO-3 also gathers the parameters; LoRA
 moves the adapters' gradients only), over the node's network or NVLink/PCIe inside one node; the step takes its
-compute plus the communication DeepSpeed does not overlap with it, and tokens/s follows. Kernel-level slowdowns are
-not modelled: ZeRO-3 (2.8x slower than ZeRO-2 for a 1.1B model on one H100, bench/README.md) and CPU offload
-rows are slower than they show.
+compute plus the communication DeepSpeed does not overlap with it (each micro-batch's reduction hides only behind
+its own backward, its last bucket exposed; ZeRO-0/1's reduction and the all-gather after the step exposed), plus,
+under CPU offload, the copies over each GPU's PCIe link to the host, and tokens/s follows. Not modelled: kernel-level
+slowdowns (ZeRO-3 ran 2.8x slower than ZeRO-2 for a 1.1B model on one H100, bench/README.md) and the CPU optimizer
+step, so ZeRO-3 and CPU offload rows are slower than they show.
 """
 
 from __future__ import annotations
@@ -283,6 +285,8 @@ class Estimate:
             "comm_gib_per_step": gib(self.comm_bytes),
             "step_s": None if self.time is None else round(self.time.step_s, 3),
             "comm_s": None if self.time is None else round(self.time.comm_s, 3),
+            "exposed_comm_s": None if self.time is None else round(self.time.exposed_comm_s, 3),
+            "offload_pcie_s": None if self.time is None else round(self.time.host_s, 3),
             "network_bound": None if self.time is None else self.time.network_bound,
             "fits": self.fits,
             "why": self.why,
@@ -462,19 +466,31 @@ def zero_buffer_bytes(zero_stage: int, zero_config: dict, shape: ModelShape, pre
         value = cfg.get(key, default)
         return default if value == "auto" else int(value)
 
-    double = 2 if cfg.get("overlap_comm", zero_stage == 3) else 1
-    if zero_stage == 0:
-        return w * 500_000_000  # the engine's gradient all-reduce bucket (allreduce_bucket_size default)
-    if zero_stage == 1:
-        return w * size("reduce_bucket_size", 500_000_000)
+    double = 2 if overlap_comm(zero_stage, cfg) else 1
+    bucket = reduce_bucket_elements(zero_stage, cfg, hidden)
+    if zero_stage in (0, 1):
+        return w * bucket
     if zero_stage == 2:
-        return w * (double * size("reduce_bucket_size", 500_000_000) + size("allgather_bucket_size", 500_000_000))
+        return w * (double * bucket + size("allgather_bucket_size", 500_000_000))
     live = max(0, min(shape.total, size("stage3_max_live_parameters", 1_000_000_000)) - shape.largest_layer_params)
-    return w * (
-        double * size("reduce_bucket_size", hidden * hidden)
-        + size("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
-        + live
-    )
+    return w * (double * bucket + size("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)) + live)
+
+
+def reduce_bucket_elements(zero_stage: int, zero_config: dict, hidden: int) -> int:
+    """Gradient elements DeepSpeed reduces at a time: ZeRO-0 the engine's all-reduce bucket (allreduce_bucket_size,
+    500M); ZeRO-1/2 reduce_bucket_size (DeepSpeed's default 500M); ZeRO-3 reduce_bucket_size, which "auto" makes
+    hidden x hidden (transformers' DeepSpeed integration fills it so)."""
+    if zero_stage == 0:
+        return 500_000_000
+    default = hidden * hidden if zero_stage == 3 else 500_000_000
+    value = (zero_config or {}).get("reduce_bucket_size", default)
+    return default if value == "auto" else int(value)
+
+
+def overlap_comm(zero_stage: int, zero_config: dict) -> bool:
+    """DeepSpeed's zero_optimization.overlap_comm: as configured, else on for ZeRO-3 only (DeepSpeedZeroConfig's
+    default)."""
+    return bool((zero_config or {}).get("overlap_comm", zero_stage == 3))
 
 
 # ---- host, disk, time ---------------------------------------------------------------------------------------------
@@ -567,6 +583,62 @@ def flops_per_token(shape: ModelShape, seq: int, gradient_checkpointing: bool) -
     return dense + 12 * shape.layers * shape.hidden * seq
 
 
+def backward_share(shape: ModelShape, seq: int, gradient_checkpointing: bool) -> float:
+    """The backward's share of a micro-batch's FLOPs (flops_per_token): everything but the forward (2 P, and a third
+    of the attention's 12 x layers x hidden x sequence); recomputation runs inside the backward."""
+    forward = 2 * shape.total + 4 * shape.layers * shape.hidden * seq
+    return 1 - forward / flops_per_token(shape, seq, gradient_checkpointing)
+
+
+def step_time(job: Job, setting: Setting, compute_s: float) -> comm.StepTime:
+    """One optimizer step on the job's links (llmft.planning.comm): compute, the communication it does not hide, and
+    CPU offload's copies over PCIe."""
+    shape = job.shape
+    w = element_bytes(job.precision)["w"]
+    frozen = frozen_bytes(shape, job.precision, job.load_in_4bit)
+    msgs = comm.messages(
+        setting.zero_stage,
+        accumulation=setting.grad_accum,
+        world=job.world,
+        gradient_bytes=shape.trainable * w,
+        param_bytes=shape.trainable * w,
+        frozen_bytes=frozen,
+        params=shape.total,
+    )
+    cfg = job.zero_config.get(setting.zero_stage, {})
+    gathers = comm.gathers_per_micro_batch(shape.total)
+    overlap = comm.Overlap(
+        accumulation=setting.grad_accum,
+        backward_share=backward_share(shape, job.max_length, setting.gradient_checkpointing),
+        bucket_bytes=min(reduce_bucket_elements(setting.zero_stage, cfg, shape.hidden), shape.trainable) * w,
+        overlap_comm=overlap_comm(setting.zero_stage, cfg),
+        gathers=gathers,
+    )
+    host_s = 0.0
+    if job.gpu is not None:
+        host = comm.offload_host_bytes(
+            setting.zero_stage,
+            setting.offload,
+            accumulation=setting.grad_accum,
+            world=job.world,
+            trainable=shape.trainable,
+            w=w,
+            frozen_bytes=frozen,
+            gathers=gathers,
+        )
+        host_s = host / (comm.host_link_gbytes_s(job.gpu.name) * 1e9)
+    return comm.step_time(
+        setting.zero_stage,
+        msgs,
+        world=job.world,
+        nnodes=job.nnodes,
+        compute_s=compute_s,
+        network=job.network,
+        overlap=overlap,
+        host_s=host_s,
+    )
+
+
 def tokens_per_second(job: Job, setting: Setting) -> float | None:
     if job.gpu is None or not job.gpu.peak_tflops:
         return None
@@ -612,9 +684,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     step_s, time = None, None
     if tps:
         tokens = setting.micro_batch * setting.grad_accum * job.world * job.max_length
-        time = comm.step_time(
-            setting.zero_stage, msgs, world=job.world, nnodes=job.nnodes, compute_s=tokens / tps, network=job.network
-        )
+        time = step_time(job, setting, tokens / tps)
         step_s, tps = time.step_s, tokens / time.step_s
 
     problems = []
@@ -721,17 +791,10 @@ def plan_memory(job: Job) -> MemoryPlan:
         candidates.append(best)
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
-    if recommended is not None and recommended.setting.zero_stage == 2 and recommended.setting.grad_accum > 1:
-        same = [
-            c
-            for c in fitting
-            if c.setting.zero_stage == 1
-            and c.setting.offload == recommended.setting.offload
-            and c.setting.gradient_checkpointing == recommended.setting.gradient_checkpointing
-        ]
-        if same:  # ZeRO-1 reduces gradients once per step, ZeRO-2 at every micro-batch
-            fitting = same + [c for c in fitting if c is not same[0]]
-            recommended = same[0]
+    zero1 = _zero1_instead(recommended, fitting) if recommended is not None else None
+    if zero1 is not None:
+        fitting = [zero1] + [c for c in fitting if c is not zero1]
+        recommended = zero1
     if recommended is not None:
         recommended = replace(recommended, why=_reason(recommended, candidates))
         candidates = [recommended] + [c for c in candidates if c is not fitting[0]]
@@ -739,6 +802,25 @@ def plan_memory(job: Job) -> MemoryPlan:
     else:
         reason = "nothing fits: " + _closest(candidates)
     return MemoryPlan(job, candidates, recommended, reason, _warnings(job, recommended))
+
+
+def _zero1_instead(zero2: Estimate, fitting: list[Estimate]) -> Estimate | None:
+    """The ZeRO-1 candidate to recommend instead of this ZeRO-2 one, or None. With accumulation above 1 ZeRO-1 reduces
+    the gradients once per step where ZeRO-2 reduces them after every micro-batch's backward, its last bucket exposed
+    each time (llmft.planning.comm), so it moves less and waits less: taken when it fits with the same offload and
+    recomputation and its modelled step is no slower (without a modelled time, on the bytes alone). Where the
+    backward hides ZeRO-2's reductions and ZeRO-1's single one is exposed whole (a large model on NVLink), ZeRO-2 can
+    model faster, and stays."""
+    s = zero2.setting
+    if s.zero_stage != 2 or s.grad_accum <= 1:
+        return None
+    for c in fitting:
+        o = c.setting
+        if o.zero_stage == 1 and o.offload == s.offload and o.gradient_checkpointing == s.gradient_checkpointing:
+            if c.tokens_per_s is None or zero2.tokens_per_s is None or c.tokens_per_s >= zero2.tokens_per_s:
+                return c
+            return None
+    return None
 
 
 def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
@@ -792,7 +874,21 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
             else "ZeRO-3"
         )
     elif s.zero_stage == 1 and s.grad_accum > 1:
-        parts.append(f"ZeRO-1 reduces gradients once per step (ZeRO-2: at each of the {s.grad_accum} micro-batches)")
+        zero2 = [
+            c
+            for c in candidates
+            if c.setting.zero_stage == 2
+            and c.setting.offload == s.offload
+            and c.setting.gradient_checkpointing == s.gradient_checkpointing
+        ]
+        timed = (
+            f": {chosen.step_s:.1f} s a step against ZeRO-2's {zero2[0].step_s:.1f} s"
+            if zero2 and chosen.time is not None and zero2[0].time is not None and chosen.time.comm_s > 0
+            else ""
+        )
+        parts.append(
+            f"ZeRO-1 reduces gradients once per step (ZeRO-2: at each of the {s.grad_accum} micro-batches){timed}"
+        )
     else:
         parts.append(f"ZeRO-{s.zero_stage} moves no more data than plain data parallelism (ZeRO-3: 1.5x)")
     parts.append(f"micro-batch {s.micro_batch} is the largest that fits")

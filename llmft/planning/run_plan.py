@@ -198,8 +198,10 @@ def memory_job(
     mfu: float | None = None,
     save_consolidated: bool = False,
     async_save: bool = False,
+    nccl_profile: str | None = None,
 ):
-    """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given)."""
+    """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given);
+    nccl_profile: slurm/run_llm.slurm's NCCL_PROFILE, which decides the network a fabric node reaches."""
 
     stages, offload_modes = memory.Job.__dataclass_fields__["zero_stages"].default, memory.OFFLOADS
     zero_config = {}
@@ -254,7 +256,7 @@ def memory_job(
         mfu=memory.DEFAULT_MFU if mfu is None else mfu,
         save_consolidated=save_consolidated,
         async_save=async_save,
-        network=comm.NETWORKS.get(hardware.node_type) if hardware.node_type else None,
+        network=comm.node_network(hardware.node_type, nccl_profile) if hardware.node_type else None,
     )
 
 
