@@ -157,3 +157,4 @@ if a.steps_during_write:
         f"background write runs ({statistics.median(during) / statistics.median(quiet):.2f}x; the write "
         f"{'outlasted' if still_writing else 'ended within'} those {a.steps_during_write} steps)"
     )
+torch.distributed.destroy_process_group()  # before exit: see tests/test_zero_checkpoint.py

@@ -56,6 +56,7 @@ def make_checkpoint(out: Path, stage: int) -> None:
     if engine.global_rank == 0:
         config.save_pretrained(out)  # llmft layout: config beside the tag directory
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # before exit: see tests/test_zero_checkpoint.py
 
 
 def child(kind: str, tag_dir: Path) -> None:

@@ -51,3 +51,4 @@ for step in range(1, 5):
         print(
             f"RESULT {mode} step {step} train {t1 - t:.3f}s save_checkpoint {t2 - t1:.3f}s files {files}", flush=True
         )
+torch.distributed.destroy_process_group()  # before exit: see tests/test_zero_checkpoint.py

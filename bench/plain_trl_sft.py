@@ -50,3 +50,4 @@ trainer = SFTTrainer(
 )
 trainer.train()
 trainer.save_model(a.out)
+trainer.end()  # destroys the process group before exit (see tests/test_zero_checkpoint.py)

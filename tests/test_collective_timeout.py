@@ -76,6 +76,7 @@ def test_every_process_group_of_the_rank_gets_the_timeout(tmp_path):
             groups = process_groups()
             print(len(groups), set_timeout(300),
                   sorted(g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups))
+            dist.destroy_process_group()
             """
         )
     )

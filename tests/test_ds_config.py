@@ -265,6 +265,7 @@ loss = engine(torch.randn(2, 8)).pow(2).sum()
 engine.backward(loss)
 engine.step()
 print(type(optimizer.optimizer).__module__, type(optimizer.optimizer).__name__, bool((model.weight != before).any()))
+torch.distributed.destroy_process_group()
 """
     import socket
 

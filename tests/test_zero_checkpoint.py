@@ -60,6 +60,11 @@ def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
             ref = {k: masters.get(v.data_ptr(), v).detach().clone() for k, v in engine.module.state_dict().items()}
             torch.save(ref, out / spec / "engine_weights.pt")
     torch.distributed.barrier()
+    # Destroyed before the interpreter finalizes: a live gloo group's worker threads can still drop tensors that hold
+    # Python references then, and a thread that needs the GIL during finalization is ended by pthread_exit, whose
+    # forced unwind through a noexcept destructor calls std::terminate ("terminate called without an active
+    # exception", SIGABRT). That aborted one rank of this writer's 3-rank run under Python 3.12.1 in CI.
+    torch.distributed.destroy_process_group()
 
 
 def free_port() -> int:
