@@ -203,7 +203,8 @@ def test_a_save_longer_than_the_usr1_lead_starts_early_enough_and_the_job_requeu
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
     first = text[: text.index("restart 1,")]
     # The kill chain: torchrun waits longer for its ranks than Slurm's KillWait (10 s in slurm/local).
-    assert "kill chain: Slurm's KillWait 10 s after a SIGTERM; torchrun waits 40 s for its ranks" in first
+    assert "kill chain: Slurm's KillWait 10 s, partition debug GraceTime 0 s, " in first, first
+    assert "torchrun waits 40 s for its ranks (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)" in first, first
     # The job's end, read from squeue: 30 min from its start.
     m = re.search(rf"llmft: Slurm job {job} ends in (\d+) s; the final save starts (\d+) s before that", first)
     assert m and 1500 < int(m.group(1)) <= 1800 and 60 <= int(m.group(2)) < 120, first
