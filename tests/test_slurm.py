@@ -703,6 +703,33 @@ def test_zero_stage_auto_plans_for_the_jobs_nodes_and_launches_train_auto(cluste
     assert "DRY_RUN=1: not launching" in text
 
 
+def test_a_mixture_trains_whole_and_torchrun_waits_past_the_partitions_grace_time(
+    cluster, tiny_model, tiny_data, tmp_path
+):
+    """MIXTURE=FILE passes --dataset_mixture and neither --dataset_name nor --data_percentage, and the log says the
+    mixture trains; on a partition with GraceTime=600 (slurm/local's spare) torchrun waits past GraceTime + KillWait.
+    The local cluster keeps no accounting, so the QOS's grace time cannot be read: the line says so."""
+    (tmp_path / "mix.yaml").write_text(f"datasets:\n  - path: {tiny_data}\n    weight: 1\n    percentage: 50\n")
+    knobs = "--export=ALL,MIXTURE=mix.yaml,MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,SAVE_STEPS=1000,MODEL=" + str(
+        tiny_model
+    )
+    job = cluster.sbatch(["-p", "spare", str(SCRIPT), knobs], cwd=tmp_path)
+    info = cluster.wait(job, timeout=600)
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
+    assert "MIXTURE=mix.yaml (all of it: no DATASET, no DATA_PERCENTAGE)" in text and "WARNING" not in text, text
+    launch = next(line for line in text.splitlines() if line.startswith("run_llm.slurm: launch: srun"))
+    assert "--dataset_mixture mix.yaml" in launch, launch
+    assert "--dataset_name" not in launch and "--data_percentage" not in launch, launch
+    assert re.search(r"llmft: dataset mixture mix.yaml: \d+ records \(prompt_completion, 128 from ", text), text
+    assert re.search(
+        r"run_llm.slurm: kill chain: Slurm's KillWait 10 s, partition spare GraceTime 600 s, (no QOS|QOS \S+ GraceTime "
+        r"not read \(.*\): partition only); a preempted job's ranks may save for up to 610 s after the SIGTERM; "
+        r"torchrun waits 640 s for its ranks \(TORCH_ELASTIC_SHUTDOWN_TIMEOUT\)\n",
+        text,
+    ), text
+
+
 def test_a_busy_rendezvous_port_moves_to_the_next_one_in_range(cluster, tmp_path):
     """The job id's port and the next ones are taken on the first host: the script takes the next free port
     in 20000-29999 (it used to add 10000 per try, past 65535 after five)."""

@@ -33,10 +33,22 @@ def test_shell_scripts_are_shellcheck_clean():
 def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
     """The batch script run by bash outside Slurm: it checks knobs, then says it must be submitted."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    for knob in ("EPOCHS", "CHECKPOINT_DIR", "DRY_RUN", "ZERO_STAGE", "DS_CONFIG", "MODEL", "DATASET", "VENV"):
+    for knob in (
+        "EPOCHS",
+        "CHECKPOINT_DIR",
+        "DRY_RUN",
+        "ZERO_STAGE",
+        "DS_CONFIG",
+        "MODEL",
+        "DATASET",
+        "MIXTURE",
+        "VENV",
+    ):
         clean.pop(knob, None)
     clean.update(env)
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=clean, timeout=60)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=clean, timeout=60, cwd=REPO
+    )
 
 
 @pytest.mark.parametrize(
@@ -83,6 +95,23 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         ),
         (["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data:/data;;/x"], "'' is not a mount"),
         (["CONTAINER_MOUNTS=/data:/data"], "CONTAINER_MOUNTS=/data:/data needs CONTAINER_IMAGE"),
+        # A mixture is the whole data: the default dataset and percentage never ride along with it.
+        (
+            ["MIXTURE=pyproject.toml", "DATASET=data.jsonl"],
+            "give either MIXTURE or DATASET, not both (MIXTURE=pyproject.toml, DATASET=data.jsonl): the mixture "
+            "file names its datasets, and a percentage: per dataset; drop DATASET",
+        ),
+        (
+            ["--export=ALL,MIXTURE=pyproject.toml,DATA_PERCENTAGE=50"],
+            "give either MIXTURE or DATA_PERCENTAGE, not both",
+        ),
+        (
+            ["EXTRA_ARGS=--seed 1 --dataset_mixture mix.yaml"],
+            "give the mixture as MIXTURE=FILE, not --dataset_mixture in EXTRA_ARGS (the job would also pass "
+            "--dataset_name and --data_percentage, and train on a percentage of it)",
+        ),
+        (["EXTRA_ARGS=--dataset_mixture=mix.yaml"], "give the mixture as MIXTURE=FILE"),
+        (["MIXTURE=/nonexistent/mix.yaml"], "MIXTURE=/nonexistent/mix.yaml: no such file"),
     ],
 )
 def test_a_bad_knob_is_one_clear_message_and_exit_2(args, message):
@@ -114,6 +143,8 @@ def test_valid_knobs_outside_slurm_say_to_submit_with_sbatch():
     ):
         proc = run_script(*args, DRY_RUN="1", CONTAINER_IMAGE="img", **env)
         assert proc.returncode == 0 and "knobs are valid" in proc.stdout, (args, env, proc.stderr)
+    proc = run_script(f"MIXTURE={REPO / 'pyproject.toml'}", DRY_RUN="1")
+    assert proc.returncode == 0 and "knobs are valid" in proc.stdout and "WARNING" not in proc.stdout, proc.stderr
     proc = run_script("--export=ALL,EPOCHS=3")
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr and "sbatch" in proc.stderr
 
