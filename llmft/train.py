@@ -577,6 +577,7 @@ def build_trainer(
                     synchronous=lambda: (
                         trainer.control.should_training_stop or trainer.state.global_step >= trainer.state.max_steps
                     ),
+                    delay_s=job_deadline.save_delay_s() if rank0() else 0.0,  # a test hook: a slow filesystem
                 )
             except ValueError as e:
                 raise TrainError(str(e)) from None
@@ -605,7 +606,9 @@ def build_trainer(
     save_estimate = estimated_save_s(
         *job_deadline.parameter_counts(trainer.model), decided.plan.zero_stage, decided.precision
     )
-    stop.deadline = job_deadline.JobDeadline.for_this_job(lambda: save_estimate, args.output_dir)
+    stop.deadline = job_deadline.JobDeadline.for_this_job(
+        lambda: save_estimate, args.output_dir, async_save=run.llmft.async_save
+    )
     timeout = collective_timeout.callback(
         log,
         given_s=args.ddp_timeout if run.llmft.ddp_timeout_given else None,
@@ -613,7 +616,7 @@ def build_trainer(
         longest_save_s=job_deadline.read_longest_save(Path(args.output_dir) / job_deadline.SAVE_RECORD),
     )
     trainer.add_callback(timeout)  # last: it reads every other callback's should_save
-    job_deadline.time_each_save(trainer, stop.deadline, log, timeout)
+    job_deadline.time_each_save(trainer, stop.deadline, log, timeout, publish)
     return trainer, RunCallbacks(publish, stop, meter)
 
 

@@ -4,6 +4,7 @@ complete only once every rank's files are written; the same training and the sam
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -31,6 +32,8 @@ FLAGS = (
     "--learning_rate",
     "5e-3",
 )
+SAVE_DELAY_S = 2.0
+TIMED = r"llmft: checkpoint-(\d+) written and published in ([\d.]+) s( \(written in the background\))?"
 LOSS_TOL = 5e-4  # tests/test_elastic.py: the same state gives the same losses to the 4 printed decimals
 
 
@@ -129,7 +132,9 @@ def test_async_checkpoints_are_published_after_their_files_and_resume_like_synch
     from llmft.checkpoint.zero import load_fp32_state_dict
 
     sync_out, async_out = tmp_path / "sync", tmp_path / "async"
-    sync = train(["-m", "llmft.train"], nodrop_model, tiny_data, sync_out)
+    # every checkpoint takes SAVE_DELAY_S longer to write on rank 0 (a slow filesystem): synchronously, and in the
+    # background with --async_save
+    sync = train(["-m", "llmft.train"], nodrop_model, tiny_data, sync_out, LLMFT_TEST_SAVE_DELAY_S=str(SAVE_DELAY_S))
     # checkpoint-2's writes are held (every rank) until step 3 has ended: training goes on meanwhile
     held = train(
         [PROBE],
@@ -140,7 +145,17 @@ def test_async_checkpoints_are_published_after_their_files_and_resume_like_synch
         LLMFT_PROBE_HOLD_CKPT="2",
         LLMFT_PROBE_RELEASE_STEP="3",
         LLMFT_PROBE_DIR=str(tmp_path / "probe"),
+        LLMFT_TEST_SAVE_DELAY_S=str(SAVE_DELAY_S),
     )
+    # a save is timed until it is published, a background one from its start: what the job deadline and the collective
+    # timeout are given covers the write (the run's last save is synchronous), at least what the synchronous run records
+    timed = {
+        run: {int(s): (float(t), bool(bg)) for s, t, bg in re.findall(TIMED, out)}
+        for run, out in (("sync", sync), ("held", held))
+    }
+    assert {s: bg for s, (_, bg) in timed["sync"].items()} == {2: False, 4: False, 6: False}, sync
+    assert {s: bg for s, (_, bg) in timed["held"].items()} == {2: True, 4: True, 6: False}, held
+    assert all(t >= SAVE_DELAY_S for run in timed.values() for t, _ in run.values()), timed
     # the collective timeout (as torch reports it back) follows what the run measured: 1800 s until 5 steps are
     # measured, then the 300 s floor (these steps and saves are short), 1800 s again for the final save
     sized = [line for line in sync.splitlines() if line.startswith("llmft: collective timeout")]

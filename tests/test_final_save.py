@@ -228,3 +228,14 @@ def test_without_squeue_rank_0_reads_the_end_from_the_batch_shells_file_and_sque
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv(JOB_END_FILE_ENV, str(end_file))
     assert JobDeadline.for_this_job(lambda: 1.0, tmp_path).end_file == str(end_file)
+
+
+def test_with_async_save_the_final_save_starts_early_enough_for_a_write_in_flight_and_its_own():
+    """8B ZeRO-3 at 100 MB/s (964 s a checkpoint) with --async_save: the final save waits for the background write in
+    flight (up to a whole checkpoint) and then writes its own; a background save counts from its start to its
+    publication (llmft.training.job_deadline.time_each_save), not the 0.3 s it held training."""
+    d = JobDeadline("42", estimate_s=964.0, query=FakeSlurm(None), async_save=True)
+    assert d.lead(0) == 1.5 * 2 * 964 + 60  # 2952 s; synchronous saves: 1,506 s
+    d.record_save(970.0)  # the background save, written and published 970 s after it started
+    assert d.lead(0) == 1.5 * 2 * 970 + 60
+    assert final_save_lead(970.0, None, 1.0) == 1.5 * 970 + 1 + 60  # without --async_save: one save

@@ -31,7 +31,8 @@ def collective_timeout(
     run measured, also in an earlier attempt; `estimated_save_s`: the planner's figure for a save not yet measured;
     `saving`: a checkpoint save is starting. Never shorter than SAVE_FACTOR x the longest save; a save gets
     SAVE_FACTOR x the planner's estimate when that is longer (an --async_save save also waits out the previous
-    background write, which its own measurement leaves out), and a first save at least the start-up value."""
+    background write; a background save is measured from its start to its publication, so its write counts), and a
+    first save at least the start-up value."""
     save, save_is = longest_save_s, "the longest save"
     if saving and longest_save_s is None:
         estimate = SAVE_FACTOR * (estimated_save_s or 0.0)

@@ -26,13 +26,20 @@ def parse_time_left(text: str) -> float | None:
     return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
-def final_save_lead(longest_save_s: float | None, estimate_s: float | None, step_s: float) -> float:
+def final_save_lead(
+    longest_save_s: float | None, estimate_s: float | None, step_s: float, async_save: bool = False
+) -> float:
     """Seconds before the job's end at which the final save must start: the longest save measured (else the
-    estimate, else UNMEASURED_SAVE_S) x FINAL_SAVE_FACTOR, plus the step in flight and FINAL_SAVE_MARGIN_S."""
+    estimate, else UNMEASURED_SAVE_S) x FINAL_SAVE_FACTOR, plus the step in flight and FINAL_SAVE_MARGIN_S.
+
+    `async_save` (--async_save): the final save is written synchronously, but first waits for the background write in
+    flight, which may have just begun; so the lead covers two saves (a background save's measured length runs from
+    its start to its publication, llmft.training.job_deadline.time_each_save). Without it, a run whose periodic saves
+    held training 0.3 s would start a 964 s final save 61 s before the limit."""
     save = (
         longest_save_s if longest_save_s is not None else estimate_s if estimate_s is not None else UNMEASURED_SAVE_S
     )
-    return FINAL_SAVE_FACTOR * save + max(step_s, 0.0) + FINAL_SAVE_MARGIN_S
+    return FINAL_SAVE_FACTOR * save * (2 if async_save else 1) + max(step_s, 0.0) + FINAL_SAVE_MARGIN_S
 
 
 def final_save_due(time_left_s: float | None, lead_s: float) -> bool:

@@ -32,6 +32,7 @@ import copy
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -194,8 +195,11 @@ class BackgroundWriter:
         synchronous: Callable[[], bool],
         zipfile_serialization: bool = True,
         write: Callable[[Path, object], None] | None = None,
+        delay_s: float = 0.0,
     ):
         self.synchronous = synchronous
+        self.delay_s = delay_s  # each background checkpoint's first file waits this long (LLMFT_TEST_SAVE_DELAY_S)
+        self._delay_next = 0.0
         self.zipfile_serialization = zipfile_serialization
         self._write = write  # None: write_file (looked up when writing)
         self._queue: queue.Queue = queue.Queue()
@@ -210,6 +214,7 @@ class BackgroundWriter:
     # --- DeepSpeed's CheckpointEngine interface ---------------------------------------------------------------
     def create(self, info) -> None:
         self.wait()  # the previous checkpoint's files first: one checkpoint in flight
+        self._delay_next = self.delay_s  # DeepSpeed creates once per checkpoint, then saves each file
 
     def makedirs(self, path, exist_ok=False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
@@ -227,7 +232,8 @@ class BackgroundWriter:
         with self._lock:
             self._pending += 1
             self.bytes_in_flight += nbytes
-        self._queue.put((Path(path), snapshot, buffers, copied, nbytes))
+        delay, self._delay_next = self._delay_next, 0.0
+        self._queue.put((Path(path), snapshot, buffers, copied, nbytes, delay))
 
     def load(self, path: str, map_location=None):
         import torch
@@ -270,10 +276,11 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while True:
-            path, snapshot, buffers, copied, nbytes = self._queue.get()
+            path, snapshot, buffers, copied, nbytes, delay = self._queue.get()
             try:
                 if copied is not None:
                     copied.synchronize()
+                time.sleep(delay)
                 if self._error is None:
                     if self._write is not None:
                         self._write(path, snapshot)
@@ -302,7 +309,7 @@ def write_failure(path: Path, error: BaseException) -> str:
     return f"writing {path} failed: {type(error).__name__}" + (f": {why}" if why else "")
 
 
-def install(engine, synchronous: Callable[[], bool]) -> BackgroundWriter:
+def install(engine, synchronous: Callable[[], bool], delay_s: float = 0.0) -> BackgroundWriter:
     """Put a BackgroundWriter in the DeepSpeed engine's place for its checkpoint engine. Only DeepSpeed's default
     (torch.save) engine is replaced: a DeepSpeed config that chose another (`checkpoint.writer`, datastates) is refused
     by the caller, since both cannot write the same files."""
@@ -314,6 +321,8 @@ def install(engine, synchronous: Callable[[], bool]) -> BackgroundWriter:
             f"--async_save replaces DeepSpeed's default checkpoint engine, but this DeepSpeed config chose "
             f"{type(current).__name__}: drop its checkpoint writer settings or --async_save"
         )
-    writer = BackgroundWriter(synchronous, zipfile_serialization=getattr(current, "zipfile_serialization", True))
+    writer = BackgroundWriter(
+        synchronous, zipfile_serialization=getattr(current, "zipfile_serialization", True), delay_s=delay_s
+    )
     engine.checkpoint_engine = writer
     return writer

@@ -113,6 +113,7 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
                 None  # llmft.training.async_save.BackgroundWriter, installed once the DeepSpeed engine exists
             )
             self.pending: Path | None = None  # a checkpoint whose files are being written in the background
+            self.on_written = None  # called with a background checkpoint once published (job_deadline.time_each_save)
 
         def on_train_begin(self, args, state, control, **kwargs):
             if self.make_writer is not None and self.writer is None:
@@ -120,8 +121,9 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
 
         def on_save(self, args, state, control, model=None, **kwargs):
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if state.is_world_process_zero and job_deadline.save_delay_s():  # a test hook: a slow filesystem
-                time.sleep(job_deadline.save_delay_s())
+            in_background = self.writer is not None and not self.writer.synchronous()  # its delay is the writer's
+            if state.is_world_process_zero and job_deadline.save_delay_s() and not in_background:
+                time.sleep(job_deadline.save_delay_s())  # a test hook: a slow filesystem
             if self.pending is not None:  # every rank waited for its writes before this save (BackgroundWriter.create)
                 self._publish_written(args, state, control)
             bad = save_checks.check_save(ckpt, model, state.is_world_process_zero)
@@ -161,6 +163,8 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
                 control.should_training_stop = True
             else:
                 self._publish(ckpt, args, state)
+                if self.on_written is not None:
+                    self.on_written(ckpt)
 
         def _publish(self, ckpt: Path, args, state):
             report = run_dir.rank_report(ckpt, args.process_index)  # what this rank wrote, as its node sees it

@@ -18,7 +18,8 @@ Test hooks (environment variables; tests only, each read here and nowhere else):
                                    clock), whatever Slurm says; the ranks vote at step K. A run resumed past step K
                                    (the requeued job) never reaches it: Slurm's figure applies.
   LLMFT_TEST_SAVE_DELAY_S=S        every checkpoint save takes S seconds longer on rank 0, before it is published
-                                   (a slow filesystem).
+                                   (a slow filesystem); with --async_save a background checkpoint's delay is in its
+                                   background write.
   LLMFT_TEST_HOLD_AT_STEP=K        at global step K every rank waits (up to 600 s) until a stop is requested
                                    (signal or stop file), so a stop sent from outside lands at step K.
 """
@@ -143,7 +144,9 @@ class JobDeadline:
         background: bool = True,
         end_file: str | Path | None = None,
         wall_clock=time.time,
+        async_save: bool = False,
     ):
+        self.async_save = async_save  # --async_save: the final save may first wait out a background write
         self.job_id, self.estimate_s, self.query, self.clock = job_id, estimate_s, query, clock
         self.end_file, self.wall_clock = end_file, wall_clock  # the batch shell's job-end file (JOB_END_FILE_ENV)
         self.background, self.poller = background, None  # background: re-read Slurm's answer in a thread
@@ -155,13 +158,19 @@ class JobDeadline:
         self.hooked_end: float | None = None
 
     @classmethod
-    def for_this_job(cls, estimate, output_dir: str | Path) -> JobDeadline | None:
+    def for_this_job(cls, estimate, output_dir: str | Path, async_save: bool = False) -> JobDeadline | None:
         """On global rank 0 of a Slurm job; None elsewhere (outside Slurm nothing changes). `estimate()`: the
         planner's save time, asked only here; the saves an earlier attempt of the run measured count too."""
         job = os.environ.get("SLURM_JOB_ID")
         if not job or os.environ.get("RANK", "0") != "0":
             return None
-        return cls(job, estimate(), record=Path(output_dir) / SAVE_RECORD, end_file=os.environ.get(JOB_END_FILE_ENV))
+        return cls(
+            job,
+            estimate(),
+            record=Path(output_dir) / SAVE_RECORD,
+            end_file=os.environ.get(JOB_END_FILE_ENV),
+            async_save=async_save,
+        )
 
     def time_left(self, step: int | None = None) -> float | None:
         """Seconds left of the job; `step`: the optimizer step just trained (None before training)."""
@@ -190,7 +199,7 @@ class JobDeadline:
         self.end = job_end(at, left, from_file, self.end)
 
     def lead(self, step_s: float) -> float:
-        return final_save_lead(self.longest_save_s, self.estimate_s, step_s)
+        return final_save_lead(self.longest_save_s, self.estimate_s, step_s, self.async_save)
 
     def due(self, step: int, step_s: float) -> str | None:
         """Why to stop now for the final save (one line), or None to train on."""
@@ -204,7 +213,9 @@ class JobDeadline:
         )
         return (
             f"Slurm job {self.job_id} ends in {max(left, 0):.0f} s: starting the final save now, {lead:.0f} s before "
-            f"the time limit ({measured}; x{FINAL_SAVE_FACTOR:g} + a {step_s:.1f} s step + {FINAL_SAVE_MARGIN_S:.0f} s)"
+            f"the time limit ({measured}; x{FINAL_SAVE_FACTOR:g}"
+            f"{' x 2 (a background write may be in flight)' if self.async_save else ''}"
+            f" + a {step_s:.1f} s step + {FINAL_SAVE_MARGIN_S:.0f} s)"
         )
 
     def record_save(self, seconds: float) -> None:
@@ -239,12 +250,31 @@ def parameter_counts(model) -> tuple[int, int]:
     return total, trainable
 
 
-def time_each_save(trainer, deadline: JobDeadline | None, log, timeout=None) -> None:
-    """Time every checkpoint save, from the Trainer's _save_checkpoint to the end of the on_save callbacks that check,
-    publish and rotate it (rank 0 ends after the barrier every rank reaches once its files are written), log it, and
-    give it to the deadline (rank 0 of a Slurm job) and to the collective timeout (every rank)."""
+def time_each_save(trainer, deadline: JobDeadline | None, log, timeout=None, publish=None) -> None:
+    """Time every checkpoint save, from the Trainer's _save_checkpoint until it is published: the end of the on_save
+    callbacks that check, publish and rotate it (rank 0 ends after the barrier every rank reaches once its files are
+    written), or, for a checkpoint written in the background (--async_save: `publish.pending` after on_save), the
+    step end at which every rank's writes had finished and it was published (`publish.on_written`). The end of on_save
+    alone would time only the host snapshot (0.3 s on an H100 for a 15 GB checkpoint), and the deadline would then
+    start a 964 s final save a minute before the time limit. Each time is logged and given to the deadline (rank 0 of
+    a Slurm job) and to the collective timeout (every rank)."""
     save, on_save = trainer._save_checkpoint, trainer.callback_handler.on_save
     started: list[float] = []
+    in_background: dict[str, float] = {}  # checkpoint directory -> when its save started
+
+    def record(seconds: float, name: str, how: str = "") -> None:
+        if timeout is not None:
+            timeout.save_measured(seconds)
+        line = f"{name} written and published in {seconds:.1f} s{how}"
+        if deadline is not None:
+            deadline.record_save(seconds)
+            line += (
+                f"; the final save now starts {deadline.lead(0):.0f} s before the job's time limit "
+                f"({FINAL_SAVE_FACTOR:g} x the longest save, {deadline.longest_save_s:.1f} s"
+                f"{', x 2 for a background write in flight' if deadline.async_save else ''}"
+                f", + {FINAL_SAVE_MARGIN_S:.0f} s + a step)"
+            )
+        log(line)
 
     def timed_save(*args, **kwargs):
         started[:] = [time.monotonic()]
@@ -253,21 +283,22 @@ def time_each_save(trainer, deadline: JobDeadline | None, log, timeout=None) -> 
     def timed_on_save(*args, **kwargs):
         out = on_save(*args, **kwargs)
         if started:
-            seconds = time.monotonic() - started.pop()
-            if timeout is not None:
-                timeout.save_measured(seconds)
-            line = f"checkpoint-{trainer.state.global_step} written and published in {seconds:.1f} s"
-            if deadline is not None:
-                deadline.record_save(seconds)
-                line += (
-                    f"; the final save now starts {deadline.lead(0):.0f} s before the job's time limit "
-                    f"({FINAL_SAVE_FACTOR:g} x the longest save, {deadline.longest_save_s:.1f} s, + {FINAL_SAVE_MARGIN_S:.0f} s + a step)"
-                )
-            log(line)
+            begun = started.pop()
+            if publish is not None and publish.pending is not None:
+                in_background[str(publish.pending)] = begun  # timed when it is published
+            else:
+                record(time.monotonic() - begun, f"checkpoint-{trainer.state.global_step}")
         return out
+
+    def written(ckpt) -> None:
+        begun = in_background.pop(str(ckpt), None)
+        if begun is not None:
+            record(time.monotonic() - begun, Path(ckpt).name, " (written in the background)")
 
     trainer._save_checkpoint = timed_save
     trainer.callback_handler.on_save = timed_on_save
+    if publish is not None:
+        publish.on_written = written
 
 
 def ask_for_requeue(reason: str) -> None:
