@@ -417,6 +417,7 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
             attention=args.attn_implementation or "sdpa",
             save_consolidated=args.save_consolidated,
             async_save=args.async_save,
+            nccl_profile=args.nccl_profile,
         )
         mplan = plan_memory(job)
     except MemoryPlanError as e:
