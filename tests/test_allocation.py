@@ -9,10 +9,15 @@ from llmft.planning.allocation import (
     MemoryLimit,
     NodeFacts,
     cgroup_memory_limit,
+    cpulist,
     gpus_on_node,
+    job_gpu_numa,
     job_memory,
     job_nodes,
     numa_binding,
+    numa_node_cpus,
+    numa_uncovered,
+    parse_cpulist,
     parse_node_lines,
 )
 from llmft.planning.fabric import fabric_problem
@@ -102,8 +107,8 @@ def test_gpus_on_node_are_this_nodes_not_the_jobs_total():
     assert gpus_on_node({"SLURM_GPUS": "5"}) == 0  # the job's total says nothing about this node
 
 
-def node(host, gpus=1, gib=192.0, source="MemTotal", numa=1, numactl=False, missing=""):
-    return NodeFacts(host, gpus, MemoryLimit(gib, source, 192.0), numa, numactl, missing)
+def node(host, gpus=1, gib=192.0, source="MemTotal", numa=1, numactl=False, missing="", numa_problem=""):
+    return NodeFacts(host, gpus, MemoryLimit(gib, source, 192.0), numa, numactl, missing, numa_problem)
 
 
 def test_the_job_plans_for_its_smallest_node_and_refuses_uneven_gpus():
@@ -111,7 +116,7 @@ def test_the_job_plans_for_its_smallest_node_and_refuses_uneven_gpus():
     lines = "\n".join(
         n.line() for n in (node("g6-a", gib=192), node("g6-b", gib=28.0, source="SLURM_MEM_PER_CPU=7168 MB x 4 CPUs"))
     )
-    assert lines.splitlines()[1] == "llmft node:\tg6-b\t1\t28\t192\t1\t0\tSLURM_MEM_PER_CPU=7168 MB x 4 CPUs\t"
+    assert lines.splitlines()[1] == "llmft node:\tg6-b\t1\t28\t192\t1\t0\tSLURM_MEM_PER_CPU=7168 MB x 4 CPUs\t\t"
     nodes = parse_node_lines("srun: some noise\n" + lines)
     assert [n.host for n in nodes] == ["g6-a", "g6-b"]
     assert job_nodes(nodes) == MemoryLimit(28, "node g6-b: SLURM_MEM_PER_CPU=7168 MB x 4 CPUs", 192)
@@ -137,6 +142,75 @@ def test_numa_binding_where_torchrun_can_bind():
         numa_binding("node", [node("n1", numa=2)])
     with pytest.raises(AllocationError, match="NUMA_BINDING=near is unknown"):
         numa_binding("near", two_sockets)
+
+
+TWO_SOCKETS = {0: set(range(0, 48)), 1: set(range(48, 96))}  # a2-highgpu-8g-like: GPUs 0-3 on node 0, 4-7 on 1
+
+
+@pytest.mark.parametrize(
+    "gpu_numa, numa_cpus, allowed, problem",
+    [
+        # The job holds the whole node: every GPU's NUMA node is covered.
+        ([0, 0, 0, 0, 1, 1, 1, 1], TWO_SOCKETS, set(range(96)), ""),
+        # Two GPUs of a shared node, both near socket 0, and 48 CPUs there: covered.
+        ([0, 0], TWO_SOCKETS, set(range(0, 48)), ""),
+        # A shared node: the job's GPU sits on NUMA node 1, its CPUs on node 0 (torch: "Must bind to a non-empty set").
+        (
+            [1],
+            TWO_SOCKETS,
+            set(range(0, 12)),
+            "GPU 0's NUMA node 1 has CPUs 48-95, of which the job holds none (the job's CPUs there: 0-11; a node "
+            "shared with other jobs)",
+        ),
+        # Part of the NUMA node: torch would cram the process onto 12 of its 48 CPUs.
+        (
+            [0, 1],
+            TWO_SOCKETS,
+            set(range(0, 48)) | set(range(48, 60)),
+            "GPU 1's NUMA node 1 has CPUs 48-95, of which the job holds 48-59",
+        ),
+        # numa_node -1 (no NUMA information): torch would bind to node 0 wherever the GPU sits.
+        ([0, -1], TWO_SOCKETS, set(range(96)), "GPU 1 has no NUMA node (numa_node -1), and torch would bind"),
+        ([], TWO_SOCKETS, set(range(96)), "its GPUs' NUMA nodes are not known"),
+        (None, TWO_SOCKETS, set(range(96)), "its GPUs' NUMA nodes are not known"),
+        # A single NUMA node the job holds whole: safe (numa_binding still leaves it off: nothing to gain).
+        ([0, 0], {0: set(range(16))}, set(range(16)), ""),
+        ([2], TWO_SOCKETS, set(range(96)), "GPU 0's NUMA node 2 lists no CPUs"),
+    ],
+)
+def test_numa_binding_only_where_the_jobs_cpus_cover_each_gpus_numa_node(gpu_numa, numa_cpus, allowed, problem):
+    found = numa_uncovered(gpu_numa, numa_cpus, allowed)
+    assert found.startswith(problem) and bool(found) == bool(problem), found
+
+
+def test_a_node_whose_cpus_do_not_cover_its_gpus_is_not_bound_and_named():
+    problem = numa_uncovered([1], TWO_SOCKETS, set(range(12)))
+    nodes = [node("n1", gpus=1, numa=2, numactl=True), node("n2", gpus=1, numa=2, numactl=True, numa_problem=problem)]
+    assert numa_binding("auto", nodes) == (None, f"off: on n2, {problem}")
+    assert parse_node_lines("\n".join(n.line() for n in nodes)) == nodes  # the probe's line carries it
+    # one NUMA node: off for that reason first, whatever the coverage
+    assert numa_binding("auto", [node("n1", numa=1, numactl=True, numa_problem="x")]) == (
+        None,
+        "off: one NUMA node on n1",
+    )
+
+
+def test_cpulists_and_the_gpus_numa_nodes_are_read_from_sysfs(tmp_path):
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11} and parse_cpulist("") == set()
+    assert cpulist({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11" and cpulist(set()) == "none"
+    for n, cpus in ((0, "0-47"), (1, "48-95")):
+        (tmp_path / f"devices/system/node/node{n}").mkdir(parents=True)
+        (tmp_path / f"devices/system/node/node{n}/cpulist").write_text(cpus + "\n")
+    assert numa_node_cpus(str(tmp_path)) == TWO_SOCKETS
+    assert job_gpu_numa({}, str(tmp_path)) is None  # no NVIDIA driver: not known
+    for address, numa in (("0000:17:00.0", "0"), ("0000:b1:00.0", "1"), ("0000:ca:00.0", "-1")):
+        (tmp_path / "bus/pci/drivers/nvidia" / address).mkdir(parents=True)
+        (tmp_path / "bus/pci/drivers/nvidia" / address / "numa_node").write_text(numa + "\n")
+    (tmp_path / "bus/pci/drivers/nvidia/bind").write_text("")  # the driver's own files are not GPUs
+    assert job_gpu_numa({}, str(tmp_path)) == [0, 1, -1]  # no Slurm GPU list: every GPU counts
+    assert job_gpu_numa({"SLURM_JOB_GPUS": "1"}, str(tmp_path)) == [1]
+    assert job_gpu_numa({"SLURM_STEP_GPUS": "0,2", "SLURM_JOB_GPUS": "1"}, str(tmp_path)) == [0, -1]
+    assert job_gpu_numa({"SLURM_JOB_GPUS": "7"}, str(tmp_path)) == [0, 1, -1]  # not in the list: every GPU
 
 
 def exists_in(paths):

@@ -608,16 +608,25 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
 def test_the_allocation_on_each_node_decides_memory_gpus_numa_and_the_fabric(cluster, tiny_model, tmp_path):
     """Every node reports what the job got there (one srun task per node): memory from --mem-per-cpu x that node's
     CPUs changes the plan; GPUs spread unevenly by --gpus=N are refused; NUMA binding is asked of torchrun where the
-    nodes have several NUMA nodes and numactl; the EFA profile is refused where the plugin is not on the library path."""
+    nodes have several NUMA nodes and numactl and the job's CPUs cover its GPUs' NUMA nodes, and not where they do not
+    (a shared node); the EFA profile is refused where the plugin is not on the library path."""
     original = SCRIPT.read_text()
     assert "#SBATCH --mem=0\n" in original
     per_cpu = tmp_path / "run_llm_per_cpu.slurm"  # sbatch refuses --mem-per-cpu beside the script's --mem=0
     per_cpu.write_text(original.replace("#SBATCH --mem=0\n", ""))
     uneven = tmp_path / "run_llm_gpus.slurm"
     uneven.write_text(original.replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus=3\n"))
-    sysfs = tmp_path / "sys"
-    for node in ("node0", "node1"):  # a two-socket machine
-        (sysfs / "devices" / "system" / "node" / node).mkdir(parents=True)
+    # A two-socket machine whose four GPUs sit on NUMA node 0, which holds the CPUs the job's steps run on here
+    # (node 1's CPUs are none of them); and the same machine with its GPUs on node 1, as a job on a shared node sees it.
+    here = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    sysfs, shared = tmp_path / "sys", tmp_path / "sys-shared"
+    for root, gpu_node in ((sysfs, 0), (shared, 1)):
+        for node, cpus in (("node0", here), ("node1", "1000-1001")):
+            (root / "devices" / "system" / "node" / node).mkdir(parents=True)
+            (root / "devices" / "system" / "node" / node / "cpulist").write_text(cpus + "\n")
+        for gpu in range(4):
+            (root / "bus/pci/drivers/nvidia" / f"0000:{0x17 + gpu:02x}:00.0").mkdir(parents=True)
+            (root / "bus/pci/drivers/nvidia" / f"0000:{0x17 + gpu:02x}:00.0" / "numa_node").write_text(f"{gpu_node}\n")
     fake_sysfs_with_efa(sysfs)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -632,6 +641,12 @@ def test_the_allocation_on_each_node_decides_memory_gpus_numa_and_the_fabric(clu
             [str(SCRIPT), f"--export=ALL,{model}"],
             cwd=tmp_path,
             LLMFT_SYSFS_ROOT=str(sysfs),
+            PATH=f"{bin_dir}:{cluster.env()['PATH']}",
+        ),
+        "numa shared": cluster.sbatch(
+            [str(SCRIPT), f"--export=ALL,{model}"],
+            cwd=tmp_path,
+            LLMFT_SYSFS_ROOT=str(shared),
             PATH=f"{bin_dir}:{cluster.env()['PATH']}",
         ),
         "no plugin": cluster.sbatch(
@@ -680,6 +695,14 @@ def test_the_allocation_on_each_node_decides_memory_gpus_numa_and_the_fabric(clu
         r"--rdzv_backend c10d ",
         text,
     ), text
+    info, text = out["numa shared"]
+    assert info["JobState"] == "COMPLETED", text
+    assert re.search(
+        r"llmft plan: NUMA binding off: on n1, GPU 0's NUMA node 1 has CPUs 1000-1001, of which the job holds none "
+        r"\(the job's CPUs there: \S+; a node shared with other jobs\)\n",
+        text,
+    ), text
+    assert "--numa-binding" not in text, text
     info, text = out["no plugin"]
     assert info["ExitCode"] == "2:0", text
     assert (

@@ -14,6 +14,7 @@ spread unevenly over the nodes, and refuses a fabric profile whose NCCL plugin a
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 from dataclasses import dataclass
@@ -230,6 +231,97 @@ def numa_nodes(sysfs: str = "/sys") -> int:
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """'0-3,8,10-11' (sysfs cpulist) -> {0, 1, 2, 3, 8, 10, 11}; an empty or unreadable list -> empty set."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return set() if part.strip() else out
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def cpulist(cpus: set[int]) -> str:
+    """{0, 1, 2, 3, 8} -> '0-3,8' (the inverse of parse_cpulist); 'none' for no CPU."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) or "none"
+
+
+def numa_uncovered(gpu_numa: list[int] | None, numa_cpus: Mapping[int, set[int]], allowed: set[int]) -> str:
+    """Why binding each process to its GPU's NUMA node would fail or misplace it here ('' where it is safe), from the
+    node's facts: the NUMA node of each of the job's GPUs (in local rank order; None when not known), each NUMA node's
+    CPUs, and the CPUs the job may use on the node. torch's `--numa-binding` binds a process to the CPUs of its GPU's
+    NUMA node that the process may use: where the job holds none of them (a node shared with other jobs) torch stops
+    with "Must bind to a non-empty set of CPU indices"; where it holds only some, the process is crammed onto those; and
+    a GPU whose numa_node is -1 (no NUMA information) is bound to node 0, wherever it sits. So only a job whose CPUs
+    cover every one of its GPUs' NUMA nodes, each known, is bound."""
+    if not gpu_numa:
+        return "its GPUs' NUMA nodes are not known (no NVIDIA GPU under /sys/bus/pci/drivers/nvidia)"
+    for i, node in enumerate(gpu_numa):
+        if node < 0:
+            return (
+                f"GPU {i} has no NUMA node (numa_node {node}), and torch would bind its process to NUMA node 0's CPUs"
+            )
+        cpus = numa_cpus.get(node, set())
+        if not cpus:
+            return f"GPU {i}'s NUMA node {node} lists no CPUs"
+        if not cpus <= allowed:
+            return (
+                f"GPU {i}'s NUMA node {node} has CPUs {cpulist(cpus)}, of which the job holds {cpulist(cpus & allowed)} "
+                f"(the job's CPUs there: {cpulist(allowed)}; a node shared with other jobs)"
+            )
+    return ""
+
+
+def job_gpu_numa(env: Mapping[str, str], sysfs: str = "/sys") -> list[int] | None:
+    """The NUMA node of each of the job's GPUs on this node (numa_node of its PCI device, -1 where the kernel knows
+    none), in local rank order; None without NVIDIA GPUs in sysfs. The driver numbers its GPUs (/dev/nvidiaN, the IDs
+    Slurm puts in SLURM_STEP_GPUS/SLURM_JOB_GPUS) in PCI order; IDs that do not fit that list mean every GPU counts."""
+    driver = Path(sysfs, "bus/pci/drivers/nvidia")
+    try:
+        addresses = sorted(
+            p.name for p in driver.iterdir() if re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.\d", p.name)
+        )
+    except OSError:
+        return None
+    if not addresses:
+        return None
+    ids = (env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS") or "").split(",")
+    minors = [int(i) for i in ids if i.strip().isdigit()]
+    if not minors or max(minors) >= len(addresses):
+        minors = list(range(len(addresses)))
+    out = []
+    for m in minors:
+        node = read_text(str(driver / addresses[m] / "numa_node"))
+        out.append(int(node) if node and node.strip().lstrip("-").isdigit() else -1)
+    return out
+
+
+def numa_node_cpus(sysfs: str = "/sys") -> dict[int, set[int]]:
+    """Each NUMA node's CPUs (sysfs devices/system/node/nodeN/cpulist)."""
+    out = {}
+    try:
+        for p in Path(sysfs, "devices/system/node").iterdir():
+            if p.name.startswith("node") and p.name[4:].isdigit():
+                out[int(p.name[4:])] = parse_cpulist(read_text(str(p / "cpulist")) or "")
+    except OSError:
+        pass
+    return out
+
+
+def this_node_numa_problem(env: Mapping[str, str], sysfs: str = "/sys") -> str:
+    """numa_uncovered with this node's facts: its sysfs, and this process's CPUs (the probe runs as a step on all the
+    job's CPUs on the node, srun --whole, as the training step does)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return numa_uncovered(job_gpu_numa(env, sysfs), numa_node_cpus(sysfs), set(allowed))
+
+
 class AllocationError(LlmftError, ValueError):
     """The job's nodes cannot run the plan as allocated; the message names the node and the fix."""
 
@@ -244,6 +336,7 @@ class NodeFacts:
     numa_nodes: int = 1
     numactl: bool = False
     fabric_missing: str = ""
+    numa_problem: str = ""  # numa_uncovered's answer on this node ('' where binding is safe)
 
     def line(self) -> str:
         """The `llmft node:` line: tab-separated, free text last."""
@@ -256,6 +349,7 @@ class NodeFacts:
             "1" if self.numactl else "0",
             self.memory.source,
             self.fabric_missing,
+            self.numa_problem,
         ]
         return "\t".join(["llmft node:", *(f.replace("\t", " ").replace("\n", " ") for f in fields)])
 
@@ -266,11 +360,11 @@ def parse_node_lines(text: str) -> list[NodeFacts]:
         parts = line.split("\t")
         if parts[0] != "llmft node:":
             continue
-        if len(parts) != 9:
+        if len(parts) != 10:
             raise AllocationError(
                 f"cannot read the node probe's line {line!r}: is llmft on every node the same version?"
             )
-        _, host, gpus, gib, node_gib, numa, numactl, source, missing = parts
+        _, host, gpus, gib, node_gib, numa, numactl, source, missing, numa_problem = parts
         nodes.append(
             NodeFacts(
                 host,
@@ -279,6 +373,7 @@ def parse_node_lines(text: str) -> list[NodeFacts]:
                 int(numa),
                 numactl == "1",
                 missing,
+                numa_problem,
             )
         )
     return sorted(nodes, key=lambda n: n.host)  # srun prints them as they finish
@@ -311,7 +406,9 @@ def numa_binding(requested: str, nodes: list[NodeFacts]) -> tuple[str | None, st
     """torchrun's --numa-binding for this job (None: not bound) and why. torchrun binds each worker to the CPUs near
     its GPU (torch.numa.binding: needs CUDA GPUs and the numactl tool). auto: `node` where every node has GPUs and
     more than one NUMA node (multi-socket machines, where CPU offload's optimizer step and the dataloaders otherwise
-    cross sockets), else off, saying why. An explicit mode on nodes that cannot take it is refused."""
+    cross sockets), and the job's CPUs on every node cover each of its GPUs' NUMA nodes (numa_uncovered: else torch
+    fails to start the ranks, or crams them), else off, saying why. An explicit mode on nodes that cannot take it is
+    refused."""
     if requested == "off":
         return None, "off (NUMA_BINDING=off)"
     if requested not in ("auto", *NUMA_MODES):
@@ -326,6 +423,9 @@ def numa_binding(requested: str, nodes: list[NodeFacts]) -> tuple[str | None, st
             return None, f"off: one NUMA node on {', '.join(single)}"
         if no_numactl:
             return None, f"off: numactl is missing on {', '.join(no_numactl)} (install it to bind)"
+        uncovered = [n for n in nodes if n.numa_problem]
+        if uncovered:
+            return None, f"off: on {uncovered[0].host}, {uncovered[0].numa_problem}"
         return "node", "node: each process on the CPUs of its GPU's NUMA node"
     if no_gpu:
         raise AllocationError(
@@ -369,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             numa_nodes(sysfs),
             shutil.which("numactl") is not None,
             f"NCCL_PROFILE={args.fabric}: {missing}" if missing else "",
+            this_node_numa_problem(os.environ, sysfs) if gpus_on_node(os.environ) else "",
         ).line()
     )
     return 0
