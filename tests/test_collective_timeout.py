@@ -150,3 +150,25 @@ def test_ddp_timeout_given_is_set_on_every_group_never_changed_and_warned_when_s
         "collective timeout 600 s (--ddp_timeout, as given: not sized from the run); "
         "warning: shorter than 2 x a save (964 s), which may then time out"
     ]
+
+
+def test_a_background_save_published_at_a_step_end_leaves_that_steps_time_as_it_was(monkeypatch):
+    """An --async_save checkpoint is measured when it is published, at a step end while training went on: its time
+    counts as a save (2 x 30 s is under the floor here), and the step that ended then keeps its own time; after a
+    synchronous save the next step's time starts after the save."""
+    from llmft.training import collective_timeout as ct
+
+    now = [0.0]
+    monkeypatch.setattr(ct.time, "monotonic", lambda: now[0])
+    cb, _, _ = drive(monkeypatch, given_s=None, estimated_save_s=10.0, longest_save_s=None)
+    for _ in range(3):
+        now[0] += 1.0
+        cb.on_step_end(None, None, Control())
+    now[0] += 1.0
+    cb.save_measured(30.0, background=True)  # the publishing callback runs before this one at the step end
+    cb.on_step_end(None, None, Control())
+    now[0] += 40.0  # a synchronous save
+    cb.save_measured(40.0)
+    now[0] += 1.0
+    cb.on_step_end(None, None, Control())
+    assert cb.steps == [1.0] * 5 and cb.longest_save_s == 40.0

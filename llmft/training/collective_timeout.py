@@ -99,9 +99,12 @@ def callback(log, *, given_s: float | None, estimated_save_s: float | None, long
         def on_evaluate(self, args, state, control, **kwargs):
             self.last_end = time.monotonic()  # the next step's time excludes the evaluation
 
-        def save_measured(self, seconds: float) -> None:
+        def save_measured(self, seconds: float, background: bool = False) -> None:
+            """`background`: an --async_save checkpoint, measured as it is published at a step end while the steps
+            went on; the step being timed then is a step like any other, and its time stays."""
             self.longest_save_s = max(seconds, self.longest_save_s or 0.0)
-            self.last_end = time.monotonic()  # the next step's time excludes the save
+            if not background:
+                self.last_end = time.monotonic()  # the next step's time excludes the save
             self._resize()
 
         def on_train_end(self, args, state, control, **kwargs):

@@ -262,10 +262,10 @@ def time_each_save(trainer, deadline: JobDeadline | None, log, timeout=None, pub
     started: list[float] = []
     in_background: dict[str, float] = {}  # checkpoint directory -> when its save started
 
-    def record(seconds: float, name: str, how: str = "") -> None:
+    def record(seconds: float, name: str, background: bool = False) -> None:
         if timeout is not None:
-            timeout.save_measured(seconds)
-        line = f"{name} written and published in {seconds:.1f} s{how}"
+            timeout.save_measured(seconds, background)
+        line = f"{name} written and published in {seconds:.1f} s{' (written in the background)' if background else ''}"
         if deadline is not None:
             deadline.record_save(seconds)
             line += (
@@ -293,7 +293,7 @@ def time_each_save(trainer, deadline: JobDeadline | None, log, timeout=None, pub
     def written(ckpt) -> None:
         begun = in_background.pop(str(ckpt), None)
         if begun is not None:
-            record(time.monotonic() - begun, Path(ckpt).name, " (written in the background)")
+            record(time.monotonic() - begun, Path(ckpt).name, background=True)
 
     trainer._save_checkpoint = timed_save
     trainer.callback_handler.on_save = timed_on_save
