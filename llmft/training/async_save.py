@@ -69,7 +69,7 @@ def page_lock(cudart, address: int, nbytes: int) -> str | None:
     pageable, so their device-to-host copies are synchronous, slower but correct."""
     try:
         status = int(cudart.cudaHostRegister(address, nbytes, 0))
-    except (RuntimeError, AttributeError, TypeError) as e:  # a torch built without CUDA's runtime bindings
+    except (RuntimeError, AttributeError, TypeError) as e:
         status, why = -1, str(e)
     else:
         why = f"CUDA error {status}"
@@ -109,7 +109,12 @@ class HostSnapshot:
         with self._lock:
             self.allocated_bytes += nbytes
         if pin and self.pin_refused is None:
-            self.pin_refused = page_lock(self._cudart(), host.data_ptr(), nbytes)
+            try:
+                cudart = self._cudart()
+            except (RuntimeError, AttributeError) as e:  # a torch built without CUDA's runtime bindings
+                self.pin_refused = f"page-locking is not available ({e})"
+            else:
+                self.pin_refused = page_lock(cudart, host.data_ptr(), nbytes)
             if self.pin_refused is not None:
                 log(f"warning: {self.pin_refused}; snapshots stay pageable for the rest of the run (slower copies)")
         return host, pin and self.pin_refused is None
