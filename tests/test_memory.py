@@ -595,3 +595,22 @@ def test_zero2_reductions_per_micro_batch_make_more_accumulation_slower_on_a_slo
     times = [estimate(job, Setting(2, "optimizer", m, 4 // m, True)).time for m in (4, 2, 1)]
     exposed = [t.exposed_comm_s for t in times]
     assert exposed == sorted(exposed) and exposed[0] < exposed[-1]  # each micro-batch exposes its last bucket
+
+
+def test_zero2_stays_where_the_backward_hides_its_reductions_and_zero1s_single_one_is_exposed(llama8b):
+    """Two a3-highgpu-8g over their host NICs: each micro-batch's ZeRO-2 reduction hides behind its backward, while
+    ZeRO-1's (no overlap_comm in llmft's template) waits after the last one, so ZeRO-1 is not taken for the rule alone."""
+    _, full, _ = llama8b
+    plan = plan_memory(linked_job(full, "a3-highgpu-8g", 2, global_batch=64))
+    rec = plan.recommended
+    assert (rec.setting.zero_stage, rec.setting.offload) == (2, "none") and rec.setting.grad_accum > 1
+    [zero1] = [
+        c
+        for c in plan.candidates
+        if c.setting.zero_stage == 1
+        and c.setting.offload == "none"
+        and c.setting.gradient_checkpointing == rec.setting.gradient_checkpointing
+    ]
+    assert zero1.fits and zero1.tokens_per_s < rec.tokens_per_s
+    assert zero1.time.exposed_comm_s == pytest.approx(zero1.time.comm_s)
+    assert zero1.time.exposed_comm_s > rec.time.exposed_comm_s
