@@ -7,7 +7,10 @@
  * with an image and no name creates one, a named container is created by the first step that names it
  * on that node and reused by the later ones; each creation appends
  * `container-created=<name or ->@<node>` to the log (the container itself is a marker file). The step
- * itself runs on the host: this tests what slurm/run_llm.slurm hands to pyxis, not containers.
+ * itself runs on the host: this tests what slurm/run_llm.slurm hands to pyxis, not containers. One thing
+ * of a container it does stand in for: no Slurm client inside. A step with an image finds first on its PATH
+ * a `squeue` that fails as a missing command would (exit 127) and appends `container-squeue-missing@<node>`
+ * to the log each time it is asked.
  *
  *   gcc -shared -fPIC -o pyxis_standin.so tests/pyxis_standin.c      (needs libslurm-dev's spank.h)
  *   plugstack.conf:  optional /path/pyxis_standin.so log=/path/container-options.log
@@ -83,6 +86,31 @@ int slurm_spank_init(spank_t sp, int ac, char **av)
     return 0;
 }
 
+/* Every task of a step with an image: PATH starts with a directory whose squeue answers as a missing one. */
+static void without_slurm_client(spank_t sp, const char *node)
+{
+    char dir[4200], script[4300], tmp[4400], path[16384], newpath[20600];
+    FILE *f;
+
+    snprintf(dir, sizeof(dir), "%s.no-slurm-client", log_path);
+    mkdir(dir, 0755);
+    snprintf(script, sizeof(script), "%s/squeue", dir);
+    snprintf(tmp, sizeof(tmp), "%s.%ld", script, (long) getpid());
+    f = fopen(tmp, "w");
+    if (f) { /* written whole, then renamed into place: tasks on one node may do this at once */
+        fprintf(f, "#!/bin/sh\necho \"container-squeue-missing@%s\" >> '%s'\n"
+                   "echo 'squeue: command not found (no Slurm client in the container)' >&2\nexit 127\n",
+                node, log_path);
+        fclose(f);
+        chmod(tmp, 0755);
+        rename(tmp, script);
+    }
+    if (spank_getenv(sp, "PATH", path, sizeof(path)) != ESPANK_SUCCESS)
+        path[0] = 0;
+    snprintf(newpath, sizeof(newpath), "%s:%s", dir, path);
+    spank_setenv(sp, "PATH", newpath, 1);
+}
+
 /* On each node of a step, once (in its first task, where the task's environment names the node): create the
  * container unless this node has the named one already. */
 int slurm_spank_task_init(spank_t sp, int ac, char **av)
@@ -100,6 +128,7 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
         spank_get_item(sp, S_JOB_NODEID, &nodeid);
         snprintf(node, sizeof(node), "nodeid%u", nodeid);
     }
+    without_slurm_client(sp, node);
     if (name[0]) {
         snprintf(dir, sizeof(dir), "%s.containers", log_path);
         mkdir(dir, 0755);

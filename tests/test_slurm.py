@@ -892,6 +892,31 @@ def test_container_mounts_reach_pyxis_intact_and_the_container_is_created_once_p
     assert f"--container-mounts={defaults} " in texts[default]
 
 
+def test_in_a_container_without_squeue_rank_0_reads_the_jobs_end_from_the_batch_shells_file(
+    cluster, tiny_model, tiny_data, tmp_path
+):
+    """Inside a pyxis container there is usually no Slurm client (the stand-in's container steps find a squeue that
+    fails as a missing one would): the batch shell, which has squeue, keeps the job's end in LLMFT_JOB_END_FILE, and
+    rank 0's deadline comes from it (llmft.training.job_deadline)."""
+    log = cluster.state / "container-options.log"
+    before = read(log)
+    ckpt = tmp_path / "ckpt"
+    knobs = (
+        "--export=ALL,CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3,MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,"
+        f"SAVE_STEPS=1000,MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix}"
+    )
+    job = cluster.sbatch(["--time=30", str(SCRIPT), knobs], cwd=tmp_path, LLMFT_TEST_PYXIS="1")
+    info = cluster.wait(job, timeout=600)
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
+    # rank 0 asked squeue inside the container and found none
+    assert re.search(r"^container-squeue-missing@n\d$", read(log)[len(before) :], re.M), read(log)[len(before) :]
+    m = re.search(rf"llmft: Slurm job {job} ends in (\d+) s; the final save starts \d+ s before that", text)
+    assert m and 1500 < int(m.group(1)) <= 1800, text  # 30 min from the job's start, as the batch shell's squeue said
+    asked, left = (ckpt / f".llmft-job-end-{job}").read_text().split()
+    assert 0 < time.time() - int(asked) < 900 and re.fullmatch(r"\d+:\d\d", left), (asked, left)
+
+
 # ---- the local cluster itself -------------------------------------------------------------------
 
 
