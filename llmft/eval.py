@@ -12,7 +12,9 @@ complete checkpoint), read by llmft's inference loader (exact fp32 masters from 
 export), or a Hugging Face model directory. The model is handed in memory to the harness's `HFLM`; the tasks,
 prompts, few-shot examples, answer extraction and metrics are the harness's own (`lm-eval` 0.4). Device and
 precision are chosen as `llmft infer` chooses them; batch size `auto` is the harness's search for the largest
-batch that fits on a GPU, 8 on the CPU.
+batch that fits on a GPU, 8 on the CPU. The harness's context length is the run's training max_length (its
+`llmft_run.json`), else 4096 (`--max_length` overrides), and a run trained on chat data is scored through its
+chat template (`--no-apply_chat_template` turns it off); a model larger than one GPU is refused with the fix.
 
 `--task_data TASK=FILE` points a task's evaluated split (test, else validation) at a local file in the task's
 own format, `TASK:SPLIT=FILE` another split (e.g. `gsm8k:train`, where GSM8K draws its few-shot examples),
@@ -26,18 +28,33 @@ appended to `summary.jsonl`, which `llmft report` plots across runs and checkpoi
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from llmft.checkpoint.loader import DTYPES, Model, load_model, pick_device, pick_dtype
+from llmft.checkpoint.loader import (
+    DTYPES,
+    Model,
+    find_source,
+    is_exported,
+    load_model,
+    pick_device,
+    pick_dtype,
+    resolve_checkpoint,
+)
 from llmft.checkpoint.zero import CheckpointError
 from llmft.command import command_parser, report_error
+from llmft.data.loading import DEFAULT_CHAT_TEMPLATE
 from llmft.errors import LlmftError
+from llmft.planning.hardware import local_gpu
+from llmft.planning.memory import MemoryPlanError
+from llmft.planning.model_shape import load_model_config, model_positions, model_shape
 
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split")
@@ -241,6 +258,112 @@ def parse_tasks(value: str) -> list[str]:
     return list(dict.fromkeys(tasks))
 
 
+# --------------------------------------------------------------------------------------------------
+# Decisions per checkpoint: context length, chat template, processes, one GPU (pure)
+
+DEFAULT_MAX_LENGTH = 4096
+# GiB of a GPU kept free beside the weights for the CUDA context (0.5-1 GiB), the allocator's fragments and one
+# layer's activations at a batch of one; the logits of one max_length sequence (fp32 log-softmax) are counted apart.
+GPU_RESERVE_GIB = 2.0
+
+
+def eval_max_length(requested: int | None, trained: int | None, positions: int | None) -> tuple[int, str]:
+    """The harness's max_length (HFLM's `max_length`) and where it came from.
+
+    Without one the harness takes the model's max_position_embeddings: 131,072 for Llama-3.1, so `--batch_size
+    auto` probes batches of 131,072-token rows, every probe runs out of memory and the tasks run one prompt at a time.
+    --max_length wins; else the length the run trained at (llmft_run.json: the model never saw longer inputs); else
+    4096. Never more than the model's positions (it cannot read past them)."""
+    if requested is not None:
+        value, source = requested, "--max_length"
+    elif trained:
+        value, source = trained, "the run's training max_length, llmft_run.json"
+    else:
+        value, source = DEFAULT_MAX_LENGTH, "llmft's default: no training max_length recorded"
+    if positions and value > positions:
+        return positions, f"{source} {value} capped at the model's {positions} positions"
+    return value, source
+
+
+def chat_template_choice(requested: bool | None, data_shape: str | None, has_template: bool) -> tuple[bool, bool, str]:
+    """(apply the chat template, give the tokenizer llmft's default template first, why).
+
+    A model fine-tuned on chat records (llmft_data.json's shape `messages`) saw every prompt in its chat template,
+    so it is scored in that format unless --no-apply_chat_template says otherwise. Training gave a tokenizer
+    without a template llmft's default one (llmft.data.loading.ensure_chat_template), so such a tokenizer gets
+    the same default here. Asking for the template on a tokenizer that has none is refused: the harness would fail
+    on the first prompt."""
+    if requested is True:
+        if not has_template:
+            raise EvalError(
+                "--apply_chat_template: this checkpoint's tokenizer has no chat template: pass --model_name with a "
+                "tokenizer that has one, or leave the flag out"
+            )
+        return True, False, "--apply_chat_template"
+    if requested is False:
+        return False, False, "--no-apply_chat_template"
+    if data_shape == "messages":
+        if has_template:
+            return True, False, "the run trained on chat data, llmft_data.json"
+        return True, True, "the run trained on chat data, llmft_data.json; llmft's default template, as in training"
+    if data_shape:
+        return False, False, f"the run trained on {data_shape} data, llmft_data.json"
+    return False, False, "no run record of chat data"
+
+
+def launched_processes(env) -> int:
+    """How many processes this launch started: torchrun's WORLD_SIZE, else the Slurm step's SLURM_STEP_NUM_TASKS.
+
+    SLURM_NTASKS is the allocation's task count, inherited by everything in it: an sbatch --ntasks=8 script that
+    runs `python -m llmft.eval` directly starts one process. `srun -n 8 python -m llmft.eval` starts eight, and
+    srun sets SLURM_STEP_NUM_TASKS=8 in each."""
+    for name in ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        value = env.get(name, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise EvalError(f"{name}={value!r} is not a number of processes: unset it or launch again") from None
+    return 1
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def gpu_fit(shape, dtype: str, max_length: int, gpu, visible_gpus: int) -> None:
+    """Refuse, with the fix, a model (`shape`: llmft.planning.memory.ModelShape) whose weights in `dtype` do not fit
+    on one GPU (`gpu`: llmft.planning.hardware.GPU) of the `visible_gpus`.
+
+    llmft eval hands the harness the model in memory (read from the ZeRO shards, no export), and the harness puts
+    an in-memory model on one device: its `parallelize=True` (accelerate's device_map over the visible GPUs) works
+    only when the harness loads the model from a path itself, and lm-eval 0.4.13 asserts against it for a model
+    passed in. So a model larger than one GPU is refused before any shard is read, naming what would run it. The
+    weights must leave the logits of one max_length sequence and GPU_RESERVE_GIB free."""
+    weight_bytes = shape.params * DTYPE_BYTES[dtype]
+    logits_bytes = max_length * shape.vocab * 4
+    gib = 2**30
+    required = math.ceil((weight_bytes + logits_bytes) / gib + GPU_RESERVE_GIB)  # GiB of one GPU
+    if required <= gpu.memory_gib:
+        return
+    what = (
+        f"the model's weights ({weight_bytes / gib:.1f} GiB in {dtype}) and the logits of one max_length sequence "
+        f"({logits_bytes / gib:.1f} GiB) need a GPU of {required} GiB ({GPU_RESERVE_GIB:g} GiB kept free); "
+        f"one {gpu.name} has {gpu.memory_gib:g} GiB"
+    )
+    if visible_gpus > 1 and required <= visible_gpus * gpu.memory_gib:
+        fix = (
+            f"llmft eval runs the model on one GPU (the harness spreads only a model it loads itself over GPUs): export "
+            f"it (llmft infer CHECKPOINT --export DIR) and run lm_eval --model hf --model_args "
+            f"pretrained=DIR,parallelize=True,dtype={dtype} on these {visible_gpus} GPUs, or use a GPU with "
+            f"{required} GiB or more"
+        )
+    elif weight_bytes / gib + GPU_RESERVE_GIB <= gpu.memory_gib:
+        fix = f"a shorter --max_length (the logits grow with it), or a GPU with {required} GiB or more"
+    else:
+        fix = f"use a GPU with {required} GiB or more"
+    raise EvalError(f"{what}: {fix}")
+
+
 def eval_batch_size(requested: str, device: str) -> int | str:
     """--batch_size: a number as given; auto is the harness's search for the largest batch that fits on a GPU,
     and 8 on the CPU (no memory to search against there)."""
@@ -356,10 +479,19 @@ def make_parser(subparsers=None):
         "--gen_kwargs", default=None, help="generation settings over the tasks' own, e.g. max_gen_toks=256"
     )
     parser.add_argument(
-        "--apply_chat_template", action="store_true", help="wrap prompts in the tokenizer's chat template"
+        "--apply_chat_template",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap prompts in the tokenizer's chat template (default: when the run trained on chat data)",
     )
     parser.add_argument(
-        "--fewshot_as_multiturn", action="store_true", help="with --apply_chat_template: few-shot examples as turns"
+        "--fewshot_as_multiturn", action="store_true", help="with the chat template: few-shot examples as turns"
+    )
+    parser.add_argument(
+        "--max_length",
+        type=int,
+        default=None,
+        help="the harness's context length in tokens (default: the run's training max_length, else 4096)",
     )
     parser.add_argument("--include_path", default=None, help="a directory of your own task YAMLs (harness format)")
     parser.add_argument("--log_samples", action="store_true", help="also write every prompt, response and score")
@@ -395,13 +527,15 @@ def check_args(args, env) -> None:
         raise EvalError(f"--num_fewshot must be 0 or more, got {args.num_fewshot}")
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise EvalError(f"--dtype {args.dtype}: use auto, float32, bfloat16 or float16")
-    if args.fewshot_as_multiturn and not args.apply_chat_template:
-        raise EvalError("--fewshot_as_multiturn needs --apply_chat_template")
-    world = next((env[n] for n in ("WORLD_SIZE", "SLURM_NTASKS") if env.get(n, "").strip()), "1")
-    if world != "1":
+    if args.max_length is not None and args.max_length < 1:
+        raise EvalError(f"--max_length must be a positive number of tokens, got {args.max_length}")
+    if args.fewshot_as_multiturn and args.apply_chat_template is False:
+        raise EvalError("--fewshot_as_multiturn needs the chat template: drop --no-apply_chat_template")
+    world = launched_processes(env)
+    if world != 1:
         raise EvalError(
-            f"llmft eval runs in one process (the harness scores one in-memory model), but this launch has {world}: "
-            "run it without torchrun, or with srun --ntasks 1"
+            f"llmft eval runs in one process (the harness scores one in-memory model), but this launch started {world}: "
+            "run it without torchrun or srun, or with srun --ntasks 1"
         )
     if args.include_path is not None and not Path(args.include_path).is_dir():
         raise EvalError(f"--include_path {args.include_path} is not a directory of task YAMLs")
@@ -425,8 +559,8 @@ def task_manager(args, work: Path):
 
 
 def counting_hflm():
-    """The harness's HFLM, counting the generation prompts it cuts from the left to fit the model's positions
-    (the harness only logs a warning per batch)."""
+    """The harness's HFLM, counting the generation prompts it cuts from the left to fit the max length less the
+    tokens to generate (the harness only logs a warning per batch)."""
     from lm_eval.models.huggingface import HFLM
 
     class CountingHFLM(HFLM):
@@ -442,11 +576,77 @@ def counting_hflm():
     return CountingHFLM
 
 
-def evaluate(m: Model, args, manager, tasks: list[str], device: str, batch_size) -> tuple[dict, int]:
-    """The harness's simple_evaluate on the in-memory model; (results, generation prompts cut to fit)."""
+@dataclass(frozen=True)
+class Settings:
+    """What one checkpoint is evaluated with, each with where it came from (printed, and in the results)."""
+
+    max_length: int
+    max_length_from: str
+    chat_template: bool
+    chat_template_from: str
+
+
+def run_records(run_dir: Path) -> dict:
+    """What the run's records say about how it trained: the max_length (llmft_run.json) and the data's shape
+    (llmft_data.json: messages, prompt_completion or text). {} for a directory llmft train did not write."""
+    found = {}
+    for name, key, field in (("llmft_run.json", "max_length", "max_length"), ("llmft_data.json", "shape", "shape")):
+        try:
+            record = json.loads((run_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get(field) is not None:
+            found[key] = record[field]
+    return found
+
+
+def checkpoint_config(path: str, model_name: str | None):
+    """The model config and run directory of a checkpoint, before any weight is read (config None when only the
+    loader can tell: an exported LoRA adapter without config.json)."""
+    p = Path(path)
+    if is_exported(p):  # --model_name names only its tokenizer
+        if not (p / "config.json").is_file():
+            return None, p
+        source, run_dir = str(p), p
+    else:
+        try:
+            tag, _ = resolve_checkpoint([path])
+            source = find_source(tag, model_name).config
+        except CheckpointError as e:
+            raise EvalError(str(e)) from None
+        ckpt_dir = tag.parent
+        run_dir = ckpt_dir.parent if ckpt_dir.name.startswith("checkpoint-") else ckpt_dir
+    try:
+        return load_model_config(source), run_dir
+    except MemoryPlanError as e:
+        reason = str(e).split(": ", 1)[-1]
+        raise EvalError(
+            f"cannot read the config of {source} ({reason}): pass --model_name with a local model directory "
+            "or a hub name you can download"
+        ) from None
+
+
+def check_one_gpu(config, dtype, max_length: int, device: str) -> None:
+    """gpu_fit with this machine's facts: the model's shape (llmft.planning.model_shape, built on the meta device),
+    the GPU and how many are visible."""
+    import torch
+
+    try:
+        shape = model_shape(config)
+    except MemoryPlanError as e:
+        raise EvalError(str(e)) from None
+    gpu = local_gpu(torch.device(device).index or 0)
+    gpu_fit(shape, str(dtype).replace("torch.", ""), max_length, gpu, torch.cuda.device_count())
+
+
+def evaluate(m: Model, args, settings: Settings, manager, tasks: list[str], device: str, batch_size):
+    """The harness's simple_evaluate on the in-memory model; (results, generation prompts cut to fit, the harness's
+    max_length as it used it)."""
     import lm_eval
 
-    lm = counting_hflm()(pretrained=m.model, tokenizer=m.tokenizer, batch_size=batch_size, device=device)
+    lm = counting_hflm()(
+        pretrained=m.model, tokenizer=m.tokenizer, batch_size=batch_size, device=device, max_length=settings.max_length
+    )
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=tasks,
@@ -454,7 +654,7 @@ def evaluate(m: Model, args, manager, tasks: list[str], device: str, batch_size)
         num_fewshot=args.num_fewshot,
         limit=args.limit,
         gen_kwargs=args.gen_kwargs,
-        apply_chat_template=args.apply_chat_template,
+        apply_chat_template=settings.chat_template,
         fewshot_as_multiturn=args.fewshot_as_multiturn,
         log_samples=args.log_samples,
         random_seed=args.seed,
@@ -462,7 +662,34 @@ def evaluate(m: Model, args, manager, tasks: list[str], device: str, batch_size)
         torch_random_seed=args.seed,
         fewshot_random_seed=args.seed,
     )
-    return results, lm.left_truncated
+    return results, lm.left_truncated, lm.max_length
+
+
+def load_for_eval(path: str, args, device: str, dtype) -> tuple[Model, Settings]:
+    """The model, with its context length and chat template decided from the flags and the run's records; a model
+    larger than the GPU is refused before its shards are read."""
+    config, run_dir = checkpoint_config(path, args.model_name)
+    records = run_records(run_dir)
+    positions = model_positions(config) if config is not None else None
+    max_length, length_from = eval_max_length(args.max_length, records.get("max_length"), positions)
+    if config is not None and device.startswith("cuda"):
+        check_one_gpu(config, dtype, max_length, device)
+    try:
+        m = load_model(path, args.model_name, device, dtype, args.trust_checkpoint)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    if config is None:
+        max_length, length_from = eval_max_length(
+            args.max_length, records.get("max_length"), model_positions(m.model.config)
+        )
+    chat, give_default, chat_from = chat_template_choice(
+        args.apply_chat_template, records.get("shape"), bool(getattr(m.tokenizer, "chat_template", None))
+    )
+    if give_default:
+        m.tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    if args.fewshot_as_multiturn and not chat:
+        raise EvalError(f"--fewshot_as_multiturn needs the chat template ({chat_from}): add --apply_chat_template")
+    return m, Settings(max_length, length_from, chat, chat_from)
 
 
 def run(args, env=None) -> list[dict]:
@@ -486,18 +713,18 @@ def run(args, env=None) -> list[dict]:
         done = []
         for path in args.checkpoint:
             t0 = time.time()
-            try:
-                m = load_model(path, args.model_name, device, dtype, args.trust_checkpoint)
-            except CheckpointError as e:
-                raise EvalError(str(e)) from None
+            m, settings = load_for_eval(path, args, device, dtype)
             say(
-                f"{m.checkpoint} (step {m.step}) on {device} as {str(dtype).replace('torch.', '')}, batch size {batch_size}: {', '.join(tasks)}"
+                f"{m.checkpoint} (step {m.step}) on {device} as {str(dtype).replace('torch.', '')}, batch size {batch_size}, "
+                f"max length {settings.max_length} ({settings.max_length_from}), chat template "
+                f"{'on' if settings.chat_template else 'off'} ({settings.chat_template_from}): {', '.join(tasks)}"
             )
-            results, cut = evaluate(m, args, manager, tasks, device, batch_size)
+            results, cut, harness_max_length = evaluate(m, args, settings, manager, tasks, device, batch_size)
             if cut:
                 say(
-                    f"{cut} generation prompt(s) were longer than the model's positions less the tokens to generate and lost "
-                    "their beginning (the harness cuts from the left): fewer --num_fewshot or a smaller max_gen_toks keeps them whole"
+                    f"{cut} generation prompt(s) were longer than the max length ({harness_max_length}) less the tokens to "
+                    "generate and lost their beginning (the harness cuts from the left): fewer --num_fewshot, a smaller "
+                    "max_gen_toks or a longer --max_length (up to the model's positions) keeps them whole"
                 )
             meta = {
                 "checkpoint": m.checkpoint,
@@ -506,6 +733,10 @@ def run(args, env=None) -> list[dict]:
                 "device": device,
                 "dtype": str(dtype).replace("torch.", ""),
                 "batch_size": batch_size,
+                "max_length": harness_max_length,
+                "max_length_from": settings.max_length_from,
+                "chat_template": settings.chat_template,
+                "chat_template_from": settings.chat_template_from,
                 "seconds": round(time.time() - t0, 1),
                 "prompts_left_truncated": cut,
                 "task_data": args.task_data,

@@ -74,8 +74,9 @@ def eval_args(checkpoints, tmp_path: Path, **overrides) -> SimpleNamespace:
         limit=None,
         batch_size="auto",
         gen_kwargs="max_gen_toks=12",
-        apply_chat_template=False,
+        apply_chat_template=None,
         fewshot_as_multiturn=False,
+        max_length=None,
         include_path=None,
         log_samples=True,
         seed=1234,
@@ -284,7 +285,12 @@ def test_prompts_cut_to_fit_the_model_are_counted(tiny_model, tmp_path, no_netwo
     )
     assert got["meta"]["prompts_left_truncated"] == 1
     assert json.loads(got["results_file"].read_text())["llmft"]["prompts_left_truncated"] == 1
-    assert "1 generation prompt(s) were longer than the model's positions" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        "max length 256 (llmft's default: no training max_length recorded 4096 capped at the model's 256 positions)"
+        in err
+    )
+    assert "1 generation prompt(s) were longer than the max length (256) less the tokens to generate" in err
 
 
 def test_task_data_paths_and_overrides(tmp_path):
@@ -388,3 +394,159 @@ def test_the_docs_walkthrough_runs(tmp_path):
     assert (walk / "report" / "benchmarks.png").is_file() and "| run | 4 | gsm8k |" in (
         walk / "report" / "report.md"
     ).read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# Real context lengths, the chat template a run trained with, one process, one GPU
+
+
+def test_the_harness_gets_the_runs_max_length_else_4096_never_the_models_131072_positions():
+    """Llama-3.1 has 131,072 positions: with no max length the harness probed batches that long and ran out of memory."""
+    assert ev.eval_max_length(None, None, 131072) == (4096, "llmft's default: no training max_length recorded")
+    assert ev.eval_max_length(None, 2048, 131072) == (2048, "the run's training max_length, llmft_run.json")
+    assert ev.eval_max_length(8192, 2048, 131072) == (8192, "--max_length")
+    assert ev.eval_max_length(None, 1024, 256) == (
+        256,
+        "the run's training max_length, llmft_run.json 1024 capped at the model's 256 positions",
+    )
+    assert ev.eval_max_length(None, None, None)[0] == 4096  # a config that names no positions
+
+
+def test_a_chat_trained_run_is_scored_through_its_chat_template_unless_the_flag_says_otherwise():
+    assert ev.chat_template_choice(None, "messages", True) == (
+        True,
+        False,
+        "the run trained on chat data, llmft_data.json",
+    )
+    apply, give_default, why = ev.chat_template_choice(None, "messages", False)  # training gave it llmft's default
+    assert (apply, give_default) == (True, True) and "llmft's default template" in why
+    assert ev.chat_template_choice(None, "prompt_completion", True)[:2] == (False, False)
+    assert ev.chat_template_choice(None, None, True) == (False, False, "no run record of chat data")
+    assert ev.chat_template_choice(False, "messages", True) == (False, False, "--no-apply_chat_template")
+    assert ev.chat_template_choice(True, "text", True) == (True, False, "--apply_chat_template")
+    with pytest.raises(ev.EvalError, match="tokenizer has no chat template: pass --model_name"):
+        ev.chat_template_choice(True, "messages", False)
+    parser = ev.make_parser()
+    base = ["ckpt", "--tasks", "gsm8k"]
+    assert parser.parse_args(base).apply_chat_template is None
+    assert parser.parse_args([*base, "--apply_chat_template"]).apply_chat_template is True
+    assert parser.parse_args([*base, "--no-apply_chat_template"]).apply_chat_template is False
+
+
+@pytest.mark.parametrize(
+    "env, processes",
+    [
+        ({}, 1),
+        ({"SLURM_NTASKS": "8", "SLURM_JOB_ID": "7"}, 1),  # sbatch --ntasks=8 running python -m llmft.eval directly
+        ({"SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "1"}, 1),  # srun --ntasks 1 inside it
+        ({"SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8"}, 8),  # srun -n 8 python -m llmft.eval
+        ({"WORLD_SIZE": "2"}, 2),  # torchrun --nproc_per_node 2
+    ],
+)
+def test_several_processes_are_the_slurm_steps_tasks_not_the_allocations(env, processes, tmp_path):
+    assert ev.launched_processes(env) == processes
+    args = eval_args([], tmp_path)
+    if processes == 1:
+        ev.check_args(args, env)
+    else:
+        with pytest.raises(ev.EvalError, match=f"this launch started {processes}: run it without torchrun or srun"):
+            ev.check_args(args, env)
+
+
+def test_a_model_larger_than_one_gpu_is_refused_with_the_fix():
+    """Llama-3.1-8B's shape from its config (llmft.planning.model_shape, meta device) and 70B's published size,
+    against the catalogue's GPU facts."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    from llmft.planning.hardware import GPUS
+    from llmft.planning.model_shape import model_shape
+
+    l8b = model_shape(
+        LlamaConfig(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+        )
+    )
+    assert l8b.params == 8_030_261_248
+    l70b = dataclasses.replace(l8b, params=70_553_706_496)
+    for gpu in ("L4", "A100-40GB", "A100-80GB", "H100-80GB"):
+        ev.gpu_fit(l8b, "bfloat16", 4096, GPUS[gpu], 1)  # 15.0 GiB of weights fit each
+    with pytest.raises(ev.EvalError) as e:  # fp16 on a T4 (no bf16): 15.0 GiB of weights on 15 GiB
+        ev.gpu_fit(l8b, "float16", 4096, GPUS["T4"], 1)
+    assert str(e.value).endswith("one T4 has 15 GiB: use a GPU with 19 GiB or more")
+    with pytest.raises(
+        ev.EvalError, match=r"a shorter --max_length \(the logits grow with it\), or a GPU with 33 GiB or more$"
+    ):
+        ev.gpu_fit(l8b, "bfloat16", 32768, GPUS["L4"], 1)  # the weights fit; a 32k sequence's logits do not
+    ev.gpu_fit(l70b, "bfloat16", 4096, GPUS["H200"], 1)  # 131.4 GiB of weights, 2.0 of logits, 2 free: 139.8
+    for gpu, visible in (("A100-80GB", 8), ("H100-80GB", 2)):
+        with pytest.raises(ev.EvalError) as e:
+            ev.gpu_fit(l70b, "bfloat16", 4096, GPUS[gpu], visible)
+        assert "the model's weights (131.4 GiB in bfloat16)" in str(e.value)
+        assert (
+            f"run lm_eval --model hf --model_args pretrained=DIR,parallelize=True,dtype=bfloat16 on these {visible} GPUs"
+            in str(e.value)
+        )
+    with pytest.raises(ev.EvalError, match="one A100-40GB has 39.4 GiB: use a GPU with 136 GiB or more$"):
+        ev.gpu_fit(l70b, "bfloat16", 4096, GPUS["A100-40GB"], 1)
+
+
+def test_a_chat_trained_run_reaches_the_harness_with_its_template_and_max_length(
+    run_with_eval, tmp_path, no_network, capsys
+):
+    """A real ZeRO-2 run (run_with_eval) whose records say it trained on chat data at max_length 64 (rewritten here: a
+    real chat run costs minutes on the 2-core machine): the harness scores chat-templated prompts at 64 tokens, and
+    --no-apply_chat_template --max_length 128 turn both back."""
+    import shutil
+
+    out = Path(shutil.copytree(run_with_eval[0], tmp_path / "run"))
+    for name, key, value in (("llmft_data.json", "shape", "messages"), ("llmft_run.json", "max_length", 64)):
+        record = json.loads((out / name).read_text())
+        (out / name).write_text(json.dumps({**record, key: value}))
+
+    [chat] = ev.run(eval_args([out], tmp_path, output=tmp_path / "chat", limit=3, num_fewshot=0))
+    meta = chat["meta"]
+    assert (meta["max_length"], meta["max_length_from"]) == (64, "the run's training max_length, llmft_run.json")
+    assert (meta["chat_template"], meta["chat_template_from"]) == (
+        True,
+        "the run trained on chat data, llmft_data.json",
+    )
+    [sample_file] = (tmp_path / "chat").glob("samples-*-gsm8k-*.jsonl")
+    prompt = samples(sample_file)[0]["arguments"][0][0]
+    assert prompt.startswith("<|user|>\nQuestion: ") and prompt.endswith("<|assistant|>\n")  # the tokenizer's template
+    assert (
+        "max length 64 (the run's training max_length, llmft_run.json), chat template on (the run trained on chat data"
+        in capsys.readouterr().err
+    )
+
+    args = eval_args([out], tmp_path, output=tmp_path / "plain", limit=3, num_fewshot=0)
+    args.apply_chat_template, args.max_length = False, 128
+    [plain] = ev.run(args)
+    assert (plain["meta"]["max_length"], plain["meta"]["chat_template"]) == (128, False)
+    [sample_file] = (tmp_path / "plain").glob("samples-*-gsm8k-*.jsonl")
+    assert samples(sample_file)[0]["arguments"][0][0].startswith("Question: ")
+
+
+def test_a_model_too_large_for_the_gpu_is_refused_before_its_shards_are_read(tiny_model, tmp_path, monkeypatch):
+    """On a GPU (its facts stubbed: this machine has none) the check runs on the config alone; no weight is loaded."""
+    import torch
+
+    from llmft.planning.hardware import GPU
+
+    monkeypatch.setattr(ev, "local_gpu", lambda index: GPU("tiny-GPU", 0.001, (8, 0), None))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(ev, "load_model", no_load)
+    with pytest.raises(ev.EvalError, match="one tiny-GPU has 0.001 GiB: use a GPU with 3 GiB or more"):
+        ev.load_for_eval(str(tiny_model), eval_args([tiny_model], tmp_path), "cuda:0", torch.bfloat16)
