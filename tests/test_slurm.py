@@ -953,13 +953,15 @@ def test_stop_ends_only_the_daemons_its_cluster_started(cluster, tmp_path):
     assert nodes == ["n1 idle", "n2 idle", "n3 idle"], nodes
 
 
-def run_with_a_failing_rank(cluster, tmp_path, knobs: str, how: str, after: Path) -> tuple[dict, str, float | None]:
-    """Submit a 2-node job to the partition with a spare node, tests/kill_hook failing the rank on n2 (`how`: KILL or
+def run_with_a_failing_rank(
+    cluster, tmp_path, knobs: str, how: str, after: Path, partition: str = "spare"
+) -> tuple[dict, str, float | None]:
+    """Submit a 2-node job to `partition` (default spare: n1-n3), tests/kill_hook failing the rank on n2 (`how`: KILL or
     HANG) once `after` exists, its GPU falling off the bus (an Xid 79 in n2's test kernel log: evidence against n2);
     (the job's final scontrol fields, its log, when its log first said it requeued)."""
     hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
     job = cluster.sbatch(
-        ["--partition=spare", "--nodes=2", str(SCRIPT), knobs],
+        [f"--partition={partition}", "--nodes=2", str(SCRIPT), knobs],
         cwd=tmp_path,
         LLMFT_TEST_KILL_NODE="n2",
         LLMFT_TEST_KILL_SIGNAL=how,
@@ -1013,6 +1015,34 @@ def test_a_rank_killed_mid_run_names_its_node_and_the_job_requeues_once_without_
     resumed = int(re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", second).group(1))
     assert resumed >= int(requeue.group(1)) >= 2
     assert step_lines(second) == list(range(resumed + 1, max_steps + 1))
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == max_steps
+
+
+def test_a_node_with_evidence_is_not_excluded_when_the_partition_could_not_run_the_job_without_it(
+    cluster, tiny_model, tiny_data, tmp_path
+):
+    """As above (a rank on n2 killed once checkpoint-2 is complete, its GPU's Xid 79 in n2's kernel log), but in the
+    default partition, n1 and n2 only: without n2 the requeued 2-node job would pend forever, so sinfo's answer keeps
+    it, one line says so, and the restart runs on n1 and n2 again to the end."""
+    max_steps = 8
+    ckpt = tmp_path / "ckpt"
+    marker = ckpt / "checkpoint-2" / "llmft_complete.json"
+    knobs = (
+        f"--export=ALL,MAX_STEPS={max_steps},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,"
+        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix}"
+    )
+    info, text, _ = run_with_a_failing_rank(cluster, tmp_path, knobs, "KILL", marker, partition="debug")
+    job = info["JobId"]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
+    assert info["ExcNodeList"] == "(null)" and info["NodeList"] == "n[1-2]", info
+    assert "run_llm.slurm: node n2: GPU failure: NVRM: Xid (PCI:0000:3b:00): 79," in text, text
+    assert (
+        "run_llm.slurm: not excluding node(s) n2: the job's partition has 2 usable node(s) (sinfo), and without it 1 "
+        "would remain for the job's 2; the restart may run there again\n"
+    ) in text, text
+    assert re.search(rf"requeueing job {job} \(restart 1 of at most 3 after failures\) from checkpoint-\d+\n", text), (
+        text
+    )
     assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == max_steps
 
 
