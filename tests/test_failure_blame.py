@@ -420,3 +420,17 @@ def test_no_evidence_says_what_the_node_could_not_read():
         "excluded"
     )
     assert requeue and exclude == []
+
+
+def test_evidence_on_every_node_points_at_what_they_share_and_excludes_none():
+    """A switch fails: every node's HCA reports its port down, so no node is to blame more than the others."""
+    link_down = "[Thu Nov 26 18:00:01 2026] mlx5_core 0000:0c:00.0 ib0: Link down"
+    reports = [
+        classify(n, 1, raised(8 * i, NCCL_SYSTEM) + summary(8 * i, 1, "2026-11-26_18:00:02"), link_down)
+        for i, n in enumerate(NODES)
+    ]
+    lines, requeue, exclude = decide(reports, attempt())
+    assert lines[-2] == (
+        "every node of the job shows it, so it is something they share (a switch, the fabric): no node is excluded"
+    )
+    assert requeue and exclude == []
