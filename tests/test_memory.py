@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmft.planning.final_save import final_save_lead
 from llmft.planning.hardware import GPUS, NODE_TYPES
 from llmft.planning.memory import (
     GIB,
@@ -432,6 +433,25 @@ def test_8b_on_a2_highgpu_8g_fits_without_offload_and_warns_about_the_preemption
     assert 1400 < lead < 1600, lead  # 964 s to write
     # and the collective timeout it will run with: never shorter than 2 x that save, not transformers' 1800 s
     assert f"a dead node stops the job after at most {2 * rec.write_s:.0f} s (the collective timeout" in warning
+
+
+def test_under_async_save_the_plan_states_the_lead_the_run_stops_at(llama8b):
+    """--async_save: the final save first waits out a background write that may have just begun, so the run
+    (llmft.training.job_deadline) stops 1.5 x 2 x the save + the step + 60 s before the time limit; the plan says
+    the same number, not the one-save lead."""
+    _, full, _ = llama8b
+    job = dataclasses.replace(node_job(full, "a2-highgpu-8g", 1, global_batch=64), async_save=True)
+    plan = plan_memory(job)
+    rec = plan.recommended
+    [warning] = [w for w in plan.warnings if "USR1" in w]
+    lead = 1.5 * 2 * rec.write_s + rec.step_s + 60
+    assert lead == final_save_lead(None, rec.write_s, rec.step_s, async_save=True)
+    assert (
+        f"a Slurm run stops for its final save {lead:.0f} s ({lead / 60:.0f} min) before the time limit instead "
+        f"(1.5 x {rec.write_s:.0f} s x 2 + the step + 60 s; after its first save, 1.5 x the longest it measured x 2)"
+        in warning
+    ), warning
+    assert "a final or stop save first waits out a background write in flight" in warning
 
 
 def test_a_long_periodic_save_on_a_gpu_suggests_async_save_with_the_host_ram_it_needs(llama8b):

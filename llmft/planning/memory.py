@@ -945,21 +945,35 @@ def _warnings(job: Job, chosen: Estimate | None) -> list[str]:
             f"training 0.3 s instead of 21 s: bench/README.md) for {gib(with_async['async_save'])} GiB of host RAM on "
             f"the first node, kept while the run lasts: {room}"
         )
-    needed = chosen.write_s + (chosen.step_s or 0)
-    if needed > job.preempt_window_s:
-        lead = final_save_lead(None, chosen.write_s, chosen.step_s or 0)
-        out.append(
-            f"a checkpoint ({gib(chosen.checkpoint)} GiB) takes {chosen.write_s:.0f} s to write at {job.write_mb_s:g} MB/s"
-            + (f" after a {chosen.step_s:.0f} s step" if chosen.step_s else "")
-            + f": more than the {job.preempt_window_s:g} s the Slurm script's USR1 warning leaves before the time limit; "
-            f"a Slurm run stops for its final save {lead:.0f} s ({lead / 60:.0f} min) before the time limit instead "
-            f"({FINAL_SAVE_FACTOR:g} x {chosen.write_s:.0f} s + the step + {FINAL_SAVE_MARGIN_S:.0f} s; after its first save, "
-            f"{FINAL_SAVE_FACTOR:g} x the longest it measured), and trains that much less per job (faster storage, or LoRA, "
-            "shortens it); a dead node stops the job after at most "
-            f"{collective_timeout(chosen.step_s or 0.0, chosen.write_s)[0]:.0f} s (the collective timeout, never shorter "
-            f"than {SAVE_FACTOR:g} x a save)"
-        )
+    final_save = _final_save_warning(job, chosen)
+    if final_save is not None:
+        out.append(final_save)
     return out
+
+
+def _final_save_warning(job: Job, chosen: Estimate) -> str | None:
+    """The warning that a save outlasts the USR1 warning, with the lead the run will stop at (None when it fits).
+
+    The lead is llmft.training.job_deadline's own (`final_save_lead`): under --async_save the final save, and a stop
+    save, first wait out a background write that may have just begun, so two saves count, and a plan that counted one
+    would state half of what the run does."""
+    saves = 2 if job.async_save else 1
+    if saves * chosen.write_s + (chosen.step_s or 0) <= job.preempt_window_s:
+        return None
+    lead = final_save_lead(None, chosen.write_s, chosen.step_s or 0, async_save=job.async_save)
+    in_flight = " x 2" if job.async_save else ""
+    return (
+        f"a checkpoint ({gib(chosen.checkpoint)} GiB) takes {chosen.write_s:.0f} s to write at {job.write_mb_s:g} MB/s"
+        + (", and a final or stop save first waits out a background write in flight" if job.async_save else "")
+        + (f" after a {chosen.step_s:.0f} s step" if chosen.step_s else "")
+        + f": more than the {job.preempt_window_s:g} s the Slurm script's USR1 warning leaves before the time limit; "
+        f"a Slurm run stops for its final save {lead:.0f} s ({lead / 60:.0f} min) before the time limit instead "
+        f"({FINAL_SAVE_FACTOR:g} x {chosen.write_s:.0f} s{in_flight} + the step + {FINAL_SAVE_MARGIN_S:.0f} s; after its "
+        f"first save, {FINAL_SAVE_FACTOR:g} x the longest it measured{' x 2' if job.async_save else ''}), and trains that "
+        "much less per job (faster storage, or LoRA, shortens it); a dead node stops the job after at most "
+        f"{collective_timeout(chosen.step_s or 0.0, chosen.write_s)[0]:.0f} s (the collective timeout, never shorter "
+        f"than {SAVE_FACTOR:g} x a save)"
+    )
 
 
 def _check_job(job: Job) -> None:
