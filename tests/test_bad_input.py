@@ -94,6 +94,13 @@ CASES = [
     ),
     Case(
         "train",
+        "dataset_name_with_dataset_mixture",  # else the mixture would train while the log named the dataset
+        lambda w: ["--dataset_mixture", w.file("mix.yaml", f"datasets:\n  - path: {w.data}\n    weight: 1\n")],
+        "--dataset_mixture lists the datasets: drop --dataset_name (per source in the mixture YAML: path, config, "
+        "columns, percentage)",
+    ),
+    Case(
+        "train",
         "model_path_missing",
         lambda w: ["--model_name_or_path", "/nonexistent/model"],
         "model directory /nonexistent/model not found",
