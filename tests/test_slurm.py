@@ -873,7 +873,7 @@ def test_container_mounts_reach_pyxis_intact_and_the_container_is_created_once_p
     ckpt_given = re.search(r"llmft plan: checkpoint dir (\S+)", texts[given]).group(1)
     assert Path(ckpt_given).parent.parent == submit  # under the submit directory: its mount covers it
     mounts = f"/data:/data,/models:/models:ro,{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache}"
-    assert recorded.count(f"container-mounts={mounts}") == 2, recorded  # the probe and the plan
+    assert recorded.count(f"container-mounts={mounts}") == 2, recorded  # the probe; the plan + kill chain
     defaults = (
         f"{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache},{tiny_model}:{tiny_model},"
         f"{tiny_data.parent}:{tiny_data.parent}"
