@@ -600,24 +600,34 @@ def run_records(run_dir: Path) -> dict:
     return found
 
 
+def checkpoint_run_dir(path: str) -> Path:
+    """The run directory a checkpoint (or an exported model) belongs to, whose records say how it was trained."""
+    p = Path(path)
+    if is_exported(p):
+        return p
+    try:
+        tag, _ = resolve_checkpoint([path])
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    ckpt_dir = tag.parent
+    return ckpt_dir.parent if ckpt_dir.name.startswith("checkpoint-") else ckpt_dir
+
+
 def checkpoint_config(path: str, model_name: str | None):
-    """The model config and run directory of a checkpoint, before any weight is read (config None when only the
-    loader can tell: an exported LoRA adapter without config.json)."""
+    """The model config of a checkpoint, before any weight is read (None when only the loader can tell: an exported
+    LoRA adapter without config.json)."""
     p = Path(path)
     if is_exported(p):  # --model_name names only its tokenizer
         if not (p / "config.json").is_file():
-            return None, p
-        source, run_dir = str(p), p
+            return None
+        source = str(p)
     else:
         try:
-            tag, _ = resolve_checkpoint([path])
-            source = find_source(tag, model_name).config
+            source = find_source(resolve_checkpoint([path])[0], model_name).config
         except CheckpointError as e:
             raise EvalError(str(e)) from None
-        ckpt_dir = tag.parent
-        run_dir = ckpt_dir.parent if ckpt_dir.name.startswith("checkpoint-") else ckpt_dir
     try:
-        return load_model_config(source), run_dir
+        return load_model_config(source)
     except MemoryPlanError as e:
         reason = str(e).split(": ", 1)[-1]
         raise EvalError(
@@ -666,22 +676,22 @@ def evaluate(m: Model, args, settings: Settings, manager, tasks: list[str], devi
 
 
 def load_for_eval(path: str, args, device: str, dtype) -> tuple[Model, Settings]:
-    """The model, with its context length and chat template decided from the flags and the run's records; a model
-    larger than the GPU is refused before its shards are read."""
-    config, run_dir = checkpoint_config(path, args.model_name)
-    records = run_records(run_dir)
-    positions = model_positions(config) if config is not None else None
-    max_length, length_from = eval_max_length(args.max_length, records.get("max_length"), positions)
-    if config is not None and device.startswith("cuda"):
-        check_one_gpu(config, dtype, max_length, device)
+    """The model, with its context length and chat template decided from the flags and the run's records. On a GPU
+    a model larger than it is refused from its config, before its shards are read; elsewhere the loader reads the
+    checkpoint first, so a broken one is named as such."""
+    records = run_records(checkpoint_run_dir(path))
+    if device.startswith("cuda"):
+        config = checkpoint_config(path, args.model_name)
+        if config is not None:
+            max_length, _ = eval_max_length(args.max_length, records.get("max_length"), model_positions(config))
+            check_one_gpu(config, dtype, max_length, device)
     try:
         m = load_model(path, args.model_name, device, dtype, args.trust_checkpoint)
     except CheckpointError as e:
         raise EvalError(str(e)) from None
-    if config is None:
-        max_length, length_from = eval_max_length(
-            args.max_length, records.get("max_length"), model_positions(m.model.config)
-        )
+    max_length, length_from = eval_max_length(
+        args.max_length, records.get("max_length"), model_positions(m.model.config)
+    )
     chat, give_default, chat_from = chat_template_choice(
         args.apply_chat_template, records.get("shape"), bool(getattr(m.tokenizer, "chat_template", None))
     )
