@@ -3,6 +3,8 @@ script writes with 2 real processes (torchrun, gloo on CPU): ZeRO stages 0-3, fp
 
 Run as a script (under torchrun) this module is that writer:
     torchrun --nproc_per_node 2 tests/test_zero_checkpoint.py OUT MODEL_DIR 0 1 2 3 0bf16 2bf16 3bf16
+and `python tests/test_zero_checkpoint.py --fixture DIR` writes the tiny model and every checkpoint these tests read
+into DIR once, for tests/other_pythons.sh to share between interpreters (SHARED_FIXTURE).
 """
 
 from __future__ import annotations
@@ -76,49 +78,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def ds_checkpoints(tmp_path_factory, tiny_model) -> Path:
-    """One torchrun (2 processes) writes every spec in SPECS under OUT/<spec>/."""
+def write_fixture(out: Path, model_dir: Path) -> Path:
+    """Every spec in SPECS (and MEMORY_SPEC) written by one torchrun of 2 processes under OUT/<spec>/, and
+    SPECS_3_RANKS by 3 processes under OUT/ranks3/ (partitions and paddings that do not divide evenly)."""
     from conftest import PYTHON, run
 
-    out = tmp_path_factory.mktemp("ds_ckpt")
-    run(
-        [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            __file__,
-            str(out),
-            str(tiny_model),
-            *SPECS,
-            MEMORY_SPEC,
-        ],
-        timeout=400,
-        check=True,
-    )
-    # 3 ranks: partitions and paddings that do not divide evenly
-    run(
-        [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "3",
-            "--master_port",
-            str(free_port()),
-            __file__,
-            str(out / "ranks3"),
-            str(tiny_model),
-            *SPECS_3_RANKS,
-        ],
-        timeout=400,
-        check=True,
-    )
+    for nproc, target, specs in ((2, out, [*SPECS, MEMORY_SPEC]), (3, out / "ranks3", SPECS_3_RANKS)):
+        torchrun = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+        args = ["--master_port", str(free_port()), __file__, str(target), str(model_dir), *specs]
+        run([*torchrun, *args], timeout=900, check=True)
     return out
+
+
+# tests/other_pythons.sh writes the model and its checkpoints once, with .venv's Python (the one that trains), and
+# names the directory here: each other interpreter then reads checkpoints another Python wrote, as users do.
+SHARED_FIXTURE = "LLMFT_TEST_DS_CHECKPOINTS"
+
+
+def shared_fixture() -> Path | None:
+    """The directory SHARED_FIXTURE names (model/ and ds_ckpt/ in it), None without it; a named one that is not
+    there fails the tests rather than being quietly rewritten."""
+    import os
+
+    named = os.environ.get(SHARED_FIXTURE)
+    if not named:
+        return None
+    if not (Path(named) / "model" / "config.json").is_file() or not (Path(named) / "ds_ckpt" / "ranks3").is_dir():
+        pytest.fail(f"{SHARED_FIXTURE}={named} holds no written fixture (model/, ds_ckpt/ranks3/)", pytrace=False)
+    return Path(named)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model) -> Path:
+    """conftest's tiny model, or the one the shared fixture's checkpoints were trained from."""
+    shared = shared_fixture()
+    return shared / "model" if shared else tiny_model
+
+
+@pytest.fixture(scope="session")
+def ds_checkpoints(tmp_path_factory, tiny_model) -> Path:
+    """The DeepSpeed checkpoints of every spec (write_fixture), written here unless shared."""
+    shared = shared_fixture()
+    return shared / "ds_ckpt" if shared else write_fixture(tmp_path_factory.mktemp("ds_ckpt"), tiny_model)
 
 
 def _deepspeed_reference(ckpt_dir: Path) -> dict:
@@ -385,4 +386,9 @@ def test_trust_checkpoint_loads_a_code_bearing_shard(ds_checkpoints):
 
 
 if __name__ == "__main__":
-    write_checkpoints(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
+    if sys.argv[1] == "--fixture":  # python tests/test_zero_checkpoint.py --fixture DIR: the shared fixture
+        from llmft.data.synthetic import make_model_dir
+
+        write_fixture(Path(sys.argv[2]) / "ds_ckpt", make_model_dir(Path(sys.argv[2]) / "model"))
+    else:  # under torchrun: the writer
+        write_checkpoints(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
