@@ -41,7 +41,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
-from llmft.training.async_save import BackgroundWriter, partial_path  # noqa: E402
+from llmft.training.checkpoint_async_save import BackgroundWriter, partial_path  # noqa: E402
 
 
 def write_bytes(path, data) -> None:

@@ -3,7 +3,7 @@
 Rank 0 prints `bench: checkpoint-N save S s` (Trainer._save_checkpoint: every file of the checkpoint, written) and
 `bench: step N end T` (a monotonic clock, at each optimizer step's end), for the bench to compute stalls from.
 $BENCH_HF_CHECKPOINT_MODEL=1: checkpoints also get HF's model.safetensors (what llmft wrote before it stopped
-duplicating the weights, llmft.training.saving), so before and after run side by side in one bench.
+duplicating the weights, llmft.training.checkpoint_save), so before and after run side by side in one bench.
 """
 
 from __future__ import annotations
@@ -40,21 +40,19 @@ class BenchTrainer(trl.SFTTrainer):
 
 if __name__ == "__main__":
     from llmft.train import cli, make_parser
-    from llmft.training import saving
+    from llmft.training import checkpoint_save
 
     transformers.Trainer._save_checkpoint = timed_save(transformers.Trainer._save_checkpoint)
-    trl.SFTTrainer = (
-        BenchTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
-    )
+    trl.SFTTrainer = BenchTrainer  # llmft.training.checkpoint_save.trainer_class subclasses trl.SFTTrainer when train builds the trainer
     if os.environ.get("BENCH_HF_CHECKPOINT_MODEL") == "1":
-        llmft_class = saving.trainer_class
+        llmft_class = checkpoint_save.trainer_class
 
         def hf_checkpoints(save_consolidated: bool = False):
             cls = llmft_class(save_consolidated)
 
             class HFCheckpointModel(cls):
                 def save_model(self, output_dir=None, _internal_call=False):
-                    if _internal_call and not saving.is_zero3(self):
+                    if _internal_call and not checkpoint_save.is_zero3(self):
                         return trl.SFTTrainer.save_model(
                             self, output_dir, _internal_call
                         )  # HF's: model.safetensors too
@@ -62,5 +60,5 @@ if __name__ == "__main__":
 
             return HFCheckpointModel
 
-        saving.trainer_class = hf_checkpoints
+        checkpoint_save.trainer_class = hf_checkpoints
     sys.exit(cli(make_parser()))

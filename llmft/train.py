@@ -59,19 +59,19 @@ from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quan
 from llmft.planning.run_plan import RunPlan, auto_choice, make_plan
 from llmft.planning.world import LaunchEnvError, discover_world, launch_problem, log, rank0
 from llmft.training import (
-    async_save,
     build_locks,
-    collective_timeout,
+    checkpoint_async_save,
+    checkpoint_checks,
+    checkpoint_save,
     elastic,
     host_memory,
     job_deadline,
     launcher,
     metrics,
     packing,
+    process_group_timeout,
     rerun,
     run_identity,
-    save_checks,
-    saving,
     upstream_noise,
 )
 from llmft.training.arguments import LlmftArguments
@@ -572,7 +572,7 @@ def build_trainer(
         def make_writer():
             """The background writer in the DeepSpeed engine's place; a save is synchronous when training stops after it."""
             try:
-                return async_save.install(
+                return checkpoint_async_save.install(
                     trainer.model_wrapped,
                     synchronous=lambda: (
                         trainer.control.should_training_stop or trainer.state.global_step >= trainer.state.max_steps
@@ -586,7 +586,7 @@ def build_trainer(
         decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit, make_writer
     )
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
-        trainer = saving.trainer_class(run.llmft.save_consolidated)(
+        trainer = checkpoint_save.trainer_class(run.llmft.save_consolidated)(
             model=files.weights,
             args=args,
             train_dataset=prepared.train,
@@ -609,7 +609,7 @@ def build_trainer(
     stop.deadline = job_deadline.JobDeadline.for_this_job(
         lambda: save_estimate, args.output_dir, async_save=run.llmft.async_save
     )
-    timeout = collective_timeout.callback(
+    timeout = process_group_timeout.callback(
         log,
         given_s=args.ddp_timeout if run.llmft.ddp_timeout_given else None,
         estimated_save_s=save_estimate,
@@ -635,7 +635,7 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
             trainer.evaluate()  # evaluation data without --eval_strategy: scored once, at the end
         with callbacks.meter.outside_training("save"):  # run_summary.json's save_seconds includes the final save
             trainer.save_model(args.output_dir)
-            bad = save_checks.check_save(args.output_dir, trainer.model, rank0())
+            bad = checkpoint_checks.check_save(args.output_dir, trainer.model, rank0())
         if bad:
             raise TrainError(
                 f"the final model in {args.output_dir} is not what was trained: {'; '.join(bad)}; run not marked done"
@@ -645,7 +645,7 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
             run_dir.mark_done(args.output_dir, step)
         log(
             f"training complete at step {step}; "
-            + saving.final_model_note(
+            + checkpoint_save.final_model_note(
                 args.output_dir, step, decided.plan.zero_stage, run.model.use_peft, run.llmft.save_consolidated
             )
         )

@@ -1,4 +1,4 @@
-"""`llmft train` whose background checkpoint writes (llmft.training.async_save) wait for a known step, to test publishing.
+"""`llmft train` whose background checkpoint writes (llmft.training.checkpoint_async_save) wait for a known step, to test publishing.
 
 Run it like `python -m llmft.train` (under torchrun too). Each rank holds the writes of checkpoint-$LLMFT_PROBE_HOLD_CKPT
 until the end of step $LLMFT_PROBE_RELEASE_STEP; at that step end, before releasing them, rank 0 records in
@@ -16,7 +16,7 @@ from pathlib import Path
 import trl
 from transformers import TrainerCallback
 
-from llmft.training import async_save
+from llmft.training import checkpoint_async_save
 
 HOLD, RELEASE = f"checkpoint-{os.environ['LLMFT_PROBE_HOLD_CKPT']}", int(os.environ["LLMFT_PROBE_RELEASE_STEP"])
 released = threading.Event()
@@ -52,9 +52,7 @@ class ProbedTrainer(trl.SFTTrainer):
 if __name__ == "__main__":
     from llmft.train import cli, make_parser
 
-    original_write = async_save.write_file
-    async_save.write_file = held_write
-    trl.SFTTrainer = (
-        ProbedTrainer  # llmft.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
-    )
+    original_write = checkpoint_async_save.write_file
+    checkpoint_async_save.write_file = held_write
+    trl.SFTTrainer = ProbedTrainer  # llmft.training.checkpoint_save.trainer_class subclasses trl.SFTTrainer when train builds the trainer
     sys.exit(cli(make_parser()))

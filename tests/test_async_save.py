@@ -1,4 +1,4 @@
-"""--async_save: periodic checkpoints written by a thread while training goes on (llmft.training.async_save), published
+"""--async_save: periodic checkpoints written by a thread while training goes on (llmft.training.checkpoint_async_save), published
 complete only once every rank's files are written; the same training and the same resumed losses as synchronous saves."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import PYTHON, REPO, run
 from test_train import steps
 
 from llmft.checkpoint.run_dir import RUN_RECORD
-from llmft.training.async_save import BackgroundWriter, partial_path
+from llmft.training.checkpoint_async_save import BackgroundWriter, partial_path
 
 PROBE = str(REPO / "tests" / "async_save_probe.py")
 FLAGS = (
@@ -44,7 +44,7 @@ def test_a_background_save_returns_before_its_file_is_written_and_keeps_the_stat
 
     def slow_write(path, data):
         gate.wait(timeout=60)
-        from llmft.training.async_save import write_file
+        from llmft.training.checkpoint_async_save import write_file
 
         write_file(path, data)
         written.append(path)
@@ -307,7 +307,7 @@ class StandInCudart:
 
 
 def test_after_one_failed_page_lock_the_error_is_cleared_and_no_buffer_is_page_locked_again():
-    from llmft.training.async_save import PIN_MIN_BYTES, HostSnapshot, page_lock
+    from llmft.training.checkpoint_async_save import PIN_MIN_BYTES, HostSnapshot, page_lock
 
     assert page_lock(StandInCudart(0), 4096, PIN_MIN_BYTES) is None
     refused = StandInCudart(2)  # cudaErrorMemoryAllocation

@@ -1,5 +1,5 @@
 """The collective timeout sized from the run's measured step and save times (llmft.planning.collective_timeout), and
-set on every process group (llmft.training.collective_timeout)."""
+set on every process group (llmft.training.process_group_timeout)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_every_process_group_of_the_rank_gets_the_timeout(tmp_path):
             from datetime import timedelta
             import torch
             import torch.distributed as dist
-            from llmft.training.collective_timeout import process_groups, set_timeout
+            from llmft.training.process_group_timeout import process_groups, set_timeout
 
             assert set_timeout(300) is None  # no process group yet: nothing set, and it says so
             dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=1800))
@@ -105,7 +105,7 @@ class Control:
 
 def drive(monkeypatch, **kwargs) -> tuple[object, list[str], list[float]]:
     """The callback with torch's setter replaced by a recorder (the real one is tested above and in test_async_save)."""
-    from llmft.training import collective_timeout as ct
+    from llmft.training import process_group_timeout as ct
 
     applied: list[float] = []
     monkeypatch.setattr(ct, "set_timeout", lambda s: applied.append(s) or s)
@@ -156,7 +156,7 @@ def test_a_background_save_published_at_a_step_end_leaves_that_steps_time_as_it_
     """An --async_save checkpoint is measured when it is published, at a step end while training went on: its time
     counts as a save (2 x 30 s is under the floor here), and the step that ended then keeps its own time; after a
     synchronous save the next step's time starts after the save."""
-    from llmft.training import collective_timeout as ct
+    from llmft.training import process_group_timeout as ct
 
     now = [0.0]
     monkeypatch.setattr(ct.time, "monotonic", lambda: now[0])

@@ -96,7 +96,7 @@ def infer(*args, check=True):
 
 def deepspeed_reference(ckpt_dir: Path) -> dict:
     """DeepSpeed's own reconstruction; for stage 0 (which it does not handle) the Trainer's final model, saved at the
-    same (last) step: checkpoints hold no model.safetensors (llmft.training.saving)."""
+    same (last) step: checkpoints hold no model.safetensors (llmft.training.checkpoint_save)."""
     from safetensors.torch import load_file
 
     from llmft.checkpoint.zero import open_checkpoint

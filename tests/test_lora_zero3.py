@@ -12,7 +12,7 @@ import pytest
 from conftest import PYTHON, REPO, run
 
 from llmft.checkpoint.run_dir import COMPLETE_MARKER, DONE_MARKER
-from llmft.training import save_checks as saved_weights
+from llmft.training import checkpoint_checks
 
 PROBE = str(REPO / "tests" / "train_probe.py")
 R, LAYERS, EMBD = 4, 2, 64  # llmft.tiny's model: 2 layers, width 64; c_attn maps 64 -> 192
@@ -75,7 +75,7 @@ def lora_run(tiny_model, tiny_data, tmp_path_factory) -> Path:
 def adapter(where: Path) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(where / saved_weights.ADAPTER_FILE)
+    return load_file(where / checkpoint_checks.ADAPTER_FILE)
 
 
 def test_every_saved_adapter_is_whole_trained_and_published(lora_run):
@@ -191,16 +191,16 @@ def test_the_check_names_each_kind_of_bad_file(peft_model, tiny_model, tmp_path)
     import torch
     from safetensors.torch import load_file, save_file
 
-    expected = saved_weights.live_tensors(peft_model)
+    expected = checkpoint_checks.live_tensors(peft_model)
     assert {t.names[0]: t.shape for t in expected} == EXPECTED and all(t.nonzero for t in expected)
     peft_model.save_pretrained(tmp_path)
-    path = tmp_path / saved_weights.ADAPTER_FILE
-    assert saved_weights.problems(tmp_path, expected, adapter=True) == []
+    path = tmp_path / checkpoint_checks.ADAPTER_FILE
+    assert checkpoint_checks.problems(tmp_path, expected, adapter=True) == []
     good = load_file(path)
 
     def with_tensors(tensors):
         save_file(tensors, path, metadata={"format": "pt"})
-        return saved_weights.problems(tmp_path, expected, adapter=True)
+        return checkpoint_checks.problems(tmp_path, expected, adapter=True)
 
     a0, b1 = (
         "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight",
@@ -215,13 +215,13 @@ def test_the_check_names_each_kind_of_bad_file(peft_model, tiny_model, tmp_path)
     ]
     assert with_tensors({}) == [f"{path} holds no tensors"]
     path.write_bytes(b"")
-    assert saved_weights.problems(tmp_path, expected, adapter=True) == [f"{path} is empty (0 bytes)"]
+    assert checkpoint_checks.problems(tmp_path, expected, adapter=True) == [f"{path} is empty (0 bytes)"]
     path.write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a": trunc')
-    assert saved_weights.problems(tmp_path, expected, adapter=True)[0].startswith(
+    assert checkpoint_checks.problems(tmp_path, expected, adapter=True)[0].startswith(
         f"{path} is not a readable safetensors file ("
     )
     path.unlink()
-    assert saved_weights.problems(tmp_path, expected, adapter=True) == [f"{path} is missing"]
+    assert checkpoint_checks.problems(tmp_path, expected, adapter=True) == [f"{path} is missing"]
 
 
 def test_full_model_files_tied_weights_and_shards(tiny_model, tmp_path):
@@ -229,17 +229,17 @@ def test_full_model_files_tied_weights_and_shards(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
-    expected = saved_weights.live_tensors(model)
+    expected = checkpoint_checks.live_tensors(model)
     model.save_pretrained(tmp_path / "one")
-    assert saved_weights.problems(tmp_path / "one", expected, adapter=False) == []
+    assert checkpoint_checks.problems(tmp_path / "one", expected, adapter=False) == []
     model.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
-    assert (tmp_path / "sharded" / saved_weights.MODEL_INDEX).is_file()
-    assert saved_weights.problems(tmp_path / "sharded", expected, adapter=False) == []
+    assert (tmp_path / "sharded" / checkpoint_checks.MODEL_INDEX).is_file()
+    assert checkpoint_checks.problems(tmp_path / "sharded", expected, adapter=False) == []
     shard = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[-1]
     shard.unlink()
-    assert saved_weights.problems(tmp_path / "sharded", expected, adapter=False) == [f"{shard} is missing"]
+    assert checkpoint_checks.problems(tmp_path / "sharded", expected, adapter=False) == [f"{shard} is missing"]
     # ZeRO shards only (no model file at all): nothing to check here, the shards are the weights.
-    assert saved_weights.problems(tmp_path / "none", expected, adapter=False) == []
+    assert checkpoint_checks.problems(tmp_path / "none", expected, adapter=False) == []
 
 
 def test_a_lora_checkpoint_written_by_two_ranks_resumes_on_one(lora_run, tiny_model, tiny_data, tmp_path):

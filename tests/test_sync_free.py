@@ -18,7 +18,7 @@ from sync_counter import MODEL_CODE, SyncCounter
 from transformers import AutoTokenizer
 
 from llmft.tiny import as_format, make_examples
-from llmft.training import saving
+from llmft.training import checkpoint_save
 from llmft.training.sync_free import reduce_metrics
 
 PROBE = str(REPO / "tests" / "train_probe.py")
@@ -85,7 +85,7 @@ def test_llmft_logs_what_trl_logs_without_reading_back_per_micro_batch(tiny_mode
     from trl import SFTTrainer
 
     trl_logs, trl_syncs = train_in_process(SFTTrainer, tiny_model, tmp_path / "trl", nan_at)
-    llmft_logs, llmft_syncs = train_in_process(saving.trainer_class(), tiny_model, tmp_path / "llmft", nan_at)
+    llmft_logs, llmft_syncs = train_in_process(checkpoint_save.trainer_class(), tiny_model, tmp_path / "llmft", nan_at)
     assert len(trl_logs) == len(llmft_logs) == 2 and trl_syncs.micro_batches == llmft_syncs.micro_batches == 8
     for ours, theirs in zip(llmft_logs, trl_logs):
         assert ours == pytest.approx(theirs, rel=1e-6), (ours, theirs)

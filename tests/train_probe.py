@@ -181,9 +181,7 @@ def record_comms(out: Path) -> None:
 if __name__ == "__main__":  # patched only in the probe's own processes, never in a test that imports PROBE_IDS
     from llmft.train import cli, make_parser
 
-    trl.SFTTrainer = (
-        ProbedTrainer  # llmft.training.saving.trainer_class subclasses trl.SFTTrainer when train builds the trainer
-    )
+    trl.SFTTrainer = ProbedTrainer  # llmft.training.checkpoint_save.trainer_class subclasses trl.SFTTrainer when train builds the trainer
     if os.environ.get("LLMFT_PROBE_SABOTAGE") == "zero_lora_b":
         import transformers
 

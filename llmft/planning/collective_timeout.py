@@ -1,5 +1,5 @@
 """How long a rank waits in a collective before the job gives up on a dead or hung peer, as numbers (the run applies
-it: llmft.training.collective_timeout).
+it: llmft.training.process_group_timeout).
 
 transformers' default (`--ddp_timeout`, 1800 s) leaves every other GPU of a job waiting 30 minutes when one node dies.
 What a healthy job waits for is bounded by what it measures: a step (the ranks meet in collectives at least once a

@@ -87,7 +87,7 @@ allocations; 1 GiB on CPU), plus the larger of
 
 Disk per checkpoint (`checkpoint_bytes`): the fp32 master weights and Adam moments of the trainable parameters
 (12 T, over all ranks' files), the module weights in mp_rank_00_model_states.pt (ZeRO-0/1/2: T w) and, with
-LoRA, the adapter (T w); llmft writes no model.safetensors into a checkpoint (llmft.training.saving). Write time = size / the filesystem's write
+LoRA, the adapter (T w); llmft writes no model.safetensors into a checkpoint (llmft.training.checkpoint_save). Write time = size / the filesystem's write
 bandwidth (stated; defaults: GCP Filestore BASIC_HDD 100 MB/s, AWS FSx for Lustre SCRATCH_2 at 1.2 TiB 240 MB/s);
 it must fit, with the step in flight, inside the Slurm script's USR1 warning (--signal=B:USR1@120).
 
@@ -506,12 +506,12 @@ def checkpoint_bytes(shape: ModelShape, zero_stage: int, precision: str) -> int:
         if shape.lora:
             size += (
                 w * T
-            )  # adapter_model.safetensors (a full model's weights are in the states file only: llmft.training.saving)
+            )  # adapter_model.safetensors (a full model's weights are in the states file only: llmft.training.checkpoint_save)
     return size
 
 
 def async_save_bytes(shape: ModelShape, zero_stage: int, precision: str, nproc_per_node: int, world: int) -> int:
-    """Host RAM on the first node for --async_save checkpoints (llmft.training.async_save): the files its ranks write
+    """Host RAM on the first node for --async_save checkpoints (llmft.training.checkpoint_async_save): the files its ranks write
     through DeepSpeed's checkpoint engine, snapshotted into host buffers (page-locked on a GPU, kept from the first
     background save until the first synchronous one): each rank's optimizer shard (12 T / N: the fp32 masters are
     ZeRO-3's weights too) and, under ZeRO-0/1/2, rank 0's module states (w T). A LoRA adapter is written by the

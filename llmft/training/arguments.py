@@ -53,7 +53,7 @@ class LlmftArguments:
     async_save: bool = field(
         default=False,
         metadata={
-            "help": "Write periodic checkpoints in the background while training goes on (llmft.training.async_save); "
+            "help": "Write periodic checkpoints in the background while training goes on (llmft.training.checkpoint_async_save); "
             "the stop save and the last save stay synchronous. Holds a checkpoint's files in host RAM "
             "while they are written (`llmft plan --async_save` counts it)."
         },

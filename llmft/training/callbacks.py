@@ -14,7 +14,7 @@ from pathlib import Path
 from llmft.checkpoint import run_dir
 from llmft.errors import TrainError
 from llmft.planning.world import log
-from llmft.training import job_deadline, save_checks
+from llmft.training import checkpoint_checks, job_deadline
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -101,7 +101,7 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
         """After every rank has written its shard and the saved weights hold the model, publish checkpoint-N/llmft_complete.json.
 
         Weights that do not (empty, missing tensors, zeros): no marker, training stops, `refused` says why.
-        With --async_save (`make_writer` set: llmft.training.async_save), a checkpoint whose files some rank is still
+        With --async_save (`make_writer` set: llmft.training.checkpoint_async_save), a checkpoint whose files some rank is still
         writing is published at the first step end at which every rank's writes have finished, or at the end of training.
         """
 
@@ -109,9 +109,7 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
             self.zero_stage, self.batch, self.keep = zero_stage, batch, keep  # keep: --save_total_limit
             self.make_writer = make_writer
             self.refused: str | None = None
-            self.writer = (
-                None  # llmft.training.async_save.BackgroundWriter, installed once the DeepSpeed engine exists
-            )
+            self.writer = None  # llmft.training.checkpoint_async_save.BackgroundWriter, installed once the DeepSpeed engine exists
             self.pending: Path | None = None  # a checkpoint whose files are being written in the background
             self.on_written = None  # called with a background checkpoint once published (job_deadline.time_each_save)
 
@@ -126,7 +124,7 @@ def _publish_complete_checkpoint_class(TrainerCallback, dist):
                 time.sleep(job_deadline.save_delay_s())  # a test hook: a slow filesystem
             if self.pending is not None:  # every rank waited for its writes before this save (BackgroundWriter.create)
                 self._publish_written(args, state, control)
-            bad = save_checks.check_save(ckpt, model, state.is_world_process_zero)
+            bad = checkpoint_checks.check_save(ckpt, model, state.is_world_process_zero)
             writing = self.writer is not None and self.writer.busy()
             refuse, in_flight = all_ranks_max(int(bool(bad)), int(writing), device=args.device)
             if refuse:

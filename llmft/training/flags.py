@@ -235,11 +235,11 @@ POLICY: dict[str, tuple[str, str]] = {
     ),
     "save_consolidated": (
         CHECKED,
-        "ZeRO-3: the gathered 16-bit model at the end (llmft.training.saving); refused on other stages and with LoRA",
+        "ZeRO-3: the gathered 16-bit model at the end (llmft.training.checkpoint_save); refused on other stages and with LoRA",
     ),
     "async_save": (
         CHECKED,
-        "periodic checkpoints written in the background (llmft.training.async_save); refused with a "
+        "periodic checkpoints written in the background (llmft.training.checkpoint_async_save); refused with a "
         "DeepSpeed config that chose its own checkpoint writer",
     ),
 }
@@ -343,7 +343,7 @@ class TrainParser(TrlParser):
         # itself when not given (llmft.packing.choose_padding_free)
         self.set_defaults(fp16=None, padding_free=None)
         self.precision_flags: dict[str, bool | None] = {"bf16": None, "fp16": None}
-        # None: not given; llmft then sizes the collective timeout from the run (llmft.training.collective_timeout)
+        # None: not given; llmft then sizes the collective timeout from the run (llmft.training.process_group_timeout)
         if any("--ddp_timeout" in a.option_strings for a in self._actions):
             self.set_defaults(ddp_timeout=None)
         self.ddp_timeout_given = False
