@@ -23,7 +23,7 @@ check-python:
 	if [[ -x $(PY) ]] && [[ "$$($(PY) -c 'import sys; print(sys.version)' 2>/dev/null)" != "$$want" ]]; then \
 	  echo "make: $(VENV) was built with another Python than $(PYTHON); rebuilding it"; rm -rf $(VENV); fi
 
-$(VENV)/.installed: setup.cfg constraints.txt
+$(VENV)/.installed: setup.cfg constraints.txt | check-python  # after it: it may remove a .venv of another Python
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q -c constraints.txt torch
@@ -33,8 +33,11 @@ $(VENV)/.installed: setup.cfg constraints.txt
 demo: venv
 	$(PY) -m llmft.demo --out $(DEMO_DIR)
 
+# Two pytest workers, a test file each at a time (a file's module fixtures, such as its Slurm cluster, are built once):
+# one worker alone kept the two cores about 75% busy (single-process CLI runs, Slurm's scheduling waits).
+TEST_WORKERS ?= 2
 test: venv $(TEST_DEPS)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # Formatting and import order by ruff (settings in pyproject.toml); the tests fail on a file it would change.
 format: venv
