@@ -33,6 +33,21 @@ def cluster(tmp_path_factory):
     stop_cluster(state)
     pids = (state / "run" / "started.pids").read_text()
     assert pids == "", f"stop.sh left pids recorded: {pids}"
+    assert not job_processes(state / "slurm.conf"), "stop.sh left processes of the cluster's jobs running"
+
+
+def job_processes(conf: Path) -> list[int]:
+    """Processes of a job of the cluster whose configuration is `conf` (a hung rank's, reparented when Slurm killed
+    its torchrun, survives the job under proctrack/linuxproc: stop.sh ends them)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            variables = environ.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_CONF={conf}".encode() in variables and any(v.startswith(b"SLURM_JOB_ID=") for v in variables):
+            found.append(int(environ.parent.name))
+    return found
 
 
 def read(path: Path) -> str:

@@ -25,6 +25,16 @@ alive() {  # alive NAME PID: the pid is still the daemon we started (not a recyc
   [[ -r "/proc/$2/comm" ]] && [[ "$(cat "/proc/$2/comm" 2>/dev/null)" == "$1" ]]
 }
 
+job_leftovers() {  # job_leftovers CONF: pids of this cluster's job processes still running (SLURM_JOB_ID and SLURM_CONF=CONF)
+  local environ pid vars
+  for environ in /proc/[0-9]*/environ; do
+    pid=${environ#/proc/}
+    pid=${pid%/environ}
+    vars=$(tr '\0' '\n' 2>/dev/null < "$environ") || continue
+    if grep -qxF "SLURM_CONF=$1" <<< "$vars" && grep -q '^SLURM_JOB_ID=' <<< "$vars"; then echo "$pid"; fi
+  done
+}
+
 if [[ -s "$pids_file" ]]; then
   # Cancel this cluster's jobs first so their steps end through Slurm, not as orphans.
   ctld_up=0
@@ -70,6 +80,14 @@ if [[ -s "$pids_file" ]]; then
   mapfile -t munge_daemons < <(grep '^munged ' "$pids_file" || true)
   if (( ${#slurm_daemons[@]} > 0 )); then stop_pids "${slurm_daemons[@]}"; fi
   if (( ${#munge_daemons[@]} > 0 )); then stop_pids "${munge_daemons[@]}"; fi
+  # A job's processes that outlived it: this cluster tracks them as Slurm's proctrack/linuxproc does, by parentage, so
+  # a process reparented when Slurm killed its parent escapes the step's kill (a hung rank whose torchrun was killed).
+  # On a real cluster proctrack/cgroup ends them; here they would hold their memory until the machine restarts.
+  mapfile -t leftovers < <(job_leftovers "$state/slurm.conf")
+  if (( ${#leftovers[@]} > 0 )); then
+    echo "ending ${#leftovers[@]} process(es) of this cluster's jobs that outlived them: ${leftovers[*]}"
+    kill -KILL "${leftovers[@]}" 2>/dev/null || true
+  fi
   : > "$pids_file"
   echo "local Slurm cluster in $state stopped"
 else
