@@ -34,10 +34,11 @@ demo: venv
 	$(PY) -m llmft.demo --out $(DEMO_DIR)
 
 # Two pytest workers, a test file each at a time (a file's module fixtures, such as its Slurm cluster, are built once):
-# one worker alone kept the two cores about 75% busy (single-process CLI runs, Slurm's scheduling waits).
+# one worker alone kept the two cores about 75% busy (single-process CLI runs, Slurm's scheduling waits). Files go out in
+# collection order, the longest first (tests/conftest.py's LONGEST_FILES), not xdist's most-tests-first.
 TEST_WORKERS ?= 2
 test: venv $(TEST_DEPS)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # Formatting and import order by ruff (settings in pyproject.toml); the tests fail on a file it would change.
 format: venv

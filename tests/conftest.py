@@ -23,6 +23,18 @@ AWS_PLACEHOLDER_ENV = {
 }
 
 
+# The longest test files, longest first (docs/development.md, "Slow tests"). make test's workers take whole files in
+# collection order, so these start first and the last file to finish is a short one: test_slurm.py alone runs longer
+# than a third of the suite, and collected in alphabetical order it started last and ran on alone.
+LONGEST_FILES = ("test_slurm.py", "test_eval.py", "test_async_save.py", "test_host_memory.py", "test_elastic.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FILES first, each file's tests in their own order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def llmft_cache(tmp_path_factory) -> Path:
     """Prepared data goes to a cache of this test session (inherited by every subprocess), never ~/.cache."""
