@@ -220,9 +220,10 @@ def test_a_save_longer_than_the_usr1_lead_starts_early_enough_and_the_job_requeu
     # The kill chain: torchrun waits longer for its ranks than Slurm's KillWait (10 s in slurm/local).
     assert "kill chain: Slurm's KillWait 10 s, partition debug GraceTime 0 s, " in first, first
     assert "torchrun waits 40 s for its ranks (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)" in first, first
-    # The job's end, read from squeue: 30 min from its start.
+    # The job's end, read from squeue: 30 min from its start, less the start-up before rank 0 asks (356 s seen in a
+    # CI run beside another pytest worker: a bound on the start-up would race the machine's load).
     m = re.search(rf"llmft: Slurm job {job} ends in (\d+) s; the final save starts (\d+) s before that", first)
-    assert m and 1500 < int(m.group(1)) <= 1800 and 60 <= int(m.group(2)) < 120, first
+    assert m and 600 < int(m.group(1)) <= 1800 and 60 <= int(m.group(2)) < 120, first
     assert re.search(
         rf"llmft: Slurm job {job} ends in 40 s: starting the final save now, \d+ s before the time limit "
         r"\(no save measured yet, estimated 0 s; x1.5 \+ a [\d.]+ s step \+ 60 s\)",
@@ -928,7 +929,7 @@ def test_in_a_container_without_squeue_rank_0_reads_the_jobs_end_from_the_batch_
     # rank 0 asked squeue inside the container and found none
     assert re.search(r"^container-squeue-missing@n\d$", read(log)[len(before) :], re.M), read(log)[len(before) :]
     m = re.search(rf"llmft: Slurm job {job} ends in (\d+) s; the final save starts \d+ s before that", text)
-    assert m and 1500 < int(m.group(1)) <= 1800, text  # 30 min from the job's start, as the batch shell's squeue said
+    assert m and 600 < int(m.group(1)) <= 1800, text  # 30 min from the job's start less its start-up, as squeue said
     asked, left = (ckpt / f".llmft-job-end-{job}").read_text().split()
     assert 0 < time.time() - int(asked) < 900 and re.fullmatch(r"\d+:\d\d", left), (asked, left)
 
