@@ -22,6 +22,12 @@ SCRIPT = REPO / "slurm" / "run_llm.slurm"
 LOCAL = REPO / "slurm" / "local"
 PYXIS_STANDIN = REPO / "tests" / "pyxis_standin.c"
 SBIN_PATH = os.pathsep.join(["/usr/sbin", "/sbin"])
+# How long a test waits for a job before calling it hung. These guard against hangs and assert no speed: the 2-core CI
+# machine runs these jobs beside another pytest worker and the other Pythons' set-up, and a job whose training takes
+# 2 min alone has taken 10 there (test_slurm's module fixture runs five 2-rank jobs at once). A job that is done
+# returns at once, so a generous guard costs time only when a test is failing anyway.
+SHORT_JOB_S = 600  # a dry run, or a job that stops at its first check
+TRAINING_JOB_S = 1800  # a job that trains, and may be requeued and train again
 
 
 class SlurmCluster:

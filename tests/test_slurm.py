@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from slurm_cluster import REPO, SCRIPT, start_cluster, step_lines, stop_cluster
+from slurm_cluster import REPO, SCRIPT, SHORT_JOB_S, TRAINING_JOB_S, start_cluster, step_lines, stop_cluster
 
 from llmft.planning.world import expand_hostlist
 
@@ -63,7 +63,7 @@ def signal_when_training(cluster, job: str, log: Path, min_step: int, command: l
     result: dict = {}
 
     def watch():
-        deadline = time.time() + 600
+        deadline = time.time() + TRAINING_JOB_S
         try:
             while time.time() < deadline:
                 steps = step_lines(read(log))
@@ -156,7 +156,7 @@ WANDB_SECRET = "wandb-secret-0123456789abcdef0123456789abcdef"
 
 
 def finished_preempted_job(cluster, job, cwd, signal) -> tuple[str, Path]:
-    info = cluster.wait(job, timeout=600)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     signal["thread"].join(timeout=5)
     text = read(cwd / f"llmft-{job}.out")
     assert "error" not in signal, f"{signal['error']}\n{text}"
@@ -213,7 +213,7 @@ def test_time_limit_signal_checkpoints_every_rank_requeues_and_resumes(cluster, 
 
 def test_a_save_longer_than_the_usr1_lead_starts_early_enough_and_the_job_requeues_and_resumes(cluster, jobs):
     job, cwd, _ = jobs["time_limit"]
-    info = cluster.wait(job, timeout=600)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     text = read(cwd / f"llmft-{job}.out")
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
     first = text[: text.index("restart 1,")]
@@ -288,14 +288,14 @@ def test_a_job_stopped_on_two_nodes_resumes_on_one_node(cluster, tiny_model, tin
     first = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
     log = tmp_path / f"llmft-{first}.out"
     signal = signal_when_training(cluster, first, log, 3, ["scancel", first])
-    signal["thread"].join(timeout=600)
+    signal["thread"].join(timeout=TRAINING_JOB_S)
     assert "error" not in signal and signal["proc"].returncode == 0, (signal, read(log))
-    assert cluster.wait(first, timeout=180)["JobState"] == "CANCELLED"
+    assert cluster.wait(first, timeout=SHORT_JOB_S)["JobState"] == "CANCELLED"
     before = read(log)
     assert "llmft plan: world size 2 (2 nodes x 1 processes" in before and "gradient accumulation 2" in before, before
 
     second = cluster.sbatch(["--nodes=1", str(SCRIPT), knobs], cwd=tmp_path)
-    info = cluster.wait(second, timeout=600)
+    info = cluster.wait(second, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{second}.out")
     assert info["JobState"] == "COMPLETED" and info["NodeList"] in ("n1", "n2"), f"{info}\n{text}"
     assert "run_llm.slurm: nodes 1: n" in text and "llmft plan: world size 1 (1 nodes x 1 processes" in text, text
@@ -324,7 +324,7 @@ def test_wandb_offline_run_is_named_by_the_job_and_the_requeued_job_appends_to_i
     from wandb_file import run_info
 
     job, cwd, _ = jobs["requeue"]
-    info = cluster.wait(job, timeout=600)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     text = read(cwd / f"llmft-{job}.out")
     assert info["JobState"] == "COMPLETED", text
     m = re.search(rf"W&B run llmft-{job} \(id (\S+), group llmft\) in project llmft-test, mode offline\n", text)
@@ -361,7 +361,7 @@ def test_wandb_offline_run_is_named_by_the_job_and_the_requeued_job_appends_to_i
 
 def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_inference(cluster, jobs, tiny_data):
     job, cwd, _ = jobs["users"]
-    info = cluster.wait(job, timeout=400)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     log = cwd / f"llmft-{job}.out"  # %x-%j.out in the submit directory
     text = read(log)
     assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
@@ -437,9 +437,9 @@ def test_users_sbatch_command_trains_on_two_nodes_and_the_checkpoint_serves_infe
 
 def test_a_cancelled_job_ends_and_is_not_requeued(cluster, jobs):
     job, cwd, signal = jobs["cancel"]
-    signal["thread"].join(timeout=600)
+    signal["thread"].join(timeout=TRAINING_JOB_S)
     assert "error" not in signal and signal["proc"].returncode == 0, signal
-    info = cluster.wait(job, timeout=120)
+    info = cluster.wait(job, timeout=SHORT_JOB_S)
     assert info["JobState"] == "CANCELLED", info
     # Longer than the local cluster's requeue delay (cred_expire=20 s) after the cancel: it stays cancelled.
     time.sleep(max(0.0, signal["at_time"] + 35 - time.time()))
@@ -521,7 +521,7 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
             )
         )
     for job, cwd, args, message in jobs:
-        info = cluster.wait(job, timeout=120)
+        info = cluster.wait(job, timeout=SHORT_JOB_S)
         text = read(cwd / f"llmft-{job}.out")
         assert info["JobState"] == "FAILED", f"{args}: {info}\n{text}"
         assert info["ExitCode"] == "2:0", f"{args}: {info}"
@@ -587,7 +587,7 @@ def test_more_gpus_per_node_needs_no_other_edit_and_keeps_the_global_batch(clust
         LD_LIBRARY_PATH=libs,
     )
     for job in (one, two):
-        assert cluster.wait(job, timeout=120)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
+        assert cluster.wait(job, timeout=SHORT_JOB_S)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
     a, b = read(tmp_path / f"llmft-{one}.out"), read(tmp_path / f"llmft-{two}.out")
 
     # The world and the CPU split come from llmft plan (one decision), read off the job's allocation.
@@ -674,7 +674,7 @@ def test_the_allocation_on_each_node_decides_memory_gpus_numa_and_the_fabric(clu
     }
     out = {}
     for name, job in jobs.items():
-        info = cluster.wait(job, timeout=180)
+        info = cluster.wait(job, timeout=SHORT_JOB_S)
         out[name] = (info, read(tmp_path / f"llmft-{job}.out"))
     info, text = out["per cpu"]
     assert info["JobState"] == "COMPLETED", text
@@ -733,7 +733,7 @@ def test_zero_stage_auto_plans_for_the_jobs_nodes_and_launches_train_auto(cluste
     llmft train gets --auto (it decides again, on the GPUs it got, and prints why)."""
     knobs = f"--export=ALL,DRY_RUN=1,ZERO_STAGE=auto,MODEL={tiny_model},GLOBAL_BATCH=8,MICRO_BATCH=2,LORA=1"
     job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
-    assert cluster.wait(job, timeout=120)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
+    assert cluster.wait(job, timeout=SHORT_JOB_S)["JobState"] == "COMPLETED", read(tmp_path / f"llmft-{job}.out")
     text = read(tmp_path / f"llmft-{job}.out")
     assert "LoRA: " in text and "world size 2" in text and "per node; world size 2" in text
     assert re.search(r"llmft plan: recommended ZeRO-\d, micro-batch [12] x accumulation \d", text), text
@@ -753,7 +753,7 @@ def test_a_mixture_trains_whole_and_torchrun_waits_past_the_partitions_grace_tim
         tiny_model
     )
     job = cluster.sbatch(["-p", "spare", str(SCRIPT), knobs], cwd=tmp_path)
-    info = cluster.wait(job, timeout=600)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")
     assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
     assert "MIXTURE=mix.yaml (all of it: no DATASET, no DATA_PERCENTAGE)" in text, text
@@ -784,7 +784,7 @@ def test_a_busy_rendezvous_port_moves_to_the_next_one_in_range(cluster, tmp_path
             sock.listen()
             listeners.append(sock)
         cluster.cmd(["scontrol", "release", job])
-        info = cluster.wait(job, timeout=120)
+        info = cluster.wait(job, timeout=SHORT_JOB_S)
     finally:
         for sock in listeners:
             sock.close()
@@ -808,7 +808,7 @@ def test_the_default_checkpoint_dir_is_one_per_experiment(cluster, tmp_path):
     }
     dirs = {}
     for what, job in submitted.items():
-        info = cluster.wait(job, timeout=120)
+        info = cluster.wait(job, timeout=SHORT_JOB_S)
         text = read(tmp_path / f"{'exp2' if what == 'other name' else 'exp'}-{job}.out")  # %x-%j.out
         assert info["JobState"] == "COMPLETED", text
         dirs[what] = Path(re.search(r"llmft plan: checkpoint dir (\S+)", text).group(1))
@@ -830,7 +830,7 @@ def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
         # GLOBAL_BATCH=3 makes an impossible plan: a job that gets past the directory stops there, cheaply.
         knobs = f"--export=ALL,CHECKPOINT_DIR={ckpt},GLOBAL_BATCH=3,MICRO_BATCH=2"
         job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)
-        assert cluster.wait(job, timeout=120)["ExitCode"] == "2:0"
+        assert cluster.wait(job, timeout=SHORT_JOB_S)["ExitCode"] == "2:0"
         text = read(tmp_path / f"llmft-{job}.out")
         assert f"run_llm.slurm: error: CHECKPOINT_DIR={ckpt} is in use by job {holder} (RUNNING)" in text, text
         assert (ckpt / ".llmft-job").read_text().strip() == holder
@@ -838,7 +838,7 @@ def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
         cluster.cmd(["scancel", holder])
     cluster.wait(holder, timeout=60)
     job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path)  # the holder has ended: the directory is free
-    cluster.wait(job, timeout=120)
+    cluster.wait(job, timeout=SHORT_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")
     assert "is in use" not in text and "llmft plan: error:" in text, text
     assert (ckpt / ".llmft-job").read_text().strip() == job
@@ -881,7 +881,7 @@ def test_container_mounts_reach_pyxis_intact_and_the_container_is_created_once_p
     )
     texts = {}
     for job in (given, default):
-        info = cluster.wait(job, timeout=180)
+        info = cluster.wait(job, timeout=SHORT_JOB_S)
         texts[job] = read(submit / f"llmft-{job}.out")
         assert info["JobState"] == "COMPLETED", texts[job]
         assert "llmft plan: world size 2 (2 nodes x 1 processes, from slurm)" in texts[job]  # planned inside the step
@@ -923,7 +923,7 @@ def test_in_a_container_without_squeue_rank_0_reads_the_jobs_end_from_the_batch_
         f"SAVE_STEPS=1000,MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix}"
     )
     job = cluster.sbatch(["--time=30", str(SCRIPT), knobs], cwd=tmp_path, LLMFT_TEST_PYXIS="1")
-    info = cluster.wait(job, timeout=600)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")
     assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
     # rank 0 asked squeue inside the container and found none
@@ -993,7 +993,7 @@ def run_with_a_failing_rank(
         if f"requeueing job {job} (restart 1 of at most 3 after failures)" in read(log):
             requeued_at = time.time()
         time.sleep(0.2)
-    info = cluster.wait(job, timeout=900)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     return info, read(log), requeued_at
 
 
@@ -1079,7 +1079,7 @@ def test_a_failed_attempt_that_wrote_no_checkpoint_is_not_requeued(cluster, tiny
         LLMFT_TEST_KILL_RECORD=str(tmp_path / "killed"),
         PYTHONPATH=hook,
     )
-    info = cluster.wait(job, timeout=600)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{text}"
     rank = (tmp_path / "killed").read_text().split()[0]
@@ -1156,7 +1156,7 @@ def test_an_out_of_memory_error_in_a_rank_is_named_with_its_cause_and_the_job_st
         LLMFT_TEST_KILL_RECORD=str(tmp_path / "failed_rank"),
         PYTHONPATH=hook,
     )
-    info = cluster.wait(job, timeout=600)
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{text}"
     assert info["ExcNodeList"] == "(null)", info
