@@ -248,19 +248,9 @@ def test_tcpx_profile_names_the_plugin_and_the_rxdm_it_lacks():
 @pytest.fixture(scope="module")
 def llama_8b():
     """Llama-3.1-8B's published shape (a config, nothing downloaded)."""
-    from transformers import LlamaConfig
+    from published_shapes import llama_3_1_8b
 
-    return LlamaConfig(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-    )
+    return llama_3_1_8b()
 
 
 @pytest.mark.parametrize(

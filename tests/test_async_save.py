@@ -208,23 +208,13 @@ def test_async_checkpoints_are_published_after_their_files_and_resume_like_synch
 def test_the_planner_counts_the_async_snapshot_in_host_ram():
     """8B full fine-tune, bf16, 8 x H100 per node: on one node the snapshot is the whole checkpoint; on two nodes the
     first node holds its ranks' optimizer shards and rank 0's module states; the host column grows by it."""
-    from transformers import LlamaConfig
+    from published_shapes import llama_3_1_8b
 
     from llmft.planning import memory
     from llmft.planning.hardware import GPUS
     from llmft.planning.model_shape import model_shape
 
-    shape = model_shape(
-        LlamaConfig(
-            hidden_size=4096,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            intermediate_size=14336,
-            vocab_size=128256,
-            tie_word_embeddings=False,
-        )
-    )
+    shape = model_shape(llama_3_1_8b())
     for stage in (2, 3):
         assert memory.async_save_bytes(shape, stage, "bf16", 8, 8) == memory.checkpoint_bytes(shape, stage, "bf16")
         two_nodes = memory.async_save_bytes(shape, stage, "bf16", 8, 16)

@@ -458,23 +458,12 @@ def test_a_model_larger_than_one_gpu_is_refused_with_the_fix():
     against the catalogue's GPU facts."""
     import dataclasses
 
-    from transformers import LlamaConfig
+    from published_shapes import llama_3_1_8b
 
     from llmft.planning.hardware import GPUS
     from llmft.planning.model_shape import model_shape
 
-    l8b = model_shape(
-        LlamaConfig(
-            hidden_size=4096,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            intermediate_size=14336,
-            vocab_size=128256,
-            max_position_embeddings=131072,
-            tie_word_embeddings=False,
-        )
-    )
+    l8b = model_shape(llama_3_1_8b())
     assert l8b.params == 8_030_261_248
     l70b = dataclasses.replace(l8b, params=70_553_706_496)
     for gpu in ("L4", "A100-40GB", "A100-80GB", "H100-80GB"):

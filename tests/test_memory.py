@@ -364,21 +364,11 @@ def test_lora_activation_term_matches_what_autograd_saves(precision, targets):
 
 @pytest.fixture(scope="module")
 def llama8b():
-    from transformers import LlamaConfig
+    from published_shapes import llama_3_1_8b
 
     from llmft.planning.model_shape import model_shape
 
-    config = LlamaConfig(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-    )  # as published: weights stored in bf16
+    config = llama_3_1_8b()
     return config, model_shape(config), model_shape(config, use_peft=True, lora_r=16)
 
 
@@ -567,21 +557,11 @@ def linked_job(s, node, nodes, **kw):
 
 def test_zero1_is_recommended_for_a_1b_model_on_eight_g2_nodes_because_it_models_faster():
     """The issue's case: a 1.24B full fine-tune on 8 x g2-standard-4 (10 Gbps), global batch 64, sequence 2048."""
-    from transformers import LlamaConfig
+    from published_shapes import llama_3_2_1b
 
     from llmft.planning.model_shape import model_shape
 
-    config = LlamaConfig(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-        dtype="bfloat16",
-    )  # Llama-3.2-1B's published shape
-    plan = plan_memory(linked_job(model_shape(config), "g2-standard-4", 8, global_batch=64))
+    plan = plan_memory(linked_job(model_shape(llama_3_2_1b()), "g2-standard-4", 8, global_batch=64))
     rec = plan.recommended
     assert (rec.setting.zero_stage, rec.setting.offload, rec.setting.gradient_checkpointing) == (1, "none", False)
     assert rec.setting.grad_accum > 1

@@ -18,21 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def llama_config(tmp_path_factory) -> Path:
     """A directory holding only config.json: Llama-3.1-8B's published hyper-parameters (nothing downloaded)."""
-    from transformers import LlamaConfig
+    from published_shapes import llama_3_1_8b
 
     out = tmp_path_factory.mktemp("llama-3.1-8b")
-    LlamaConfig(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-    ).save_pretrained(out)
+    llama_3_1_8b().save_pretrained(out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
     return out
 
