@@ -52,6 +52,17 @@ def shutdown_timeout(kill_wait: int, grace_times: list[int]) -> int:
     return max(kill_wait, grace + kill_wait) + TORCHRUN_MARGIN_S
 
 
+def _grace_said(kind: str, name: str, grace: int | None, problem: str) -> tuple[int | None, str]:
+    """(the GraceTime to count, or None; what the log line says of it) for the job's partition or QOS."""
+    if problem:
+        return None, f"{kind} {name or '?'} GraceTime not read ({problem}): partition only"
+    if not name:
+        return None, f"no {kind}"
+    if grace is None:
+        return None, f"{kind} {name}'s GraceTime unknown"
+    return grace, f"{kind} {name} GraceTime {grace} s"
+
+
 def kill_chain(
     config_text: str,
     partition: str,
@@ -69,25 +80,13 @@ def kill_chain(
         else f"KillWait unknown ({DEFAULT_KILL_WAIT_S} s assumed)"
     ]
     kill_wait = DEFAULT_KILL_WAIT_S if kill_wait is None else kill_wait
-    graces = []
     p_grace = partition_grace(partition_text) if partition_text is not None else None
-    if not partition:
-        said.append("no partition")
-    elif p_grace is None:
-        said.append(f"partition {partition}'s GraceTime unknown")
-    else:
-        graces.append(p_grace)
-        said.append(f"partition {partition} GraceTime {p_grace} s")
     q_grace = slurm_seconds(qos_text.strip().splitlines()[0]) if qos_text and qos_text.strip() else None
-    if qos_problem:
-        said.append(f"QOS {qos or '?'} GraceTime not read ({qos_problem}): partition only")
-    elif not qos:
-        said.append("no QOS")
-    elif q_grace is None:
-        said.append(f"QOS {qos}'s GraceTime unknown")
-    else:
-        graces.append(q_grace)
-        said.append(f"QOS {qos} GraceTime {q_grace} s")
+    graces = []
+    for kind, name, grace, problem in (("partition", partition, p_grace, ""), ("QOS", qos, q_grace, qos_problem)):
+        counted, words = _grace_said(kind, name, grace, problem)
+        graces += [counted] if counted is not None else []
+        said.append(words)
     timeout = shutdown_timeout(kill_wait, graces)
     line = (
         f"kill chain: {', '.join(said)}; a preempted job's ranks may save for up to {max(graces, default=0) + kill_wait} s "
@@ -101,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m llmft.planning.kill_chain",
+        allow_abbrev=False,
         description="Print torchrun's shutdown timeout for this Slurm job, then the line that says why.",
     )
     parser.add_argument("--config", default="", help="the text of `scontrol show config`")
