@@ -254,7 +254,7 @@ def test_the_job_end_is_read_from_slurm_and_again_after_a_time_limit_change(clus
 
     job = cluster.cmd(["sbatch", "--parsable", "--time=5", "--wrap", "sleep 300"], cwd=tmp_path).stdout.strip()
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + SHORT_JOB_S
         while cluster.job(job)["JobState"] != "RUNNING" and time.time() < deadline:
             time.sleep(0.5)
         monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
@@ -824,7 +824,7 @@ def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
     holder = cluster.cmd(["sbatch", "--parsable", "--wrap", "sleep 120"], cwd=tmp_path).stdout.strip()
     (ckpt / ".llmft-job").write_text(f"{holder}\n")  # as a run_llm.slurm job that took the directory leaves it
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + SHORT_JOB_S
         while cluster.job(holder)["JobState"] != "RUNNING" and time.time() < deadline:
             time.sleep(0.5)
         # GLOBAL_BATCH=3 makes an impossible plan: a job that gets past the directory stops there, cheaply.
@@ -969,26 +969,34 @@ def test_stop_ends_only_the_daemons_its_cluster_started(cluster, tmp_path):
     assert nodes == ["n1 idle", "n2 idle", "n3 idle"], nodes
 
 
+def kill_hook_env(how: str, after: Path, record: Path, **extra: str) -> dict[str, str]:
+    """The environment that makes tests/kill_hook fail the rank on n2 (`how`: KILL, HANG or OOM) once `after` exists,
+    writing that rank and the time to `record`."""
+    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
+    return dict(
+        LLMFT_TEST_KILL_NODE="n2",
+        LLMFT_TEST_KILL_SIGNAL=how,
+        LLMFT_TEST_KILL_AFTER=str(after),
+        LLMFT_TEST_KILL_RECORD=str(record),
+        PYTHONPATH=hook,
+        **extra,
+    )
+
+
 def run_with_a_failing_rank(
     cluster, tmp_path, knobs: str, how: str, after: Path, partition: str = "spare"
 ) -> tuple[dict, str, float | None]:
     """Submit a 2-node job to `partition` (default spare: n1-n3), tests/kill_hook failing the rank on n2 (`how`: KILL or
     HANG) once `after` exists, its GPU falling off the bus (an Xid 79 in n2's test kernel log: evidence against n2);
     (the job's final scontrol fields, its log, when its log first said it requeued)."""
-    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
     job = cluster.sbatch(
         [f"--partition={partition}", "--nodes=2", str(SCRIPT), knobs],
         cwd=tmp_path,
-        LLMFT_TEST_KILL_NODE="n2",
-        LLMFT_TEST_KILL_SIGNAL=how,
-        LLMFT_TEST_KILL_AFTER=str(after),
-        LLMFT_TEST_KILL_RECORD=str(tmp_path / "failed_rank"),
-        LLMFT_TEST_KERNEL_LOG_DIR=str(tmp_path / "kernel-log"),
-        PYTHONPATH=hook,
+        **kill_hook_env(how, after, tmp_path / "failed_rank", LLMFT_TEST_KERNEL_LOG_DIR=str(tmp_path / "kernel-log")),
     )
     log = tmp_path / f"llmft-{job}.out"
     requeued_at = None
-    deadline = time.time() + 900
+    deadline = time.time() + TRAINING_JOB_S
     while requeued_at is None and time.time() < deadline:
         if f"requeueing job {job} (restart 1 of at most 3 after failures)" in read(log):
             requeued_at = time.time()
@@ -1016,7 +1024,8 @@ def test_a_rank_killed_mid_run_names_its_node_and_the_job_requeues_once_without_
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
     assert info["ExcNodeList"] == "n2" and info["NodeList"] == "n[1,3]", info
     rank, killed_at = (tmp_path / "failed_rank").read_text().split()
-    assert requeued_at is not None and requeued_at - float(killed_at) < 120, text  # not the 30-minute default
+    # not torch's 30-minute default: far sooner however loaded the machine (a minute or two on a quiet one)
+    assert requeued_at is not None and requeued_at - float(killed_at) < 600, text
     failed = rf"run_llm.slurm: training failed \(exit \d+\): rank {rank} on node n2 failed first \(exit code -9, SIGKILL\)\n"
     assert len(re.findall(failed, text)) == 1, text
     requeue = re.search(
@@ -1070,14 +1079,9 @@ def test_a_failed_attempt_that_wrote_no_checkpoint_is_not_requeued(cluster, tiny
         f"--export=ALL,MAX_STEPS=4,GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,"
         f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix}"
     )
-    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
+    # tiny_model's config.json is there from the start: the rank is killed as it starts
     job = cluster.sbatch(
-        [str(SCRIPT), knobs],
-        cwd=tmp_path,
-        LLMFT_TEST_KILL_NODE="n2",
-        LLMFT_TEST_KILL_AFTER=str(tiny_model / "config.json"),  # there from the start: killed as it starts
-        LLMFT_TEST_KILL_RECORD=str(tmp_path / "killed"),
-        PYTHONPATH=hook,
+        [str(SCRIPT), knobs], cwd=tmp_path, **kill_hook_env("KILL", tiny_model / "config.json", tmp_path / "killed")
     )
     info = cluster.wait(job, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")
@@ -1127,9 +1131,9 @@ def test_a_hung_rank_ends_the_job_at_the_collective_timeout_and_the_job_requeues
         rf"requeueing job {job} \(restart 1 of at most 3 after failures\) from checkpoint-\d+, excluding node\(s\) n2\n",
         first,
     )
-    assert requeued_at is not None and requeued_at - float(hung_at) < 30 + 120, (
-        text
-    )  # the timeout, then a minute or two
+    # The requeue came from the 30 s timeout, not torch's default 30 min: far sooner than that however loaded the
+    # machine (the timeout, then a minute or two on a quiet one)
+    assert requeued_at is not None and requeued_at - float(hung_at) < 600, text
     resumed = int(re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", second).group(1))
     assert step_lines(second) == list(range(resumed + 1, max_steps + 1))
     assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == max_steps
@@ -1146,16 +1150,8 @@ def test_an_out_of_memory_error_in_a_rank_is_named_with_its_cause_and_the_job_st
         f"--export=ALL,MAX_STEPS=12,GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,DATA_PERCENTAGE=100,"
         f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix}"
     )
-    hook = os.pathsep.join([str(REPO / "tests" / "kill_hook"), os.environ.get("PYTHONPATH", "")])
-    job = cluster.sbatch(
-        [str(SCRIPT), knobs],
-        cwd=tmp_path,
-        LLMFT_TEST_KILL_NODE="n2",
-        LLMFT_TEST_KILL_SIGNAL="OOM",
-        LLMFT_TEST_KILL_AFTER=str(ckpt / "checkpoint-2" / "llmft_complete.json"),
-        LLMFT_TEST_KILL_RECORD=str(tmp_path / "failed_rank"),
-        PYTHONPATH=hook,
-    )
+    after = ckpt / "checkpoint-2" / "llmft_complete.json"
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path, **kill_hook_env("OOM", after, tmp_path / "failed_rank"))
     info = cluster.wait(job, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{text}"
