@@ -14,9 +14,10 @@ Only the chosen subcommand's module is imported, so `llmft plan` answers in a bl
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+
+from llmft.command import CommandParser
 
 COMMANDS = {
     "train": ("llmft.train", "fine-tune with TRL's SFTTrainer on DeepSpeed ZeRO"),
@@ -35,7 +36,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = argparse.ArgumentParser(prog="llmft", description="DeepSpeed-centric LLM fine-tuning on Slurm clusters.")
+    top = CommandParser(prog="llmft", description="DeepSpeed-centric LLM fine-tuning on Slurm clusters.")
     sub = top.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         "prepare",
     ):  # TRL's parser (llmft.training.flags.TrainParser): every SFTConfig flag, --config YAML
         return module.cli(module.make_parser(), argv[1:])
-    subparsers = argparse.ArgumentParser(prog="llmft").add_subparsers()
+    subparsers = CommandParser(prog="llmft").add_subparsers()  # flags by full name only
     args = module.make_parser(subparsers).parse_args(argv[1:])
     return args.func(args) or 0
 

@@ -1,7 +1,8 @@
 """What every `llmft` command shares: its parser's shape and how it reports a user's mistake.
 
 A command module (train, plan, infer, ...) builds its parser with `command_parser`, so `llmft NAME` and
-`python -m llmft.NAME` are the same program, and catches `LlmftError` in its `main` with `report_error`:
+`python -m llmft.NAME` are the same program. Its flags match only by their full name (CommandParser: argparse's
+prefix matching is off, and an unknown flag is named with "did you mean", llmft.training.flag_names). It catches `LlmftError` in its `main` with `report_error`:
 one line, on rank 0 only, exit code 2.
 """
 
@@ -12,16 +13,43 @@ import sys
 
 from llmft.errors import LlmftError
 from llmft.planning.world import rank0
+from llmft.training.flag_names import unknown_flag_message
 from llmft.training.launcher import write_error_line
 
 USER_ERROR_EXIT = 2
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse without prefix matching (`--max_step` is not taken for `--max_steps`): an unknown flag, a prefix
+    included, ends in one error line naming the flag(s) it was probably meant as. Its subcommands' parsers are
+    CommandParsers too (argparse makes them of the parent's class)."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        ns, rest = self.parse_known_args(args, namespace)
+        if rest:
+            self.error(unknown_flag_message(rest, _option_strings(self), self.prog))
+        return ns
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of the parser and of its subcommands' parsers."""
+    out = []
+    for action in parser._actions:
+        out += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _option_strings(sub)
+    return out
+
+
 def command_parser(subparsers, name: str, description: str) -> argparse.ArgumentParser:
     """The parser for `llmft NAME` (as a subcommand) or `python -m llmft.NAME` (standalone): one shape for both."""
     if subparsers is not None:
-        return subparsers.add_parser(name, help=description, description=description)
-    return argparse.ArgumentParser(prog=f"llmft {name}", description=description)
+        return subparsers.add_parser(name, help=description, description=description, allow_abbrev=False)
+    return CommandParser(prog=f"llmft {name}", description=description)
 
 
 def report_error(command: str, error: LlmftError | str, *, all_ranks: bool = False) -> int:

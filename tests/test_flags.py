@@ -464,3 +464,84 @@ def test_an_unknown_flag_names_the_closest_known_one():
     )
     with pytest.raises(ValueError, match="unknown flag --num_epochs: did you mean --num_train_epochs"):
         parser.parse_args_and_config(args=["--num_epochs", "3"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # argparse would have run these as --max_steps 4 and --learning_rate 1e-4: a prefix is not a flag
+        (
+            ["--max_step", "4"],
+            "unknown flag --max_step: did you mean --max_steps? (flags match only by their full name)",
+        ),
+        (["--learning=1e-4"], "unknown flag --learning: did you mean --learning_rate? (flags match only by"),
+        (
+            ["--max", "4"],
+            "unknown flag --max: did you mean --max_steps, --max_length or --max_grad_norm? (flags match",
+        ),
+    ],
+)
+def test_flags_match_only_by_their_full_name(argv, message, tmp_path):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _parse(tmp_path, *argv)
+
+
+def test_training_without_output_dir_is_refused_with_the_fix(tiny_model, tiny_data, tmp_path, monkeypatch, capsys):
+    """TRL would write to ./trainer_output, said nowhere: llmft train refuses, naming the flag, and writes nothing."""
+    from llmft.train import cli, make_parser
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(tiny_data), "--report_to", "none"]
+    assert cli(make_parser(), argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "llmft train: error: --output_dir is required: checkpoints, the resolved DeepSpeed config and the run record "
+        "go there, and a rerun with the same directory resumes; add --output_dir runs/NAME"
+    ]
+    assert list(tmp_path.iterdir()) == []
+    # given (or from a --config file), it passes
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\n")
+    script_args, training_args, model_args, _ = make_parser().parse_args_and_config(
+        args=[*argv, "--config", str(config)]
+    )
+    check_flags(script_args, training_args, model_args, cuda=False)
+    assert training_args.output_dir == str(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["plan", "--global_batch", "8"],
+            "llmft plan: error: unknown flag --global_batch: did you mean --global_batch_size?",
+        ),
+        (["plan", "--nnode", "1"], "llmft plan: error: unknown flag --nnode: did you mean --nnodes?"),
+        (
+            ["tiny", "--out", "x", "--example", "5"],
+            "llmft tiny: error: unknown flag --example: did you mean --examples?",
+        ),
+        (["report", "x", "--out", "y"], "llmft report: error: unknown flag --out: did you mean --output?"),
+        (["--version"], "llmft: error: unknown flag --version: llmft --help lists every flag"),
+    ],
+)
+def test_every_command_takes_flags_by_full_name_only(argv, message, capsys):
+    """The argparse commands (llmft.command.CommandParser): a prefix is an unknown flag, exit 2, the flag it began."""
+    from llmft.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert errors == [message + (" (flags match only by their full name)" if "did you mean" in message else "")]
+
+
+def test_a_subcommands_flags_are_by_full_name_too(capsys):
+    """python -m llmft.tracking slurm-env (run by slurm/run_llm.slurm): its subcommand's parser is a CommandParser."""
+    from llmft import tracking
+
+    with pytest.raises(SystemExit):
+        tracking.make_parser().parse_args(["slurm-env", "--output_dir", "x", "--time", "3"])
+    assert (
+        "llmft tracking: error: unknown flag --time: did you mean --timeout? (flags match only by their full name)"
+        in capsys.readouterr().err
+    )

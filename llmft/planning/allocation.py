@@ -445,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="python -m llmft.planning.allocation",
+        allow_abbrev=False,
         description="Print this node's allocation as one `llmft node:` line.",
     )
     parser.add_argument(

@@ -497,14 +497,18 @@ def read_reports(directory: Path) -> list[NodeReport]:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m llmft.planning.failure_blame", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m llmft.planning.failure_blame", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    node = sub.add_parser("node", help="on a node whose torchrun failed: write its report (JSON) to stdout")
+    node = sub.add_parser(
+        "node", help="on a node whose torchrun failed: write its report (JSON) to stdout", allow_abbrev=False
+    )
     node.add_argument("--node", required=True)
     node.add_argument("--rc", type=int, required=True, help="torchrun's exit status")
     node.add_argument("--stderr", type=Path, required=True, help="torchrun's stderr (the ranks' included)")
     node.add_argument("--since", type=float, required=True, help="when torchrun started (epoch seconds)")
-    decide_ = sub.add_parser("decide", help="on the batch host: the lines to say and the decision")
+    decide_ = sub.add_parser("decide", help="on the batch host: the lines to say and the decision", allow_abbrev=False)
     decide_.add_argument("--reports", type=Path, required=True, help="the directory of the nodes' reports")
     decide_.add_argument("--job", required=True)
     decide_.add_argument("--rc", type=int, required=True)

@@ -23,6 +23,7 @@ from trl import TrlParser
 from llmft.errors import LlmftError
 from llmft.planning.collective_timeout import STARTUP_S
 from llmft.planning.ds_config import load_config, template_path
+from llmft.training.flag_names import unknown_flag_message
 
 USED, PASSED, CHECKED, REFUSED, EVAL = "used", "passed", "checked", "refused", "eval"
 
@@ -228,6 +229,11 @@ POLICY: dict[str, tuple[str, str]] = {
         "messages_column stop_file eval_dataset_name eval_split_ratio prepare_timeout dataset_mixture",
         "llmft's own flags",
     ),
+    **_table(
+        USED,
+        "dataset_format prompt_template role_map drop_long_records",
+        "llmft.data's formats, prompt templates and over-long records: applied once by llmft.prepare (part of its cache key)",
+    ),
     "auto": (
         CHECKED,
         "llmft.plan.auto_choice picks ZeRO stage, offload, micro-batch and gradient checkpointing; "
@@ -293,6 +299,11 @@ def check_flags(script_args, training_args, model_args, *, cuda: bool) -> None:
             raise FlagError(
                 f"--{lora[0]} is a LoRA setting but --use_peft is not given: add --use_peft, or drop the LoRA flags"
             )
+    if getattr(training_args, "llmft_output_dir_given", True) is False:
+        raise FlagError(
+            "--output_dir is required: checkpoints, the resolved DeepSpeed config and the run record go there, and a "
+            "rerun with the same directory resumes; add --output_dir runs/NAME"
+        )
     out = training_args.output_dir
     if out and Path(out).exists() and not Path(out).is_dir():
         raise FlagError(f"--output_dir {out} is a file, not a directory: choose another --output_dir")
@@ -313,22 +324,13 @@ def check_flags(script_args, training_args, model_args, *, cuda: bool) -> None:
         )
 
 
-def unknown_flag_message(rest: list[str], known: list[str]) -> str:
-    """One line for arguments no dataclass takes: the first unknown flag and the closest known one."""
-    import difflib
-
-    flags = [a.split("=", 1)[0] for a in rest if a.startswith("-")]
-    if not flags:
-        return f"unexpected argument {rest[0]!r}: flags take the form --name value (llmft train --help lists them)"
-    long_flags = [k for k in known if k.startswith("--")]
-    close = difflib.get_close_matches(flags[0], long_flags, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]}?" if close else "llmft train --help lists every flag"
-    more = f" (and {len(flags) - 1} more unknown)" if len(flags) > 1 else ""
-    return f"unknown flag {flags[0]}{more}: {hint}"
-
-
 class TrainParser(TrlParser):
-    """TRL's parser for `llmft train`, with two differences that keep parsing from deciding what llmft decides.
+    """TRL's parser for `llmft train`, with differences that keep parsing from deciding what llmft decides.
+
+    - flags match only by their full name (allow_abbrev=False): argparse would run `--max_step 4` as --max_steps, and a
+      prefix can land on the wrong flag; a prefix is an unknown flag, named with "did you mean" (llmft.training.flag_names).
+    - --output_dir is recorded as given or not (SFTConfig turns a missing one into ./trainer_output): llmft train
+      refuses to run without it (check_flags), naming the fix.
 
     - --bf16/--fp16 are recorded as given (from the command line or --config YAML) and handed to SFTConfig as
       False: TRL turns bf16 on by default and HF then checks, while parsing, whether the GPU has bf16 (on a T4
@@ -338,7 +340,9 @@ class TrainParser(TrlParser):
     """
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.output_dir_given = True
         # None: not given (SFTConfig's default False cannot tell "not given" from "false"); llmft decides padding_free
         # itself when not given (llmft.packing.choose_padding_free)
         self.set_defaults(fp16=None, padding_free=None)
@@ -359,6 +363,8 @@ class TrainParser(TrlParser):
                     ns.gradient_checkpointing_kwargs,
                     None,
                 )
+        if hasattr(ns, "output_dir"):
+            self.output_dir_given = ns.output_dir not in (None, "")
         if hasattr(ns, "ddp_timeout"):
             self.ddp_timeout_given = ns.ddp_timeout is not None
             ns.ddp_timeout = int(STARTUP_S) if ns.ddp_timeout is None else ns.ddp_timeout
@@ -374,8 +380,12 @@ class TrainParser(TrlParser):
         if not return_remaining_strings:  # HF's "Some specified arguments are not used" names no fix: llmft's does
             out, rest = out[:-1], out[-1]
             if rest:
-                raise FlagError(unknown_flag_message(rest, [s for a in self._actions for s in a.option_strings]))
+                raise FlagError(
+                    unknown_flag_message(rest, [s for a in self._actions for s in a.option_strings], self.prog)
+                )
         for obj in out:
+            if hasattr(obj, "output_dir") and hasattr(obj, "save_total_limit"):  # SFTConfig: read by check_flags
+                obj.llmft_output_dir_given = self.output_dir_given
             if hasattr(obj, "bf16_flag"):
                 obj.bf16_flag, obj.fp16_flag = self.precision_flags["bf16"], self.precision_flags["fp16"]
                 obj.ddp_timeout_given = self.ddp_timeout_given
