@@ -50,7 +50,7 @@ from llmft.checkpoint.loader import (
 )
 from llmft.checkpoint.zero import CheckpointError
 from llmft.command import command_parser, report_error
-from llmft.data.loading import DEFAULT_CHAT_TEMPLATE
+from llmft.data.loading import DEFAULT_CHAT_TEMPLATE, DataError, check_jsonl_objects
 from llmft.errors import LlmftError
 from llmft.planning.hardware import local_gpu
 from llmft.planning.memory import MemoryPlanError
@@ -162,6 +162,11 @@ def first_record(path: Path) -> dict | None:
     """The first record of a JSON Lines / JSON file (None for other formats: the harness reads those)."""
     if path.suffix not in (".jsonl", ".json"):
         return None
+    if path.suffix == ".jsonl":  # every line an object, before the harness's `datasets` reads arrays as records
+        try:
+            check_jsonl_objects(path)
+        except DataError as e:
+            raise EvalError(str(e)) from None
     try:
         with open(path, encoding="utf-8") as f:
             if path.suffix == ".jsonl":

@@ -4,7 +4,13 @@
 llmft prepare --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name data.jsonl --max_length 1024 --packing
 llmft prepare --config run.yaml --eval_split_ratio 0.05    # the flags (or YAML) of `llmft train`
 python -m llmft.prepare ...                               # the same
+llmft prepare <train flags> --show 3                      # and print the first 3 prepared records, loss in «...»
 ```
+
+`--show N` prints the first N prepared training records (sequences, when packed) as decoded text, each span of
+tokens that carries loss between « and » (exactly that form: scripts and the docs rely on it). It reads the
+prepared cache when these flags have one, and otherwise prepares first and says so: the mask can be checked
+before any GPU hour is spent.
 
 `llmft train` runs the same preparation (llmft.data.cache) before it builds the trainer, so preparing first (the
 Slurm script can, as its own step before `srun`) only moves the work off the GPUs.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass, field
 
 from llmft.command import report_error
 from llmft.data.cache import DataOptions, check_options, prepare
@@ -26,17 +33,51 @@ from llmft.training.flags import TrainParser, parse_train_flags
 from llmft.training.model_files import load_model_files
 
 
+@dataclass
+class PrepareArguments:
+    """What `llmft prepare` adds to `llmft train`'s flags."""
+
+    show: int = field(
+        default=0,
+        metadata={"help": "Print the first N prepared training records, each span that carries loss between « and »."},
+    )
+
+
+LOSS_OPEN, LOSS_CLOSE = "«", "»"
+
+
+def show_lines(ds, tokenizer, n: int) -> list[str]:
+    """The first n records of a prepared split, decoded, each run of tokens whose label is not -100 between « and »
+    (a split without labels trains on every token)."""
+    out = []
+    for i in range(min(n, len(ds))):
+        row = ds[i]
+        ids = row["input_ids"]
+        labels = row.get("labels") or ids
+        trained = [label != -100 for label in labels]
+        text, start = [], 0
+        for k in range(1, len(ids) + 1):
+            if k == len(ids) or trained[k] != trained[start]:
+                piece = tokenizer.decode(ids[start:k], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                text.append(LOSS_OPEN + piece + LOSS_CLOSE if trained[start] else piece)
+                start = k
+        out.append(f"--- record {i + 1} of {len(ds)}: {len(ids)} tokens, {sum(trained)} with loss ---")
+        out.append("".join(text))
+    return out
+
+
 def make_parser(subparsers=None):
     import torch
     from trl import ModelConfig, ScriptArguments, SFTConfig
 
-    dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
+    dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments, PrepareArguments)
     description = "Tokenise (and pack) the data once into the shared cache; takes the flags of llmft train"
     if subparsers is not None:
         parser = subparsers.add_parser("prepare", help=description, dataclass_types=dataclass_types)
     else:
         parser = TrainParser(dataclass_types, prog="llmft prepare")
-    parser.set_defaults(use_cpu=not torch.cuda.is_available())
+    # assistant_only_loss unset: on for chat data, as llmft train decides it (llmft.data.cache.assistant_only)
+    parser.set_defaults(use_cpu=not torch.cuda.is_available(), assistant_only_loss=None)
     return parser
 
 
@@ -50,7 +91,7 @@ def load_tokenizer(model_args, training_args):
     return files.tokenizer, max_length, model_positions(files.config)
 
 
-def main(script_args, training_args, model_args, llmft_args) -> int:
+def main(script_args, training_args, model_args, llmft_args, prepare_args=None) -> int:
     try:
         if not model_args.model_name_or_path:
             raise DataError("--model_name_or_path is required (its tokenizer tokenises the data)")
@@ -58,6 +99,9 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
         check_options(opts, training_args.eval_strategy, training_args.dataset_kwargs)
         tokenizer, max_length, positions = load_tokenizer(model_args, training_args)
         args = dataclasses.replace(training_args, max_length=max_length)
+        show = prepare_args.show if prepare_args is not None else 0
+        if show < 0:
+            raise DataError(f"--show {show}: give the number of prepared records to print (e.g. --show 3)")
         prepared = prepare(opts, tokenizer, args, log=log, timeout=llmft_args.prepare_timeout, positions=positions)
     except LlmftError as e:
         return report_error("prepare", e, all_ranks=True)
@@ -66,6 +110,14 @@ def main(script_args, training_args, model_args, llmft_args) -> int:
         + (f", {len(prepared.eval)} evaluation sequences" if prepared.eval is not None else "")
         + f" in {prepared.directory}"
     )
+    if show:
+        log(
+            f"the first {min(show, len(prepared.train))} of {len(prepared.train)} prepared training records, "
+            + ("read from the cache" if prepared.reused else "prepared now (none was cached for these flags)")
+            + f"; the loss is on the text between {LOSS_OPEN} and {LOSS_CLOSE}:"
+        )
+        for line in show_lines(prepared.train, tokenizer, show):
+            print(line, flush=True)
     return 0
 
 

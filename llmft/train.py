@@ -456,8 +456,9 @@ def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Pre
         else f"{run.llmft.data_percentage:g}% of the split"
     )
     log(
-        f"dataset {run.script.dataset_name or 'mixture ' + run.llmft.dataset_mixture}: {records['train']} records ({prepared.shape}, "
-        f"{where})" + (f", {records['eval']} for evaluation" if prepared.eval is not None else "")
+        f"dataset {run.script.dataset_name or 'mixture ' + run.llmft.dataset_mixture}: {records['train']} records "
+        f"({prepared.info.get('format') or prepared.shape}, {where}; loss on {prepared.info.get('loss_on', 'the labels')})"
+        + (f", {records['eval']} for evaluation" if prepared.eval is not None else "")
     )
     if rank0():
         write_run_record(run.training.output_dir, decided.data_options, prepared)
@@ -674,7 +675,9 @@ def make_parser(subparsers=None):
         parser = TrainParser(dataclass_types, prog="llmft train")
     # llmft trains on CPU exactly when no GPU is visible. dtype: unset means "the training precision" (TRL's default
     # would load fp32 weights on every rank of a bf16 run).
-    parser.set_defaults(use_cpu=not torch.cuda.is_available(), dtype=None)
+    # assistant_only_loss: unset means on for chat data (llmft.data.cache.assistant_only); TRL's False would train on
+    # the users' turns
+    parser.set_defaults(use_cpu=not torch.cuda.is_available(), dtype=None, assistant_only_loss=None)
     return parser
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from llmft.data.loading import DataError, ensure_chat_template, load_train_split, shape_for_sft, take_percentage
+from llmft.data.formats import shape_for_sft
+from llmft.data.loading import DataError, ensure_chat_template, load_train_split, take_percentage
 from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
 

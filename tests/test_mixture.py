@@ -149,7 +149,7 @@ def test_bad_mixtures_are_one_line(tmp_path):
         ),
         (
             [{**good[0], "format": "messages"}, *good[1:]],
-            "its columns give prompt_completion records but the mixture says format messages",
+            "format messages needs a messages or conversations column; its columns are prompt, completion",
         ),
         (
             [

@@ -55,7 +55,14 @@ def test_the_trainer_gets_the_same_tokens_and_loss_masks_as_trl_preparing_on_the
     from llmft.data import loading as data
 
     path = write_jsonl(as_format(make_examples(40), fmt), tmp_path / f"{fmt}.jsonl")
-    opts = cache.DataOptions(dataset_name=str(path), eval_split_ratio=0.2, data_percentage=75)
+    # chat with --assistant_only_loss false: TRL on the fly trains chat on every token (llmft's default, the assistant
+    # turns, is checked against an independent computation in tests/test_formats.py)
+    opts = cache.DataOptions(
+        dataset_name=str(path),
+        eval_split_ratio=0.2,
+        data_percentage=75,
+        assistant_only_loss=False if fmt == "messages" else None,
+    )
     args = sft_args(tmp_path, packing=packing, max_length=40 if packing else 24)  # short: truncation happens too
     lines = []
     prepared = cache.prepare(opts, tokenizer_of(tiny_model), args, log=quiet_log(lines), root=tmp_path / "cache")
@@ -83,7 +90,7 @@ def test_the_trainer_gets_the_same_tokens_and_loss_masks_as_trl_preparing_on_the
     if fmt == "prompt_completion":
         assert -100 in labels and any(t != -100 for t in labels)  # the prompt is masked, the completion is not
     else:
-        assert -100 not in labels  # text and chat: every token trains (TRL's default)
+        assert -100 not in labels  # text, and chat with --assistant_only_loss false: every token trains
     assert max(len(ids) for ids in handed.train_dataset["input_ids"]) <= args.max_length
 
 

@@ -16,6 +16,7 @@ not inside a collective with a timeout); every rank then memory-maps the Arrow f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -29,11 +30,11 @@ from types import SimpleNamespace
 from typing import Callable, Mapping
 
 from llmft.data import fit as data_fit
+from llmft.data import formats, masking, mixture
 from llmft.data import loading as data
-from llmft.data import mixture
 from llmft.data.loading import DataError
 
-PREPARE_VERSION = 2  # bump when what is stored changes
+PREPARE_VERSION = 3  # bump when what is stored changes (3: formats, assistant-only loss by default for chat)
 MARKER = "llmft_prepared.json"
 START_GRACE_S = 600  # waiting ranks give up when rank 0 has not started in this long (cache not shared?)
 
@@ -60,6 +61,11 @@ class DataOptions:
     data_percentage: float = 100.0
     seed: int = 42
     dataset_mixture: str | None = None  # a mixture YAML (llmft.data.mixture) instead of dataset_name
+    dataset_format: str | None = None  # None/auto: recognised from the fields (llmft.data.formats)
+    prompt_template: str | None = None  # a preset name or a format string over the record's fields
+    role_map: str | None = None  # extra speaker names -> chat roles ("bot=assistant")
+    assistant_only_loss: bool | None = None  # None: on for chat data (the loss on the assistant turns)
+    drop_long_records: bool = False  # drop records longer than max_length instead of truncating them
 
     @classmethod
     def from_args(cls, script_args, training_args, llmft_args) -> "DataOptions":
@@ -77,6 +83,24 @@ class DataOptions:
             data_percentage=llmft_args.data_percentage,
             seed=training_args.seed,
             dataset_mixture=getattr(llmft_args, "dataset_mixture", None),
+            dataset_format=getattr(llmft_args, "dataset_format", None),
+            prompt_template=getattr(llmft_args, "prompt_template", None),
+            role_map=getattr(llmft_args, "role_map", None),
+            assistant_only_loss=getattr(training_args, "assistant_only_loss", None),
+            drop_long_records=bool(getattr(llmft_args, "drop_long_records", False)),
+        )
+
+    @property
+    def format_options(self) -> dict:
+        """The keyword arguments of llmft.data.formats.shape_for_sft for --dataset_name and --eval_dataset_name."""
+        return dict(
+            prompt_column=self.prompt_column,
+            completion_column=self.completion_column,
+            messages_column=self.messages_column,
+            text_field=self.text_field,
+            dataset_format=self.dataset_format,
+            prompt_template=self.prompt_template,
+            role_map=self.role_map,
         )
 
     @property
@@ -92,6 +116,7 @@ def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: 
         raise DataError(
             "--dataset_name is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)"
         )
+    check_format_options(opts)
     data.check_percentage(opts.data_percentage)
     if opts.eval_split_ratio is not None:
         data.check_eval_split_ratio(opts.eval_split_ratio)
@@ -108,6 +133,19 @@ def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: 
         )
 
 
+def check_format_options(opts: DataOptions) -> None:
+    """--dataset_format, --prompt_template and --role_map checked before anything loads."""
+    if opts.dataset_format not in (None, "", "auto", *formats.FORMATS):
+        raise DataError(f"--dataset_format {opts.dataset_format!r}: use auto or one of {', '.join(formats.FORMATS)}")
+    if opts.prompt_template and opts.prompt_template not in formats.PRESETS:
+        if not formats.template_fields(opts.prompt_template):
+            raise DataError(
+                f"--prompt_template {opts.prompt_template!r} is neither a preset ({', '.join(formats.PRESETS)}) nor a "
+                "format string naming a field (e.g. 'Question: {question}\\nAnswer:')"
+            )
+    formats.parse_role_map(opts.role_map)
+
+
 def check_mixture_options(opts: DataOptions) -> None:
     """A mixture replaces --dataset_name and the per-dataset flags (they go per source in its YAML); its sources
     are read and mapped here, so a bad mixture stops the run before any model loads."""
@@ -119,6 +157,8 @@ def check_mixture_options(opts: DataOptions) -> None:
             ("--prompt_column", opts.prompt_column),
             ("--completion_column", opts.completion_column),
             ("--messages_column", opts.messages_column),
+            ("--dataset_format", opts.dataset_format if opts.dataset_format != "auto" else None),
+            ("--prompt_template", opts.prompt_template),
         )
         if value
     ]
@@ -127,9 +167,11 @@ def check_mixture_options(opts: DataOptions) -> None:
     if given:
         raise DataError(
             f"--dataset_mixture lists the datasets: drop {', '.join(given)} (per source in the mixture YAML: "
-            "path, config, columns, percentage)"
+            "path, config, columns, format, prompt_template, percentage)"
         )
-    mixture.load_sources(mixture.read_mixture(opts.dataset_mixture, opts.seed), opts.text_field)
+    mixture.load_sources(
+        mixture.read_mixture(opts.dataset_mixture, opts.seed), opts.text_field, role_map=opts.role_map
+    )
 
 
 def apply_tokenizer_options(tokenizer, args) -> None:
@@ -200,6 +242,13 @@ def fingerprint(opts: DataOptions, tokenizer, args) -> tuple[str, dict]:
             "messages": opts.messages_column,
             "text": opts.text_field,
         },
+        "format": {
+            "format": opts.dataset_format if opts.dataset_format != "auto" else None,
+            "prompt_template": opts.prompt_template,
+            "role_map": opts.role_map,
+        },
+        "assistant_only_loss": opts.assistant_only_loss,
+        "drop_long_records": opts.drop_long_records if args.max_length else False,
         "data_percentage": opts.data_percentage,
         "seed": opts.seed if subset else None,  # a --seed sweep over the full data shares one preparation
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -215,7 +264,6 @@ def fingerprint(opts: DataOptions, tokenizer, args) -> tuple[str, dict]:
                 "packing_strategy",
                 "eval_packing",
                 "completion_only_loss",
-                "assistant_only_loss",
                 "shuffle_dataset",
             )
         },
@@ -247,19 +295,28 @@ def completion_only_loss(args, first_example: dict) -> bool:
     return "prompt" in first_example and "completion" in first_example
 
 
+def assistant_only(opts: "DataOptions", shape: str) -> bool:
+    """The loss on the assistant turns only: --assistant_only_loss, else on for chat data (as the docs, Axolotl and
+    LLaMA-Factory do); TRL's default (off) would train a chat model on its users' turns and the template's tokens."""
+    if opts.assistant_only_loss is None:
+        return shape == "messages"
+    if opts.assistant_only_loss and shape != "messages":
+        raise DataError(
+            f"--assistant_only_loss needs chat data (messages or ShareGPT conversations); this dataset is {shape} "
+            "(its loss is on the completion already): drop the flag"
+        )
+    return bool(opts.assistant_only_loss)
+
+
 def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completion_only: bool):
     """SFTTrainer._prepare_dataset itself (tokenise, labels from the completion/assistant masks, truncate, pack),
-    given the three things it reads from the trainer, set exactly as SFTTrainer's constructor sets them."""
+    given the three things it reads from the trainer, set exactly as SFTTrainer's constructor sets them. The
+    assistant-only mask of a template without {% generation %} markers is llmft's (llmft.data.masking: the data
+    arrives tokenised, with TRL's `assistant_masks` column, and TRL builds the labels from it)."""
     from trl import SFTTrainer
-    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
     from trl.trainer import sft_trainer
 
-    chat_template = None
-    if args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
-        chat_template = get_training_chat_template(tokenizer)
-    trainer_view = SimpleNamespace(
-        _tokenizer=tokenizer, chat_template=chat_template, completion_only_loss=completion_only
-    )
+    trainer_view = SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=completion_only)
     with _this_process_only(sft_trainer):
         try:
             return SFTTrainer._prepare_dataset(trainer_view, dataset, tokenizer, args, packing, None, name)
@@ -267,10 +324,32 @@ def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completio
             raise DataError(f"preparing the {name} data failed: {str(e).strip().splitlines()[0]}") from None
 
 
-def prepare_counted(dataset, tokenizer, args, *, packing: bool, name: str, completion_only: bool, masked: bool):
+def tokenise_chat(dataset, tokenizer, args, *, name: str, assistant_only_loss: bool):
+    """Chat records tokenised with their assistant mask where TRL cannot make one: a template without
+    {% generation %} markers (llmft.data.masking renders each conversation prefix). Otherwise unchanged: TRL
+    tokenises (with transformers' mask for a marked template, or every token when assistant_only_loss is off)."""
+    from trl.chat_template_utils import has_generation_markers
+
+    if not assistant_only_loss or has_generation_markers(tokenizer.chat_template):
+        return dataset
+    return masking.tokenise_dataset(dataset, tokenizer, name)
+
+
+def prepare_counted(
+    dataset,
+    tokenizer,
+    args,
+    *,
+    packing: bool,
+    name: str,
+    completion_only: bool,
+    masked: bool,
+    drop_long: bool = False,
+):
     """(TRL's prepared split, its data fit): TRL tokenises and labels the records without truncating them, the fit is
     counted on those tokens (llmft.data.fit), then TRL's same preparation truncates, drops and packs them (it skips
-    tokenising data that already has input_ids and labels): the tokens are TRL's, tokenised once."""
+    tokenising data that already has input_ids and labels): the tokens are TRL's, tokenised once. With drop_long
+    (--drop_long_records) the records longer than max_length are dropped before that, and counted."""
     import dataclasses
 
     full = trl_prepare(
@@ -281,10 +360,16 @@ def prepare_counted(dataset, tokenizer, args, *, packing: bool, name: str, compl
         name=name,
         completion_only=completion_only,
     )
+    drop_long = bool(drop_long and args.max_length)
     keep, drops = data_fit.truncation_of(args.max_length, packing, args.packing_strategy, args.truncation_mode)
+    summary = data_fit.summarise(full, args.max_length)
     fit = data_fit.fit_of(
-        data_fit.summarise(full, args.max_length), max_length=args.max_length, keep=keep, drops=drops, masked=masked
+        summary, max_length=args.max_length, keep=keep, drops=drops, masked=masked, drop_long=drop_long
     )
+    if drop_long:
+        short = [i for i, n in enumerate(summary["lengths"]) if n <= args.max_length]
+        if len(short) < len(full):
+            full = full.select(short)
     return trl_prepare(full, tokenizer, args, packing=packing, name=name, completion_only=completion_only), fit
 
 
@@ -299,33 +384,37 @@ def fit_lines(info: dict, positions: int | None = None) -> list[str]:
     return out
 
 
-def load_records(opts: DataOptions, mixed: dict | None = None):
-    """(train, eval or None, shape): loaded, checked, mapped to TRL's columns, the eval split held out (before
-    --data_percentage, so it does not move with it), then the training percentage taken. A mixture's record
-    (its sources and the records each gave) goes into `mixed`."""
-    columns = dict(
-        prompt_column=opts.prompt_column,
-        completion_column=opts.completion_column,
-        messages_column=opts.messages_column,
-        text_field=opts.text_field,
-    )
+def load_records(opts: DataOptions, mixed: dict | None = None, shaped: list | None = None):
+    """(train, eval or None, shape): loaded, checked, recognised and converted to TRL's columns
+    (llmft.data.formats), the eval split held out (before --data_percentage, so it does not move with it), then
+    the training percentage taken. A mixture's record (its sources and the records each gave) goes into `mixed`;
+    what each dataset was (llmft.data.formats.Shaped: format, template, lines to say) into `shaped`."""
+    shaped = [] if shaped is None else shaped
     if opts.dataset_mixture:
         spec = mixture.read_mixture(opts.dataset_mixture, opts.seed)
-        sources, shape = mixture.load_sources(spec, opts.text_field)
+        sources, shape = mixture.load_sources(spec, opts.text_field, role_map=opts.role_map, shaped=shaped)
         train, counts = mixture.mix(sources, spec)
         if mixed is not None:
             mixed.update(mixture.record(spec, counts))
     else:
-        train, shape = data.shape_for_sft(
-            data.load_train_split(opts.dataset_name, opts.dataset_config, opts.train_split), **columns
+        train, shape = formats.shape_for_sft(
+            data.load_train_split(opts.dataset_name, opts.dataset_config, opts.train_split),
+            **opts.format_options,
+            shaped=shaped,
         )
     evaluation = None
     if opts.eval_split_ratio:
         train, evaluation = data.held_out_split(train, opts.eval_split_ratio)
     elif opts.eval_dataset_name:
-        evaluation, eval_shape = data.shape_for_sft(
-            data.load_train_split(opts.eval_dataset_name, None, opts.eval_split), **columns
+        eval_shaped: list = []
+        evaluation, eval_shape = formats.shape_for_sft(
+            data.load_train_split(opts.eval_dataset_name, None, opts.eval_split),
+            **opts.format_options,
+            shaped=eval_shaped,
         )
+        for info in eval_shaped:
+            info.notes = [f"--eval_dataset_name: {note}" for note in info.notes]
+        shaped += eval_shaped
         if eval_shape != shape:
             raise DataError(
                 f"--eval_dataset_name {opts.eval_dataset_name} holds {eval_shape} records but the training data is {shape}; use one format for both"
@@ -334,43 +423,89 @@ def load_records(opts: DataOptions, mixed: dict | None = None):
     return train, evaluation, shape
 
 
+def describe_formats(shaped: list) -> str:
+    """The format(s) the data came in, as the start and prepare lines say it (a mixture: each distinct one)."""
+    return "; ".join(dict.fromkeys(info.describe() for info in shaped))
+
+
 def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], None]) -> dict:
     """Prepare into `out` (a fresh directory): train/ and eval/ Arrow datasets, and the marker written last."""
     t0 = time.time()
     mixed: dict = {}
-    train, evaluation, shape = load_records(opts, mixed)
-    if args.assistant_only_loss and shape != "messages":
-        raise DataError("--assistant_only_loss needs chat data (a messages column); this dataset is " + shape)
+    shaped: list = []
+    train, evaluation, shape = load_records(opts, mixed, shaped)
+    described = describe_formats(shaped) or shape
+    for info in shaped:
+        for note in info.notes:
+            log(note)
+    assistant_only_loss = assistant_only(opts, shape)
     if shape == "messages" and data.ensure_chat_template(tokenizer):
         log("the tokenizer has no chat template; using llmft's default")
+    no_assistant = {}
+    if assistant_only_loss:
+        train, no_assistant["train"] = formats.drop_without_assistant(train)
+        if evaluation is not None:
+            evaluation, no_assistant["eval"] = formats.drop_without_assistant(evaluation)
+        for split, count in no_assistant.items():
+            if count:
+                log(
+                    f"warning: {count} {split} conversation(s) have no assistant turn and were dropped (the loss is on "
+                    "the assistant turns; --assistant_only_loss false trains on every token)"
+                )
+        if len(train) == 0:
+            raise DataError(
+                "no training conversation has an assistant turn: the loss is on the assistant turns; give conversations "
+                "with assistant replies (map their role with --role_map NAME=assistant) or pass --assistant_only_loss false"
+            )
     records = {"train": len(train), "eval": len(evaluation) if evaluation is not None else 0}
     completion_only = completion_only_loss(args, train[0])
-    log(f"preparing {records['train']} training and {records['eval']} evaluation records ({shape}) into {out.parent}")
-    masked = completion_only and shape == "prompt_completion" or bool(args.assistant_only_loss)
+    loss_on = (
+        "the assistant turns"
+        if assistant_only_loss
+        else "the completion"
+        if completion_only and shape == "prompt_completion"
+        else "every token"
+    )
+    log(
+        f"preparing {records['train']} training and {records['eval']} evaluation records ({described}; loss on "
+        f"{loss_on}) into {out.parent}"
+    )
+    masked = completion_only and shape == "prompt_completion" or assistant_only_loss
     prepared, fit = {}, {}
     eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+    trl_args = dataclasses.replace(args, assistant_only_loss=assistant_only_loss)
     for split, records_of_split, split_packing in (("train", train, args.packing), ("eval", evaluation, eval_packing)):
         if records_of_split is None:
             continue
+        if shape == "messages":
+            records_of_split = tokenise_chat(
+                records_of_split, tokenizer, trl_args, name=split, assistant_only_loss=assistant_only_loss
+            )
         prepared[split], fit[split] = prepare_counted(
             records_of_split,
             tokenizer,
-            args,
+            trl_args,
             packing=split_packing,
             name=split,
             completion_only=completion_only,
             masked=masked,
+            drop_long=opts.drop_long_records,
         )
     for split, ds in prepared.items():
         if len(ds) == 0:
             raise DataError(
-                f"no {split} sequences left after preparation (every record was fully masked or empty); check max_length and the data"
+                f"no {split} sequences left after preparation (every record was fully masked, empty"
+                + (", or longer than max_length with --drop_long_records" if opts.drop_long_records else "")
+                + "); check max_length and the data"
             )
         ds.save_to_disk(str(out / split))
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     info = {
         "shape": shape,
+        "format": described,
+        "loss_on": loss_on,
         "records": records,
+        "no_assistant_dropped": no_assistant or None,
         "sequences": {k: len(v) for k, v in prepared.items()},
         "tokens": {k: _token_count(v) for k, v in prepared.items()},
         "fit": fit,

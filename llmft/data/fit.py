@@ -65,13 +65,39 @@ def truncation_of(
 
 
 def fit_of(
-    summary: dict[str, np.ndarray], *, max_length: int | None, keep: str | None, drops: bool, masked: bool
+    summary: dict[str, np.ndarray],
+    *,
+    max_length: int | None,
+    keep: str | None,
+    drops: bool,
+    masked: bool,
+    drop_long: bool = False,
 ) -> dict:
     """The figures for one split. keep/drops: `truncation_of`; masked: only part of each record trains (prompt/completion
-    data, or assistant-only loss), so a cut can take part or all of what trains (the completion)."""
+    data, or assistant-only loss), so a cut can take part or all of what trains (the completion); drop_long
+    (--drop_long_records): a record longer than max_length is dropped whole instead of cut, and counted as such."""
     lengths = np.asarray(summary["lengths"], dtype=np.int64)
     n = int(lengths.size)
     trained = np.asarray(summary["trained"], dtype=np.int64)
+    if drop_long and max_length is not None:
+        too_long = lengths > max_length
+        dropped = too_long | ((trained == 0) if drops else np.zeros(n, dtype=bool))
+        fit = {
+            "records": n,
+            "kept": int(n - dropped.sum()),
+            "truncated": 0,
+            "dropped": int(dropped.sum()),
+            "dropped_long": int(too_long.sum()),
+            "tokens": int(lengths.sum()),
+            "tokens_cut": int(lengths[too_long].sum()),
+            "max_length": max_length,
+            "length_p50": _percentile(lengths, 50),
+            "length_p95": _percentile(lengths, 95),
+            "length_max": int(lengths.max()) if n else 0,
+        }
+        if masked:
+            fit["completion_partly_cut"] = fit["completion_fully_cut"] = 0
+        return fit
     if keep is None or max_length is None:
         over = np.zeros(n, dtype=bool)
         kept_trained = trained
@@ -111,6 +137,11 @@ def fit_line(split: str, fit: dict) -> str:
     """One line: records kept/truncated/dropped, completions cut, tokens cut, length percentiles against max_length."""
     parts = [
         f"{split} data: {fit['kept']} of {fit['records']} records kept, {fit['truncated']} truncated, {fit['dropped']} dropped"
+        + (
+            f" ({fit['dropped_long']} longer than max_length, --drop_long_records)"
+            if fit.get("dropped_long") is not None
+            else ""
+        )
     ]
     if "completion_fully_cut" in fit:
         parts.append(
@@ -118,7 +149,8 @@ def fit_line(split: str, fit: dict) -> str:
             f"({fit['completion_fully_cut']} entirely)"
         )
     share = fit["tokens_cut"] / fit["tokens"] if fit["tokens"] else 0.0
-    parts.append(f"{fit['tokens_cut']} of {fit['tokens']} tokens cut ({share:.1%})")
+    lost = "in dropped records" if fit.get("dropped_long") is not None else "cut"
+    parts.append(f"{fit['tokens_cut']} of {fit['tokens']} tokens {lost} ({share:.1%})")
     parts.append(
         f"length p50 {fit['length_p50']}, p95 {fit['length_p95']}, max {fit['length_max']} vs max_length "
         f"{fit['max_length'] if fit['max_length'] else 'none'}"
@@ -146,8 +178,11 @@ def fit_warning(split: str, fit: dict, positions: int | None) -> str | None:
     lost = []
     if fit["truncated"]:
         lost.append(f"{fit['truncated']} of {fit['records']} {split} records are truncated")
-    if fit["dropped"]:
-        lost.append(f"{fit['dropped']} dropped (nothing left to train on)")
+    long_dropped = fit.get("dropped_long") or 0
+    if long_dropped:
+        lost.append(f"{long_dropped} of {fit['records']} {split} records are dropped as longer than max_length")
+    if fit["dropped"] - long_dropped:
+        lost.append(f"{fit['dropped'] - long_dropped} dropped (nothing left to train on)")
     if fit.get("completion_fully_cut"):
         lost.append(f"{fit['completion_fully_cut']} lost their whole completion")
     want = suggested_max_length(fit)

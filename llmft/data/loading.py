@@ -8,7 +8,9 @@ Other field names are mapped with --prompt_column/--completion_column/--messages
 (e.g. `--prompt_column question --completion_column answer`).
 
 Everything here runs before the model is loaded, so bad data fails in seconds; a malformed JSONL line is
-reported with its number (found by parsing the file only after `datasets` failed to read it).
+reported with its number: a line that is not a {...} object is found by a byte scan before `datasets` reads the
+file (it would read arrays as data), a line that is not JSON by parsing the file after `datasets` failed to read it.
+Formats (TRL's three, Alpaca, ShareGPT, prompt templates) are recognised and converted in llmft.data.formats.
 """
 
 from __future__ import annotations
@@ -70,6 +72,49 @@ def check_jsonl(path: Path) -> int:
 
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
+
+_NOT_AN_OBJECT = None  # compiled on first use: a line whose first non-blank byte is not "{"
+
+
+def check_jsonl_objects(path: Path) -> None:
+    """Refuse a JSON Lines file with a line that is not a {...} object, naming the line, before `datasets` reads it:
+    `datasets` reads a file of arrays or strings as data and trains on it. A byte scan for lines not starting
+    with "{" (a regular expression at C speed, about as fast as reading the file), so it runs on every load;
+    only a line it flags is parsed."""
+    import re
+
+    global _NOT_AN_OBJECT
+    if _NOT_AN_OBJECT is None:
+        _NOT_AN_OBJECT = re.compile(rb"(?m)^[ \t\r\f\v]*[^{\s]")
+    lines_before, carry = 0, b""
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            block = carry + block
+            cut = block.rfind(b"\n") + 1
+            whole, carry = block[:cut], block[cut:]
+            hit = _NOT_AN_OBJECT.search(whole)
+            if hit:
+                _describe_line(path, lines_before + whole.count(b"\n", 0, hit.start()) + 1)
+            lines_before += whole.count(b"\n")
+    if carry and _NOT_AN_OBJECT.search(carry):
+        _describe_line(path, lines_before + 1)
+
+
+def _describe_line(path: Path, lineno: int) -> None:
+    """Raise the DataError for line `lineno` of a JSON Lines file: not JSON, or JSON that is not an object."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, start=1):
+            if n == lineno:
+                break
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or delete that line"
+        ) from None
+    raise DataError(
+        f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object; each line must be one {{...}} record"
+    )
 
 
 def check_utf8(path: Path) -> None:
@@ -225,6 +270,8 @@ def load_train_split(name: str, config_name: str | None = None, split: str = "tr
             raise DataError(f"dataset {path} is empty; it needs at least one record")
         if path.suffix.lower() in TEXT_SUFFIXES:
             check_utf8(path)
+        if path.suffix.lower() == ".jsonl":
+            check_jsonl_objects(path)
         ds = _load_or_explain([path], lambda: load_dataset(builder, data_files=str(path), split="train"))
     elif path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
@@ -237,6 +284,8 @@ def load_train_split(name: str, config_name: str | None = None, split: str = "tr
             for f in files:
                 if f.suffix.lower() in TEXT_SUFFIXES:
                     check_utf8(f)
+                if f.suffix.lower() == ".jsonl":
+                    check_jsonl_objects(f)
             ds = _load_or_explain(files, lambda: load_dataset(str(path), split=split))
     elif looks_like_path(name):
         raise DataError(
@@ -275,52 +324,6 @@ def _one_json_document(path: Path) -> bool:
         return True
     except (ValueError, OSError):
         return False
-
-
-def shape_for_sft(
-    ds,
-    *,
-    prompt_column: str | None = None,
-    completion_column: str | None = None,
-    messages_column: str | None = None,
-    text_field: str = "text",
-):
-    """Rename mapped columns to TRL's names and check the dataset has one of the shapes TRL trains on."""
-    renames = {
-        src: dst
-        for src, dst in ((prompt_column, "prompt"), (completion_column, "completion"), (messages_column, "messages"))
-        if src
-    }
-    missing = [src for src in renames if src not in ds.column_names]
-    if missing:
-        raise DataError(
-            f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}"
-        )
-    renames = {src: dst for src, dst in renames.items() if src != dst}
-    if renames:
-        ds = ds.rename_columns(renames)
-    cols = set(ds.column_names)
-    if "messages" in cols:
-        shape, needed = "messages", ["messages"]
-    elif {"prompt", "completion"} <= cols:
-        shape, needed = "prompt_completion", ["prompt", "completion"]
-    elif text_field in cols:
-        shape, needed = "text", [text_field]
-    else:
-        raise DataError(
-            f"dataset has columns {', '.join(sorted(cols))} but llmft needs 'text', 'prompt'+'completion' or 'messages'; "
-            f"map yours with --prompt_column/--completion_column, --messages_column or --dataset_text_field"
-        )
-    for col in needed:
-        if col in ("prompt", "completion", text_field) and getattr(ds.features[col], "dtype", None) != "string":
-            raise DataError(f"column {col!r} must hold strings, found {ds.features[col]}")
-        nulls = sum(1 for v in ds[col] if v is None)
-        if nulls:
-            raise DataError(f"column {col!r} is empty in {nulls} record(s); remove them or fill the field")
-    extra = [c for c in ds.column_names if c not in needed]
-    if extra:
-        ds = ds.remove_columns(extra)
-    return ds, shape
 
 
 def check_percentage(percentage: float) -> None:

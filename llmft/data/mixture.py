@@ -8,7 +8,8 @@ datasets:
     columns: {messages: conversations}   # optional: prompt/completion/messages/text -> the source's own field
     weight: 3
   - path: math.jsonl
-    format: prompt_completion        # optional: checked against what the columns give
+    format: prompt_completion        # optional: forces the format (llmft.data.formats), else it is recognised
+    prompt_template: gsm8k           # optional: a preset or a format string over the source's fields
     columns: {prompt: question, completion: answer}
     percentage: 50                   # optional: a deterministic random 50% of the split (default 100)
     weight: 1
@@ -23,8 +24,9 @@ Sources with a weight are sampled by `datasets.interleave_datasets` with probabi
 weights and the mixture's seed: `first_exhausted` stops when one source runs out (no record repeats),
 `all_exhausted` goes on until every source was used whole (the smaller ones repeat). Sources marked `all`
 contribute each record exactly once; they are added to the sampled records and the whole is shuffled with
-the seed. Every source must give the same format (prompt/completion, messages or text) after its column
-mapping. The prepared mixture is cached under a fingerprint of every source's bytes, its split, percentage,
+the seed. Each source's format is recognised from its fields as for --dataset_name (Alpaca, ShareGPT, ...;
+llmft.data.formats) and every source must give the same shape (prompt/completion, messages or text) after its
+conversion. The prepared mixture is cached under a fingerprint of every source's bytes, its split, percentage,
 column mapping and weight, the stopping strategy and the seed, so a resumed or requeued run trains on the
 same records in the same order; `llmft_data.json` records the sources and how many records each gave.
 """
@@ -37,13 +39,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmft.data import formats
 from llmft.data import loading as data
 from llmft.data.loading import DataError
 
 STRATEGIES = ("first_exhausted", "all_exhausted")
-FORMATS = ("prompt_completion", "messages", "text")
+FORMATS = ("prompt_completion", "messages", "text", "alpaca", "sharegpt")
 COLUMN_ROLES = ("prompt", "completion", "messages", "text")
-SOURCE_KEYS = {"path", "config", "split", "percentage", "weight", "columns", "format"}
+SOURCE_KEYS = {"path", "config", "split", "percentage", "weight", "columns", "format", "prompt_template"}
 SOURCE_COLUMN = "_llmft_source"
 
 
@@ -56,6 +59,7 @@ class Source:
     weight: float | None = None  # None: all of it
     columns: tuple[tuple[str, str], ...] = ()  # (role, the source's field)
     format: str | None = None
+    prompt_template: str | None = None
 
     def describe(self) -> str:
         return f"{self.path}" + (f" ({self.config})" if self.config else "")
@@ -129,8 +133,12 @@ def parse_mixture(doc, file: str, default_seed: int) -> Mixture:
         fmt = entry.get("format")
         if fmt is not None and fmt not in FORMATS:
             raise DataError(f"{where}: format {fmt!r}: use {', '.join(FORMATS)} (or leave it out: the columns decide)")
+        template = entry.get("prompt_template")
+        if template is not None and (not isinstance(template, str) or not template.strip()):
+            raise DataError(f"{where}: prompt_template {template!r} must be a preset name or a format string")
         sources.append(
             Source(
+                prompt_template=template,
                 path=entry["path"],
                 config=entry.get("config"),
                 split=str(entry.get("split", "train")),
@@ -165,6 +173,7 @@ def source_key(source: Source) -> dict:
         "weight": "all" if source.weight is None else source.weight,
         "columns": dict(source.columns),
         "format": source.format,
+        "prompt_template": source.prompt_template,
     }
 
 
@@ -181,9 +190,11 @@ def mixture_fingerprint(mixture: Mixture) -> str:
     return hashlib.sha256(json.dumps(mixture_key(mixture), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_source(source: Source, text_field: str, seed: int):
-    """(records in TRL's columns, format) of one source: loaded, its percentage taken, its columns mapped."""
+def load_source(source: Source, text_field: str, seed: int, role_map: str | None = None, shaped: list | None = None):
+    """(records in TRL's columns, shape) of one source: loaded, its percentage taken, its columns mapped, its format
+    recognised and converted (what it was goes into `shaped`, with its lines prefixed by the source)."""
     where = f"--dataset_mixture source {source.describe()}"
+    found: list = []
     try:
         ds = data.load_train_split(source.path, source.config, source.split)
         ds = data.take_percentage(ds, source.percentage, seed=seed)
@@ -194,29 +205,34 @@ def load_source(source: Source, text_field: str, seed: int):
                     f"column(s) {columns['text']} not in the dataset; its columns are {', '.join(ds.column_names)}"
                 )
             ds = ds.rename_column(columns["text"], text_field)
-        ds, shape = data.shape_for_sft(
+        ds, shape = formats.shape_for_sft(
             ds,
             prompt_column=columns.get("prompt"),
             completion_column=columns.get("completion"),
             messages_column=columns.get("messages"),
             text_field=text_field,
+            dataset_format=source.format,
+            prompt_template=source.prompt_template,
+            role_map=role_map,
+            shaped=found,
         )
     except DataError as e:
         raise DataError(f"{where}: {e}") from None
     except Exception as e:  # a hub dataset that cannot be fetched, a split that does not exist
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise DataError(f"{where} cannot be read ({reason}): check its path, config and split") from None
-    if source.format is not None and shape != source.format:
-        raise DataError(
-            f"{where}: its columns give {shape} records but the mixture says format {source.format}: "
-            "fix its columns or its format"
-        )
+    for info in found:
+        info.notes = [f"{where}: {note}" for note in info.notes]
+    if shaped is not None:
+        shaped += found
     return ds, shape
 
 
-def load_sources(mixture: Mixture, text_field: str) -> tuple[list, str]:
-    """Every source loaded and mapped; they must share one format. Raises DataError naming the source."""
-    loaded = [load_source(s, text_field, mixture.seed) for s in mixture.sources]
+def load_sources(
+    mixture: Mixture, text_field: str, role_map: str | None = None, shaped: list | None = None
+) -> tuple[list, str]:
+    """Every source loaded and mapped; they must share one shape. Raises DataError naming the source."""
+    loaded = [load_source(s, text_field, mixture.seed, role_map, shaped) for s in mixture.sources]
     shapes = {shape for _, shape in loaded}
     if len(shapes) > 1:
         listing = ", ".join(f"{s.describe()} is {shape}" for s, (_, shape) in zip(mixture.sources, loaded))

@@ -30,7 +30,33 @@ class LlmftArguments:
     completion_column: str | None = field(
         default=None, metadata={"help": "Dataset field holding the completion (e.g. answer)."}
     )
-    messages_column: str | None = field(default=None, metadata={"help": "Dataset field holding chat messages."})
+    messages_column: str | None = field(
+        default=None, metadata={"help": "Dataset field holding chat messages (role/content or ShareGPT from/value)."}
+    )
+    dataset_format: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (recognised from the fields), text, prompt_completion, messages, alpaca "
+            "(instruction/input/output) or sharegpt (conversations of from/value); see llmft.data.formats."
+        },
+    )
+    prompt_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "Build the prompt from the record's fields: a preset (alpaca; gsm8k = lm-evaluation-harness "
+            "gsm8k's 'Question: ...\\nAnswer:') or a format string such as 'Q: {question}\\nA: '."
+        },
+    )
+    role_map: str | None = field(
+        default=None,
+        metadata={"help": "Chat speaker names -> roles, e.g. bot=assistant,person=user (ShareGPT and messages data)."},
+    )
+    drop_long_records: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop records longer than --max_length instead of truncating them (counted in the data-fit line)."
+        },
+    )
     stop_file: str | None = field(
         default=None,
         metadata={"help": "When this file appears, save a complete checkpoint and stop (default: $LLMFT_STOP_FILE)."},
