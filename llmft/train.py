@@ -457,8 +457,9 @@ def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Pre
     )
     log(
         f"dataset {run.script.dataset_name or 'mixture ' + run.llmft.dataset_mixture}: {records['train']} records "
-        f"({prepared.info.get('format') or prepared.shape}, {where}; loss on {prepared.info.get('loss_on', 'the labels')})"
+        f"({prepared.info.get('format') or prepared.shape}, {where})"
         + (f", {records['eval']} for evaluation" if prepared.eval is not None else "")
+        + (f"; loss on {prepared.info['loss_on']}" if prepared.info.get("loss_on") else "")
     )
     if rank0():
         write_run_record(run.training.output_dir, decided.data_options, prepared)

@@ -315,3 +315,47 @@ def test_drop_long_records_drops_and_counts_instead_of_truncating(tmp_path, tok,
     truncating, lines = prepared(tmp_path, tok, short, GSM8K, prompt_template="gsm8k")
     fit = next(x for x in lines if x.startswith("train data:"))  # without the flag: its completion is cut away
     assert "1 dropped; completion cut in 1 (1 entirely)" in fit and "longer than max_length" not in fit
+
+
+# ------------------------------------------------------------------------------------------ llmft prepare --show
+
+
+def test_llmft_prepare_show_prints_the_loss_between_guillemets(tiny_model, tmp_path, capsys, monkeypatch):
+    from llmft.cli import main
+
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    base = ["prepare", "--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path / "o")]
+    chat = [*base, "--dataset_name", str(write(tmp_path, SHAREGPT, "sharegpt.jsonl")), "--show", "1"]
+    assert main(chat) == 0
+    out = capsys.readouterr().out
+    assert "(sharegpt -> messages; loss on the assistant turns)" in out
+    assert "1 train conversation(s) have no assistant turn and were dropped" in out
+    assert "prepared now (none was cached for these flags); the loss is on the text between « and »" in out
+    assert "<|user|>\nCapital of France?<|endoftext|>\n<|assistant|>\n«Paris.<|endoftext|>»\n<|user|>\n" in out
+    assert main(chat) == 0 and "read from the cache" in capsys.readouterr().out
+    gsm = [*base, "--dataset_name", str(write(tmp_path, GSM8K, "gsm.jsonl")), "--prompt_template", "gsm8k"]
+    assert main([*gsm, "--show", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Question: What is 4 plus 8?\nAnswer:« 4 + 8 = 12\n#### 12<|endoftext|>»" in out
+    assert "--- record 2 of 2:" in out
+
+
+@pytest.mark.parametrize(
+    "rows, extra, message",
+    [
+        (GSM8K, ["--messages_column", "question"], "column 'question' holds string values, not a list of turns"),
+        (SHAREGPT, ["--dataset_format", "chat"], "--dataset_format 'chat': use auto or one of text"),
+        (ALPACA, ["--assistant_only_loss", "true"], "--assistant_only_loss needs chat data"),
+        (SHAREGPT, ["--role_map", "bot"], "--role_map 'bot': give NAME=ROLE pairs"),
+    ],
+)
+def test_llmft_prepare_refuses_bad_data_in_one_line(tiny_model, tmp_path, capsys, monkeypatch, rows, extra, message):
+    from llmft.cli import main
+
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    argv = ["prepare", "--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path / "o")]
+    assert main([*argv, "--dataset_name", str(write(tmp_path, rows)), *extra]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]  # (datasets' progress bars go there too)
+    assert len(errors) == 1 and errors[0].startswith("llmft prepare: error: ") and message in errors[0], err
+    assert "Traceback" not in err
