@@ -359,3 +359,43 @@ def test_llmft_prepare_refuses_bad_data_in_one_line(tiny_model, tmp_path, capsys
     errors = [line for line in err.splitlines() if "error" in line.lower()]  # (datasets' progress bars go there too)
     assert len(errors) == 1 and errors[0].startswith("llmft prepare: error: ") and message in errors[0], err
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------------- mixtures
+
+
+def test_every_mixture_source_is_recognised_as_its_own_format(tmp_path):
+    import yaml
+
+    def mix(sources):
+        path = tmp_path / "mix.yaml"
+        path.write_text(yaml.safe_dump({"datasets": sources}))
+        found: list = []
+        train, _, shape = cache.load_records(
+            cache.DataOptions(dataset_name=None, dataset_mixture=str(path)), None, found
+        )
+        return train, shape, found
+
+    alpaca, gsm = str(write(tmp_path, ALPACA, "alpaca.jsonl")), str(write(tmp_path, GSM8K, "gsm.jsonl"))
+    train, shape, found = mix(
+        [{"path": alpaca, "weight": "all"}, {"path": gsm, "prompt_template": "gsm8k", "weight": "all"}]
+    )
+    assert shape == "prompt_completion" and len(train) == 5
+    assert [f.describe() for f in found] == [
+        "alpaca -> prompt_completion, prompt template alpaca",
+        "prompt_completion, prompt template gsm8k",
+    ]
+    assert "Question: What is 4 plus 8?\nAnswer:" in train["prompt"]
+    assert (
+        cache.describe_formats(found)
+        == "alpaca -> prompt_completion, prompt template alpaca; prompt_completion, prompt template gsm8k"
+    )
+
+    sharegpt, chat = str(write(tmp_path, SHAREGPT, "sg.jsonl")), str(write(tmp_path, CHAT, "chat.jsonl"))
+    train, shape, found = mix([{"path": sharegpt, "weight": "all"}, {"path": chat, "weight": "all"}])
+    assert shape == "messages" and [f.format for f in found] == ["sharegpt", "messages"]
+    assert found[0].notes and found[0].notes[0].startswith(f"--dataset_mixture source {sharegpt}: warning: field(s)")
+    with pytest.raises(DataError, match=r"--dataset_mixture lists the datasets: drop --prompt_template"):
+        cache.check_options(
+            cache.DataOptions(dataset_name=None, dataset_mixture=str(tmp_path / "mix.yaml"), prompt_template="gsm8k")
+        )
