@@ -1,5 +1,7 @@
 """docs/your-data.md's commands, run in order as a user would type them: tiny model and question/answer data,
-plan with the data, train on CPU, the sbatch line through the script's dry run, infer, eval, report."""
+plan with the data, train on CPU (in lm-evaluation-harness's gsm8k format), the sbatch line through the script's
+dry run, infer, eval, report; and the formats section's Alpaca, ShareGPT and GSM8K records through
+`llmft prepare --show`."""
 
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "your-data.md"
 
 
-def page_commands() -> list[str]:
+def page_commands(marker: str = "YOUR_DATA_COMMANDS") -> list[str]:
     """The commands of the marked block, continuation lines joined and comments dropped."""
     text = PAGE.read_text()
-    section = text[text.index("<!-- YOUR_DATA_COMMANDS -->") : text.index("<!-- /YOUR_DATA_COMMANDS -->")]
+    section = text[text.index(f"<!-- {marker} -->") : text.index(f"<!-- /{marker} -->")]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
     return [line for line in block.splitlines() if shlex.split(line, comments=True)]
 
@@ -80,3 +82,32 @@ def test_every_command_of_the_your_data_page_runs_in_order(tmp_path):
         "loss.png",
         "learning_rate.png",
     }
+
+
+def test_the_formats_section_runs_in_order_and_shows_the_loss(tiny_model, tmp_path, monkeypatch, capsys):
+    """Alpaca, ShareGPT and GSM8K records as the page writes them, each prepared and shown (tiny/model: the page's
+    `llmft tiny`, here the session's tiny model). The printf lines run through bash as typed; the `llmft prepare`
+    lines run in this process (llmft.cli.main with the line's arguments), which spares each a Python start-up."""
+    from llmft.cli import main
+
+    commands = page_commands("FORMATS_COMMANDS")
+    assert [shlex.split(c, comments=True)[:2] for c in commands] == [["printf", "%s\\n"], ["llmft", "prepare"]] * 3
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "model").symlink_to(tiny_model)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    shown = []
+    for command in commands:
+        if command.startswith("llmft "):
+            assert main(shlex.split(command, comments=True)[1:]) == 0, command
+            shown.append(capsys.readouterr().out)
+        else:
+            proc = subprocess.run(as_run_here(command), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
+    alpaca, sharegpt, gsm8k = shown
+    assert "(alpaca -> prompt_completion, prompt template alpaca; loss on the completion)" in alpaca
+    assert "### Input:\nTwitter, Instagram, Telegram\n\n### Response:\n«Telegram<|endoftext|>»" in alpaca
+    assert "--- record 2 of 2:" in alpaca and "### Response:\n«Glad<|endoftext|>»" in alpaca
+    assert "(sharegpt -> messages; loss on the assistant turns)" in sharegpt
+    assert "<|user|>\nCapital of France?<|endoftext|>\n<|assistant|>\n«Paris.<|endoftext|>»" in sharegpt
+    assert "Question: What is 4 plus 8?\nAnswer:« 4 + 8 = 12\n#### 12<|endoftext|>»" in gsm8k
