@@ -218,11 +218,14 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
 
 def data_knobs(args) -> list[str]:
     """The run_llm.slurm knobs of the data and length the plan was made for: every one explicit, so the line never
-    falls back to the script's defaults (its hub dataset, 10 epochs, 10% of the data)."""
+    falls back to the script's defaults (its hub dataset, its GLOBAL_BATCH)."""
     knobs = []
-    if args.dataset_name:
-        knobs.append(f"DATASET={args.dataset_name}")
-    knobs.append(f"DATA_PERCENTAGE={args.data_percentage:g}")
+    if args.dataset_mixture:  # the whole mixture trains: the script refuses DATASET and DATA_PERCENTAGE beside it
+        knobs.append(f"MIXTURE={args.dataset_mixture}")
+    else:
+        if args.dataset_name:
+            knobs.append(f"DATASET={args.dataset_name}")
+        knobs.append(f"DATA_PERCENTAGE={args.data_percentage:g}")
     if args.max_steps is not None:
         knobs.append(f"MAX_STEPS={args.max_steps}")
     knobs.append(f"EPOCHS={args.num_train_epochs:g}")
@@ -239,8 +242,8 @@ def data_flags(args) -> list[str]:
 
 
 def data_fit_lines(args, positions: int | None) -> list[str]:
-    """--dataset_name with --model: the data prepared as `llmft train` prepares it (cached, so the run reuses it) and its
-    fit against max_length, one line per split (llmft.data.fit), with the warning naming the fix."""
+    """--dataset_name or --dataset_mixture with --model: the data prepared as `llmft train` prepares it (cached, so the
+    run reuses it) and its fit against max_length, one line per split (llmft.data.fit), with the warning naming the fix."""
 
     from transformers import AutoTokenizer
     from trl import SFTConfig
@@ -249,11 +252,12 @@ def data_fit_lines(args, positions: int | None) -> list[str]:
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError) as e:
         raise PlanError(
-            f"--dataset_name needs the model's tokenizer, and {args.model} has none loadable "
+            f"{'--dataset_mixture' if args.dataset_mixture else '--dataset_name'} needs the model's tokenizer, and {args.model} has none loadable "
             f"({str(e).strip().splitlines()[0][:200]}): give a model directory with its tokenizer files"
         ) from None
     opts = cache.DataOptions(
-        dataset_name=args.dataset_name,
+        dataset_name=args.dataset_name or "",
+        dataset_mixture=args.dataset_mixture,
         prompt_column=args.prompt_column,
         completion_column=args.completion_column,
         messages_column=args.messages_column,
@@ -358,7 +362,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
         mplan = plan_memory(job)
     except MemoryPlanError as e:
         raise PlanError(str(e)) from None
-    fit = data_fit_lines(args, positions) if args.dataset_name else []
+    fit = data_fit_lines(args, positions) if args.dataset_name or args.dataset_mixture else []
     written = []
     if args.write and mplan.recommended is not None:
         written = write_plan_files(Path(args.write), args, mplan, World(job.nnodes, job.nproc_per_node, world.source))
@@ -370,7 +374,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
             print(f"llmft plan: wrote {path}")
         if written:
             print(f"llmft plan: run it: {(Path(args.write) / 'sbatch.txt').read_text().strip()}")
-            if not args.dataset_name:
+            if not args.dataset_name and not args.dataset_mixture:
                 print(
                     "llmft plan: warning: no --dataset_name: the line trains on run_llm.slurm's default dataset; "
                     "add DATASET=your.jsonl to it, or plan with --dataset_name"
@@ -559,14 +563,32 @@ def add_memory_plan_arguments(parser) -> None:
         action="store_true",
         help="what `llmft train --auto` picks: micro-batches up to --per_device_train_batch_size",
     )
+    mem.add_argument(
+        "--check_model",
+        action="store_true",
+        help="only read the model's config as llmft train will and print one line (slurm/run_llm.slurm's DRY_RUN=1 "
+        "runs it); exit 2 naming the problem when a local model's config does not read",
+    )
     mem.add_argument("--json", action="store_true", help="print the plan as JSON")
     mem.add_argument(
         "--write", default=None, metavar="DIR", help="write the recommended DeepSpeed config and sbatch line to DIR"
     )
     mem.add_argument("--trust_remote_code", action="store_true")
+    add_run_data_arguments(parser)
+
+
+def add_run_data_arguments(parser) -> None:
+    """The flags of the run's data and length a memory plan is made for (its fit, and the --write sbatch line)."""
     run = parser.add_argument_group("the data and length of the run (--model; in the --write sbatch line)")
     run.add_argument(
         "--dataset_name", default=None, help="your data (.jsonl, ...): its fit against --max_length is counted"
+    )
+    run.add_argument(
+        "--dataset_mixture",
+        default=None,
+        metavar="FILE",
+        help="a mixture YAML (as llmft train --dataset_mixture) instead of --dataset_name: its fit is counted, and "
+        "the --write line gives MIXTURE=FILE",
     )
     run.add_argument("--prompt_column", default=None)
     run.add_argument("--completion_column", default=None)
@@ -610,18 +632,43 @@ MEMORY_ONLY = (
     "write",
     "trust_remote_code",
     "dataset_name",
+    "dataset_mixture",
     "prompt_column",
     "completion_column",
     "messages_column",
     "dataset_text_field",
     "max_steps",
     "check_memory",
+    "check_model",
 )
+
+
+def check_model(args) -> str:
+    """--check_model: the one line on the model's config, read as llmft train reads it (llmft.planning.model_shape);
+    a local model whose config does not read is an error, a hub id that cannot be reached from here is said."""
+    model = args.model
+    local = Path(model).exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
+    try:
+        config = load_model_config(model, args.trust_remote_code)
+    except MemoryPlanError as e:
+        if local:
+            raise PlanError(str(e)) from None
+        return f"llmft plan: model: {model} not checked: {e}"
+    positions = model_positions(config)
+    return (
+        f"llmft plan: model: the config of {model} reads ({getattr(config, 'model_type', None) or 'unknown type'}, "
+        f"{positions if positions else 'unstated'} positions)"
+    )
 
 
 def main(args) -> int:
 
     try:
+        if args.check_model:
+            if not args.model:
+                raise PlanError("--check_model needs --model (the model whose config to read)")
+            print(check_model(args))
+            return 0
         launch_extra = apply_node_facts(args.nodes, args.numa_binding) if args.nodes else {}
         world = discover_world()
         if args.nnodes is not None or args.nproc_per_node is not None:

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from llmft import plan
-from llmft.data.synthetic import write_jsonl
+from llmft.data.synthetic import as_format, make_examples, write_jsonl
 from tests.test_data_fit import gsm8k_like
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,8 +67,13 @@ def test_plan_with_data_prints_its_fit_and_an_sbatch_line_with_every_knob(capsys
     for knob in (f"MODEL={tiny_model}", f"DATASET={data}", "DATA_PERCENTAGE=50", "EPOCHS=2", "GLOBAL_BATCH=8"):
         assert f",{knob}," in export + ",", knob
     assert "--prompt_column question --completion_column answer" in export and "--max_length 32" in export
-    proc = dry_run(export)
+    world = [w for w in shlex.split(line) if w.startswith(("--nodes=", "--gpus-per-node="))]  # sbatch's, for 1 GPU
+    proc = dry_run(*world, export)  # the dry run checks the batch for the world the line asks for
     assert proc.returncode == 0 and "knobs are valid" in proc.stdout and "WARNING" not in proc.stdout, proc.stdout
+    assert "x 1 processes (given: --nodes=1, --gpus-per-node=1) x accumulation 1" in proc.stdout, proc.stdout
+    assert (
+        dry_run(export).returncode == 2
+    )  # for the #SBATCH lines' 2 processes, GLOBAL_BATCH=8 is one micro-batch short
 
 
 def test_plan_without_data_says_the_line_needs_a_dataset(capsys, tiny_model, tmp_path):
@@ -89,17 +94,56 @@ def test_plan_without_data_says_the_line_needs_a_dataset(capsys, tiny_model, tmp
     )
     assert rc == 0
     export = next(a for a in shlex.split((tmp_path / "w" / "sbatch.txt").read_text()) if a.startswith("--export="))
-    assert (
-        "EPOCHS=3" in export and "DATA_PERCENTAGE=100" in export
-    )  # llmft train's defaults, not the script's 10 and 10%
+    assert "EPOCHS=3" in export and "DATA_PERCENTAGE=100" in export  # llmft train's defaults, said explicitly
     assert "llmft plan: warning: no --dataset_name: the line trains on run_llm.slurm's default dataset" in out
 
 
-def test_the_slurm_script_says_loudly_when_it_falls_back_to_its_default_dataset():
+def test_the_slurm_script_says_loudly_when_it_falls_back_to_its_default_dataset(tmp_path):
     proc = dry_run("EPOCHS=2")
     assert proc.returncode == 0
     assert (
         "run_llm.slurm: WARNING: no DATASET given: training on this script's default, the hub dataset trl-lib/Capybara "
-        "(defaults used: DATASET DATA_PERCENTAGE; DATA_PERCENTAGE=10 EPOCHS=2)"
+        "(defaults used: DATASET DATA_PERCENTAGE; DATA_PERCENTAGE=100 EPOCHS=2)"
     ) in proc.stdout
-    assert "WARNING" not in dry_run("DATASET=my.jsonl").stdout
+    mine = write_jsonl(gsm8k_like(2), tmp_path / "my.jsonl")
+    assert "WARNING" not in dry_run(f"DATASET={mine}").stdout
+
+
+def test_plan_takes_a_dataset_mixture_as_train_does(capsys, tiny_model, tmp_path, monkeypatch):
+    """`llmft plan --dataset_mixture` previews a mixture's fit as --dataset_name does, and its --write line trains the
+    whole mixture (MIXTURE=FILE: no DATASET, no DATA_PERCENTAGE, which the script refuses beside it)."""
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    write_jsonl(gsm8k_like(30), tmp_path / "gsm.jsonl")
+    write_jsonl(as_format(make_examples(30), "prompt_completion"), tmp_path / "pc.jsonl")
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(
+        "datasets:\n"
+        f"  - path: {tmp_path / 'gsm.jsonl'}\n    columns: {{prompt: question, completion: answer}}\n    weight: 1\n"
+        f"  - path: {tmp_path / 'pc.jsonl'}\n    weight: all\n"
+    )
+    common = ["--model", tiny_model, "--gpu", "L4", "--host_ram_gb", 64, "--nproc_per_node", 1]
+    rc, out, err = llmft_plan(
+        capsys,
+        *common,
+        "--global_batch_size",
+        8,
+        "--dataset_mixture",
+        mix,
+        "--max_length",
+        32,
+        "--write",
+        tmp_path / "w",
+    )
+    assert rc == 0, err
+    assert "llmft plan: train data: " in out and "vs max_length 32" in out, out
+    assert "no --dataset_name" not in out
+    export = next(a for a in shlex.split((tmp_path / "w" / "sbatch.txt").read_text()) if a.startswith("--export="))
+    assert f",MIXTURE={mix}," in export + "," and "DATASET=" not in export and "DATA_PERCENTAGE" not in export, export
+    # beside --dataset_name it is refused in one line, as llmft train refuses it
+    rc, _, err = llmft_plan(capsys, *common, "--dataset_mixture", mix, "--dataset_name", tmp_path / "gsm.jsonl")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("llmft plan: error: --dataset_mixture lists the datasets: drop --dataset_name "), err
+    # and it is a memory-plan flag, as --dataset_name is
+    rc, _, err = llmft_plan(capsys, "--dataset_mixture", mix)
+    assert rc == 2 and "--dataset_mixture needs --model" in err, err
