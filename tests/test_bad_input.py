@@ -99,6 +99,12 @@ CASES = [
         "--dataset_mixture lists the datasets: drop --dataset_name (per source in the mixture YAML: path, config, "
         "columns, percentage)",
     ),
+    Case(  # argparse would have run it as --max_steps 4
+        "train",
+        "flag_prefix",
+        lambda w: ["--max_step", "4"],
+        "unknown flag --max_step: did you mean --max_steps? (flags match only by their full name)",
+    ),
     Case(
         "train",
         "model_path_missing",
@@ -542,6 +548,18 @@ CASES = [
         "is not a directory: pass a run's --output_dir",
     ),
     Case("plan", "zero_stage_unknown", lambda w: ["--zero_stage", "5"], "unknown ZeRO stage 5"),
+    Case(  # argparse would have taken the prefix for --global_batch_size
+        "plan",
+        "flag_prefix",
+        lambda w: ["--global_batch", "8"],
+        "unknown flag --global_batch: did you mean --global_batch_size? (flags match only by their full name)",
+    ),
+    Case(
+        "plan",
+        "check_model_without_config",
+        lambda w: ["--model", w.dir("not_a_model"), "--check_model"],
+        "not_a_model: no config.json in that directory; point it at a model directory",
+    ),
     Case(
         "plan",
         "deepspeed_json_does_not_parse",
@@ -667,6 +685,25 @@ CASES = [
         "extra_args_two_lines",
         lambda w: ["EXTRA_ARGS=--seed 1\n--max_steps 2"],
         "EXTRA_ARGS must be one line",
+    ),
+    Case(  # a real job stops here too, on the batch host before any srun (tests/test_slurm.py BAD)
+        "slurm",
+        "dataset_missing",
+        lambda w: [f"DATASET={w.inputs / 'missing.jsonl'}", "DRY_RUN=1"],
+        "missing.jsonl: no such file or directory",
+    ),
+    Case(
+        "slurm",
+        "model_dir_missing",
+        lambda w: [f"MODEL={w.inputs / 'no_model'}", "DRY_RUN=1"],
+        "no_model: no such directory",
+    ),
+    Case(
+        "slurm",
+        "batch_does_not_divide_the_sbatch_world",
+        lambda w: ["GLOBAL_BATCH=20", "MICRO_BATCH=8", "DRY_RUN=1"],
+        "GLOBAL_BATCH=20 is not a multiple of MICRO_BATCH=8 x 2 processes (the #SBATCH lines: --nodes=2, "
+        "--gpus-per-node=1) = 16; use GLOBAL_BATCH=32 or 16, or another MICRO_BATCH",
     ),
     Case(
         "slurm",

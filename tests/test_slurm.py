@@ -457,11 +457,11 @@ BAD = [
     # (sbatch arguments, message in the log)
     (
         ["{script}", "--export=ALL,EPOCHS=abc"],
-        "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 10)",
+        "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 3)",
     ),
     (
         ["--export=ALL,EPOCHS=abc", "{script}"],
-        "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 10)",
+        "run_llm.slurm: error: EPOCHS=abc is not a positive number (default 3)",
     ),
     (
         ["{script}", "--export=ALL,EPOCHS=1,EPOCH=3"],
@@ -472,6 +472,11 @@ BAD = [
         "run_llm.slurm: error: ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3",
     ),
     (["{script}", "--export=ALL,CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3"], "needs the pyxis SPANK plugin"),
+    # A local dataset that does not exist: the batch host says so before any srun, as the job's only line.
+    (
+        ["{script}", "--export=ALL,DATASET=missing.jsonl"],
+        "run_llm.slurm: error: DATASET=missing.jsonl: no such file or directory (looked in ",
+    ),
     # sbatch's own --export splits a value at its commas and drops the rest; the job names what was lost.
     (
         ["--export=ALL,CONTAINER_IMAGE=img,CONTAINER_MOUNTS=/data:/data,/models:/models", "{script}"],
@@ -530,6 +535,8 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
         assert text.count("error:") == 1, text
         if not message.startswith("llmft plan"):
             assert text.splitlines()[0].startswith("run_llm.slurm: error:"), text  # before anything else
+        if "DATASET=missing.jsonl" in message:  # and the job's last line: no rank, no srun blamed after it
+            assert text.strip().splitlines() == [text.splitlines()[0]] and str(cwd) in text, text
         else:
             assert re.search(r"nearest|use|try|install", text.split("llmft plan: error:")[1]), text
         if "--mem=300" in args:  # the limit and the flag that fixes it
@@ -798,6 +805,7 @@ def test_the_default_checkpoint_dir_is_one_per_experiment(cluster, tmp_path):
     """runs/<job name>-<key of the knobs that define the run>: a rerun of the same experiment finds its
     checkpoints; another model, dataset or job name never resumes them."""
     base = "--export=ALL,DRY_RUN=1,DATASET=data.jsonl,MODEL="
+    (tmp_path / "data.jsonl").write_text('{"text": "x"}\n')  # a local dataset must exist (checked before any srun)
     submitted = {
         "exp": cluster.sbatch(["-J", "exp", str(SCRIPT), base + "org/a"], cwd=tmp_path),
         "other model": cluster.sbatch(["-J", "exp", str(SCRIPT), base + "org/b"], cwd=tmp_path),

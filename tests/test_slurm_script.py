@@ -54,7 +54,7 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--export=ALL,EPOCHS=abc"], "EPOCHS=abc is not a positive number (default 10)"),
+        (["--export=ALL,EPOCHS=abc"], "EPOCHS=abc is not a positive number (default 3)"),
         (["EPOCHS=0"], "EPOCHS=0 is not a positive number"),
         (["--export=ALL,EPOCHS=3,EPOCH=3"], "unknown knob 'EPOCH'"),
         (["--export=ALL,ZERO_STAGE=7"], "ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3"),
@@ -112,6 +112,14 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         ),
         (["EXTRA_ARGS=--dataset_mixture=mix.yaml"], "give the mixture as MIXTURE=FILE"),
         (["MIXTURE=/nonexistent/mix.yaml"], "MIXTURE=/nonexistent/mix.yaml: no such file"),
+        # Local paths exist before anything runs (in a job: on the batch host, before any srun); a hub id is not a path.
+        (
+            ["DATASET=/nonexistent/data.jsonl"],
+            "DATASET=/nonexistent/data.jsonl: no such file or directory (looked in ",
+        ),
+        (["DATASET=data/missing.parquet"], "DATASET=data/missing.parquet: no such file or directory"),
+        (["MODEL=./models/mine"], "MODEL=./models/mine: no such directory (looked in "),
+        (["MODEL=/models/org/name"], "MODEL=/models/org/name: no such directory"),
     ],
 )
 def test_a_bad_knob_is_one_clear_message_and_exit_2(args, message):
@@ -166,13 +174,13 @@ def test_help_documents_every_knob_with_its_default():
     proc = run_script("--help")
     assert proc.returncode == 0
     for line in (
-        "EPOCHS=10",
+        "EPOCHS=3",
         "CHECKPOINT_DIR=runs/<job name>-<run key>",
         "sbatch -J NAME",
-        "DATA_PERCENTAGE=10",
+        "DATA_PERCENTAGE=100",
         "ZERO_STAGE=2",
         "GLOBAL_BATCH=32",
-        "MICRO_BATCH=4",
+        "MICRO_BATCH=8",
         "SAVE_TOTAL_LIMIT=2",
         "MAX_RESTARTS=3",
         "NCCL_PROFILE=",
@@ -242,3 +250,80 @@ def test_pyxis_is_found_in_a_long_srun_help_under_pipefail(tmp_path):
         proc = run_script(**env)
         assert "pyxis" not in proc.stderr, proc.stderr
         assert "cannot list the job's nodes" in proc.stderr, proc.stderr  # the next step: the pyxis check passed
+
+
+def test_the_defaults_are_llmft_trains_and_the_job_names_each_one_it_applied():
+    """EPOCHS, DATA_PERCENTAGE and MICRO_BATCH default to llmft train's own, the learning rate is llmft train's, and the
+    first lines name every default applied (GLOBAL_BATCH has no llmft train counterpart: it is said as the others)."""
+    from trl import SFTConfig
+
+    from llmft.training.arguments import LlmftArguments
+    from llmft.training.flags import default_of
+
+    names = ("num_train_epochs", "per_device_train_batch_size", "learning_rate")
+    epochs, micro, lr = (default_of(SFTConfig, name) for name in names)
+    assert lr == 2e-5  # the script says it as 2e-5
+    proc = run_script(DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        f"run_llm.slurm: defaults applied: MODEL=Qwen/Qwen2.5-0.5B DATASET=trl-lib/Capybara "
+        f"DATA_PERCENTAGE={default_of(LlmftArguments, 'data_percentage'):g} EPOCHS={epochs:g} GLOBAL_BATCH=32 "
+        f"MICRO_BATCH={micro} ZERO_STAGE=2 SAVE_TOTAL_LIMIT=2; learning rate 2e-5 (llmft train's; --learning_rate in "
+        "EXTRA_ARGS changes it)\n"
+    ) in proc.stdout
+    proc = run_script("EPOCHS=1", "MICRO_BATCH=4", "DATA_PERCENTAGE=5", "EXTRA_ARGS=--learning_rate 1e-4", DRY_RUN="1")
+    assert (
+        "defaults applied: MODEL=Qwen/Qwen2.5-0.5B DATASET=trl-lib/Capybara GLOBAL_BATCH=32 ZERO_STAGE=2 "
+        "SAVE_TOTAL_LIMIT=2; learning rate from EXTRA_ARGS\n"
+    ) in proc.stdout
+
+
+def test_a_dry_run_checks_the_sbatch_world_and_reads_a_local_models_config(tiny_model, tiny_data, tmp_path):
+    """DRY_RUN=1 outside Slurm: the batch against the processes the #SBATCH lines ask for, and a local model's config
+    read by llmft (VENV's Python); a hub id is said, not fetched."""
+    import sys
+
+    proc = run_script(f"MODEL={tiny_model}", f"DATASET={tiny_data}", f"VENV={sys.prefix}", DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "run_llm.slurm: batch: GLOBAL_BATCH=32 = MICRO_BATCH 8 x 2 processes (the #SBATCH lines: --nodes=2, "
+        "--gpus-per-node=1) x accumulation 2\n"
+    ) in proc.stdout
+    assert f"run_llm.slurm: model: the config of {tiny_model} reads (gpt2, " in proc.stdout
+    assert "knobs are valid" in proc.stdout
+    not_a_model = tmp_path / "not_a_model"
+    not_a_model.mkdir()
+    proc = run_script(f"MODEL={not_a_model}", f"VENV={sys.prefix}", DRY_RUN="1")
+    assert proc.returncode == 2 and proc.stderr == (
+        f"run_llm.slurm: error: --model {not_a_model}: no config.json in that directory; point it at a model directory\n"
+    ), proc.stderr
+    proc = run_script(DRY_RUN="1")
+    assert "run_llm.slurm: model: Qwen/Qwen2.5-0.5B is a hub id, read on the nodes (not checked here)" in proc.stdout
+    proc = run_script("ZERO_STAGE=auto", "GLOBAL_BATCH=20", DRY_RUN="1")
+    assert proc.returncode == 0 and "batch: not checked here (ZERO_STAGE=auto picks the micro-batch" in proc.stdout
+    # The world is the #SBATCH lines': one node of 4 GPUs here
+    script = tmp_path / "run_llm.slurm"
+    script.write_text(
+        SCRIPT.read_text()
+        .replace("#SBATCH --nodes=2\n", "#SBATCH --nodes=1\n")
+        .replace("#SBATCH --gpus-per-node=1\n", "#SBATCH --gpus-per-node=4\n")
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in ("MODEL", "DATASET")}
+    proc = subprocess.run(
+        ["bash", str(script), "GLOBAL_BATCH=16", "DRY_RUN=1"], capture_output=True, text=True, env=clean, timeout=60
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        "run_llm.slurm: error: GLOBAL_BATCH=16 is not a multiple of MICRO_BATCH=8 x 4 processes (the #SBATCH lines: "
+        "--nodes=1, --gpus-per-node=4) = 32; use GLOBAL_BATCH=32, or another MICRO_BATCH\n"
+    ), proc.stderr
+    # sbatch's own --nodes/--gpus-per-node given to the dry run (as the sbatch line gives them before the script)
+    proc = run_script("--nodes=1", "--gpus-per-node=4", "GLOBAL_BATCH=64", DRY_RUN="1")
+    assert (
+        proc.returncode == 0
+        and (
+            "batch: GLOBAL_BATCH=64 = MICRO_BATCH 8 x 4 processes (given: --nodes=1, --gpus-per-node=4) x accumulation 2"
+        )
+        in proc.stdout
+    ), proc.stdout + proc.stderr
+    assert "give sbatch its options before the script" in run_script("--nodes=1", **fake_job_env(tmp_path)).stderr
+    assert "submit with: sbatch --nodes=1 slurm/run_llm.slurm" in run_script("--nodes=1").stderr
