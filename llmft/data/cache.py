@@ -332,7 +332,7 @@ def tokenise_chat(dataset, tokenizer, args, *, name: str, assistant_only_loss: b
 
     if not assistant_only_loss or has_generation_markers(tokenizer.chat_template):
         return dataset
-    return masking.tokenise_dataset(dataset, tokenizer, name)
+    return masking.tokenise_dataset(dataset, tokenizer, name, num_proc=args.dataset_num_proc)
 
 
 def prepare_counted(
@@ -350,8 +350,6 @@ def prepare_counted(
     counted on those tokens (llmft.data.fit), then TRL's same preparation truncates, drops and packs them (it skips
     tokenising data that already has input_ids and labels): the tokens are TRL's, tokenised once. With drop_long
     (--drop_long_records) the records longer than max_length are dropped before that, and counted."""
-    import dataclasses
-
     full = trl_prepare(
         dataset,
         tokenizer,
@@ -548,6 +546,8 @@ def write_run_record(output_dir: str | Path, opts: DataOptions, prepared: Prepar
         "eval_split_ratio": opts.eval_split_ratio,
         "data_percentage": opts.data_percentage,
         "shape": prepared.shape,
+        "format": info.get("format"),
+        "loss_on": info.get("loss_on"),
         "fingerprint": prepared.fingerprint,
         "prepared_dir": str(prepared.directory),
         "records": info.get("records"),

@@ -204,8 +204,8 @@ def to_sft(
             f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}"
         )
     renames = {src: dst for src, dst in renames.items() if src != dst}
-    if prompt_template and prompt_template in PRESETS:
-        renames = {s: d for s, d in renames.items() if d != "prompt"}  # a preset names its own fields
+    if prompt_template:
+        renames = {s: d for s, d in renames.items() if d != "prompt"}  # the template names the prompt's fields
     clash = [dst for src, dst in renames.items() if dst in ds.column_names]
     if clash:
         ds = ds.remove_columns(clash)

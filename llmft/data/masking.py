@@ -76,11 +76,16 @@ def tokenise_with_mask(tokenizer, messages: list[dict], chat_template: str | Non
     return {"input_ids": ids, "assistant_masks": mask}
 
 
-def tokenise_dataset(ds, tokenizer, name: str):
+def tokenise_dataset(ds, tokenizer, name: str, num_proc: int | None = None):
     """The messages dataset as `input_ids` + `assistant_masks` (TRL then skips its own tokenisation)."""
     template = tokenizer.chat_template
 
     def fn(record):
         return tokenise_with_mask(tokenizer, record["messages"], template)
 
-    return ds.map(fn, remove_columns=ds.column_names, desc=f"Tokenizing {name} conversations (assistant-only loss)")
+    return ds.map(
+        fn,
+        remove_columns=ds.column_names,
+        num_proc=num_proc,
+        desc=f"Tokenizing {name} conversations (assistant-only loss)",
+    )
