@@ -201,6 +201,15 @@ def test_chat_messages_are_passed_through(tmp_path):
     assert ds[1]["messages"] == CHAT[1]["messages"]
 
 
+def test_dataset_format_forces_the_format(tmp_path):
+    rows = [{"text": "plain words", "messages": CHAT[1]["messages"]}]
+    ds, info = shaped_of(tmp_path, rows)
+    assert info.format == "messages"
+    ds, info = shaped_of(tmp_path, rows, dataset_format="text")
+    assert (info.format, ds.column_names) == ("text", ["text"])
+    assert any("messages (non-empty in 1 of 1 records)" in n for n in info.notes)
+
+
 # --------------------------------------------------------------------------------------------- bad chat data, lines
 
 
@@ -291,6 +300,17 @@ def test_the_mask_matches_transformers_generation_markers(tok):
         ours = tokenise_with_mask(tok, record["messages"], CHATML)
         assert ours["input_ids"] == list(theirs["input_ids"])
         assert ours["assistant_masks"] == list(theirs["assistant_masks"])
+
+
+def test_a_template_that_renders_prefixes_differently_is_one_line_naming_the_fixes(tok):
+    from llmft.data.masking import tokenise_with_mask
+
+    last_differs = CHATML.replace("'<|im_end|>' + '\n'", "('<|im_end|>' if loop.last else '<|im_end|>\n')")
+    assert last_differs != CHATML
+    with pytest.raises(
+        DataError, match=r"renders a conversation's beginning differently .*--assistant_only_loss false"
+    ):
+        tokenise_with_mask(tok, CHAT[1]["messages"], last_differs)
 
 
 def test_prompt_completion_and_alpaca_train_on_the_completion(tmp_path, tok, sft_args):
