@@ -5,8 +5,9 @@ SFTTrainer computes on the fly, token for token: TRL's own `SFTTrainer._prepare_
 and the trainer receives it with `dataset_kwargs={"skip_prepare_dataset": True}`.
 
 The cache is `$LLMFT_CACHE/prepared/<fingerprint>/` (default `$HF_HOME/llmft/prepared/`), keyed by
-the data files' bytes, the tokenizer, the chat template, the format and column options, max_length,
-packing and data_percentage (`fingerprint`): a learning-rate sweep or a rerun into another
+the data files' bytes, the tokenizer, the chat template, the format, column and prompt-template options,
+the loss mask (assistant-only or not), max_length, --drop_long_records, packing and data_percentage
+(`fingerprint`): a learning-rate sweep or a rerun into another
 --output_dir tokenises nothing again. A directory is built under a temporary name and renamed into
 place with its marker inside, so a preparation killed half-way is never taken as complete. In a
 distributed job global rank 0 prepares while the other ranks wait for the marker (polling files,

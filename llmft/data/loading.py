@@ -1,16 +1,13 @@
-"""Training data: load a local file/directory or a hub dataset, check it, and shape it for TRL's SFTTrainer.
+"""Training data: load a local file/directory or a hub dataset and check it, before anything large loads.
 
-TRL understands three shapes and llmft passes them through unchanged:
-  - text:               {"text": "..."}                            (field name: --dataset_text_field)
-  - prompt/completion:  {"prompt": "...", "completion": "..."}     (loss on the completion only)
-  - chat:               {"messages": [{"role": ..., "content": ...}, ...]}  (the tokenizer's chat template)
-Other field names are mapped with --prompt_column/--completion_column/--messages_column
-(e.g. `--prompt_column question --completion_column answer`).
+TRL trains on three shapes: text ({"text": ...}), prompt/completion ({"prompt": ..., "completion": ...}, loss on the
+completion) and chat ({"messages": [{"role": ..., "content": ...}, ...]}, through the tokenizer's chat template).
+llmft.data.formats recognises the formats users bring (those three, Alpaca, ShareGPT; other field names mapped
+with the column flags or a --prompt_template) and converts them to these shapes.
 
 Everything here runs before the model is loaded, so bad data fails in seconds; a malformed JSONL line is
 reported with its number: a line that is not a {...} object is found by a byte scan before `datasets` reads the
 file (it would read arrays as data), a line that is not JSON by parsing the file after `datasets` failed to read it.
-Formats (TRL's three, Alpaca, ShareGPT, prompt templates) are recognised and converted in llmft.data.formats.
 """
 
 from __future__ import annotations
