@@ -6,6 +6,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from llmft import plan
 from llmft.data.synthetic import as_format, make_examples, write_jsonl
 from tests.test_data_fit import gsm8k_like
@@ -147,3 +149,57 @@ def test_plan_takes_a_dataset_mixture_as_train_does(capsys, tiny_model, tmp_path
     # and it is a memory-plan flag, as --dataset_name is
     rc, _, err = llmft_plan(capsys, "--dataset_mixture", mix)
     assert rc == 2 and "--dataset_mixture needs --model" in err, err
+
+
+GSM8K_RECORD = {  # GSM8K's fields and shape: a long word problem, its worked answer ending in "#### N"
+    "question": "A bakery sells muffins for $3 each and cookies for $2 each. On Monday it sold 45 muffins and twice as "
+    "many cookies as muffins. On Tuesday it sold 12 more muffins than on Monday and 30 fewer cookies than on Monday. "
+    "On Wednesday the bakery was closed for repairs, and on Thursday it sold as many muffins as on Monday and Tuesday "
+    "together, but only half as many cookies as on Tuesday. How much money, in dollars, did the bakery make from "
+    "muffins and cookies over these four days?",
+    "answer": "On Monday the bakery sold 45 * 2 = <<45*2=90>>90 cookies.\nOn Tuesday it sold 45 + 12 = <<45+12=57>>57 "
+    "muffins and 90 - 30 = <<90-30=60>>60 cookies.\nOn Thursday it sold 45 + 57 = <<45+57=102>>102 muffins and "
+    "60 / 2 = <<60/2=30>>30 cookies.\nIn all it sold 45 + 57 + 102 = <<45+57+102=204>>204 muffins, worth "
+    "204 * 3 = $<<204*3=612>>612.\nIt sold 90 + 60 + 30 = <<90+60+30=180>>180 cookies, worth 180 * 2 = "
+    "$<<180*2=360>>360.\nSo the bakery made 612 + 360 = $<<612+360=972>>972.\n#### 972",
+}
+ALPACA_RECORD = {  # Stanford Alpaca's fields and shape: instruction, input, a long output
+    "instruction": "Write a short essay comparing the two given approaches to learning a new language.",
+    "input": "Approach A: studying grammar and vocabulary from textbooks. Approach B: immersion through conversation "
+    "with native speakers.",
+    "output": "Learning a new language can follow two very different paths. The first relies on textbooks: the "
+    "learner studies grammar rules, memorises lists of vocabulary and practises with written exercises. This approach "
+    "gives a solid foundation, because the learner understands why sentences are built the way they are, and it suits "
+    "people who like structure and can set aside regular time to study. Its weakness is that knowledge stays "
+    "passive: many textbook learners can read well but struggle to follow a fast conversation or to answer without "
+    "translating in their heads first. The second path, immersion, builds confidence and a natural ear instead, but "
+    "leaves gaps in grammar and is hard to arrange without living abroad.\n\nIn practice the "
+    "best results often come from combining the two: a textbook for structure and immersion for fluency.",
+}
+
+
+def test_llmft_tinys_default_context_fits_gsm8k_and_alpaca_records(capsys, tmp_path, monkeypatch):
+    """`llmft tiny` builds a model of 1024 positions (TRL's default max_length; --max_positions changes it): a long
+    GSM8K record and a long Alpaca record (about 1,100 characters each, longer than most of either dataset's; the tiny
+    tokenizer takes about 1.2 characters a token) fit whole, where the old 256 positions cut both."""
+    from llmft import tiny
+
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    gsm = write_jsonl([GSM8K_RECORD], tmp_path / "gsm8k.jsonl")
+    alpaca = write_jsonl([ALPACA_RECORD], tmp_path / "alpaca.jsonl")
+    common = ["--gpu", "L4", "--host_ram_gb", 64, "--nproc_per_node", 1, "--global_batch_size", 8]
+    for positions, fits in ((None, True), (256, False)):
+        out_dir = tmp_path / f"tiny-{positions}"
+        argv = ["--out", str(out_dir), "--examples", "4", *(["--max_positions", str(positions)] if positions else [])]
+        tiny.main(tiny.make_parser().parse_args(argv))
+        assert f"({positions or 1024} positions)" in capsys.readouterr().out
+        model = out_dir / "model"
+        for data, columns in ((gsm, ["--prompt_column", "question", "--completion_column", "answer"]), (alpaca, [])):
+            rc, out, err = llmft_plan(capsys, "--model", model, *common, "--dataset_name", data, *columns)
+            fit = rc == 0 and "1 of 1 records kept, 0 truncated" in out
+            assert fit == fits, (
+                out + err
+            )  # at 256 positions: cut, or nothing left to learn from (the prompt fills them)
+    with pytest.raises(SystemExit):
+        tiny.make_parser().parse_args(["--out", str(tmp_path), "--max_positions", "0"])
+    assert "argument --max_positions: '0': give a whole number of tokens from 1 to 32768" in capsys.readouterr().err
