@@ -172,6 +172,8 @@ def test_sharegpt_is_converted_to_role_content_turns(tmp_path):
 def test_gsm8k_preset_is_the_format_llmft_eval_prompts_with(tmp_path):
     ds, info = shaped_of(tmp_path, GSM8K, prompt_template="gsm8k")
     assert info.template == "gsm8k" and info.notes == []
+    same, _ = shaped_of(tmp_path, GSM8K, prompt_template="gsm8k", prompt_column="question", completion_column="answer")
+    assert same[:] == ds[:]  # the column flags beside a preset change nothing
     assert ds[1]["prompt"] == "Question: What is 4 plus 8?\nAnswer:" and ds[1]["completion"] == " 4 + 8 = 12\n#### 12"
     # the harness's gsm8k task (what `llmft eval --tasks gsm8k` runs): doc_to_text, target_delimiter, doc_to_target
     import yaml

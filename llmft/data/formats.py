@@ -204,8 +204,10 @@ def to_sft(
             f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}"
         )
     renames = {src: dst for src, dst in renames.items() if src != dst}
-    if prompt_template:
-        renames = {s: d for s, d in renames.items() if d != "prompt"}  # the template names the prompt's fields
+    if prompt_template:  # the template names the prompt's fields (a preset the completion's too)
+        renames = {
+            s: d for s, d in renames.items() if d != "prompt" and (d != "completion" or prompt_template not in PRESETS)
+        }
     clash = [dst for src, dst in renames.items() if dst in ds.column_names]
     if clash:
         ds = ds.remove_columns(clash)
