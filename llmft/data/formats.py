@@ -200,8 +200,10 @@ def to_sft(
     }
     missing = [src for src in renames if src not in ds.column_names]
     if missing:
+        flags = [f"--{renames[src]}_column {src}" for src in missing]
         raise DataError(
-            f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}"
+            f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}: "
+            f"give one of those to {', '.join(flags)}"
         )
     renames = {src: dst for src, dst in renames.items() if src != dst}
     if prompt_template:  # the template names the prompt's fields (a preset the completion's too)
