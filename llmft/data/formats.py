@@ -211,7 +211,8 @@ def to_sft(
             s: d for s, d in renames.items() if d != "prompt" and (d != "completion" or prompt_template not in PRESETS)
         }
     clash = [dst for src, dst in renames.items() if dst in ds.column_names]
-    if clash:
+    if clash:  # the field the flag names wins; the record's own field of that name is said, not dropped silently
+        replaced = ", ".join(f"{dst} (by --{dst}_column {src})" for src, dst in renames.items() if dst in clash)
         ds = ds.remove_columns(clash)
     if renames:
         ds = ds.rename_columns(renames)
@@ -246,6 +247,8 @@ def to_sft(
         _strings(ds, [text_field])
         used = [text_field]
         shaped = Shaped("text", "text")
+    if clash:
+        shaped.notes.append(f"warning: the records' own field(s) replaced by the column flags: {replaced}")
     unused = unused_fields_line(ds, used, shaped.format)
     if unused:
         shaped.notes.append(unused)
