@@ -133,6 +133,11 @@ def test_fingerprint_follows_data_tokenizer_and_options_not_paths_or_training_fl
         "seed with a subset": fp(data_percentage=50, seed=7),
         "eval split": fp(eval_split_ratio=0.1),
         "eval file": fp(eval_dataset_name=str(a)),
+        "dataset format": fp(dataset_format="text"),
+        "prompt template": fp(prompt_template="gsm8k"),
+        "role map": fp(role_map="bot=assistant"),
+        "assistant-only loss": fp(assistant_only_loss=False),
+        "drop long records": fp(drop_long_records=True),
     }
     assert base not in changed.values()
     assert len(set(changed.values())) == len(changed), changed
