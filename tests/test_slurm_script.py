@@ -180,7 +180,7 @@ def test_help_documents_every_knob_with_its_default():
         "DATA_PERCENTAGE=100",
         "ZERO_STAGE=2",
         "GLOBAL_BATCH=32",
-        "MICRO_BATCH=8",
+        "MICRO_BATCH=4",
         "SAVE_TOTAL_LIMIT=2",
         "MAX_RESTARTS=3",
         "NCCL_PROFILE=",
@@ -253,22 +253,22 @@ def test_pyxis_is_found_in_a_long_srun_help_under_pipefail(tmp_path):
 
 
 def test_the_defaults_are_llmft_trains_and_the_job_names_each_one_it_applied():
-    """EPOCHS, DATA_PERCENTAGE and MICRO_BATCH default to llmft train's own, the learning rate is llmft train's, and the
-    first lines name every default applied (GLOBAL_BATCH has no llmft train counterpart: it is said as the others)."""
+    """EPOCHS and DATA_PERCENTAGE default to llmft train's own, the learning rate is llmft train's, and the first lines
+    name every default applied (GLOBAL_BATCH and MICRO_BATCH are the script's own batch: said as the others)."""
     from trl import SFTConfig
 
     from llmft.training.arguments import LlmftArguments
     from llmft.training.flags import default_of
 
     names = ("num_train_epochs", "per_device_train_batch_size", "learning_rate")
-    epochs, micro, lr = (default_of(SFTConfig, name) for name in names)
+    epochs, _, lr = (default_of(SFTConfig, name) for name in names)
     assert lr == 2e-5  # the script says it as 2e-5
     proc = run_script(DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
     assert (
         f"run_llm.slurm: defaults applied: MODEL=Qwen/Qwen2.5-0.5B DATASET=trl-lib/Capybara "
         f"DATA_PERCENTAGE={default_of(LlmftArguments, 'data_percentage'):g} EPOCHS={epochs:g} GLOBAL_BATCH=32 "
-        f"MICRO_BATCH={micro} ZERO_STAGE=2 SAVE_TOTAL_LIMIT=2; learning rate 2e-5 (llmft train's; --learning_rate in "
+        f"MICRO_BATCH=4 ZERO_STAGE=2 SAVE_TOTAL_LIMIT=2; learning rate 2e-5 (llmft train's; --learning_rate in "
         "EXTRA_ARGS changes it)\n"
     ) in proc.stdout
     proc = run_script("EPOCHS=1", "MICRO_BATCH=4", "DATA_PERCENTAGE=5", "EXTRA_ARGS=--learning_rate 1e-4", DRY_RUN="1")
@@ -286,8 +286,8 @@ def test_a_dry_run_checks_the_sbatch_world_and_reads_a_local_models_config(tiny_
     proc = run_script(f"MODEL={tiny_model}", f"DATASET={tiny_data}", f"VENV={sys.prefix}", DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
     assert (
-        "run_llm.slurm: batch: GLOBAL_BATCH=32 = MICRO_BATCH 8 x 2 processes (the #SBATCH lines: --nodes=2, "
-        "--gpus-per-node=1) x accumulation 2\n"
+        "run_llm.slurm: batch: GLOBAL_BATCH=32 = MICRO_BATCH 4 x 2 processes (the #SBATCH lines: --nodes=2, "
+        "--gpus-per-node=1) x accumulation 4\n"
     ) in proc.stdout
     assert f"run_llm.slurm: model: the config of {tiny_model} reads (gpt2, " in proc.stdout
     assert "knobs are valid" in proc.stdout
@@ -310,18 +310,18 @@ def test_a_dry_run_checks_the_sbatch_world_and_reads_a_local_models_config(tiny_
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in ("MODEL", "DATASET")}
     proc = subprocess.run(
-        ["bash", str(script), "GLOBAL_BATCH=16", "DRY_RUN=1"], capture_output=True, text=True, env=clean, timeout=60
+        ["bash", str(script), "GLOBAL_BATCH=24", "DRY_RUN=1"], capture_output=True, text=True, env=clean, timeout=60
     )
     assert proc.returncode == 2 and proc.stderr == (
-        "run_llm.slurm: error: GLOBAL_BATCH=16 is not a multiple of MICRO_BATCH=8 x 4 processes (the #SBATCH lines: "
-        "--nodes=1, --gpus-per-node=4) = 32; use GLOBAL_BATCH=32, or another MICRO_BATCH\n"
+        "run_llm.slurm: error: GLOBAL_BATCH=24 is not a multiple of MICRO_BATCH=4 x 4 processes (the #SBATCH lines: "
+        "--nodes=1, --gpus-per-node=4) = 16; use GLOBAL_BATCH=32 or 16, or another MICRO_BATCH\n"
     ), proc.stderr
     # sbatch's own --nodes/--gpus-per-node given to the dry run (as the sbatch line gives them before the script)
     proc = run_script("--nodes=1", "--gpus-per-node=4", "GLOBAL_BATCH=64", DRY_RUN="1")
     assert (
         proc.returncode == 0
         and (
-            "batch: GLOBAL_BATCH=64 = MICRO_BATCH 8 x 4 processes (given: --nodes=1, --gpus-per-node=4) x accumulation 2"
+            "batch: GLOBAL_BATCH=64 = MICRO_BATCH 4 x 4 processes (given: --nodes=1, --gpus-per-node=4) x accumulation 4"
         )
         in proc.stdout
     ), proc.stdout + proc.stderr
