@@ -85,6 +85,8 @@ def check_jsonl_objects(path: Path) -> None:
         _NOT_AN_OBJECT = re.compile(rb"(?m)^[ \t\r\f\v]*[^{\s]")
     lines_before, carry = 0, b""
     with open(path, "rb") as f:
+        if f.read(3) != b"\xef\xbb\xbf":  # a UTF-8 byte-order mark before the first record is not a bad line
+            f.seek(0)
         for block in iter(lambda: f.read(1 << 22), b""):
             block = carry + block
             cut = block.rfind(b"\n") + 1
