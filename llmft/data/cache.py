@@ -549,6 +549,7 @@ def write_run_record(output_dir: str | Path, opts: DataOptions, prepared: Prepar
         "shape": prepared.shape,
         "format": info.get("format"),
         "loss_on": info.get("loss_on"),
+        "no_assistant_dropped": info.get("no_assistant_dropped"),
         "fingerprint": prepared.fingerprint,
         "prepared_dir": str(prepared.directory),
         "records": info.get("records"),
