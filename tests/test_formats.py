@@ -188,6 +188,8 @@ def test_gsm8k_preset_is_the_format_llmft_eval_prompts_with(tmp_path):
 def test_a_custom_template_and_the_glue_warning(tmp_path):
     ds, info = shaped_of(tmp_path, GSM8K, prompt_template="Q: {question}\nA: ", completion_column="answer")
     assert ds[1]["prompt"] == "Q: What is 4 plus 8?\nA: " and ds[1]["completion"] == "4 + 8 = 12\n#### 12"
+    typed, _ = shaped_of(tmp_path, GSM8K, prompt_template=r"Q: {question}\nA: ", completion_column="answer")
+    assert typed[:] == ds[:]  # a \n typed in a shell's single quotes is a newline
     assert info.template == "custom" and info.notes == []
     ds, info = shaped_of(tmp_path, GSM8K, prompt_column="question", completion_column="answer")
     assert info.template is None and any(

@@ -337,13 +337,16 @@ def _templated(ds, found: str, prompt_template: str | None):
         if nulls:
             raise DataError(f"field {col!r} is empty in {nulls} record(s); remove them or fill the field")
 
+    # "\n" and "\t" typed on a command line (where a newline is hard to type) stand for a newline and a tab
+    custom = (prompt_template or "").replace("\\n", "\n").replace("\\t", "\t")
+
     def render(template: str, record: dict) -> str:
         values = {k: "" if v is None else v for k, v in record.items()}
         return template.format_map(values)
 
     def build(record):
         if preset is None:
-            prompt = render(prompt_template, record)
+            prompt = render(custom, record)
         else:
             optional = preset.optional
             with_optional = not optional or _nonempty(record.get(optional))
