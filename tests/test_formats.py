@@ -233,6 +233,11 @@ def test_dataset_format_forces_the_format(tmp_path):
             r"2 record\(s\) have an empty conversation in 'messages' \(first: record 2\); remove them",
         ),
         ([{"messages": [{"speaker": "user", "text": "hi"}]}], {}, r"record 1, turn 1 of 'messages' has no 'role'"),
+        (
+            [{"messages": [{"role": "user", "text": "hi"}]}],
+            {},
+            r"record 1, turn 1 of 'messages' has no 'content' \(its fields: text\)",
+        ),
     ],
 )
 def test_bad_chat_data_is_one_line(tmp_path, rows, options, message):

@@ -402,7 +402,14 @@ def _chat(ds, found: str, messages_column: str | None, role_map: str | None):
                     f"map it with --role_map {turn[role_key]}=assistant (or user, system, tool)"
                 )
             content = turn.get(content_key)
-            if content is not None and not isinstance(content, str):
+            if content is None:
+                other = sorted(k for k, v in turn.items() if k != role_key and v is not None)
+                raise DataError(
+                    f"record {i}, turn {j} of {given!r} has no {content_key!r}"
+                    + (f" (its fields: {', '.join(other)})" if other else "")
+                    + f"; llmft trains on the text of each turn: fix the record or give it an empty {content_key!r}"
+                )
+            if not isinstance(content, str):
                 raise DataError(
                     f"record {i}, turn {j}: {content_key!r} is a {type(content).__name__}, not text; llmft trains on text turns"
                 )
@@ -412,7 +419,7 @@ def _chat(ds, found: str, messages_column: str | None, role_map: str | None):
         )
 
     def convert(record):
-        return {"messages": [{"role": names[t[role_key]], "content": t.get(content_key) or ""} for t in record[col]]}
+        return {"messages": [{"role": names[t[role_key]], "content": t[content_key]} for t in record[col]]}
 
     others = [c for c in ds.column_names if c not in (col, "messages")]
     mapped = ds.map(convert, remove_columns=[c for c in (col, "messages") if c in ds.column_names])
