@@ -232,12 +232,34 @@ def data_knobs(args) -> list[str]:
     return knobs
 
 
+DATA_FLAGS = (
+    "prompt_column",
+    "completion_column",
+    "messages_column",
+    "dataset_text_field",
+    "dataset_format",
+    "prompt_template",
+    "role_map",
+)
+
+
 def data_flags(args) -> list[str]:
-    """The `llmft train` flags for the data's columns (EXTRA_ARGS)."""
+    """The `llmft train` flags for the data's columns, format and loss (EXTRA_ARGS, which the script splits on
+    spaces: a value holding one is refused, naming the way through a --config YAML)."""
     out = []
-    for name in ("prompt_column", "completion_column", "messages_column", "dataset_text_field"):
-        if getattr(args, name):
-            out += [f"--{name}", getattr(args, name)]
+    for name in DATA_FLAGS:
+        value = getattr(args, name)
+        if value and value != "auto":
+            if any(c.isspace() for c in value):
+                raise PlanError(
+                    f"--{name} {value!r} holds whitespace, and run_llm.slurm splits EXTRA_ARGS on spaces: put "
+                    f"{name}: in a YAML file and give EXTRA_ARGS=--config FILE, or plan without --write"
+                )
+            out += [f"--{name}", value]
+    if args.assistant_only_loss is not None:
+        out += ["--assistant_only_loss", str(args.assistant_only_loss).lower()]
+    if args.drop_long_records:
+        out.append("--drop_long_records")
     return out
 
 
@@ -263,6 +285,11 @@ def data_fit_lines(args, positions: int | None) -> list[str]:
         messages_column=args.messages_column,
         text_field=args.dataset_text_field or "text",
         data_percentage=args.data_percentage,
+        dataset_format=args.dataset_format,
+        prompt_template=args.prompt_template,
+        role_map=args.role_map,
+        assistant_only_loss=args.assistant_only_loss,
+        drop_long_records=args.drop_long_records,
     )
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="llmft-plan-") as tmp:
@@ -594,6 +621,20 @@ def add_run_data_arguments(parser) -> None:
     run.add_argument("--completion_column", default=None)
     run.add_argument("--messages_column", default=None)
     run.add_argument("--dataset_text_field", default=None)
+    run.add_argument(
+        "--dataset_format", default=None, help="as llmft train's: auto (the default, from the fields) or a format"
+    )
+    run.add_argument("--prompt_template", default=None, help="as llmft train's: a preset (alpaca, gsm8k) or format")
+    run.add_argument("--role_map", default=None, help="as llmft train's: speaker names -> roles (bot=assistant)")
+    run.add_argument(
+        "--assistant_only_loss",
+        default=None,
+        type=lambda v: _bool(v, "--assistant_only_loss"),
+        help="true/false, as llmft train's (default: on for chat data)",
+    )
+    run.add_argument(
+        "--drop_long_records", action="store_true", help="as llmft train's: drop records longer than --max_length"
+    )
     run.add_argument("--data_percentage", type=float, default=100.0, help="default 100 (all of it)")
     run.add_argument("--num_train_epochs", type=float, default=3.0, help="default 3 (llmft train's)")
     run.add_argument("--max_steps", type=int, default=None)
@@ -637,6 +678,11 @@ MEMORY_ONLY = (
     "completion_column",
     "messages_column",
     "dataset_text_field",
+    "dataset_format",
+    "prompt_template",
+    "role_map",
+    "assistant_only_loss",
+    "drop_long_records",
     "max_steps",
     "check_memory",
     "check_model",
@@ -695,8 +741,8 @@ def main(args) -> int:
             for name in MEMORY_ONLY
             if getattr(args, name) is not None
             and getattr(args, name) is not False
-            or name == "gradient_checkpointing"
-            and args.gradient_checkpointing is False
+            or name in ("gradient_checkpointing", "assistant_only_loss")
+            and getattr(args, name) is False
         ]
         if args.check_memory and (args.auto or args.json or args.write):
             raise PlanError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -203,3 +204,22 @@ def test_llmft_tinys_default_context_fits_gsm8k_and_alpaca_records(capsys, tmp_p
     with pytest.raises(SystemExit):
         tiny.make_parser().parse_args(["--out", str(tmp_path), "--max_positions", "0"])
     assert "argument --max_positions: '0': give a whole number of tokens from 1 to 32768" in capsys.readouterr().err
+
+
+def test_plan_takes_the_data_format_flags_train_takes(capsys, tiny_model, tmp_path, monkeypatch):
+    """--prompt_template, --dataset_format, --role_map, --assistant_only_loss and --drop_long_records prepare the
+    data as llmft train's do, and ride in the --write line's EXTRA_ARGS; without --model they are refused."""
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    data = write_jsonl(gsm8k_like(40), tmp_path / "gsm.jsonl")
+    rc, out, err = llmft_plan(
+        capsys,
+        *("--model", tiny_model, "--gpu", "L4", "--host_ram_gb", 64, "--nproc_per_node", 1, "--global_batch_size", 8),
+        *("--dataset_name", data, "--prompt_template", "gsm8k", "--max_length", 32, "--drop_long_records"),
+        *("--write", tmp_path / "w"),
+    )
+    assert rc == 0, err
+    assert "prompt template gsm8k" in out and re.search(r"train data: \d+ of 40 records kept, 0 truncated, [1-9]", out)
+    line = (tmp_path / "w" / "sbatch.txt").read_text()
+    assert "--prompt_template gsm8k" in line and "--drop_long_records" in line, line
+    rc, _, err = llmft_plan(capsys, "--prompt_template", "gsm8k", "--assistant_only_loss", "false")
+    assert rc == 2 and "--prompt_template, --assistant_only_loss need --model" in err, err
