@@ -322,6 +322,22 @@ def test_a_template_that_renders_prefixes_differently_is_one_line_naming_the_fix
         tokenise_with_mask(tok, CHAT[1]["messages"], last_differs)
 
 
+def test_a_template_that_refuses_a_conversation_is_one_line(tmp_path, tok, sft_args):
+    import copy
+
+    strict = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    for marked in (False, True):  # llmft's mask, and TRL tokenising (a template with generation markers)
+        tok = copy.deepcopy(tok)
+        tok.chat_template = (
+            strict.replace("{{ m['content'] }}", "{% generation %}{{ m['content'] }}{% endgeneration %}")
+            if marked
+            else strict
+        )
+        with pytest.raises(DataError, match=r"the chat template refuses a conversation.*System role not supported"):
+            (tmp_path / str(marked)).mkdir()
+            prepared(tmp_path / str(marked), tok, sft_args, CHAT)
+
+
 def test_prompt_completion_and_alpaca_train_on_the_completion(tmp_path, tok, sft_args):
     out, lines = prepared(tmp_path, tok, sft_args, ALPACA)
     assert any("(alpaca -> prompt_completion, prompt template alpaca; loss on the completion)" in x for x in lines)

@@ -314,6 +314,7 @@ def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completio
     given the three things it reads from the trainer, set exactly as SFTTrainer's constructor sets them. The
     assistant-only mask of a template without {% generation %} markers is llmft's (llmft.data.masking: the data
     arrives tokenised, with TRL's `assistant_masks` column, and TRL builds the labels from it)."""
+    from jinja2 import TemplateError
     from trl import SFTTrainer
     from trl.trainer import sft_trainer
 
@@ -321,6 +322,8 @@ def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completio
     with _this_process_only(sft_trainer):
         try:
             return SFTTrainer._prepare_dataset(trainer_view, dataset, tokenizer, args, packing, None, name)
+        except TemplateError as e:  # the chat template's own checks (roles must alternate, ...)
+            raise DataError(masking.template_refuses(e)) from None
         except ValueError as e:  # TRL's own checks (e.g. packing without max_length)
             raise DataError(f"preparing the {name} data failed: {str(e).strip().splitlines()[0]}") from None
 

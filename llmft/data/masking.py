@@ -18,7 +18,18 @@ reasoning, or date the system prompt) has no such spans: that is one line naming
 
 from __future__ import annotations
 
+from jinja2 import TemplateError
+
 from llmft.data.loading import DataError
+
+
+def template_refuses(error: Exception, messages: list[dict] | None = None) -> str:
+    """The line for a conversation the chat template raises on (its own checks: roles must alternate, ...)."""
+    roles = f" (roles: {', '.join(t['role'] for t in messages)})" if messages else ""
+    return (
+        f"the chat template refuses a conversation{roles}: {str(error).strip().splitlines()[0][:200]}; fix those "
+        "records, or give a template that accepts them (--chat_template_path FILE.jinja)"
+    )
 
 
 def assistant_spans(
@@ -27,9 +38,12 @@ def assistant_spans(
     """(the rendered conversation, the character spans of its assistant turns)."""
 
     def render(turns, gen=False):
-        return tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=gen, chat_template=chat_template
-        )
+        try:
+            return tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=gen, chat_template=chat_template
+            )
+        except TemplateError as e:  # the template's own check (roles must alternate, ...)
+            raise DataError(template_refuses(e, messages)) from None
 
     full = render(messages)
     spans = []
