@@ -327,3 +327,7 @@ def test_a_dry_run_checks_the_sbatch_world_and_reads_a_local_models_config(tiny_
     ), proc.stdout + proc.stderr
     assert "give sbatch its options before the script" in run_script("--nodes=1", **fake_job_env(tmp_path)).stderr
     assert "submit with: sbatch --nodes=1 slurm/run_llm.slurm" in run_script("--nodes=1").stderr
+    # inside a container the paths may live in the image: not checked on the host
+    proc = run_script("DATASET=/data/in-image.jsonl", "MODEL=/models/org/in-image", CONTAINER_IMAGE="img", DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "model: /models/org/in-image not checked here (llmft runs inside CONTAINER_IMAGE=img)" in proc.stdout
