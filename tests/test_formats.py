@@ -74,6 +74,15 @@ CHATML_MARKED = (
 )
 
 
+def trl_template(name: str) -> str:
+    """A real model's chat template as TRL ships it (trl/chat_templates: Qwen2.5's, and TRL's training version)."""
+    from pathlib import Path
+
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+
+
 def write(tmp_path, rows, name="d.jsonl"):
     path = tmp_path / name
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -266,20 +275,33 @@ def test_a_jsonl_line_that_is_not_an_object_is_refused_before_datasets_reads_it(
 # --------------------------------------------------------------------------------------------------------- the masks
 
 
-@pytest.mark.parametrize("template", ["default", "chatml", "chatml_marked"])
-def test_chat_loss_is_on_the_assistant_turns_for_any_template(tmp_path, tok, sft_args, template):
+@pytest.mark.parametrize(
+    "template, mask_by",
+    [
+        ("default", "llmft"),  # llmft's default template: no markers, unknown to TRL
+        ("chatml", "llmft"),  # a ChatML template of our own: no markers, unknown to TRL
+        ("chatml_marked", "markers"),  # its {% generation %} version: transformers' mask
+        ("qwen2_5", "trl"),  # Qwen2.5's real template: no markers, TRL's training version of it
+        ("qwen2_5_training", "markers"),
+    ],
+)
+def test_chat_loss_is_on_the_assistant_turns_for_any_template(tmp_path, tok, sft_args, template, mask_by):
     import copy
 
     tok = copy.deepcopy(tok)
-    tok.chat_template = {"default": None, "chatml": CHATML, "chatml_marked": CHATML_MARKED}[template]
+    tok.chat_template = {"default": None, "chatml": CHATML, "chatml_marked": CHATML_MARKED}.get(template) or (
+        trl_template(template) if template.startswith("qwen") else None
+    )
     end = tok.eos_token if template == "default" else "<|im_end|>"
+    # TRL's Qwen2.5 training template marks the newline after the turn's header and after its end too
+    before, after = ("\n", "\n") if template.startswith("qwen") else ("", "")
     rows = CHAT + [{"messages": [{"role": "user", "content": "No reply here."}]}]
     out, lines = prepared(tmp_path, tok, sft_args, rows)
     assert any("1 train conversation(s) have no assistant turn and were dropped" in line for line in lines)
     assert any("(messages; loss on the assistant turns)" in line for line in lines)
     # independently: the loss spans are exactly each assistant reply and its end-of-turn token, in order
     for row, record in zip(out.train, CHAT):
-        expected = [t["content"] + end for t in record["messages"] if t["role"] == "assistant"]
+        expected = [before + t["content"] + end + after for t in record["messages"] if t["role"] == "assistant"]
         assert loss_spans(tok, row) == expected
         # and the whole sequence is the template's rendering of the conversation
         assert tok.decode(row["input_ids"]) == tok.apply_chat_template(record["messages"], tokenize=False)
@@ -302,6 +324,20 @@ def test_the_mask_matches_transformers_generation_markers(tok):
 
     marked = copy.deepcopy(tok)
     marked.chat_template = CHATML_MARKED
+    qwen = trl_template("qwen2_5")  # a real template: llmft's mask is each reply and its end-of-turn token
+    for record in CHAT:
+        ours = tokenise_with_mask(tok, record["messages"], qwen)
+        spans = loss_spans(
+            tok,
+            {
+                "input_ids": ours["input_ids"],
+                "labels": [t if m else -100 for t, m in zip(ours["input_ids"], ours["assistant_masks"])],
+            },
+        )
+        assert spans == [t["content"] + "<|im_end|>" for t in record["messages"] if t["role"] == "assistant"]
+        assert tok.decode(ours["input_ids"]) == tok.apply_chat_template(
+            record["messages"], tokenize=False, chat_template=qwen
+        )
     for record in CHAT:
         theirs = marked.apply_chat_template(
             record["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True

@@ -309,16 +309,21 @@ def assistant_only(opts: "DataOptions", shape: str) -> bool:
     return bool(opts.assistant_only_loss)
 
 
-def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completion_only: bool):
+def trl_prepare(
+    dataset, tokenizer, args, *, packing: bool, name: str, completion_only: bool, chat_template: str | None = None
+):
     """SFTTrainer._prepare_dataset itself (tokenise, labels from the completion/assistant masks, truncate, pack),
-    given the three things it reads from the trainer, set exactly as SFTTrainer's constructor sets them. The
-    assistant-only mask of a template without {% generation %} markers is llmft's (llmft.data.masking: the data
-    arrives tokenised, with TRL's `assistant_masks` column, and TRL builds the labels from it)."""
+    given the three things it reads from the trainer, set as SFTTrainer's constructor sets them (chat_template:
+    TRL's training template for an assistant-only loss, `tokenise_chat`). The assistant-only mask of a template
+    neither marked nor known to TRL is llmft's (llmft.data.masking: the data arrives tokenised, with TRL's
+    `assistant_masks` column, and TRL builds the labels from it)."""
     from jinja2 import TemplateError
     from trl import SFTTrainer
     from trl.trainer import sft_trainer
 
-    trainer_view = SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=completion_only)
+    trainer_view = SimpleNamespace(
+        _tokenizer=tokenizer, chat_template=chat_template, completion_only_loss=completion_only
+    )
     with _this_process_only(sft_trainer):
         try:
             return SFTTrainer._prepare_dataset(trainer_view, dataset, tokenizer, args, packing, None, name)
@@ -329,14 +334,21 @@ def trl_prepare(dataset, tokenizer, args, *, packing: bool, name: str, completio
 
 
 def tokenise_chat(dataset, tokenizer, args, *, name: str, assistant_only_loss: bool):
-    """Chat records tokenised with their assistant mask where TRL cannot make one: a template without
-    {% generation %} markers (llmft.data.masking renders each conversation prefix). Otherwise unchanged: TRL
-    tokenises (with transformers' mask for a marked template, or every token when assistant_only_loss is off)."""
-    from trl.chat_template_utils import has_generation_markers
+    """(chat records, the chat template TRL tokenises them with): where the loss is on the assistant turns, the mask
+    comes from the template's {% generation %} markers (transformers), else from TRL's training version of a
+    template TRL knows (what SFTTrainer itself does), else from llmft (llmft.data.masking renders each
+    conversation prefix; the records come back tokenised with their mask). Every token trains otherwise."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
     if not assistant_only_loss or has_generation_markers(tokenizer.chat_template):
-        return dataset
-    return masking.tokenise_dataset(dataset, tokenizer, name, num_proc=args.dataset_num_proc)
+        return dataset, None
+    try:
+        patched = get_training_chat_template(tokenizer)
+    except ValueError:  # a template TRL does not know ("not training-compatible")
+        patched = None
+    if patched:
+        return dataset, patched
+    return masking.tokenise_dataset(dataset, tokenizer, name, num_proc=args.dataset_num_proc), None
 
 
 def prepare_counted(
@@ -349,6 +361,7 @@ def prepare_counted(
     completion_only: bool,
     masked: bool,
     drop_long: bool = False,
+    chat_template: str | None = None,
 ):
     """(TRL's prepared split, its data fit): TRL tokenises and labels the records without truncating them, the fit is
     counted on those tokens (llmft.data.fit), then TRL's same preparation truncates, drops and packs them (it skips
@@ -361,6 +374,7 @@ def prepare_counted(
         packing=False,
         name=name,
         completion_only=completion_only,
+        chat_template=chat_template,
     )
     drop_long = bool(drop_long and args.max_length)
     keep, drops = data_fit.truncation_of(args.max_length, packing, args.packing_strategy, args.truncation_mode)
@@ -479,8 +493,9 @@ def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], No
     for split, records_of_split, split_packing in (("train", train, args.packing), ("eval", evaluation, eval_packing)):
         if records_of_split is None:
             continue
+        chat_template = None
         if shape == "messages":
-            records_of_split = tokenise_chat(
+            records_of_split, chat_template = tokenise_chat(
                 records_of_split, tokenizer, trl_args, name=split, assistant_only_loss=assistant_only_loss
             )
         prepared[split], fit[split] = prepare_counted(
@@ -492,6 +507,7 @@ def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], No
             completion_only=completion_only,
             masked=masked,
             drop_long=opts.drop_long_records,
+            chat_template=chat_template,
         )
     for split, ds in prepared.items():
         if len(ds) == 0:

@@ -1,8 +1,9 @@
 """The loss on a chat record's assistant turns, for any chat template.
 
 TRL (through transformers' `return_assistant_tokens_mask`) masks assistant turns only for templates that mark
-them with `{% generation %}`; most models' templates do not, and TRL's own patched templates cover a handful of
-models. For the others llmft renders each conversation prefix with the tokenizer's own template:
+them with `{% generation %}`; most models' templates do not, and TRL's own training versions cover a list of
+known templates (llmft.data.cache.tokenise_chat uses those first). For any other template llmft renders each
+conversation prefix with the tokenizer's own template:
 
     the text before assistant turn i  = render(messages[:i], add_generation_prompt=True)
     the text through assistant turn i = render(messages[:i + 1])
