@@ -479,6 +479,10 @@ def test_an_unknown_flag_names_the_closest_known_one():
             ["--max", "4"],
             "unknown flag --max: did you mean --max_steps, --max_length or --max_grad_norm? (flags match",
         ),
+        (
+            ["--nproc", "2"],
+            "unknown flag --nproc: did you mean --nproc_per_node? (flags match only by their full name)",
+        ),
     ],
 )
 def test_flags_match_only_by_their_full_name(argv, message, tmp_path):

@@ -380,9 +380,10 @@ class TrainParser(TrlParser):
         if not return_remaining_strings:  # HF's "Some specified arguments are not used" names no fix: llmft's does
             out, rest = out[:-1], out[-1]
             if rest:
-                raise FlagError(
-                    unknown_flag_message(rest, [s for a in self._actions for s in a.option_strings], self.prog)
-                )
+                known = [s for a in self._actions for s in a.option_strings]
+                if self.prog.endswith("train"):  # taken by llmft train before this parser (llmft.training.launcher)
+                    known.append("--nproc_per_node")
+                raise FlagError(unknown_flag_message(rest, known, self.prog))
         for obj in out:
             if hasattr(obj, "output_dir") and hasattr(obj, "save_total_limit"):  # SFTConfig: read by check_flags
                 obj.llmft_output_dir_given = self.output_dir_given
