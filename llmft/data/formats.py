@@ -329,7 +329,8 @@ def _templated(ds, found: str, prompt_template: str | None):
     if absent:
         raise DataError(
             f"prompt template {name} names field(s) {', '.join(absent)}, not in the records (columns: "
-            f"{', '.join(sorted(columns))}); map them with --prompt_column/--completion_column or write a --prompt_template over these fields"
+            f"{', '.join(sorted(columns))}); write a --prompt_template over these fields"
+            + (" (e.g. 'Question: {field}\\nAnswer:' and --completion_column)" if preset else "")
         )
     used = [f for f in ds.column_names if f in set(needed) | (preset.fields() if preset else set())]
     for col in dict.fromkeys(needed):
