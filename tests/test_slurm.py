@@ -535,10 +535,10 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
         assert text.count("error:") == 1, text
         if not message.startswith("llmft plan"):
             assert text.splitlines()[0].startswith("run_llm.slurm: error:"), text  # before anything else
-        if "DATASET=missing.jsonl" in message:  # and the job's last line: no rank, no srun blamed after it
-            assert text.strip().splitlines() == [text.splitlines()[0]] and str(cwd) in text, text
         else:
             assert re.search(r"nearest|use|try|install", text.split("llmft plan: error:")[1]), text
+        if "DATASET=missing.jsonl" in message:  # and the job's last line: no rank, no srun blamed after it
+            assert text.strip().splitlines() == [text.splitlines()[0]] and str(cwd) in text, text
         if "--mem=300" in args:  # the limit and the flag that fixes it
             assert re.search(
                 r"the job's allocation is the limit \(SLURM_MEM_PER_NODE=300 MB\): ask Slurm for \d+ GiB per node "
