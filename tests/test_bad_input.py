@@ -142,6 +142,46 @@ CASES = [
         "bad.jsonl: line 3 is not valid JSON",
     ),
     Case("train", "data_file_empty", lambda w: ["--dataset_name", w.file("empty.jsonl", "")], "empty.jsonl is empty"),
+    Case(  # FastChat's ShareGPT, its turns' text in a string column by mistake
+        "train",
+        "messages_column_is_a_string",
+        lambda w: [
+            "--dataset_name",
+            w.file("qa.jsonl", '{"question": "2+2?", "answer": "4"}\n'),
+            "--messages_column",
+            "question",
+        ],
+        "column 'question' holds string values, not a list of turns",
+    ),
+    Case(
+        "train",
+        "chat_role_unknown",
+        lambda w: [
+            "--dataset_name",
+            w.file(
+                "sg.jsonl", '{"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "Yo"}]}\n'
+            ),
+        ],
+        "record 1, turn 2: role 'bot' is not one llmft knows",
+    ),
+    Case(
+        "train",
+        "chat_conversation_empty",
+        lambda w: [
+            "--dataset_name",
+            w.file(
+                "chat.jsonl",
+                '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}\n{"messages": []}\n',
+            ),
+        ],
+        "1 record(s) have an empty conversation in 'messages' (first: record 2); remove them",
+    ),
+    Case(
+        "train",
+        "messages_column_missing",
+        lambda w: ["--messages_column", "dialog"],
+        "column(s) dialog not in the dataset",
+    ),
     Case(
         "train",
         "data_file_missing",
@@ -426,6 +466,20 @@ CASES = [
         "task_data_not_a_pair",
         lambda w: [w.run_dir(), "--tasks", "gsm8k", "--task_data", "gsm8k"],
         "--task_data 'gsm8k': use TASK=FILE, TASK:SPLIT=FILE or TASK=DIR",
+    ),
+    Case(
+        "eval",
+        "task_data_lines_are_arrays",
+        lambda w: [
+            w.run_dir(),
+            "--tasks",
+            "gsm8k",
+            "--num_fewshot",
+            "0",
+            "--task_data",
+            "gsm8k=" + w.file("a.jsonl", "[1, 2]\n"),
+        ],
+        "a.jsonl: line 1 is a JSON list, not an object",
     ),
     Case(
         "eval",

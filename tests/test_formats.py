@@ -480,3 +480,27 @@ def test_every_mixture_source_is_recognised_as_its_own_format(tmp_path):
         cache.check_options(
             cache.DataOptions(dataset_name=None, dataset_mixture=str(tmp_path / "mix.yaml"), prompt_template="gsm8k")
         )
+
+
+def test_llmft_prepare_show_works_for_a_mixture(tiny_model, tmp_path, capsys, monkeypatch):
+    """--show on a --dataset_mixture: each source in its own format, the loss of each where that format puts it."""
+    import yaml
+
+    from llmft.cli import main
+
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    spec = tmp_path / "mix.yaml"
+    sources = [
+        {"path": str(write(tmp_path, ALPACA, "alpaca.jsonl")), "weight": "all"},
+        {"path": str(write(tmp_path, GSM8K, "gsm.jsonl")), "prompt_template": "gsm8k", "weight": "all"},
+    ]
+    spec.write_text(yaml.safe_dump({"datasets": sources}))
+    argv = ["prepare", "--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path / "o")]
+    assert main([*argv, "--dataset_mixture", str(spec), "--show", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "prepared now (none was cached for these flags); the loss is on the text between « and »" in out
+    assert "--- record 5 of 5:" in out
+    assert "### Input:\nTwitter, Instagram, Telegram\n\n### Response:\n«Telegram<|endoftext|>»" in out  # Alpaca's
+    assert "Question: What is 4 plus 8?\nAnswer:« 4 + 8 = 12\n#### 12<|endoftext|>»" in out  # GSM8K's
+    records = out.split("--- record 1 of 5:", 1)[1]
+    assert records.count("«") == records.count("»") == 5  # one completion each: nothing else carries loss
