@@ -100,7 +100,7 @@ POLICY: dict[str, tuple[str, str]] = {
         "llmft.checkpoint.run_dir.resolve_resume; an explicit path also continues a run on purpose",
     ),
     **_table(USED, "model_init_kwargs trust_remote_code", "merged into the model load"),
-    **_table(USED, "dataset_text_field", "the text column (llmft.data.loading.shape_for_sft)"),
+    **_table(USED, "dataset_text_field", "the text column (llmft.data.formats.shape_for_sft)"),
     "max_length": (CHECKED, "capped at the model's positions (logged); must be positive"),
     "seed": (USED, "also picks the --data_percentage subset"),
     "num_train_epochs": (CHECKED, "must be positive unless --max_steps is"),
