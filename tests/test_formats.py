@@ -504,3 +504,20 @@ def test_llmft_prepare_show_works_for_a_mixture(tiny_model, tmp_path, capsys, mo
     assert "Question: What is 4 plus 8?\nAnswer:« 4 + 8 = 12\n#### 12<|endoftext|>»" in out  # GSM8K's
     records = out.split("--- record 1 of 5:", 1)[1]
     assert records.count("«") == records.count("»") == 5  # one completion each: nothing else carries loss
+
+
+def test_a_mixtures_sources_are_checked_once_on_rank_0(tmp_path, monkeypatch):
+    """A source whose lines are not objects stops rank 0 before any model loads; the other ranks do not read every
+    source again (they hear of it through rank 0's exit)."""
+    import yaml
+
+    spec = tmp_path / "mix.yaml"
+    arrays = tmp_path / "arrays.jsonl"
+    arrays.write_text('["a", "b"]\n')
+    spec.write_text(yaml.safe_dump({"datasets": [{"path": str(arrays), "weight": "all"}]}))
+    opts = cache.DataOptions(dataset_name=None, dataset_mixture=str(spec))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(DataError, match=r"arrays.jsonl: line 1 is a JSON list, not an object"):
+        cache.check_options(opts)
+    monkeypatch.setenv("RANK", "1")
+    cache.check_options(opts)  # the YAML read, no source

@@ -149,7 +149,7 @@ def check_format_options(opts: DataOptions) -> None:
 
 def check_mixture_options(opts: DataOptions) -> None:
     """A mixture replaces --dataset_name and the per-dataset flags (they go per source in its YAML); its sources
-    are read and mapped here, so a bad mixture stops the run before any model loads."""
+    are read and mapped here on rank 0, so a bad mixture stops the run before any model loads."""
     given = [
         flag
         for flag, value in (
@@ -170,9 +170,12 @@ def check_mixture_options(opts: DataOptions) -> None:
             f"--dataset_mixture lists the datasets: drop {', '.join(given)} (per source in the mixture YAML: "
             "path, config, columns, format, prompt_template, percentage)"
         )
-    mixture.load_sources(
-        mixture.read_mixture(opts.dataset_mixture, opts.seed), opts.text_field, role_map=opts.role_map
-    )
+    spec = mixture.read_mixture(opts.dataset_mixture, opts.seed)
+    # The sources are read and checked (formats, JSON Lines objects) where the data is prepared, once: on rank 0,
+    # before any model loads. The other ranks hear of a bad source through rank 0's exit (torchrun ends the group)
+    # instead of each reading every source again.
+    if os.environ.get("RANK", "0") == "0":
+        mixture.load_sources(spec, opts.text_field, role_map=opts.role_map)
 
 
 def apply_tokenizer_options(tokenizer, args) -> None:
