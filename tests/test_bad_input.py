@@ -97,7 +97,7 @@ CASES = [
         "dataset_name_with_dataset_mixture",  # else the mixture would train while the log named the dataset
         lambda w: ["--dataset_mixture", w.file("mix.yaml", f"datasets:\n  - path: {w.data}\n    weight: 1\n")],
         "--dataset_mixture lists the datasets: drop --dataset_name (per source in the mixture YAML: path, config, "
-        "columns, percentage)",
+        "columns, format, prompt_template, percentage)",
     ),
     Case(  # argparse would have run it as --max_steps 4
         "train",
