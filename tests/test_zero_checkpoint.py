@@ -29,6 +29,9 @@ def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from llmft.training.deepspeed_env import skip_deepspeed_shm_op
+
+    skip_deepspeed_shm_op()  # as llmft train does: no minute-long CPU shared-memory op build; checkpoints are unchanged
     for spec in specs:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if spec.endswith("wide"):  # ~50 MB of fp32 weights: large enough to measure memory against
@@ -62,11 +65,23 @@ def write_checkpoints(out: Path, model_dir: Path, specs: list[str]) -> None:
             ref = {k: masters.get(v.data_ptr(), v).detach().clone() for k, v in engine.module.state_dict().items()}
             torch.save(ref, out / spec / "engine_weights.pt")
     torch.distributed.barrier()
-    # Destroyed before the interpreter finalizes: a live gloo group's worker threads can still drop tensors that hold
-    # Python references then, and a thread that needs the GIL during finalization is ended by pthread_exit, whose
-    # forced unwind through a noexcept destructor calls std::terminate ("terminate called without an active
-    # exception", SIGABRT). That aborted one rank of this writer's 3-rank run under Python 3.12.1 in CI.
     torch.distributed.destroy_process_group()
+
+
+def leave_without_finalizing() -> None:
+    """End a writer rank once its files are closed, without interpreter finalization.
+
+    destroy_process_group() does not stop the gloo threads: DeepSpeed keeps references to its groups, and two
+    gloo_tcp_loop and four pt_gloo_runloop threads per rank are still running after it and after gc.collect() (seen
+    in /proc/self/task). A gloo thread alive while the interpreter finalizes can abort the rank (SIGABRT, "terminate
+    called without an active exception"): it did in this writer's 3-rank run in CI, under Python 3.12.1 and again
+    under 3.11.2, after destroy_process_group() had been added. Every checkpoint file is written and closed by
+    then, so nothing is lost by skipping finalization."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:
@@ -86,7 +101,7 @@ def write_fixture(out: Path, model_dir: Path) -> Path:
     for nproc, target, specs in ((2, out, [*SPECS, MEMORY_SPEC]), (3, out / "ranks3", SPECS_3_RANKS)):
         torchrun = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
         args = ["--master_port", str(free_port()), __file__, str(target), str(model_dir), *specs]
-        run([*torchrun, *args], timeout=900, check=True)
+        run([*torchrun, *args], timeout=900, check=True, PYTHONFAULTHANDLER="1")  # Python stacks if a rank aborts
     return out
 
 
@@ -392,3 +407,4 @@ if __name__ == "__main__":
         write_fixture(Path(sys.argv[2]) / "ds_ckpt", make_model_dir(Path(sys.argv[2]) / "model"))
     else:  # under torchrun: the writer
         write_checkpoints(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
+        leave_without_finalizing()
