@@ -300,7 +300,26 @@ def test_task_data_paths_and_overrides(tmp_path):
     test = write_jsonl(gsm8k_records(2, 1), tmp_path / "d" / "test.jsonl")
     train = write_jsonl(gsm8k_records(2, 2), tmp_path / "d" / "train.jsonl")
     assert ev.parse_task_data([f"gsm8k={test}", f"gsm8k:train={train}"]) == {"gsm8k": {None: test, "train": train}}
-    manager = TaskManager()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "my_qa.yaml").write_text(
+        "task: my_qa\ndataset_path: json\noutput_type: generate_until\ndoc_to_text: '{{question}}'\n"
+        "doc_to_target: '{{answer}}'\n"
+    )
+    manager = TaskManager(include_path=str(mine))  # the harness's own index
+    # llmft's (its walk of the harness's tasks kept for the process) is the same index
+    ours = ev.new_task_manager(str(mine))
+    assert (ours.all_tasks, ours.all_subtasks, ours.all_groups, ours.all_tags) == (
+        manager.all_tasks,
+        manager.all_subtasks,
+        manager.all_groups,
+        manager.all_tags,
+    )
+    assert {k: (e.kind, e.yaml_path, e.tags) for k, e in ours.task_index.items()} == {
+        k: (e.kind, e.yaml_path, e.tags) for k, e in manager.task_index.items()
+    }
+    assert ours.task_index["my_qa"].yaml_path == mine / "my_qa.yaml"
+    assert "my_qa" not in ev.new_task_manager(None).all_tasks  # an include path is not kept for the next manager
     cfg = {"test_split": "test", "training_split": "train", "fewshot_split": "train", "num_fewshot": 5}
     assert ev.split_files("gsm8k", cfg, {None: tmp_path / "d"}) == {
         "test": test,
@@ -323,6 +342,7 @@ def test_task_data_paths_and_overrides(tmp_path):
         "training_split": None,
         "fewshot_split": None,
     }
+    assert ev.new_task_manager([str(mine), str(written)]).task_index["gsm8k"].yaml_path == written / "gsm8k.yaml"
     assert (
         ev.eval_batch_size("auto", "cuda:0") == "auto"
         and ev.eval_batch_size("auto", "cpu") == 8
