@@ -128,30 +128,10 @@ def _count_nonempty(ds, column: str) -> int:
     return sum(1 for v in ds[column] if _nonempty(v))
 
 
-def shape_for_sft(
-    ds,
-    *,
-    prompt_column: str | None = None,
-    completion_column: str | None = None,
-    messages_column: str | None = None,
-    text_field: str = "text",
-    dataset_format: str | None = None,
-    prompt_template: str | None = None,
-    role_map: str | None = None,
-    shaped: list | None = None,
-):
-    """(records in TRL's columns, TRL's shape): `to_sft`, with what the records were (a `Shaped`: format, template,
-    lines to say) appended to `shaped` when given."""
-    ds, info = to_sft(
-        ds,
-        prompt_column=prompt_column,
-        completion_column=completion_column,
-        messages_column=messages_column,
-        text_field=text_field,
-        dataset_format=dataset_format,
-        prompt_template=prompt_template,
-        role_map=role_map,
-    )
+def shape_for_sft(ds, *, shaped: list | None = None, **flags):
+    """(records in TRL's columns, TRL's shape): `to_sft` with the same keyword flags, with what the records were (a
+    `Shaped`: format, template, lines to say) appended to `shaped` when given."""
+    ds, info = to_sft(ds, **flags)
     if shaped is not None:
         shaped.append(info)
     return ds, info.shape

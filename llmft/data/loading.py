@@ -54,18 +54,24 @@ def check_jsonl(path: Path) -> int:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or delete that line"
-                ) from None
-            if not isinstance(record, dict):
-                raise DataError(
-                    f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object; each line must be one {{...}} record"
-                )
+            json_object_line(path, lineno, line)
             count += 1
     return count
+
+
+def json_object_line(path: Path, lineno: int, line: str) -> dict:
+    """Line `lineno` of a JSON Lines file as its record, or the DataError naming it: not JSON, or not an object."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or delete that line"
+        ) from None
+    if not isinstance(record, dict):
+        raise DataError(
+            f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object; each line must be one {{...}} record"
+        )
+    return record
 
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
@@ -105,15 +111,8 @@ def _describe_line(path: Path, lineno: int) -> None:
         for n, line in enumerate(f, start=1):
             if n == lineno:
                 break
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(
-            f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); fix or delete that line"
-        ) from None
-    raise DataError(
-        f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object; each line must be one {{...}} record"
-    )
+    json_object_line(path, lineno, line)
+    raise DataError(f"{path}: line {lineno} does not start with '{{'; each line must be one {{...}} record")
 
 
 def check_utf8(path: Path) -> None:
