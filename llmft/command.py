@@ -60,3 +60,29 @@ def report_error(command: str, error: LlmftError | str, *, all_ranks: bool = Fal
     if all_ranks or rank0():
         print(line, file=sys.stderr, flush=True)
     return USER_ERROR_EXIT
+
+
+def exit_process(code: int | None) -> None:
+    """End a training process with `code` once everything it wrote is out, without interpreter finalization.
+
+    The gloo threads of a process group outlive destroy_process_group(): DeepSpeed keeps references to its groups,
+    and two gloo_tcp_loop and four pt_gloo_runloop threads per rank were still running at the end of a finished
+    2-process `llmft train` (/proc/self/task). They end only when the groups are freed, during finalization, and a
+    thread that ends there can abort the rank (SIGABRT, "terminate called without an active exception": seen in CI
+    in a 3-rank DeepSpeed script), which torchrun reports as a failed rank of a finished run. So what finalization
+    would do for the run is done here first: non-daemon threads joined, exit handlers run (W&B's finish, logging's
+    flush, multiprocessing's children), the streams flushed; then the process leaves."""
+    import atexit
+    import os
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
+            pass
+    os._exit(0 if code is None else code)

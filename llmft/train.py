@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.checkpoint import run_dir
-from llmft.command import report_error
+from llmft.command import exit_process, report_error
 from llmft.data import loading as data
 from llmft.data.cache import DataOptions, Prepared, check_options, prepare, write_run_record
 from llmft.data.mixture import mixture_fingerprint, read_mixture
@@ -702,5 +702,5 @@ def cli(parser, argv: list[str] | None = None) -> int:
     return main(*parsed)
 
 
-if __name__ == "__main__":
-    sys.exit(cli(make_parser()))
+if __name__ == "__main__":  # every rank torchrun starts (`-m llmft.train`)
+    exit_process(cli(make_parser()))

@@ -289,3 +289,42 @@ def test_this_machines_deepspeed_op_flags_are_unchanged_by_reading_proc_cpuinfo(
     assert {"avx2", "avx512f"} & set(real["flags"]) == {"avx2", "avx512f"} & set(ours["flags"])
     assert use_proc_cpuinfo_for_deepspeed("/nonexistent/cpuinfo") is False
     assert use_proc_cpuinfo_for_deepspeed(env={"LLMFT_PY_CPUINFO": "1"}) is False
+
+
+def test_a_training_process_ends_with_its_code_after_its_exit_work_and_without_finalization(tmp_path):
+    """llmft.train's ranks end through llmft.command.exit_process: the gloo threads DeepSpeed's groups leave behind
+    (still running after destroy_process_group; a bare torch group's end with it) are never met by interpreter
+    finalization, where one can abort the rank; what finalization would have done for the run (non-daemon threads,
+    exit handlers, flushed output) is done first."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import atexit, os, sys, threading, time
+        import torch.distributed as dist
+        from llmft.command import exit_process
+        from llmft.planning.world import free_port
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.all_reduce(__import__("torch").ones(4))
+        dist.destroy_process_group()
+
+        class Finalized:
+            def __del__(self):
+                print("finalized")  # interpreter finalization would print this
+
+        keep = Finalized()
+        atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").write("ran"))
+        writer = threading.Thread(target=lambda: (time.sleep(0.5), open({str(tmp_path / "thread")!r}, "w").write("done")))
+        writer.start()
+        sys.stdout.write("unflushed line")
+        exit_process(3)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "unflushed line"  # flushed, and no finalization (it would print "finalized")
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"

@@ -144,8 +144,8 @@ def test_every_script_that_starts_a_process_group_destroys_it():
     exception"), and torchrun reports such a rank as failed. So every file of llmft, its tests and its benchmarks that
     starts a group also ends it (destroy_process_group, or transformers' Trainer.end(), which calls it). Ending the
     group is not enough on its own: its gloo threads outlive destroy_process_group() (DeepSpeed keeps references to
-    its groups), which is why tests/test_zero_checkpoint.py's writer, whose 3-rank run aborted so in CI, also leaves
-    without interpreter finalization (leave_without_finalizing)."""
+    its groups), which is why llmft.train's ranks and tests/test_zero_checkpoint.py's writer, whose 3-rank run aborted
+    so in CI, also leave without interpreter finalization (llmft.command.exit_process)."""
     root = PACKAGE.parent
     missing = []
     for path in sorted([*PACKAGE.rglob("*.py"), *(root / "tests").glob("*.py"), *(root / "bench").glob("*.py")]):
