@@ -70,15 +70,15 @@ def exit_process(code: int | None) -> None:
     2-process `llmft train` (/proc/self/task). They end only when the groups are freed, during finalization, and a
     thread that ends there can abort the rank (SIGABRT, "terminate called without an active exception": seen in CI
     in a 3-rank DeepSpeed script), which torchrun reports as a failed rank of a finished run. So what finalization
-    would do for the run is done here first: non-daemon threads joined, exit handlers run (W&B's finish, logging's
-    flush, multiprocessing's children), the streams flushed; then the process leaves."""
+    would do for the run is done here first, in its order: threading's shutdown (its own exit hooks, which stop
+    thread pools such as torch.compile's, then a join of the non-daemon threads: joined first, a compiled run's pool
+    threads waited forever), the exit handlers (W&B's finish, logging's flush, multiprocessing's children), the
+    streams flushed; then the process leaves."""
     import atexit
     import os
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # what the interpreter calls first at exit (Py_FinalizeEx)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -320,11 +320,14 @@ def test_a_training_process_ends_with_its_code_after_its_exit_work_and_without_f
         atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").write("ran"))
         writer = threading.Thread(target=lambda: (time.sleep(0.5), open({str(tmp_path / "thread")!r}, "w").write("done")))
         writer.start()
+        import concurrent.futures  # an idle pool's non-daemon workers (torch.compile keeps one): stopped, not waited on
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        pool.submit(lambda: None).result()
         sys.stdout.write("unflushed line")
         exit_process(3)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)  # never hangs
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "unflushed line"  # flushed, and no finalization (it would print "finalized")
     assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"

@@ -83,11 +83,19 @@ if [[ -s "$pids_file" ]]; then
   # A job's processes that outlived it: this cluster tracks them as Slurm's proctrack/linuxproc does, by parentage, so
   # a process reparented when Slurm killed its parent escapes the step's kill (a hung rank whose torchrun was killed).
   # On a real cluster proctrack/cgroup ends them; here they would hold their memory until the machine restarts.
-  mapfile -t leftovers < <(job_leftovers "$state/slurm.conf")
-  if (( ${#leftovers[@]} > 0 )); then
+  # A killed process stays in /proc, its environment readable, until it has released its memory (a moment, longer
+  # on a loaded machine: a CI run once found one there right after the kill), and a dying parent may have started
+  # another: so each kill is waited for (up to 10 s) and the scan repeated.
+  for _ in 1 2 3; do
+    mapfile -t leftovers < <(job_leftovers "$state/slurm.conf")
+    (( ${#leftovers[@]} > 0 )) || break
     echo "ending ${#leftovers[@]} process(es) of this cluster's jobs that outlived them: ${leftovers[*]}"
     kill -KILL "${leftovers[@]}" 2>/dev/null || true
-  fi
+    for _ in $(seq 1 50); do
+      [[ -z "$(job_leftovers "$state/slurm.conf")" ]] && break
+      sleep 0.2
+    done
+  done
   : > "$pids_file"
   echo "local Slurm cluster in $state stopped"
 else
