@@ -1,0 +1,82 @@
+"""bench/gpu_suite.py, the one prepared GPU run, proven on CPU first (--dry_run): a GPU minute is never lost to a bug."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from conftest import PYTHON, REPO, run
+
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def rows_of(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_the_dry_run_measures_every_setting_llmft_beside_plain_trl(tmp_path):
+    """Every setting of the GPU run runs on CPU with a tiny Llama through the same code: llmft and the plain TRL
+    script each write their rates, the plain rows carry the llmft / plain ratio, and every row is kept as it comes."""
+    from gpu_suite import settings
+
+    proc = run([PYTHON, "bench/gpu_suite.py", "--dry_run", "--steps", "2", "--out", str(tmp_path)], timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = rows_of(tmp_path)
+    assert [r["name"] for r in rows] == [s.name for s in settings(dry=True)]
+    for r in rows:
+        if r["name"] == "packed-liger" and "error" in r:  # Liger is a GPU extra
+            assert r["error"] == "not run: liger_kernel is not installed here"
+            continue
+        assert "error" not in r, r
+        assert r["tokens_per_second"] > 0 and r["wall"] > 0, r
+        assert r["mfu"] is None and r["peak_gpu_memory_gib"] is None  # no GPU: said as n/a, never made up
+    assert all(r["startup_seconds"] for r in rows if r["who"] == "llmft" and "error" not in r)
+    text = (tmp_path / "table.md").read_text()
+    assert "DRY RUN (CPU, tiny Llama)" in text
+    assert text.count("(llmft / plain)") == 2  # the default and the packed pair
+    # the plain script trained with the DeepSpeed config llmft resolved for the same setting
+    plain_log = (tmp_path / "log.txt").read_text()
+    assert str(tmp_path / "runs" / "default" / "ds_config.json") in plain_log
+
+
+def test_a_run_past_the_budget_is_recorded_not_started(tmp_path):
+    """A lent GPU's minutes run out: the rows not reached are written as such, and the suite still ends 0."""
+    proc = run([PYTHON, "bench/gpu_suite.py", "--dry_run", "--budget_s", "0", "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = rows_of(tmp_path)
+    assert rows and all(r["error"] == "not run: past --budget_s 0" for r in rows)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_without_cuda_the_real_run_refuses_and_says_how_to_check_on_cpu(tmp_path):
+    proc = run([PYTHON, "bench/gpu_suite.py", "--out", str(tmp_path)], timeout=300, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 2 and "--dry_run" in proc.stdout
+
+
+def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
+    """What the lent minutes go to first: the default path against plain TRL, then packed, the MFU levers, 8B LoRA
+    at sequence 4096, and the start-up on an empty op cache; the 1B runs at sequence 2048, micro-batch 8 x 4."""
+    from gpu_suite import SHAPES, plain_arch_list, settings
+
+    real = settings(dry=False)
+    assert [s.name for s in real] == [
+        "default",
+        "default-plain",
+        "packed",
+        "packed-plain",
+        "packed-liger",
+        "packed-compile",
+        "packed-micro16",
+        "8b-lora",
+        "startup",
+    ]
+    one_b = [s for s in real if s.model == "llama-3.2-1b"]
+    assert {(s.max_length, s.micro_batch * s.grad_accum) for s in one_b} == {(2048, 32)}
+    assert {s.micro_batch for s in one_b} == {8, 16}
+    [lora] = [s for s in real if s.name == "8b-lora"]
+    assert lora.model == "llama-3.1-8b" and lora.max_length == 4096 and lora.packing and "all-linear" in lora.flags
+    assert SHAPES["llama-3.2-1b"]["vocab_size"] == SHAPES["llama-3.1-8b"]["vocab_size"] == 128256
+    assert [s.pair for s in real if s.who == "plain"] == ["default", "packed"]
+    # the GPU image's TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed's builder cannot read, is fixed for the plain script
+    assert plain_arch_list({"TORCH_CUDA_ARCH_LIST": "9.0a"}) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
+    assert plain_arch_list({"TORCH_CUDA_ARCH_LIST": "9.0"}) == {} and plain_arch_list({}) == {}
