@@ -28,6 +28,7 @@ $(VENV)/.installed: setup.cfg constraints.txt | check-python  # after it: it may
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q -c constraints.txt torch
 	$(PIP) install -q --no-build-isolation -c constraints.txt -e '.[test]'
+	$(PY) -m llmft.prebuild  # DeepSpeed's GPU ops compiled in once where torch has CUDA (else one line says why not)
 	touch $@
 
 demo: venv

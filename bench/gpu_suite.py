@@ -12,8 +12,10 @@ and optimizer are the same), on the same model, data, batch numbers and steps:
 3. levers:   on the packed run: Liger's fused linear cross-entropy, torch.compile, micro-batch 16 against 8;
 4. 8b-lora:  a Llama-3.1-8B-shaped model, LoRA r=16 on every linear layer, sequence 4096, packed, gradient
              checkpointing: tokens/s per GPU and peak memory against `llmft plan`'s estimate;
-5. startup:  a default run whose DeepSpeed op cache is empty (a fresh node after llmft's install step): its start-up
-             phases, against the 67 s (40 of them building FusedAdam) measured on an H100 before.
+5. startup:  llmft's install step (`llmft prebuild`: DeepSpeed reinstalled from source with FusedAdam and CPUAdam
+             built in), timed, then a default run whose op cache is empty (a fresh node after that install step):
+             its start-up phases, against the 67 s (40 of them building FusedAdam) measured on an H100 before. The
+             first run of the suite (default) is the job before the install step: it compiles FusedAdam itself.
 
 The 1-4 model is Llama-3.2-1B's shape (1.24B parameters, vocabulary 128,256, tied embeddings), built from its config
 with random bf16 weights; the data is GSM8K-shaped prompt/completion records generated in code (questions of 40-150
@@ -80,7 +82,7 @@ class Setting:
     """One row: who trains (llmft or plain), on what, with which flags."""
 
     name: str
-    who: str  # "llmft" | "plain"
+    who: str  # "llmft" | "plain" | "prebuild" (the install step, timed)
     model: str  # a SHAPES key
     max_length: int
     micro_batch: int
@@ -119,6 +121,7 @@ def settings(dry: bool) -> list[Setting]:
         Setting("packed-compile", "llmft", small, seq, mb, acc, True, ["--torch_compile", "true"], pair="packed"),
         Setting("packed-micro16", "llmft", small, seq, 2 * mb, acc // 2, True, pair="packed"),
         Setting("8b-lora", "llmft", big, big_seq, 1 if dry else 2, acc, True, [*lora, "--gradient_checkpointing"]),
+        Setting("prebuild", "prebuild", small, seq, mb, acc),  # llmft's install step: `llmft prebuild`
         Setting("startup", "llmft", small, seq, mb, acc, env={"cold_op_cache": "1"}),
     ]
 
@@ -279,8 +282,9 @@ def table(rows: list[dict], head: str) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if r.get("error"):
-            lines.append(f"| {r['name']} | {r['error']} | | | | | | | {r.get('wall', 0):.0f} |")
+        if r.get("error") or r["who"] == "prebuild":
+            said = r.get("error") or (r["said"][-1] if r["said"] else "")
+            lines.append(f"| {r['name']} | {said} | | | | | | | {r.get('wall', 0):.0f} |")
             continue
         base = by_name.get(r.get("pair") or "")
         ratio = ""
@@ -304,12 +308,22 @@ def table(rows: list[dict], head: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_suite")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_suite", help="models, data and runs (gigabytes)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="where results.jsonl, table.md, log.txt and each run's summary go as they come (default: --out); a "
+        "device call's $OUT, which brings back what is there even when the call is cut short",
+    )
     p.add_argument("--dry_run", action="store_true", help="the same code path on CPU with a tiny Llama")
     p.add_argument("--budget_s", type=float, default=540, help="start no run past this many seconds")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; dry run 3)")
     p.add_argument("--only", nargs="+", default=None, help="run only these settings (names from the table)")
     a = p.parse_args()
+    unknown = sorted(set(a.only or ()) - {s.name for s in settings(a.dry_run)})
+    if unknown:
+        p.error(f"--only {' '.join(unknown)}: no such setting; known: {' '.join(s.name for s in settings(a.dry_run))}")
     if a.dry_run:  # on CPU even on a GPU machine: this process and every run it starts
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
@@ -322,6 +336,8 @@ def main() -> int:
     start = time.perf_counter()
     steps = a.steps or (3 if a.dry_run else 12)
     a.out.mkdir(parents=True, exist_ok=True)
+    kept = a.results or a.out
+    (kept / "summaries").mkdir(parents=True, exist_ok=True)
     from llmft.data.synthetic import make_tokenizer
 
     tokenizer = make_tokenizer()
@@ -331,7 +347,7 @@ def main() -> int:
         "optimizer steps a run (rates from step 2 on), GSM8K-shaped records"
     )
     print(head, flush=True)
-    results, rows = a.out / "results.jsonl", []
+    results, rows = kept / "results.jsonl", []
     results.write_text("")
     for s in settings(a.dry_run):
         if a.only and s.name not in a.only:
@@ -348,7 +364,9 @@ def main() -> int:
             env = dict(s.env)
             if env.pop("cold_op_cache", None) and not a.dry_run:
                 env["TORCH_EXTENSIONS_DIR"] = str(out.parent / "empty-op-cache")  # a fresh node's
-            if s.who == "plain":
+            if s.who == "prebuild":
+                cmd = [PYTHON, "-m", "llmft.prebuild"]
+            elif s.who == "plain":
                 ds_config = a.out / "runs" / s.pair / "ds_config.json"  # what llmft resolved for the same setting
                 env.update(plain_arch_list(os.environ))
                 env.setdefault("TORCH_EXTENSIONS_DIR", str(llmft_op_cache()))  # the FusedAdam llmft's run built
@@ -362,20 +380,28 @@ def main() -> int:
                 out,
                 check=False,
                 timeout=max(60.0, a.budget_s - elapsed + 120),
-                log=a.out / "log.txt",
+                log=kept / "log.txt",
                 **env,
             )
             row["wall"] = r.wall
-            failure = r.failure() if s.who == "llmft" else plain_failure(r, out)
+            failure = {
+                "llmft": r.failure,
+                "plain": lambda: plain_failure(r, out),
+                "prebuild": lambda: exit_failure(r),
+            }[s.who]()
             if failure:
                 row["error"] = f"failed ({failure})"
+            elif s.who == "prebuild":
+                row["said"] = [line for line in r.stdout.splitlines() if line.startswith("llmft prebuild:")]
             else:
+                summary = out / ("plain_summary.json" if s.who == "plain" else "run_summary.json")
+                (kept / "summaries" / f"{s.name}.json").write_bytes(summary.read_bytes())
                 row.update(measured(s, out))
                 row["plan_gib"] = plan_estimate(s, model)
         rows.append(row)
         with open(results, "a") as f:
             f.write(json.dumps(row) + "\n")
-        (a.out / "table.md").write_text(table(rows, head))
+        (kept / "table.md").write_text(table(rows, head))
         print(table(rows, head).splitlines()[-1], flush=True)
     print("\n" + table(rows, head))
     print(f"before: a fresh H100 node's first job started in {STARTUP_BEFORE_S} s (40 s of it building FusedAdam)")
@@ -384,9 +410,9 @@ def main() -> int:
 
 def plain_arch_list(environ) -> dict:
     """The plain script's TORCH_CUDA_ARCH_LIST: GPU images set targets like 9.0a, on which DeepSpeed 0.19 cannot build
-    FusedAdam (llmft rewrites them itself: llmft.training.deepspeed_env.deepspeed_arch_list); a user of the plain
+    FusedAdam (llmft rewrites them itself: llmft.planning.op_prebuild.deepspeed_arch_list); a user of the plain
     script has to do the same by hand, so the suite does it for them."""
-    from llmft.training.deepspeed_env import deepspeed_arch_list
+    from llmft.planning.op_prebuild import deepspeed_arch_list
 
     fixed = deepspeed_arch_list(environ.get("TORCH_CUDA_ARCH_LIST"))
     return {"TORCH_CUDA_ARCH_LIST": fixed} if fixed else {}
@@ -410,10 +436,17 @@ def llmft_op_cache() -> Path:
 
 def plain_failure(r, out: Path) -> str | None:
     """None for a plain run that finished with its --summary; else its exit status and last line."""
-    if r.returncode == 0 and (out / "plain_summary.json").is_file():
+    if r.returncode == 0 and not (out / "plain_summary.json").is_file():
+        return "exit 0 without its --summary"
+    return exit_failure(r)
+
+
+def exit_failure(r) -> str | None:
+    """None for a command that exited 0; else its exit status and last line."""
+    if r.returncode == 0:
         return None
-    lines = [line for line in (r.stderr + "\n" + r.stdout).splitlines() if line.strip()] or ["no output"]
-    return f"exit {r.returncode}: {lines[-1].strip()[:300]}"
+    said = [line for line in r.stderr.splitlines() if line.strip()] or [l for l in r.stdout.splitlines() if l.strip()]
+    return f"exit {r.returncode}: {(said or ['no output'])[-1].strip()[:300]}"
 
 
 def _importable(module: str) -> bool:

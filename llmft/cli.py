@@ -6,6 +6,7 @@
     llmft infer runs/x/checkpoint-100/global_step100 --prompt "Hello"
     llmft eval runs/x --tasks gsm8k,minerva_math
     llmft report runs/x runs/y
+    llmft prebuild
     llmft tiny --out runs/tiny
     llmft demo --out runs/demo
 
@@ -29,6 +30,10 @@ COMMANDS = {
         "standard benchmarks (lm-evaluation-harness: gsm8k, minerva_math, mmlu, ...) on checkpoints",
     ),
     "report": ("llmft.report", "plots (PNG) and a Markdown summary of one or more runs"),
+    "prebuild": (
+        "llmft.prebuild",
+        "compile DeepSpeed's GPU ops into DeepSpeed once (make venv does), so no job compiles",
+    ),
     "tiny": ("llmft.tiny", "write a tiny offline model, tokenizer and dataset"),
     "demo": ("llmft.demo", "tiny model + data, a 2-process ZeRO-2 fine-tune on CPU, then inference"),
 }

@@ -55,6 +55,7 @@ from llmft.planning import ds_config, world
 from llmft.planning.hardware import check_liger, choose_attention, flash_attn_installed, liger_model_types, local_gpu
 from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
+from llmft.planning.op_prebuild import deepspeed_arch_list
 from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quantization
 from llmft.planning.run_plan import RunPlan, auto_choice, make_plan
 from llmft.planning.world import LaunchEnvError, discover_world, launch_problem, log, rank0
@@ -77,7 +78,6 @@ from llmft.training import (
 from llmft.training.arguments import LlmftArguments
 from llmft.training.callbacks import checkpoint_callbacks, compile_report
 from llmft.training.deepspeed_env import (
-    deepspeed_arch_list,
     single_process_defaults,
     skip_deepspeed_shm_op,
     use_proc_cpuinfo_for_deepspeed,
@@ -496,7 +496,7 @@ def write_deepspeed_config(run: RunSettings, decided: Decisions, resume: ResumeD
             resolved = adam
             log(
                 "DeepSpeed's FusedAdam is not prebuilt and no CUDA compiler (nvcc) is here to build it: the optimizer runs as "
-                "torch.optim.AdamW (DeepSpeed's torch_adam); install the CUDA toolkit or prebuild DeepSpeed's ops for FusedAdam"
+                "torch.optim.AdamW (DeepSpeed's torch_adam); install the CUDA toolkit (nvcc) and run `llmft prebuild` once, or use the Dockerfile's image"
             )
     if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
         run_identity.record_run(training.output_dir, resume.identity)

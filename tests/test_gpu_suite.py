@@ -19,24 +19,32 @@ def test_the_dry_run_measures_every_setting_llmft_beside_plain_trl(tmp_path):
     script each write their rates, the plain rows carry the llmft / plain ratio, and every row is kept as it comes."""
     from gpu_suite import settings
 
-    proc = run([PYTHON, "bench/gpu_suite.py", "--dry_run", "--steps", "2", "--out", str(tmp_path)], timeout=1500)
+    work, kept = tmp_path / "work", tmp_path / "kept"  # kept: the device call's $OUT, without the gigabytes
+    cmd = [PYTHON, "bench/gpu_suite.py", "--dry_run", "--steps", "2", "--out", str(work), "--results", str(kept)]
+    proc = run(cmd, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = rows_of(tmp_path)
+    assert not (kept / "models").exists() and (work / "models").is_dir()
+    rows = rows_of(kept)
     assert [r["name"] for r in rows] == [s.name for s in settings(dry=True)]
     for r in rows:
         if r["name"] == "packed-liger" and "error" in r:  # Liger is a GPU extra
             assert r["error"] == "not run: liger_kernel is not installed here"
             continue
         assert "error" not in r, r
+        if r["who"] == "prebuild":  # the install step on a CPU machine: its one line, nothing built
+            assert r["said"] == ["llmft prebuild: this torch is a CPU build: no DeepSpeed GPU op to prebuild"], r
+            continue
         assert r["tokens_per_second"] > 0 and r["wall"] > 0, r
         assert r["mfu"] is None and r["peak_gpu_memory_gib"] is None  # no GPU: said as n/a, never made up
     assert all(r["startup_seconds"] for r in rows if r["who"] == "llmft" and "error" not in r)
-    text = (tmp_path / "table.md").read_text()
+    measured = {r["name"] for r in rows if "error" not in r and r["who"] != "prebuild"}
+    assert {p.stem for p in (kept / "summaries").iterdir()} == measured  # each run's whole summary, as it came
+    text = (kept / "table.md").read_text()
     assert "DRY RUN (CPU, tiny Llama)" in text
     assert text.count("(llmft / plain)") == 2  # the default and the packed pair
     # the plain script trained with the DeepSpeed config llmft resolved for the same setting
-    plain_log = (tmp_path / "log.txt").read_text()
-    assert str(tmp_path / "runs" / "default" / "ds_config.json") in plain_log
+    plain_log = (kept / "log.txt").read_text()
+    assert str(work / "runs" / "default" / "ds_config.json") in plain_log
 
 
 def test_a_run_past_the_budget_is_recorded_not_started(tmp_path):
@@ -55,7 +63,7 @@ def test_without_cuda_the_real_run_refuses_and_says_how_to_check_on_cpu(tmp_path
 
 def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
     """What the lent minutes go to first: the default path against plain TRL, then packed, the MFU levers, 8B LoRA
-    at sequence 4096, and the start-up on an empty op cache; the 1B runs at sequence 2048, micro-batch 8 x 4."""
+    at sequence 4096, llmft's install step (prebuild) and the start-up after it on an empty op cache; the 1B runs at sequence 2048, micro-batch 8 x 4."""
     from gpu_suite import SHAPES, plain_arch_list, settings
 
     real = settings(dry=False)
@@ -68,6 +76,7 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
         "packed-compile",
         "packed-micro16",
         "8b-lora",
+        "prebuild",
         "startup",
     ]
     one_b = [s for s in real if s.model == "llama-3.2-1b"]

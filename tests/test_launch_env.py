@@ -215,7 +215,7 @@ def test_arch_specific_targets_are_rewritten_for_deepspeeds_op_builder(monkeypat
     """DeepSpeed's own JIT builder (the code that failed on the H100) reads what llmft sets, and fails on the raw value."""
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-    from llmft.training.deepspeed_env import deepspeed_arch_list
+    from llmft.planning.op_prebuild import deepspeed_arch_list
 
     assert deepspeed_arch_list(value) == fixed
     builder = FusedAdamBuilder()

@@ -1,10 +1,10 @@
 """What a training process sets up before DeepSpeed starts: a world of one outside torchrun, and the fixes to
-DeepSpeed's op builds (an op training never uses, a slow CPU probe, CUDA arch lists it cannot parse)."""
+DeepSpeed's op builds (an op training never uses, a slow CPU probe); CUDA arch lists it cannot parse are made
+readable by llmft.planning.op_prebuild.deepspeed_arch_list."""
 
 from __future__ import annotations
 
 import os
-import re
 
 from llmft.planning.world import free_port
 
@@ -91,18 +91,3 @@ def use_proc_cpuinfo_for_deepspeed(path: str = "/proc/cpuinfo", env: dict | None
         return False
     cpuinfo.get_cpu_info = lambda: {**info, "flags": list(info["flags"])}
     return True
-
-
-def deepspeed_arch_list(value: str | None) -> str | None:
-    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it, or None when it can already (or is unset).
-
-    PyTorch accepts arch-specific and family targets such as `9.0a` (Hopper's wgmma) or `10.0f`, and CUDA images
-    for H100/B200 set them; DeepSpeed 0.19's JIT builder sorts the list with int() on each part and fails on the
-    first op it builds (FusedAdam, at the first step: `invalid literal for int() with base 10: '0a'`, seen on an
-    H100 machine with TORCH_CUDA_ARCH_LIST=9.0a). Its ops use no arch-specific instructions, so the plain
-    compute capability builds the same kernels: `9.0a` -> `9.0`, `8.0;9.0a+PTX` -> `8.0;9.0+PTX`."""
-    if not value or not value.strip():
-        return None
-    entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]
-    fixed = [re.sub(r"^(\d+\.\d+)[a-z](\+PTX)?$", r"\1\2", e) for e in entries]
-    return ";".join(dict.fromkeys(fixed)) if fixed != entries else None

@@ -54,6 +54,11 @@ def op_build_line(name: str, build_dir: Path, accelerator: str) -> str:
     return (
         f"DeepSpeed is compiling its {name} op for {accelerator} (it is not prebuilt in this environment and not yet in "
         f"{build_dir}); usually {usual}, once: later runs load it from there"
+        + (
+            "; `llmft prebuild` builds it into DeepSpeed once, so no job on any node compiles it"
+            if accelerator == "cuda"
+            else ""
+        )
     )
 
 
