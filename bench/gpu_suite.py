@@ -106,6 +106,9 @@ def settings(dry: bool) -> list[Setting]:
         Setting("default-plain", "plain", small, seq, mb, acc, pair="default"),
         Setting("packed", "llmft", small, seq, mb, acc, packing=True),
         Setting("packed-plain", "plain", small, seq, mb, acc, packing=True, pair="packed"),
+        Setting(  # TRL's default recomputes every layer's activations: off where memory allows
+            "packed-no-ckpt", "llmft", small, seq, mb, acc, True, ["--gradient_checkpointing", "false"], pair="packed"
+        ),
         Setting(
             "packed-liger",
             "llmft",
@@ -250,7 +253,7 @@ def plan_estimate(s: Setting, model: Path) -> float | None:
         str(s.max_length),
     ]
     cmd += ["--global_batch_size", str(s.micro_batch * s.grad_accum), "--json"]
-    cmd += ["--gradient_checkpointing", "true" if "--gradient_checkpointing" in s.flags else "false"]
+    cmd += ["--gradient_checkpointing", checkpointing(s.flags)]
     if "--use_peft" in s.flags:
         cmd += ["--use_peft", "--lora_target_modules", "all-linear"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -260,6 +263,29 @@ def plan_estimate(s: Setting, model: Path) -> float | None:
     except (ValueError, KeyError, TypeError):
         print(f"gpu_suite: no plan estimate for {s.name}: {(proc.stderr or proc.stdout).strip()[-300:]}", flush=True)
         return None
+
+
+def checkpointing(flags: list[str]) -> str:
+    """The run's gradient checkpointing, as `llmft plan` takes it: on (TRL's SFTConfig default, which llmft train
+    keeps) unless the flags turn it off."""
+    if "--gradient_checkpointing" in flags:
+        i = flags.index("--gradient_checkpointing")
+        value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else "true"
+        return "false" if value.lower() == "false" else "true"
+    return "true"
+
+
+def free_disk(out: Path, models: Path, needed: set[str]) -> None:
+    """Weights and checkpoints a measured run wrote, and the models no later setting trains, removed: a lent GPU
+    machine's disk held the 8B model (16 GB) and the 1B runs' saves only until the 2026-11-27 call filled it."""
+    import shutil
+
+    for path in sorted(out.rglob("*"), reverse=True):
+        if path.is_file() and path.stat().st_size > 50 * 2**20:
+            path.unlink()
+    for model in models.iterdir() if models.is_dir() else ():
+        if model.name not in needed:
+            shutil.rmtree(model)
 
 
 def measured(s: Setting, out: Path) -> dict:
@@ -349,9 +375,8 @@ def main() -> int:
     print(head, flush=True)
     results, rows = kept / "results.jsonl", []
     results.write_text("")
-    for s in settings(a.dry_run):
-        if a.only and s.name not in a.only:
-            continue
+    chosen = [s for s in settings(a.dry_run) if not a.only or s.name in a.only]
+    for i, s in enumerate(chosen):
         row = {"name": s.name, "who": s.who, "pair": s.pair}
         elapsed = time.perf_counter() - start
         if elapsed > a.budget_s:
@@ -398,6 +423,7 @@ def main() -> int:
                 (kept / "summaries" / f"{s.name}.json").write_bytes(summary.read_bytes())
                 row.update(measured(s, out))
                 row["plan_gib"] = plan_estimate(s, model)
+            free_disk(out, a.out / "models", {later.model for later in chosen[i + 1 :]})
         rows.append(row)
         with open(results, "a") as f:
             f.write(json.dumps(row) + "\n")

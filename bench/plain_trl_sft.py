@@ -11,7 +11,8 @@ the same three settings llmft makes; everything else is TRL's default (max_lengt
 --summary measures the run the way `llmft train`'s run_summary.json does, for a side-by-side table: real (non-padding)
 tokens counted per micro-batch with llmft's own counter (llmft.training.metrics.batch_counts, on the device, no host
 sync), timed from the end of the first optimizer step (warm-up) to the end of the last one, with one synchronisation
-at each end of that window; TFLOP/s and MFU from llmft's FLOP count; the peak allocated GPU memory.
+at each end of that window; TFLOP/s and MFU from llmft's FLOP count; the peak allocated GPU memory. A measured run
+saves nothing (a 1.24B model's end-of-run checkpoint is 17 GB: it filled a lent H100 machine's disk on 2026-11-27).
 """
 
 import argparse
@@ -40,6 +41,8 @@ a = p.parse_args()
 
 cuda = torch.cuda.is_available()
 extra = {"max_length": a.max_length} if a.max_length else {}
+if a.summary:
+    extra["save_strategy"] = "no"
 args = SFTConfig(
     output_dir=a.out,
     deepspeed=a.ds_config,
@@ -116,5 +119,6 @@ if a.summary and trainer.is_world_process_zero():
     os.makedirs(os.path.dirname(os.path.abspath(a.summary)), exist_ok=True)
     with open(a.summary, "w") as f:
         json.dump(summary, f, indent=1)
-trainer.save_model(a.out)
+if not a.summary:
+    trainer.save_model(a.out)
 trainer.end()  # destroys the process group before exit (see tests/test_zero_checkpoint.py)

@@ -23,7 +23,8 @@ def test_the_dry_run_measures_every_setting_llmft_beside_plain_trl(tmp_path):
     cmd = [PYTHON, "bench/gpu_suite.py", "--dry_run", "--steps", "2", "--out", str(work), "--results", str(kept)]
     proc = run(cmd, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not (kept / "models").exists() and (work / "models").is_dir()
+    assert not (kept / "models").exists()
+    assert (work / "models").is_dir() and not any((work / "models").iterdir())  # each removed after its last run
     rows = rows_of(kept)
     assert [r["name"] for r in rows] == [s.name for s in settings(dry=True)]
     for r in rows:
@@ -72,6 +73,7 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
         "default-plain",
         "packed",
         "packed-plain",
+        "packed-no-ckpt",
         "packed-liger",
         "packed-compile",
         "packed-micro16",
@@ -86,6 +88,14 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
     assert lora.model == "llama-3.1-8b" and lora.max_length == 4096 and lora.packing and "all-linear" in lora.flags
     assert SHAPES["llama-3.2-1b"]["vocab_size"] == SHAPES["llama-3.1-8b"]["vocab_size"] == 128256
     assert [s.pair for s in real if s.who == "plain"] == ["default", "packed"]
+    # the planner is asked about the run as it trains: TRL's default gradient checkpointing unless a flag says not
+    from gpu_suite import checkpointing
+
+    assert [checkpointing(s.flags) for s in real if s.name in ("default", "packed-no-ckpt", "8b-lora")] == [
+        "true",
+        "false",
+        "true",
+    ]
     # the GPU image's TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed's builder cannot read, is fixed for the plain script
     assert plain_arch_list({"TORCH_CUDA_ARCH_LIST": "9.0a"}) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
     assert plain_arch_list({"TORCH_CUDA_ARCH_LIST": "9.0"}) == {} and plain_arch_list({}) == {}
