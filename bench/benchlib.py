@@ -118,9 +118,15 @@ class Run:
         """None for a run that finished with its summary; else its last error line (for a bench that goes on)."""
         if self.returncode == 0 and (self.out / "run_summary.json").is_file():
             return None
+        return f"exit {self.returncode}: {self.error_line()}"
+
+    def error_line(self) -> str:
+        """The last line that names an error, else the last line: not torchrun's banner of '=' or its
+        ChildFailedError, which name none (the rank's own error comes before them)."""
         lines = [l for l in (self.stderr + "\n" + self.stdout).splitlines() if l.strip()]
-        errors = [l for l in lines if re.search(r"Error|error:|Exception|Killed|out of memory", l)]
-        return f"exit {self.returncode}: {(errors or lines or ['no output'])[-1].strip()[:300]}"
+        errors = [l for l in lines if re.search(r"Error|error:|Exception|Killed|out of memory|No space left", l)]
+        errors = [l for l in errors if "ChildFailedError" not in l]
+        return (errors or lines or ["no output"])[-1].strip()[:300]
 
 
 def run(

@@ -471,8 +471,7 @@ def exit_failure(r) -> str | None:
     """None for a command that exited 0; else its exit status and last line."""
     if r.returncode == 0:
         return None
-    said = [line for line in r.stderr.splitlines() if line.strip()] or [l for l in r.stdout.splitlines() if l.strip()]
-    return f"exit {r.returncode}: {(said or ['no output'])[-1].strip()[:300]}"
+    return f"exit {r.returncode}: {r.error_line()}"
 
 
 def _importable(module: str) -> bool:

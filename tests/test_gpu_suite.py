@@ -99,3 +99,28 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
     # the GPU image's TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed's builder cannot read, is fixed for the plain script
     assert plain_arch_list({"TORCH_CUDA_ARCH_LIST": "9.0a"}) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
     assert plain_arch_list({"TORCH_CUDA_ARCH_LIST": "9.0"}) == {} and plain_arch_list({}) == {}
+
+
+def test_a_failed_run_is_recorded_by_its_error_not_torchruns_banner(tmp_path):
+    """What the plain packed run printed when the lent H100's disk filled (2026-11-27): the row names the error."""
+    from benchlib import Run
+    from gpu_suite import exit_failure, plain_failure
+
+    stderr = (
+        "[rank0]: RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 9886529600 vs 9886529432\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "============================================================\n"
+        "/work/main/bench/plain_trl_sft.py FAILED\n"
+        "------------------------------------------------------------\n"
+        "============================================================\n"
+    )
+    failed = Run("packed-plain", 150.8, "{'loss': '3.511'}\n", tmp_path, returncode=1, stderr=stderr)
+    assert plain_failure(failed, tmp_path) == (
+        "exit 1: [rank0]: RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 9886529600 vs "
+        "9886529432"
+    )
+    full = Run(
+        "prebuild", 15.0, "llmft prebuild: compiling\n", tmp_path, returncode=2, stderr="llmft prebuild: error: x\n"
+    )
+    assert exit_failure(full) == "exit 2: llmft prebuild: error: x"
+    assert plain_failure(Run("p", 1.0, "", tmp_path), tmp_path) == "exit 0 without its --summary"
