@@ -1,13 +1,15 @@
 """Compile DeepSpeed's GPU ops into the installed DeepSpeed once, so no job compiles them (`make venv` runs this).
 
-    llmft prebuild              # on a GPU machine or a login node with the CUDA toolkit: FusedAdam and CPUAdam
+    llmft prebuild              # on a GPU node with the CUDA toolkit (nvcc): FusedAdam and CPUAdam
+    TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0" llmft prebuild    # on a login node: for the GPUs named
     llmft prebuild --dry_run    # what it would do, and the pip command, without doing it
 
 Without it the first job on each fresh node compiles FusedAdam (40 of 67 s of start-up on an H100) and CPUAdam when
 the optimizer is offloaded. The decision (which ops, which GPU architectures, or why not) is
 llmft.planning.op_prebuild.op_prebuild; this command reads the facts, runs pip, and checks that DeepSpeed now
-reports the ops as installed. TORCH_CUDA_ARCH_LIST, when set, says which GPUs to build for (else the visible ones,
-else every GPU in llmft's catalogue); pip's own PIP_* variables (an index, --target) apply as usual.
+reports the ops as installed. TORCH_CUDA_ARCH_LIST, when set, says which GPUs to build for (else the visible ones
+with the catalogue's bf16 GPUs; with neither, nothing is built); pip's own PIP_* variables (an index, --target)
+apply as usual.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from llmft.command import command_parser, report_error
 from llmft.errors import LlmftError
+from llmft.planning import ds_config
 from llmft.planning.hardware import gpu_from_device
 from llmft.planning.op_prebuild import OPS, op_prebuild, pip_command
 
@@ -56,10 +58,7 @@ def machine_facts() -> dict:
         props = torch.cuda.get_device_properties(i)
         facts["gpus"].append(gpu_from_device(props.name, props.total_memory / 2**30, (props.major, props.minor)))
     if facts["gpus"] or facts["user_arch_list"]:  # torch warns where it finds no CUDA runtime: asked only if needed
-        from torch.utils.cpp_extension import CUDA_HOME
-
-        home_nvcc = bool(CUDA_HOME) and os.access(os.path.join(CUDA_HOME, "bin", "nvcc"), os.X_OK)
-        facts["nvcc"] = home_nvcc or bool(shutil.which("nvcc"))
+        facts["nvcc"] = ds_config.local_adam_facts()["cuda_compiler"]
     facts["installed"] = dict(installed_ops)
     facts["build_vars"] = {name: builder.BUILD_VAR for name, builder in ALL_OPS.items()}
     return facts
