@@ -10,7 +10,7 @@ DEMO_DIR ?= runs/demo
 TEST_DEPS := system-deps
 TEST_DEPS += .venv-pcluster/.installed
 
-.PHONY: venv demo test test-other-pythons system-deps check-python clean format
+.PHONY: venv demo test test-setup test-other-pythons system-deps check-python clean format
 
 venv: check-python $(VENV)/.installed
 
@@ -40,6 +40,9 @@ demo: venv
 TEST_WORKERS ?= 2
 test: venv $(TEST_DEPS)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
+
+# Everything `make test` sets up, without the tests; `make -j 3 test-setup` runs the pip and apt steps side by side.
+test-setup: venv $(TEST_DEPS)
 
 # Formatting and import order by ruff (settings in pyproject.toml); the tests fail on a file it would change.
 format: venv

@@ -19,6 +19,7 @@ import importlib
 import sys
 
 from llmft.command import CommandParser
+from llmft.training import garbage_collection
 
 COMMANDS = {
     "train": ("llmft.train", "fine-tune with TRL's SFTTrainer on DeepSpeed ZeRO"),
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         top.parse_args(argv or ["--help"])  # prints help, or the error for an unknown command
         return 2
 
+    if argv[0] == "train":  # a process that trains: no cyclic collection until its start-up ends
+        garbage_collection.pause_for_startup()
     module = importlib.import_module(COMMANDS[argv[0]][0])
     if argv[0] in (
         "train",

@@ -65,6 +65,7 @@ from llmft.training import (
     checkpoint_checks,
     checkpoint_save,
     elastic,
+    garbage_collection,
     host_memory,
     job_deadline,
     launcher,
@@ -171,6 +172,7 @@ def train(run: RunSettings) -> int:
     )  # the Trainer gives accelerate 1 by design
     with clock.phase("deepspeed_init"):
         trainer, callbacks = build_trainer(run, decided, resume, files, prepared, resolved, attention, clock)
+    garbage_collection.resume_after_startup()
     result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     return finish(run, decided, trainer, callbacks, prepared, result)
 
@@ -688,6 +690,7 @@ def cli(parser, argv: list[str] | None = None) -> int:
     if problem:
         return report_error("train", problem)
     if nproc_per_node is not None and not {"-h", "--help"} & set(argv):  # torchrun's agent in this process
+        garbage_collection.resume_after_startup()  # the agent runs for the whole job; its ranks pause their own
         return launcher.launch(nproc_per_node, argv)
     if not {"-h", "--help"} & set(argv):
         try:
@@ -703,4 +706,5 @@ def cli(parser, argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # every rank torchrun starts (`-m llmft.train`)
+    garbage_collection.pause_for_startup()  # before make_parser imports torch and TRL
     exit_process(cli(make_parser()))

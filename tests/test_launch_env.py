@@ -331,3 +331,62 @@ def test_a_training_process_ends_with_its_code_after_its_exit_work_and_without_f
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "unflushed line"  # flushed, and no finalization (it would print "finalized")
     assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"
+
+
+GC_PROBE = """
+import gc, json
+from llmft.training import garbage_collection as g
+seen = {"paused": g.pause_for_startup(), "on_while_paused": gc.isenabled(), "paused_twice": g.pause_for_startup()}
+garbage = [[]]
+garbage[0].append(garbage)  # a reference cycle made during start-up
+del garbage
+seen.update(resumed=g.resume_after_startup(), on_after=gc.isenabled(), frozen=gc.get_freeze_count())
+seen.update(resumed_twice=g.resume_after_startup(), left_over=gc.collect())
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("keep", [None, "1"])
+def test_a_rank_starts_without_cyclic_collection_then_collects_once_freezes_and_trains_with_it(keep):
+    """llmft.training.garbage_collection in a fresh interpreter, as `python -m llmft.train` runs it: off from the
+    start, start-up's cycles collected when it ends (nothing left for the first collection of training), what is left
+    frozen, the collector on again for training; LLMFT_PYTHON_GC=1 leaves Python's collector alone throughout."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    env = subprocess_env(**({"LLMFT_PYTHON_GC": keep} if keep else {}))
+    if not keep:
+        env.pop("LLMFT_PYTHON_GC", None)
+    seen = json.loads(
+        subprocess.run([sys.executable, "-c", GC_PROBE], env=env, capture_output=True, text=True, check=True).stdout
+    )
+    if keep:
+        assert seen == {
+            "paused": False, "on_while_paused": True, "paused_twice": False,
+            "resumed": False, "on_after": True, "frozen": 0, "resumed_twice": False, "left_over": 2,
+        }  # fmt: skip
+    else:
+        assert seen["paused"] and not seen["on_while_paused"] and not seen["paused_twice"]
+        assert seen["resumed"] and seen["on_after"] and seen["frozen"] > 1000 and not seen["resumed_twice"]
+        assert seen["left_over"] == 0  # the cycle was collected at the end of start-up, not frozen
+
+
+def test_llmft_train_pauses_the_collector_from_its_first_line_and_resumes_it_before_training():
+    """Where the two calls sit: a rank (`python -m llmft.train`) and `llmft train` pause before the parser imports
+    torch and TRL; the training path resumes after the trainer is built, before trainer.train; the in-process
+    torchrun agent of `llmft train --nproc_per_node` resumes before it launches (it runs for the whole job)."""
+    import inspect
+
+    from llmft import cli, train
+
+    main_block = inspect.getsource(train).split('if __name__ == "__main__":')[1]
+    assert main_block.index("pause_for_startup()") < main_block.index("make_parser()")
+    body = inspect.getsource(train.train)
+    assert body.index("build_trainer(") < body.index("resume_after_startup()") < body.index("trainer.train(")
+    launch = inspect.getsource(train.cli)
+    assert launch.index("resume_after_startup()") < launch.index("launcher.launch(")
+    entry = inspect.getsource(cli.main)
+    assert entry.index("pause_for_startup()") < entry.index("import_module(")
