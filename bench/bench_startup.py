@@ -15,7 +15,8 @@ process: DeepSpeed's CPU builder asks py-cpuinfo twice for the compile flags, an
 Python process; llmft answers from /proc/cpuinfo (llmft.training.deepspeed_env.use_proc_cpuinfo_for_deepspeed). Variants, with
 a torch extensions cache of their own (TORCH_EXTENSIONS_DIR under --root) so the machine's shared cache cannot
 blur them:
-- before: DeepSpeed's defaults (LLMFT_DEEPSPEED_SHM_COMM=1 LLMFT_PY_CPUINFO=1); after: llmft's defaults;
+- before: DeepSpeed's and Python's defaults (LLMFT_DEEPSPEED_SHM_COMM=1 LLMFT_PY_CPUINFO=1 LLMFT_PYTHON_GC=1
+  LLMFT_DEEPSPEED_EAGER_COMPILE=1); after: llmft's defaults;
 - cold: an empty cache (a fresh machine's first run); warm: the ops already built (every later run).
 Cold runs are made for the first model only: the ops do not depend on the model. Warm runs share one cache.
 """
@@ -78,6 +79,8 @@ def main() -> None:
                 out,
                 LLMFT_DEEPSPEED_SHM_COMM=shm,
                 LLMFT_PY_CPUINFO=shm,
+                LLMFT_PYTHON_GC=shm,
+                LLMFT_DEEPSPEED_EAGER_COMPILE=shm,
                 TORCH_EXTENSIONS_DIR=str(ext),
             )
             s = r.summary()["startup_seconds"]

@@ -79,6 +79,7 @@ from llmft.training import (
 from llmft.training.arguments import LlmftArguments
 from llmft.training.callbacks import checkpoint_callbacks, compile_report
 from llmft.training.deepspeed_env import (
+    defer_deepspeed_compile_decorators,
     single_process_defaults,
     skip_deepspeed_shm_op,
     use_proc_cpuinfo_for_deepspeed,
@@ -517,6 +518,7 @@ def prepare_process() -> None:
             print(f"llmft: {socket.gethostname()}: {finding.message}", flush=True)  # every node's, not rank 0's
     skip_deepspeed_shm_op()  # an op training never uses that DeepSpeed would compile at start-up on CPU
     use_proc_cpuinfo_for_deepspeed()  # DeepSpeed's CPU op loads ask py-cpuinfo, 1 s a call
+    defer_deepspeed_compile_decorators()  # DeepSpeed's Muon module calls torch.compile at import: 1.45 s a rank
     arch_list = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
     if arch_list:  # before DeepSpeed JIT-builds its first op (FusedAdam) in this process
         log(

@@ -390,3 +390,52 @@ def test_llmft_train_pauses_the_collector_from_its_first_line_and_resumes_it_bef
     assert launch.index("resume_after_startup()") < launch.index("launcher.launch(")
     entry = inspect.getsource(cli.main)
     assert entry.index("pause_for_startup()") < entry.index("import_module(")
+
+
+COMPILE_PROBE = """
+import json, sys
+import torch
+from llmft.training.deepspeed_env import defer_deepspeed_compile_decorators
+calls = []
+real = torch.compile
+torch.compile = lambda fn, *a, **k: calls.append(fn.__name__) or fn  # a recorder: which function, and when
+deferred = defer_deepspeed_compile_decorators()
+from deepspeed.runtime.zero.muon import muon_optimizer, original_muon  # what DeepSpeed imports on every ZeRO run
+seen = {"deferred": deferred, "at_import": list(calls), "inductor": "torch._inductor.compile_fx" in sys.modules}
+from deepspeed.runtime import compiler
+@compiler.compile()
+def double(x):
+    return 2 * x
+seen["at_decoration"] = list(calls)
+seen["results"] = [double(1), double(2)]
+seen["after_calls"] = list(calls)
+seen["muon_class"] = muon_optimizer.MuonWithAuxAdam.__name__
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("keep", [None, "1"])
+def test_deepspeeds_muon_module_imports_without_calling_torch_compile_until_a_function_runs(keep):
+    """DeepSpeed imports its Muon optimizer module on every ZeRO run, and that module's torch.compile decorators
+    imported torch._inductor's compiler at import (1.45 s a rank). Deferred: nothing is compiled at import or at
+    decoration, a decorated function compiles once at its first call and returns what it did;
+    LLMFT_DEEPSPEED_EAGER_COMPILE=1 keeps DeepSpeed's decorator."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    env = subprocess_env(**({"LLMFT_DEEPSPEED_EAGER_COMPILE": keep} if keep else {}))
+    if not keep:
+        env.pop("LLMFT_DEEPSPEED_EAGER_COMPILE", None)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["muon_class"] == "MuonWithAuxAdam" and seen["results"] == [2, 4]
+    if keep:
+        assert not seen["deferred"]
+        assert len(seen["at_import"]) == 3 and seen["at_decoration"][-1] == "double"  # DeepSpeed's: at decoration
+    else:
+        assert seen["deferred"] and seen["at_import"] == [] and not seen["inductor"]
+        assert seen["at_decoration"] == [] and seen["after_calls"] == ["double"]  # once, at the first call

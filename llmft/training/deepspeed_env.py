@@ -91,3 +91,46 @@ def use_proc_cpuinfo_for_deepspeed(path: str = "/proc/cpuinfo", env: dict | None
         return False
     cpuinfo.get_cpu_info = lambda: {**info, "flags": list(info["flags"])}
     return True
+
+
+def defer_deepspeed_compile_decorators(env: dict | None = None) -> bool:
+    """Make DeepSpeed's `@compiler.compile()` decorators call torch.compile at a function's first call, not at import.
+
+    DeepSpeed's Muon optimizer module decorates three functions with torch.compile at import, and DeepSpeed imports
+    that module on every ZeRO run (to ask whether the optimizer is Muon: the engine's optimizer check, ZeRO-1/2's
+    gradient reduction, ZeRO-3's and the bf16 optimizer's set-up). torch.compile imports torch._inductor's compiler
+    when called: 1.45 s of a rank's 9.4 s of imports on the 2-core machine (python -X importtime), for functions
+    llmft never calls. torch.compile compiles at the first call anyway, so deferring the call itself changes nothing
+    a decorated function does. Must run before DeepSpeed's engine starts (llmft.train's prepare_process);
+    LLMFT_DEEPSPEED_EAGER_COMPILE=1 keeps DeepSpeed's. Returns True when the decorator is the deferred one."""
+    if (os.environ if env is None else env).get("LLMFT_DEEPSPEED_EAGER_COMPILE") == "1":
+        return False
+    import functools
+    import sys
+
+    import torch
+    from deepspeed.runtime import compiler
+
+    if getattr(compiler.compile, "llmft_deferred", False):
+        return True
+    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules or not hasattr(torch, "compile"):
+        return False  # already decorated eagerly, or DeepSpeed's no-op decorator applies
+
+    def compile():
+        def decorator(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def compiled_at_first_call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = torch.compile(fn)
+                return compiled(*args, **kwargs)
+
+            return compiled_at_first_call
+
+        return decorator
+
+    compile.llmft_deferred = True
+    compiler.compile = compile
+    return True
