@@ -52,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv[0] == "train":  # a process that trains: no cyclic collection until its start-up ends
         garbage_collection.pause_for_startup()
+    try:
+        return run_command(argv)
+    finally:
+        garbage_collection.end_pause()  # returned before training (an error, a finished run): the collector back on
+
+
+def run_command(argv: list[str]) -> int:
+    """Import the chosen subcommand's module only, and run it with the rest of argv."""
     module = importlib.import_module(COMMANDS[argv[0]][0])
     if argv[0] in (
         "train",

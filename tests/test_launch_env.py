@@ -342,6 +342,10 @@ garbage[0].append(garbage)  # a reference cycle made during start-up
 del garbage
 seen.update(resumed=g.resume_after_startup(), on_after=gc.isenabled(), frozen=gc.get_freeze_count())
 seen.update(resumed_twice=g.resume_after_startup(), left_over=gc.collect())
+gc.unfreeze()
+seen["paused_again"] = g.pause_for_startup()  # a `llmft train` that returns before training, in a process that goes on
+g.end_pause()
+seen.update(on_after_end=gc.isenabled(), frozen_after_end=gc.get_freeze_count(), resumed_after_end=g.resume_after_startup())
 print(json.dumps(seen))
 """
 
@@ -367,11 +371,14 @@ def test_a_rank_starts_without_cyclic_collection_then_collects_once_freezes_and_
         assert seen == {
             "paused": False, "on_while_paused": True, "paused_twice": False,
             "resumed": False, "on_after": True, "frozen": 0, "resumed_twice": False, "left_over": 2,
+            "paused_again": False, "on_after_end": True, "frozen_after_end": 0, "resumed_after_end": False,
         }  # fmt: skip
     else:
         assert seen["paused"] and not seen["on_while_paused"] and not seen["paused_twice"]
         assert seen["resumed"] and seen["on_after"] and seen["frozen"] > 1000 and not seen["resumed_twice"]
         assert seen["left_over"] == 0  # the cycle was collected at the end of start-up, not frozen
+        assert seen["paused_again"] and seen["on_after_end"] and seen["frozen_after_end"] == 0
+        assert not seen["resumed_after_end"]  # ended: nothing left to resume
 
 
 def test_llmft_train_pauses_the_collector_from_its_first_line_and_resumes_it_before_training():
@@ -388,8 +395,9 @@ def test_llmft_train_pauses_the_collector_from_its_first_line_and_resumes_it_bef
     assert body.index("build_trainer(") < body.index("resume_after_startup()") < body.index("trainer.train(")
     launch = inspect.getsource(train.cli)
     assert launch.index("resume_after_startup()") < launch.index("launcher.launch(")
-    entry = inspect.getsource(cli.main)
-    assert entry.index("pause_for_startup()") < entry.index("import_module(")
+    entry = inspect.getsource(cli.main)  # and `llmft train` called from Python gives its process the collector back
+    assert entry.index("pause_for_startup()") < entry.index("run_command(argv)") < entry.index("end_pause()")
+    assert "import_module(" in inspect.getsource(cli.run_command)
 
 
 COMPILE_PROBE = """

@@ -44,3 +44,13 @@ def resume_after_startup() -> bool:
     gc.freeze()
     gc.enable()
     return True
+
+
+def end_pause() -> None:
+    """Turn automatic collection back on, without collecting or freezing, if start-up paused it and never resumed:
+    a `llmft train` called in a process that goes on (llmft.cli.main from Python) and returned before training
+    (a user error, a finished run) leaves that process's collector as it found it."""
+    global _paused
+    if _paused:
+        _paused = False
+        gc.enable()
