@@ -11,7 +11,8 @@ and optimizer are the same), on the same model, data, batch numbers and steps:
 2. packed:   llmft --packing vs plain TRL packing=True;
 3. levers:   on the packed run: Liger's fused linear cross-entropy, torch.compile, micro-batch 16 against 8;
 4. 8b-lora:  a Llama-3.1-8B-shaped model, LoRA r=16 on every linear layer, sequence 4096, packed, gradient
-             checkpointing: tokens/s per GPU and peak memory against `llmft plan`'s estimate;
+             checkpointing: tokens/s per GPU and peak memory against `llmft plan`'s estimate; then without
+             recomputation at micro-batch 1 (the same 8 sequences an optimizer step);
 5. startup:  llmft's install step (`llmft prebuild`: DeepSpeed reinstalled from source with FusedAdam and CPUAdam
              built in), timed, then a default run whose op cache is empty (a fresh node after that install step):
              its start-up phases, against the 67 s (40 of them building FusedAdam) measured on an H100 before. The
@@ -124,6 +125,17 @@ def settings(dry: bool) -> list[Setting]:
         Setting("packed-compile", "llmft", small, seq, mb, acc, True, ["--torch_compile", "true"], pair="packed"),
         Setting("packed-micro16", "llmft", small, seq, 2 * mb, acc // 2, True, pair="packed"),
         Setting("8b-lora", "llmft", big, big_seq, 1 if dry else 2, acc, True, [*lora, "--gradient_checkpointing"]),
+        Setting(  # no recomputation: `llmft plan` puts micro-batch 1 at 56 GiB on an H100, micro-batch 2 over 80
+            "8b-lora-no-ckpt",
+            "llmft",
+            big,
+            big_seq,
+            1,
+            2 * acc if not dry else acc,
+            True,
+            [*lora, "--gradient_checkpointing", "false"],
+            pair="8b-lora",
+        ),
         Setting("prebuild", "prebuild", small, seq, mb, acc),  # llmft's install step: `llmft prebuild`
         Setting("startup", "llmft", small, seq, mb, acc, env={"cold_op_cache": "1"}),
     ]

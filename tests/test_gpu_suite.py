@@ -65,7 +65,7 @@ def test_without_cuda_the_real_run_refuses_and_says_how_to_check_on_cpu(tmp_path
 def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
     """What the lent minutes go to first: the default path against plain TRL, then packed, the MFU levers, 8B LoRA
     at sequence 4096, llmft's install step (prebuild) and the start-up after it on an empty op cache; the 1B runs at sequence 2048, micro-batch 8 x 4."""
-    from gpu_suite import SHAPES, plain_arch_list, settings
+    from gpu_suite import SHAPES, checkpointing, plain_arch_list, settings
 
     real = settings(dry=False)
     assert [s.name for s in real] == [
@@ -78,6 +78,7 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
         "packed-compile",
         "packed-micro16",
         "8b-lora",
+        "8b-lora-no-ckpt",
         "prebuild",
         "startup",
     ]
@@ -86,10 +87,12 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
     assert {s.micro_batch for s in one_b} == {8, 16}
     [lora] = [s for s in real if s.name == "8b-lora"]
     assert lora.model == "llama-3.1-8b" and lora.max_length == 4096 and lora.packing and "all-linear" in lora.flags
+    [no_ckpt] = [s for s in real if s.name == "8b-lora-no-ckpt"]  # the same tokens a step, without recomputation
+    assert (no_ckpt.micro_batch * no_ckpt.grad_accum, no_ckpt.max_length) == (8, 4096)
+    assert checkpointing(no_ckpt.flags) == "false" and no_ckpt.flags[: len(lora.flags) - 1] == lora.flags[:-1]
     assert SHAPES["llama-3.2-1b"]["vocab_size"] == SHAPES["llama-3.1-8b"]["vocab_size"] == 128256
     assert [s.pair for s in real if s.who == "plain"] == ["default", "packed"]
     # the planner is asked about the run as it trains: TRL's default gradient checkpointing unless a flag says not
-    from gpu_suite import checkpointing
 
     assert [checkpointing(s.flags) for s in real if s.name in ("default", "packed-no-ckpt", "8b-lora")] == [
         "true",
