@@ -37,11 +37,13 @@ demo: venv
 # Two pytest workers, a test file each at a time (a file's module fixtures, such as its Slurm cluster, are built once):
 # one worker alone kept the two cores about 75% busy (single-process CLI runs, Slurm's scheduling waits). Files go out in
 # collection order, the longest first (tests/conftest.py's LONGEST_FILES), not xdist's most-tests-first.
+# The set-up first, its pip and apt steps side by side (each is one process: one alone left the second core idle).
 TEST_WORKERS ?= 2
-test: venv $(TEST_DEPS)
+test: check-python
+	$(MAKE) --no-print-directory -j 3 --output-sync=target test-setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
-# Everything `make test` sets up, without the tests; `make -j 3 test-setup` runs the pip and apt steps side by side.
+# Everything `make test` sets up, without the tests.
 test-setup: venv $(TEST_DEPS)
 
 # Formatting and import order by ruff (settings in pyproject.toml); the tests fail on a file it would change.
