@@ -41,6 +41,7 @@ import os
 import re
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
 from llmft.planning import ds_config, world
-from llmft.planning.hardware import check_liger, choose_attention, flash_attn_installed, liger_model_types, local_gpu
+from llmft.planning.hardware import choose_attention, choose_liger, flash_attn_installed, liger_model_types, local_gpu
 from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
 from llmft.planning.op_prebuild import deepspeed_arch_list
@@ -162,7 +163,7 @@ def train(run: RunSettings) -> int:
         log(resume.finished)
         return 0
     decided = announce_plan(run, decided, resume, files.config)
-    run, attention = choose_attention_and_length(run, decided, files.config)
+    run, attention = choose_model_settings(run, decided, files.config)
     with clock.phase("data"):
         prepared = prepare_data(run, decided, files)
     resolved = write_deepspeed_config(run, decided, resume, files.config)
@@ -371,9 +372,11 @@ def announce_plan(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
     return dataclasses.replace(decided, plan=plan)
 
 
-def choose_attention_and_length(run: RunSettings, decided: Decisions, model_config) -> tuple[RunSettings, str]:
-    """The run's max_length (capped at the model's positions), LoRA targets as PEFT reads them, and the attention
-    implementation (llmft.planning.hardware.choose_attention; packing's own kernel when samples are packed)."""
+def choose_model_settings(run: RunSettings, decided: Decisions, model_config) -> tuple[RunSettings, str]:
+    """The run's max_length (capped at the model's positions), LoRA targets as PEFT reads them, the attention
+    implementation (llmft.planning.hardware.choose_attention; packing's own kernel when samples are packed),
+    padding-free batches (llmft.training.packing.choose_padding_free) and Liger's kernels
+    (llmft.planning.hardware.choose_liger)."""
     training, model, gpu = run.training, run.model, decided.gpu
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
@@ -422,8 +425,18 @@ def choose_attention_and_length(run: RunSettings, decided: Decisions, model_conf
         )
         if attention == packing.PACKED_SDPA:
             packing.register_packed_sdpa()
-    if training.use_liger_kernel:
-        check_liger(gpu, model_config.model_type, liger_model_types(), training.liger_kernel_config)
+    use_liger, why = choose_liger(
+        training.use_liger_kernel,
+        gpu,
+        model_config.model_type,
+        liger_model_types() if gpu is not None else None,  # its import needs Triton: only where a GPU is
+        training.liger_kernel_config,
+    )
+    if use_liger and training.use_liger_kernel is None:  # llmft's choice: TRL's deprecation warning is not the user's
+        warnings.filterwarnings("ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning)
+    run = run.with_training(use_liger_kernel=use_liger)
+    if why:
+        log(why)
     packed_note = ""
     if attention == packing.PACKED_SDPA:
         packed_note = (

@@ -28,7 +28,7 @@ def test_the_dry_run_measures_every_setting_llmft_beside_plain_trl(tmp_path):
     rows = rows_of(kept)
     assert [r["name"] for r in rows] == [s.name for s in settings(dry=True)]
     for r in rows:
-        if r["name"] == "packed-liger" and "error" in r:  # Liger is a GPU extra
+        if r["name"] == "packed-no-liger" and "error" in r:  # Liger is a GPU extra
             assert r["error"] == "not run: liger_kernel is not installed here"
             continue
         assert "error" not in r, r
@@ -74,8 +74,8 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
         "packed",
         "packed-plain",
         "packed-no-ckpt",
-        "packed-liger",
-        "packed-compile",
+        "packed-no-liger",
+        "packed-fast",
         "packed-micro16",
         "8b-lora",
         "8b-lora-no-ckpt",

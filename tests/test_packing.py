@@ -15,7 +15,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from trl.data_utils import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from llmft.planning.hardware import GPUS, HardwareError, check_liger, choose_attention
+from llmft.planning.hardware import GPUS, HardwareError, check_liger, choose_attention, choose_liger
+from llmft.training.flags import parse_train_flags
 from llmft.training.packing import (
     PACKED_SDPA,
     PackingError,
@@ -302,6 +303,30 @@ def test_liger_decision_from_hardware_facts():
         check_liger(GPUS["A100-80GB"], "llama", supported, {"fused_linear_cross_entropy": True})
 
 
+def test_liger_is_on_by_default_where_it_runs_in_bf16_and_a_flag_as_given_wins():
+    """Not given: on for an A100, an L4, an H100 or an H200 with liger-kernel and a Llama (1.26x on an H200 at the
+    same memory, bench/README.md), off on a T4 (no bf16) and a CPU; without liger-kernel on a bf16 GPU, off with a
+    line that names the install. Given, or a --liger_kernel_config: as given, with check_liger's refusals."""
+    supported = frozenset({"llama", "qwen2", "mistral"})
+    for name in ("L4", "A100-40GB", "A100-80GB", "H100-80GB", "H200"):
+        on, why = choose_liger(None, GPUS[name], "llama", supported)
+        assert on and "Liger's kernels on (auto" in why and "--use_liger_kernel false" in why, name
+        assert choose_liger(False, GPUS[name], "llama", supported) == (False, "")
+        on, why = choose_liger(None, GPUS[name], "llama", None)
+        assert not on and "pip install 'llmft[gpu]'" in why
+        assert choose_liger(None, GPUS[name], "gpt2", supported) == (False, "")  # no kernels for it: quietly off
+    assert choose_liger(None, GPUS["T4"], "llama", supported) == (False, "")
+    assert choose_liger(None, None, "llama", supported) == (False, "")
+    assert choose_liger(True, GPUS["T4"], "llama", supported) == (True, "")  # asked for: a T4 runs them (fp16)
+    with pytest.raises(HardwareError, match="needs a CUDA GPU"):
+        choose_liger(True, None, "llama", None)
+    with pytest.raises(HardwareError, match="needs a CUDA GPU"):  # a kernel config asks for Liger: never ignored
+        choose_liger(None, None, "llama", None, {"rms_norm": False})
+    with pytest.raises(HardwareError, match="fused_linear_cross_entropy is not supported"):
+        choose_liger(None, GPUS["H100-80GB"], "llama", supported, {"fused_linear_cross_entropy": True})
+    assert choose_liger(None, GPUS["H100-80GB"], "llama", supported, {"rms_norm": False}) == (True, "")
+
+
 def test_attention_choice_follows_what_the_model_has():
     assert model_attentions(LlamaConfig()) == {"flash_attention_2", "sdpa", "eager"}
     assert model_attentions(GPT2Config()) == {"flash_attention_2", "sdpa", "eager"}
@@ -360,3 +385,35 @@ def test_padded_batches_go_padding_free_where_a_varlen_kernel_runs_them():
     assert decide(GPUS["T4"], requested=True) == (True, "")  # asked for: check_packing decides if it is safe
     assert decide(None) == (False, "")  # CPU: padded (per-sample SDPA is slower than padding there)
     assert decide(None, requested=True) == (True, "")
+
+
+@pytest.mark.parametrize(
+    "argv, gpu, installed, expected",
+    [
+        ([], "H100-80GB", True, True),  # not given, on an H100 with liger-kernel: on
+        ([], "H100-80GB", False, False),  # not installed: off (a line names the install)
+        ([], "T4", True, False),
+        ([], None, True, False),  # a CPU
+        (["--use_liger_kernel", "false"], "A100-80GB", True, False),
+        (["--use_liger_kernel", "true"], "L4", True, True),
+    ],
+)
+def test_llmft_train_hands_the_trainer_its_liger_decision(argv, gpu, installed, expected, monkeypatch, capsys):
+    """What `llmft train` gives the Trainer: --use_liger_kernel not given parses as None (SFTConfig's False cannot
+    tell it from "false") and becomes choose_liger's answer for the machine's GPU; the log says when it is on."""
+    import dataclasses
+
+    from llmft import train
+
+    monkeypatch.setattr(train, "liger_model_types", lambda: frozenset({"llama"}) if installed else None)
+    parsed = parse_train_flags(
+        train.make_parser(), ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "out", *argv]
+    )
+    assert parsed[1].use_liger_kernel == {"false": False, "true": True}.get(argv[-1] if argv else None)
+    run, decided = train.check_run(train.RunSettings(*parsed), cuda=False, gpu=None)
+    if gpu is not None:
+        decided = dataclasses.replace(decided, cuda=True, gpu=GPUS[gpu], precision="bf16")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    run, _ = train.choose_model_settings(run, decided, config)
+    assert run.training.use_liger_kernel is expected
+    assert ("Liger's kernels on (auto" in capsys.readouterr().out) == (expected and not argv)

@@ -189,8 +189,8 @@ POLICY: dict[str, tuple[str, str]] = {
     **_table(
         CHECKED,
         "use_liger_kernel liger_kernel_config",
-        "Liger's kernels: refused without a CUDA GPU, liger-kernel "
-        "or a model type it supports (llmft.planning.hardware.check_liger)",
+        "Liger's kernels: on by default where they run in bf16 (llmft.planning.hardware.choose_liger); asked for, "
+        "refused without a CUDA GPU, liger-kernel or a model type it supports",
     ),
     "do_train": (PASSED, "a flag for HF's example scripts; llmft train always trains"),
     **_table(
@@ -344,8 +344,8 @@ class TrainParser(TrlParser):
         super().__init__(*args, **kwargs)
         self.output_dir_given = True
         # None: not given (SFTConfig's default False cannot tell "not given" from "false"); llmft decides padding_free
-        # itself when not given (llmft.packing.choose_padding_free)
-        self.set_defaults(fp16=None, padding_free=None)
+        # and Liger itself when not given (llmft.packing.choose_padding_free, llmft.planning.hardware.choose_liger)
+        self.set_defaults(fp16=None, padding_free=None, use_liger_kernel=None)
         self.precision_flags: dict[str, bool | None] = {"bf16": None, "fp16": None}
         # None: not given; llmft then sizes the collective timeout from the run (llmft.training.process_group_timeout)
         if any("--ddp_timeout" in a.option_strings for a in self._actions):
