@@ -104,37 +104,20 @@ def settings(dry: bool) -> list[Setting]:
     seq, big_seq = (256, 512) if dry else (2048, 4096)
     mb, acc = (2, 2) if dry else (8, 4)
     lora = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
+
+    def lever(name: str, *flags: str, requires: str | None = None) -> Setting:
+        return Setting(name, "llmft", small, seq, mb, acc, True, list(flags), requires=requires, pair="packed")
+
     return [
         Setting("default", "llmft", small, seq, mb, acc),
         Setting("default-plain", "plain", small, seq, mb, acc, pair="default"),
         Setting("packed", "llmft", small, seq, mb, acc, packing=True),
         Setting("packed-plain", "plain", small, seq, mb, acc, packing=True, pair="packed"),
-        Setting(  # TRL's default recomputes every layer's activations: off where memory allows
-            "packed-no-ckpt", "llmft", small, seq, mb, acc, True, ["--gradient_checkpointing", "false"], pair="packed"
-        ),
-        Setting(  # Liger is on by default where it runs (llmft.planning.hardware.choose_liger): its gain, measured
-            "packed-no-liger",
-            "llmft",
-            small,
-            seq,
-            mb,
-            acc,
-            True,
-            ["--use_liger_kernel", "false"],
-            requires="liger_kernel",
-            pair="packed",
-        ),
-        Setting(  # every lever at once: Liger (default), no recomputation, torch.compile
-            "packed-fast",
-            "llmft",
-            small,
-            seq,
-            mb,
-            acc,
-            True,
-            ["--gradient_checkpointing", "false", "--torch_compile", "true"],
-            pair="packed",
-        ),
+        # the MFU levers, each a variant of the packed run:
+        lever("packed-no-ckpt", "--gradient_checkpointing", "false"),  # TRL's default recomputes every layer
+        # Liger is on by default where it runs (llmft.planning.hardware.choose_liger): its gain
+        lever("packed-no-liger", "--use_liger_kernel", "false", requires="liger_kernel"),
+        lever("packed-fast", "--gradient_checkpointing", "false", "--torch_compile", "true"),  # all at once
         Setting("packed-micro16", "llmft", small, seq, 2 * mb, acc // 2, True, pair="packed"),
         Setting("8b-lora", "llmft", big, big_seq, 1 if dry else 2, acc, True, [*lora, "--gradient_checkpointing"]),
         Setting(  # no recomputation: `llmft plan` puts micro-batch 1 at 56 GiB on an H100, micro-batch 2 over 80
