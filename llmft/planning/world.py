@@ -163,11 +163,13 @@ def cpu_split(cpus_per_node: int, procs_per_node: int, source: str = "local") ->
 
 
 def discover_cpus(env: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """CPUs per node for this job: Slurm's allocation, else the CPUs this process may run on."""
+    """CPUs per node for this job: Slurm's allocation, PBS's (NCPUS), else the CPUs this process may run on."""
     env = os.environ if env is None else env
     cpus = slurm_cpus_per_node(env)
     if cpus:
         return cpus, "slurm"
+    if env.get("PBS_JOBID") and _int(env, "NCPUS"):  # PBS: the ncpus of the job's chunk on this node
+        return _int(env, "NCPUS"), "pbs"
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1), "affinity"
 
 

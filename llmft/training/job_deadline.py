@@ -9,7 +9,8 @@ callbacks that check and publish it), and stops for its final save once the time
 `final_save_lead`: FINAL_SAVE_FACTOR x the longest save measured (kept in SAVE_RECORD for the requeued job; before
 any is measured: the planner's estimate, checkpoint bytes at llmft.memory's default write bandwidth) + the step in flight + FINAL_SAVE_MARGIN_S
 for the processes to exit and the job to requeue itself. The ranks agree on the step through GracefulStop's
-vote. The USR1 stays as a backstop. Outside Slurm (no SLURM_JOB_ID) nothing of this runs.
+vote. The USR1 stays as a backstop. In a PBS job (PBS_JOBID, no squeue to ask) the job's end comes from the file
+llmft.launch.pbs writes from `qstat -f` (PBS sends no warning before the walltime). Outside both nothing of this runs.
 
 Only global rank 0 asks Slurm (one squeue a minute per job, not one per rank).
 
@@ -162,11 +163,13 @@ class JobDeadline:
         """On global rank 0 of a Slurm job; None elsewhere (outside Slurm nothing changes). `estimate()`: the
         planner's save time, asked only here; the saves an earlier attempt of the run measured count too."""
         job = os.environ.get("SLURM_JOB_ID")
-        if not job or os.environ.get("RANK", "0") != "0":
+        pbs = not job and bool(os.environ.get("PBS_JOBID")) and bool(os.environ.get(JOB_END_FILE_ENV))
+        if not (job or pbs) or os.environ.get("RANK", "0") != "0":
             return None
         return cls(
-            job,
+            job or os.environ["PBS_JOBID"],
             estimate(),
+            query=query_time_left if job else (lambda _job: UNANSWERED),  # PBS: the file llmft.launch.pbs keeps
             record=Path(output_dir) / SAVE_RECORD,
             end_file=os.environ.get(JOB_END_FILE_ENV),
             async_save=async_save,

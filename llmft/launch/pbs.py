@@ -1,0 +1,647 @@
+"""llmft on PBS (OpenPBS, PBS Pro): the job pbs/run_llm.pbs runs, one torchrun per node, in tested Python.
+
+    qsub -l select=2:ncpus=8:ngpus=4:mem=200gb -l place=scatter -l walltime=04:00:00 \\
+         -v MODEL=meta-llama/Llama-3.2-1B,DATASET=data.jsonl,GLOBAL_BATCH=64 pbs/run_llm.pbs
+    DRY_RUN=1 bash pbs/run_llm.pbs DATASET=data.jsonl          # outside PBS: the knobs and the local paths checked
+
+The knobs are slurm/run_llm.slurm's (llmft.launch.knobs). What differs from Slurm, and why:
+- The nodes come from PBS_NODEFILE (one line per chunk; a node is named once). One launcher per node is started with
+  `pbsdsh -n INDEX`, through PBS's own task manager: no ssh, and the tasks are the job's, so PBS accounts for them and
+  kills them at the walltime. Each task reads the environment this job decided from a file (pbsdsh passes only the
+  job's own variables), then runs torchrun; a failing node writes its report (llmft.planning.failure_blame node).
+- GPUs and CPUs per node come from the select statement (`ngpus`, `ncpus` of the chunk; a CPU-only chunk runs one
+  process), the memory from its `mem` and what each node reports (llmft.planning.allocation).
+- PBS gives no warning before the walltime: at the limit every process gets SIGTERM and, `kill_delay` seconds later
+  (10 s by default), SIGKILL. So the job reads its walltime from `qstat -f` and keeps the time left in
+  LLMFT_JOB_END_FILE for rank 0 (llmft.training.job_deadline), which starts the last checkpoint early enough.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmft.errors import LlmftError
+from llmft.launch.knobs import (
+    KnobError,
+    Knobs,
+    default_dataset_warning,
+    defaults_line,
+    help_text,
+    resolve,
+    unknown_in_variable_list,
+)
+
+ME = "run_llm.pbs"
+USAGE = __doc__.split("\n\n")[1]
+
+
+class PbsJobError(LlmftError, RuntimeError):
+    """The PBS job cannot go on; one line, exit 2."""
+
+
+def say(text: str) -> None:
+    print(f"{ME}: {text}", flush=True)
+
+
+# ---- pure readers of PBS's facts -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    count: int
+    resources: dict[str, str]
+
+
+def parse_select(select: str) -> list[Chunk]:
+    """`2:ncpus=8:ngpus=4+1:ncpus=2` -> chunks (count and resources); a chunk without a leading count is one."""
+    chunks = []
+    for part in select.split("+"):
+        fields = part.split(":")
+        count = 1
+        if fields and fields[0].isdigit():
+            count = int(fields.pop(0))
+        res = {}
+        for f in fields:
+            key, sep, value = f.partition("=")
+            if not sep:
+                raise PbsJobError(f"cannot read the select statement '{select}' (at '{f}')")
+            res[key.strip()] = value.strip()
+        chunks.append(Chunk(count, res))
+    return chunks
+
+
+def per_node(select: str, resource: str, default: int) -> int:
+    """A resource every chunk asks for, as a count (ngpus, ncpus); chunks asking for different amounts are refused:
+    every node runs the same number of processes."""
+    values = {int(c.resources.get(resource, default) or default) for c in parse_select(select)}
+    if len(values) > 1:
+        raise PbsJobError(
+            f"the select statement '{select}' asks for {resource} {sorted(values)} in different chunks, and every node "
+            f"runs the same number of processes: ask for the same {resource} in every chunk"
+        )
+    return values.pop()
+
+
+def memory_gib(text: str) -> float | None:
+    """PBS sizes: `200gb`, `64GB`, `512mb`, `1tb`, `1048576kb`, a bare number of bytes."""
+    m = re.fullmatch(r"(\d+)\s*([kmgtp]?)(b|w)?", text.strip().lower())
+    if not m:
+        return None
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}[m.group(2)]
+    return int(m.group(1)) * scale * (8 if m.group(3) == "w" else 1) / 2**30
+
+
+def seconds(hms: str) -> float | None:
+    """PBS walltime `[[HH:]MM:]SS` (hours may exceed 24) -> seconds."""
+    if not re.fullmatch(r"\d+(:\d+){0,2}", hms.strip()):
+        return None
+    total = 0
+    for part in hms.strip().split(":"):
+        total = total * 60 + int(part)
+    return float(total)
+
+
+def hms(value: float) -> str:
+    value = max(0, int(value))
+    return f"{value // 3600}:{value % 3600 // 60:02d}:{value % 60:02d}"
+
+
+def hosts_of(nodefile_text: str) -> list[tuple[str, int]]:
+    """Each node once, in PBS_NODEFILE's order, with the index pbsdsh -n takes for it (its first line)."""
+    seen: dict[str, int] = {}
+    for i, line in enumerate(nodefile_text.split()):
+        seen.setdefault(line.strip(), i)
+    return list(seen.items())
+
+
+def run_key(k: Knobs) -> str:
+    """slurm/run_llm.slurm's key of the knobs that define a run, byte for byte: the same experiment lands in the
+    same directory on either scheduler."""
+    fields = [k[n] for n in ("MODEL", "DATASET", "DATA_PERCENTAGE", "ZERO_STAGE", "DS_CONFIG", "GLOBAL_BATCH")]
+    fields += [k["LORA"], k["EXTRA_ARGS"]]
+    if k["MIXTURE"]:
+        fields.append(f"MIXTURE={k['MIXTURE']}")
+    return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def job_number(job_id: str) -> int:
+    m = re.match(r"\d+", job_id)
+    return int(m.group()) if m else 0
+
+
+def shutdown_timeout(kill_delay_s: float) -> int:
+    """torchrun's wait for its ranks after a SIGTERM: past PBS's own SIGKILL, so only PBS's limit applies."""
+    return int(kill_delay_s) + 30
+
+
+# ---- what this job is -------------------------------------------------------------------------------
+
+
+def qstat_job(job_id: str) -> dict:
+    """`qstat -f -F json JOB`'s record of this job ({} when qstat does not answer)."""
+    try:
+        proc = subprocess.run(["qstat", "-f", "-F", "json", job_id], capture_output=True, text=True, timeout=30)
+        jobs = json.loads(proc.stdout).get("Jobs", {}) if proc.returncode == 0 else {}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+    return next(iter(jobs.values()), {})
+
+
+def queue_kill_delay(queue: str) -> float:
+    try:
+        proc = subprocess.run(["qstat", "-Q", "-f", "-F", "json", queue], capture_output=True, text=True, timeout=30)
+        q = json.loads(proc.stdout).get("Queue", {}).get(queue, {})
+        return float(q.get("kill_delay", 10))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 10.0
+
+
+def time_left(job: Mapping) -> float | None:
+    """Seconds of walltime left: Resource_List.walltime less resources_used.walltime (None: no walltime)."""
+    limit = seconds(str(job.get("Resource_List", {}).get("walltime", "")))
+    if limit is None:
+        return None
+    used = seconds(str(job.get("resources_used", {}).get("walltime", "0"))) or 0.0
+    return limit - used
+
+
+def job_is_live(job_id: str) -> str:
+    """The state of another job that holds a run directory ('' when it has ended or is unknown)."""
+    state = qstat_job(job_id).get("job_state", "")
+    return state if state in ("Q", "R", "H", "W", "T", "E", "B", "S") else ""
+
+
+# ---- the job ---------------------------------------------------------------------------------------
+
+
+def outside_pbs(k: Knobs, raw_dataset: str) -> int:
+    say(defaults_line(k))
+    warning = default_dataset_warning(
+        k, raw_dataset, "llmft plan --dataset_name ... --write DIR prints a complete line"
+    )
+    if warning:
+        say(warning)
+    if k.flag("DRY_RUN"):
+        say(
+            "knobs are valid; not inside a PBS job, so nothing to plan or launch (submit with: qsub pbs/run_llm.pbs ...)"
+        )
+        return 0
+    raise PbsJobError(
+        "not inside a PBS job (PBS_JOBID is unset); submit with: qsub -v DATASET=your.jsonl pbs/run_llm.pbs"
+    )
+
+
+def choose_python(k: Knobs, env: Mapping[str, str]) -> str:
+    if k["VENV"]:
+        return str(Path(k["VENV"]).absolute() / "bin" / "python")
+    venv = env.get("VIRTUAL_ENV") or env.get("PBS_O_VIRTUAL_ENV")
+    if venv and Path(venv, "bin", "python").exists():
+        return str(Path(venv) / "bin" / "python")
+    return sys.executable
+
+
+def claim_run_dir(run_dir: Path, job_id: str) -> None:
+    """Two live jobs never write one directory: the first to create .llmft-job keeps it while it is queued or runs."""
+    owner_file = run_dir / ".llmft-job"
+    try:
+        with open(owner_file, "x") as f:
+            f.write(job_id + "\n")
+        return
+    except FileExistsError:
+        owner = owner_file.read_text().strip()
+    if owner and owner != job_id:
+        state = job_is_live(owner)
+        if state:
+            raise PbsJobError(
+                f"CHECKPOINT_DIR={run_dir} is in use by job {owner} (state {state}); wait for it to end, or give this "
+                "job another name (qsub -N NAME) or CHECKPOINT_DIR"
+            )
+    owner_file.write_text(job_id + "\n")
+
+
+def newest_complete_step(run_dir: Path) -> int:
+    steps = [
+        int(d.name.split("-")[1])
+        for d in run_dir.glob("checkpoint-*")
+        if d.name.split("-")[1].isdigit() and (d / "llmft_complete.json").is_file()
+    ]
+    return max(steps, default=0)
+
+
+def train_arguments(k: Knobs, run_dir: Path, report_to: str) -> list[str]:
+    data = (
+        ["--dataset_mixture", k["MIXTURE"]]
+        if k["MIXTURE"]
+        else ["--dataset_name", k["DATASET"], "--data_percentage", k["DATA_PERCENTAGE"]]
+    )
+    args = ["--model_name_or_path", k["MODEL"], *data, "--output_dir", str(run_dir), "--num_train_epochs", k["EPOCHS"]]
+    args += ["--global_batch_size", k["GLOBAL_BATCH"], "--per_device_train_batch_size", k["MICRO_BATCH"]]
+    args += ["--report_to", report_to, "--disable_tqdm", "true"]
+    if k["DS_CONFIG"]:
+        args += ["--deepspeed", k["DS_CONFIG"]]
+    elif k["ZERO_STAGE"] == "auto":
+        args += ["--auto"]
+    else:
+        args += ["--zero_stage", k["ZERO_STAGE"]]
+    if k.flag("OFFLOAD"):
+        args += ["--offload"]
+    if k["MAX_STEPS"]:
+        args += ["--max_steps", k["MAX_STEPS"]]
+    if k["SAVE_STEPS"]:
+        args += ["--save_steps", k["SAVE_STEPS"]]
+    if k.flag("LORA"):
+        args += ["--use_peft"]
+    return args
+
+
+def plan_arguments(k: Knobs, run_dir: Path, nodes_file: Path, nnodes: int, gpus: int) -> list[str]:
+    """`llmft plan`'s flags for this job: its world (one process per GPU, one on a node without GPUs) and knobs."""
+    nproc = max(1, gpus)
+    args = ["--global_batch_size", k["GLOBAL_BATCH"], "--per_device_train_batch_size", k["MICRO_BATCH"]]
+    args += ["--output_dir", str(run_dir), "--print_launch", "--nodes", str(nodes_file)]
+    args += ["--numa_binding", k["NUMA_BINDING"], "--nnodes", str(nnodes), "--nproc_per_node", str(nproc)]
+    memory = memory_arguments(k.extra_args)
+    if k["DS_CONFIG"]:
+        args += ["--deepspeed", k["DS_CONFIG"]]
+    elif k["ZERO_STAGE"] == "auto":
+        args += ["--model", k["MODEL"], "--auto", *memory]
+    else:
+        args += ["--zero_stage", k["ZERO_STAGE"]]
+    if k["ZERO_STAGE"] != "auto":
+        args += ["--model", k["MODEL"], "--check_memory", *memory]
+    if k.flag("LORA"):
+        args += ["--use_peft"]
+    if k.flag("OFFLOAD"):
+        args += ["--offload"]
+    return args
+
+
+def memory_arguments(extra: Sequence[str]) -> list[str]:
+    """The llmft train flags in EXTRA_ARGS that change the memory a setting needs, for the plan's memory check."""
+    out = []
+    for i, arg in enumerate(extra):
+        if arg in ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation"):
+            out += extra[i : i + 2]
+        elif arg.split("=")[0] in ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation"):
+            out.append(arg)
+        elif arg in ("--load_in_4bit", "--save_consolidated", "--async_save"):
+            out.append(arg)
+    return out
+
+
+def given(extra: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in extra)
+
+
+def launch_line(plan_out: str) -> dict[str, str]:
+    for line in plan_out.splitlines():
+        if line.startswith("llmft launch: "):
+            pairs = dict(kv.split("=", 1) for kv in line[len("llmft launch: ") :].split())
+            needed = ("nnodes", "nproc_per_node", "cpus_per_node", "omp_num_threads", "dataloader_num_workers")
+            needed += ("dataset_num_proc", "host_ram_gb", "numa_binding")
+            missing = [n for n in needed if n not in pairs]
+            if missing:
+                raise PbsJobError(f"llmft plan printed no '{missing[0]}' on its 'llmft launch:' line")
+            return pairs
+    raise PbsJobError("llmft plan printed no 'llmft launch:' line")
+
+
+class Stop:
+    """SIGTERM (the walltime, qdel, qrerun) or SIGUSR1 to the job's shell: every rank finishes its step and saves."""
+
+    def __init__(self, stop_file: Path):
+        self.stop_file, self.signal = stop_file, ""
+
+    def __call__(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name[3:]
+        if not self.signal or name == "USR1":
+            self.signal = name
+        say(
+            f"got SIG{name} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: asking every rank to finish "
+            "its step and write a checkpoint"
+        )
+        self.stop_file.touch()
+
+
+def run_job(k: Knobs, env: Mapping[str, str]) -> int:
+    """Inside a PBS job, as named steps: the job's facts, the run directory, what each node was given, the plan, one
+    torchrun per node, and what follows."""
+    job_id = env["PBS_JOBID"]
+    submit_dir = Path(env.get("PBS_O_WORKDIR") or Path.cwd())
+    job = qstat_job(job_id)
+    unknown_in_variable_list(list(job.get("Variable_List", {})), "qsub -v")
+    select = str(job.get("Resource_List", {}).get("select", "1:ncpus=1"))
+    hosts = job_hosts(env)
+    run_dir = run_directory(k, env, submit_dir, job_id)
+    files = {n: run_dir / f".llmft-{n}-{job_id}" for n in ("stop", "requeue", "job-end", "nodes")}
+    for f in files.values():
+        f.unlink(missing_ok=True)
+    stop = Stop(files["stop"])
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGUSR1, stop)
+    python = choose_python(k, env)
+    run_count = int(job.get("run_count", 1) or 1)
+    say_start(k, env, job_id, run_count, submit_dir, run_dir, python)
+
+    node_env = job_environment(k, env, run_dir, submit_dir, files)
+    env_file = run_dir / f".llmft-env-{job_id}.json"
+    env_file.write_text(json.dumps(node_env))
+    probe_nodes(hosts, python, env_file, files["nodes"])
+    plan = subprocess.run(
+        [
+            python,
+            "-m",
+            "llmft.plan",
+            *plan_arguments(k, run_dir, files["nodes"], len(hosts), per_node(select, "ngpus", 0)),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **node_env, "NCPUS": str(per_node(select, "ncpus", 1))},
+    )
+    files["nodes"].unlink(missing_ok=True)
+    if plan.stdout.strip():
+        print(plan.stdout.rstrip(), flush=True)
+    if plan.returncode == 2:
+        sys.stderr.write(plan.stderr)
+        say(
+            "not launching: change what llmft plan names above (knobs such as GLOBAL_BATCH, MICRO_BATCH, ZERO_STAGE, "
+            "DS_CONFIG, OFFLOAD, or the select statement)"
+        )
+        return 2
+    if plan.returncode != 0:
+        raise PbsJobError(
+            f"could not run 'llmft plan' with {python} (exit {plan.returncode}: {plan.stderr.strip()[-300:]}); is llmft "
+            "installed there? Set VENV=/path/to/venv"
+        )
+    launch = launch_line(plan.stdout)
+    node_env["LLMFT_HOST_RAM_GB"] = launch["host_ram_gb"]
+    node_env.setdefault("OMP_NUM_THREADS", launch["omp_num_threads"])
+    kill_delay = queue_kill_delay(str(job.get("queue", "workq")))
+    node_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout(kill_delay)))
+    env_file.write_text(json.dumps(node_env))
+    torchrun = torchrun_command(k, python, run_dir, launch, hosts, job_id, node_env)
+    say(
+        f"kill chain: PBS sends SIGKILL {kill_delay:g} s after SIGTERM (kill_delay); torchrun waits "
+        f"{node_env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s for its ranks"
+    )
+    if k.flag("DRY_RUN"):
+        say("DRY_RUN=1: not launching")
+        return 0
+    if stop.signal:
+        say(f"SIG{stop.signal} before launch; not starting training")
+        files["stop"].unlink(missing_ok=True)
+        return 0
+    left = time_left(job)
+    if left is not None:
+        files["job-end"].write_text(f"{time.time():.0f} {hms(left)}\n")
+        say(f"walltime: {hms(left)} left; llmft starts its last checkpoint early enough to finish before it")
+    failures = run_dir / f".llmft-failures-{job_id}-{run_count}"
+    failures.mkdir(exist_ok=True)
+    (run_dir / "nccl_trace").mkdir(exist_ok=True)
+    start_step = newest_complete_step(run_dir)
+    wrapper = [python, "-m", "llmft.launch.pbs", "node", str(env_file), str(failures), "--", *torchrun]
+    results = on_every_node(hosts, wrapper, capture=False)
+    rc = next((r for r, _ in results if r != 0), 0)
+    return after_training(run_dir, rc, stop, files["requeue"], start_step, failures)
+
+
+def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
+    nodefile = env.get("PBS_NODEFILE", "")
+    if not nodefile or not Path(nodefile).is_file():
+        raise PbsJobError(f"PBS_NODEFILE={nodefile or '<unset>'} is not a file: cannot tell the job's nodes")
+    hosts = hosts_of(Path(nodefile).read_text())
+    if not hosts:
+        raise PbsJobError(f"PBS_NODEFILE={nodefile} lists no node")
+    return hosts
+
+
+def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> Path:
+    """CHECKPOINT_DIR, else runs/<job name>-<run key> under the submit directory; claimed for this job."""
+    if not k["CHECKPOINT_DIR"]:
+        run_dir = submit_dir / "runs" / f"{safe_name(env.get('PBS_JOBNAME') or 'llmft')}-{run_key(k)}"
+    else:
+        run_dir = Path(k["CHECKPOINT_DIR"])
+        run_dir = run_dir if run_dir.is_absolute() else submit_dir / run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_dir.resolve()
+    if not k.flag("DRY_RUN"):
+        claim_run_dir(run_dir, job_id)
+    return run_dir
+
+
+def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
+    say(
+        f"job {job_id} ({env.get('PBS_JOBNAME', '')}) run {run_count}, submitted from {submit_dir}, started "
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+    )
+    say(
+        f"knobs EPOCHS={k['EPOCHS']} CHECKPOINT_DIR={run_dir} MODEL={k['MODEL']} DATASET={k['DATASET']} "
+        f"DATA_PERCENTAGE={k['DATA_PERCENTAGE']} ZERO_STAGE={k['ZERO_STAGE'] or '<DS_CONFIG>'} "
+        f"GLOBAL_BATCH={k['GLOBAL_BATCH']} MICRO_BATCH={k['MICRO_BATCH']} MAX_STEPS={k['MAX_STEPS'] or '<none>'} "
+        f"LORA={k['LORA']} CONTAINER_IMAGE={k['CONTAINER_IMAGE'] or '<none>'}"
+    )
+    say(defaults_line(k))
+    warning = default_dataset_warning(k, env.get("DATASET", ""), "llmft plan --dataset_name ... --write DIR")
+    if warning:
+        say(warning)
+    say(f"python {python}")
+
+
+def probe_nodes(hosts, python: str, env_file: Path, nodes_file: Path) -> None:
+    """What each node was given (llmft.planning.allocation), one probe per node through PBS's task manager."""
+    probe = [python, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--"]
+    outs = on_every_node(hosts, [*probe, python, "-m", "llmft.planning.allocation"], capture=True)
+    for (host, _), (rc, out) in zip(hosts, outs):
+        if rc != 0:
+            raise PbsJobError(f"could not read the allocation on node {host} (exit {rc}): {out.strip()}")
+    nodes_file.write_text("".join(out for _, out in outs))
+
+
+def torchrun_command(k, python, run_dir, launch, hosts, job_id, node_env) -> list[str]:
+    """The torchrun every node runs, said with the world it makes."""
+    train = train_arguments(k, run_dir, node_env.get("LLMFT_REPORT_TO", "none"))
+    for flag in ("dataloader_num_workers", "dataset_num_proc"):
+        if not given(k.extra_args, f"--{flag}"):
+            train += [f"--{flag}", launch[flag]]
+    if k["SAVE_TOTAL_LIMIT"] != "0" and not given(k.extra_args, "--save_total_limit"):
+        train += ["--save_total_limit", k["SAVE_TOTAL_LIMIT"]]
+    train += k.extra_args
+    rdzv_host = hosts[0][0]
+    try:
+        rdzv_host = socket.gethostbyname(rdzv_host)
+    except OSError:
+        pass
+    port = 20000 + job_number(job_id) % 10000
+    numa = ["--numa-binding", launch["numa_binding"]] if launch["numa_binding"] != "off" else []
+    torchrun = [python, "-m", "torch.distributed.run", "--nnodes", launch["nnodes"]]
+    torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
+    torchrun += ["--rdzv_endpoint", f"{rdzv_host}:{port}", "--rdzv_id", job_id, "-m", "llmft.train", *train]
+    say(
+        f"nodes {len(hosts)}: {' '.join(h for h, _ in hosts)}; processes per node {launch['nproc_per_node']}; CPUs per "
+        f"node {launch['cpus_per_node']}; OMP_NUM_THREADS={node_env['OMP_NUM_THREADS']}"
+    )
+    say(f"rendezvous c10d at {rdzv_host}:{port} (first host {hosts[0][0]}), id {job_id}")
+    say(f"launch: pbsdsh -n INDEX -- {' '.join(shlex.quote(a) for a in torchrun)}")
+    return torchrun
+
+
+def after_training(run_dir, rc, stop, requeue_file, start_step, failures) -> int:
+    """What follows the training: done, a stop for the walltime or a signal (PBS reruns a rerunnable job), or a
+    failure, named by its node."""
+    stop.stop_file.unlink(missing_ok=True)
+    if (run_dir / "llmft_done.json").is_file():
+        requeue_file.unlink(missing_ok=True)
+        say(f"training finished (exit {rc}); results in {run_dir}")
+        return rc
+    if requeue_file.is_file() or stop.signal:
+        requeue_file.unlink(missing_ok=True)
+        say(
+            f"stopped (exit {rc}) after a complete checkpoint at step {newest_complete_step(run_dir)}; a rerun "
+            "(qrerun, or this job again with the same CHECKPOINT_DIR) resumes from it"
+        )
+        return 0
+    if rc == 0:
+        say(f"warning: training exited 0 but {run_dir}/llmft_done.json is missing")
+        return 0
+    reports = sorted(failures.glob("node-*.json"))
+    for report in reports:
+        try:
+            r = json.loads(report.read_text())
+            say(f"node {r.get('node')}: {r.get('cause') or r.get('summary') or r}")
+        except ValueError:
+            say(f"{report.name}: unreadable")
+    say(
+        f"training failed (exit {rc}) at step {newest_complete_step(run_dir)} (started at {start_step}); resubmit "
+        "with the same CHECKPOINT_DIR to resume"
+    )
+    return rc
+
+
+def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:
+    """The variables every node's launcher runs with (pbsdsh passes only the job's own)."""
+    out = {
+        "LLMFT_STOP_FILE": str(files["stop"]),
+        "LLMFT_REQUEUE_FILE": str(files["requeue"]),
+        "LLMFT_JOB_END_FILE": str(files["job-end"]),
+        "LLMFT_CACHE": env.get("LLMFT_CACHE") or str(submit_dir / ".llmft-cache"),
+        "HF_HOME": env.get("HF_HOME") or str(Path(env.get("HOME") or submit_dir) / ".cache" / "huggingface"),
+        "PATH": env.get("PATH", os.defpath),
+    }
+    node_cache = Path(env.get("TMPDIR") or "/tmp") / f"llmft-{env.get('USER') or os.getuid()}"
+    out["LLMFT_EXTENSIONS_ROOT"] = env.get("LLMFT_EXTENSIONS_ROOT") or str(node_cache / "torch_extensions")
+    out["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or str(node_cache / "triton")
+    if k["VENV"]:
+        venv = str(Path(k["VENV"]).absolute())
+        out["VIRTUAL_ENV"], out["PATH"] = venv, f"{venv}/bin:{out['PATH']}"
+    out["LLMFT_REPORT_TO"] = "wandb" if k["WANDB_PROJECT"] and k["WANDB_MODE"] != "disabled" else "none"
+    if k["WANDB_PROJECT"]:
+        out["WANDB_PROJECT"] = k["WANDB_PROJECT"]
+    if k["WANDB_MODE"]:
+        out["WANDB_MODE"] = k["WANDB_MODE"]
+    for name in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        if env.get(name):
+            out[name] = env[name]
+    for name, value in env.items():  # the tests' hooks, and NCCL settings the user exported
+        if name.startswith(("LLMFT_TEST_", "NCCL_")):
+            out[name] = value
+    return out
+
+
+def on_every_node(hosts: list[tuple[str, int]], command: list[str], capture: bool) -> list[tuple[int, str]]:
+    """`command` once on each node through `pbsdsh -n INDEX` (PBS's task manager), all at once; (rc, stdout) each."""
+    procs = [
+        subprocess.Popen(
+            ["pbsdsh", "-n", str(index), "--", *command],
+            stdout=subprocess.PIPE if capture else None,
+            text=True,
+        )
+        for _, index in hosts
+    ]
+    results = []
+    for p in procs:
+        while True:
+            try:
+                out, _ = p.communicate()
+                break
+            except InterruptedError:
+                continue
+        results.append((p.returncode, out or ""))
+    return results
+
+
+def node_main(argv: list[str]) -> int:
+    """On each node (`pbsdsh`): the job's environment from its file, then the command; a failing torchrun's report
+    (llmft.planning.failure_blame node) is written to the failures directory, under SIGTERM too."""
+    env_file, failures = argv[0], argv[1]
+    command = argv[3:] if argv[2:3] == ["--"] else argv[2:]
+    env = {**os.environ, **json.loads(Path(env_file).read_text())}
+    node = env.get("PBS_NODENUM", "0")
+    host = socket.gethostname().split(".")[0]
+    if failures:
+        print(f"{ME}: node {host} (node rank {node}): torchrun", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # outlive torchrun: it forwards the signal and the ranks save
+    started = time.time()
+    err_path = Path(env.get("TMPDIR") or "/tmp") / f"llmft-torchrun-err-{os.getpid()}"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            err.write(line)
+        rc = proc.wait()
+    if rc != 0 and failures:
+        report = Path(failures) / f"node-{node}.json"
+        blame = [sys.executable, "-m", "llmft.planning.failure_blame", "node", "--node", host, "--rc", str(rc)]
+        blame += ["--stderr", str(err_path), "--since", f"{started:.0f}"]
+        out = subprocess.run(blame, capture_output=True, text=True, env=env)
+        text = (
+            out.stdout
+            if out.returncode == 0 and out.stdout.strip()
+            else json.dumps({"node": host, "rc": rc, "cause": "no report: llmft.planning.failure_blame failed"})
+        )
+        tmp = report.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(report)
+    err_path.unlink(missing_ok=True)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["node"]:
+        return node_main(argv[1:])
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(ME, USAGE))
+        return 0
+    env = os.environ
+    try:
+        cwd = Path(env.get("PBS_O_WORKDIR") or Path.cwd()) if env.get("PBS_JOBID") else Path.cwd()
+        knobs = resolve(env, argv, cwd)
+        if not env.get("PBS_JOBID"):
+            return outside_pbs(
+                knobs, env.get("DATASET", "") or next((a for a in argv if a.startswith("DATASET=")), "")
+            )
+        os.chdir(cwd)
+        return run_job(knobs, env)
+    except (KnobError, PbsJobError, LlmftError) as e:
+        print(f"{ME}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""llmft.launch without a scheduler: the knobs the PBS job takes are the Slurm job's (same names, defaults, checks and
+words), and PBS's facts (select statements, walltimes, node files) are read right."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_slurm_script import run_script
+
+from llmft.launch import knobs, pbs
+
+REPO = Path(__file__).resolve().parents[1]
+PBS_SCRIPT = REPO / "pbs" / "run_llm.pbs"
+
+
+def run_pbs_script(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """pbs/run_llm.pbs run by bash outside PBS, in this test's environment."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PBS_", "SLURM_")) and k not in knobs.NAMES}
+    clean.update(env)
+    return subprocess.run(
+        ["bash", str(PBS_SCRIPT), f"VENV={Path(sys.executable).parents[1]}", *args],
+        capture_output=True,
+        text=True,
+        env=clean,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+# Each bad knob in its plain KEY=VALUE form (qsub -v sets the same variables), with the words both scripts say.
+BAD_KNOBS = [
+    (["EPOCHS=abc"], "EPOCHS=abc is not a positive number (default 3)"),
+    (["EPOCHS=0"], "EPOCHS=0 is not a positive number"),
+    (["ZERO_STAGE=7"], "ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3"),
+    (["DATA_PERCENTAGE=150"], "0 < DATA_PERCENTAGE <= 100"),
+    (["GLOBAL_BATCH=-4"], "GLOBAL_BATCH=-4 is not a positive integer"),
+    (["MICRO_BATCH=1.5"], "MICRO_BATCH=1.5 is not a positive integer"),
+    (["MAX_STEPS=ten"], "MAX_STEPS=ten is not a positive integer"),
+    (
+        ["SAVE_TOTAL_LIMIT=-1"],
+        "SAVE_TOTAL_LIMIT=-1 is not a number of checkpoints; use 0 (keep all) or more (default 2)",
+    ),
+    (["MAX_RESTARTS=three"], "MAX_RESTARTS=three is not a number of restarts"),
+    (["OFFLOAD=maybe"], "OFFLOAD=maybe is not a boolean"),
+    (["OFFLOAD=1", "ZERO_STAGE=1"], "OFFLOAD=1 needs ZERO_STAGE=2 or 3"),
+    (["OFFLOAD=1", "ZERO_STAGE=auto"], "ZERO_STAGE=auto chooses the offload itself; drop OFFLOAD=1"),
+    (["ZERO_STAGE=3", "DS_CONFIG=ds_configs/zero3.json"], "give either ZERO_STAGE or DS_CONFIG, not both"),
+    (["DS_CONFIG=/nonexistent/ds.json"], "DS_CONFIG=/nonexistent/ds.json: no such file"),
+    (["NCCL_PROFILE=azure"], "NCCL_PROFILE=azure is unknown; use gcp-g2, aws-efa, gcp-tcpx or ib"),
+    (["WANDB_MODE=loud"], "WANDB_MODE=loud: use online, offline or disabled"),
+    (["CONTAINER_IMAGE=img", "CONTAINER_MOUNTS=/data /models"], "'/data /models' is not a mount SRC[:DST[:FLAGS]]"),
+    (["CONTAINER_MOUNTS=/data:/data"], "CONTAINER_MOUNTS=/data:/data needs CONTAINER_IMAGE"),
+    (["MIXTURE=pyproject.toml", "DATASET=data.jsonl"], "give either MIXTURE or DATASET, not both"),
+    (["EXTRA_ARGS=--dataset_mixture=mix.yaml"], "give the mixture as MIXTURE=FILE"),
+    (["MIXTURE=/nonexistent/mix.yaml"], "MIXTURE=/nonexistent/mix.yaml: no such file"),
+    (["DATASET=/nonexistent/data.jsonl"], "DATASET=/nonexistent/data.jsonl: no such file or directory (looked in "),
+    (["MODEL=./models/mine"], "MODEL=./models/mine: no such directory (looked in "),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_KNOBS)
+def test_a_bad_knob_is_refused_by_the_pbs_job_as_by_the_slurm_job(args, message):
+    """One line, exit 2, and the same words after the script's name on both schedulers."""
+    proc = run_pbs_script(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("run_llm.pbs: error: "), proc.stderr
+    assert message in proc.stderr
+    slurm = run_script(*args)
+    assert slurm.stderr.removeprefix("run_llm.slurm: ") == proc.stderr.removeprefix("run_llm.pbs: ")
+
+
+def test_an_unknown_or_misspelt_knob_is_named_with_the_fix():
+    proc = run_pbs_script("EPOCH=3")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "unknown knob 'EPOCH' in 'EPOCH=3'; did you mean EPOCHS?" in proc.stderr
+    assert "known knobs: EPOCHS CHECKPOINT_DIR DATA_PERCENTAGE" in proc.stderr
+    assert "cannot read argument '--epochs'" in run_pbs_script("--epochs", "3").stderr
+    # qsub -v NAME=... also carries variables a job needs (HF_TOKEN, NCCL_DEBUG); a misspelt knob is refused
+    with pytest.raises(knobs.KnobError, match="unknown knob 'GLOBAL_BACTH' in 'qsub -v'; did you mean GLOBAL_BATCH"):
+        knobs.unknown_in_variable_list(["PBS_O_HOME", "HF_TOKEN", "NCCL_DEBUG", "GLOBAL_BACTH"], "qsub -v")
+    knobs.unknown_in_variable_list(["PBS_O_HOME", "HF_TOKEN", "NCCL_DEBUG", "EPOCHS"], "qsub -v")
+
+
+def test_valid_knobs_outside_pbs_name_the_defaults_and_say_to_submit_with_qsub():
+    proc = run_pbs_script("EPOCHS=3", "LORA=yes", "OFFLOAD=true", "ZERO_STAGE=3", "DATA_PERCENTAGE=2.5", DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "knobs are valid; not inside a PBS job" in proc.stdout and "qsub pbs/run_llm.pbs" in proc.stdout
+    slurm = run_script("EPOCHS=3", "LORA=yes", "OFFLOAD=true", "ZERO_STAGE=3", "DATA_PERCENTAGE=2.5", DRY_RUN="1")
+    pbs_lines = [line.removeprefix("run_llm.pbs: ") for line in proc.stdout.splitlines()[:2]]
+    slurm_lines = [line.removeprefix("run_llm.slurm: ") for line in slurm.stdout.splitlines()[:2]]
+    assert pbs_lines == slurm_lines  # "defaults applied: ..." and the default-dataset warning, word for word
+    assert pbs_lines[0].startswith("defaults applied: MODEL=Qwen/Qwen2.5-0.5B DATASET=trl-lib/Capybara")
+    proc = run_pbs_script("EPOCHS=3")
+    assert (
+        proc.returncode == 2 and "not inside a PBS job (PBS_JOBID is unset)" in proc.stderr and "qsub" in proc.stderr
+    )
+
+
+def test_values_are_data_never_code(tmp_path):
+    marker = tmp_path / "pwned"
+    run_pbs_script(f"MODEL=$(touch {marker})", f"EXTRA_ARGS=`touch {marker}`", DRY_RUN="1")
+    run_pbs_script(f"$(touch {marker})=1")
+    assert not marker.exists()
+
+
+def test_help_documents_every_knob_with_its_default():
+    proc = run_pbs_script("--help")
+    assert proc.returncode == 0
+    for knob in knobs.KNOBS:
+        assert f"  {knob.name}={knob.default}" in proc.stdout
+    assert "qsub" in proc.stdout
+
+
+def test_a_run_directory_is_keyed_like_the_slurm_jobs():
+    """The same experiment lands in runs/<name>-<key> with the same key on either scheduler (slurm/run_llm.slurm
+    computes it with printf | sha256sum)."""
+    k = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 1"])
+    fields = ["org/m", "org/d", "100", "2", "", "32", "0", "--seed 1"]
+    assert pbs.run_key(k) == hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
+    other = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 2"])
+    assert pbs.run_key(other) != pbs.run_key(k)
+    assert pbs.safe_name("my job/1") == "my_job_1"
+
+
+def test_pbs_facts_are_read_from_the_select_statement_walltime_and_node_file():
+    assert pbs.per_node("2:ncpus=8:ngpus=4:mem=200gb", "ngpus", 0) == 4
+    assert pbs.per_node("2:ncpus=8:ngpus=4", "ncpus", 1) == 8
+    assert pbs.per_node("2:ncpus=1", "ngpus", 0) == 0  # CPU-only nodes: one process each
+    assert pbs.per_node("1:ncpus=8:ngpus=4+1:ncpus=8:ngpus=4", "ngpus", 0) == 4
+    with pytest.raises(pbs.PbsJobError, match="asks for ngpus \\[2, 4\\] in different chunks"):
+        pbs.per_node("1:ngpus=4+1:ngpus=2", "ngpus", 0)
+    assert pbs.memory_gib("200gb") == 200 and pbs.memory_gib("512mb") == 0.5 and pbs.memory_gib("1tb") == 1024
+    assert pbs.seconds("04:00:00") == 14400 and pbs.seconds("90:00") == 5400 and pbs.seconds("30") == 30
+    assert pbs.seconds("forever") is None and pbs.hms(3725) == "1:02:05"
+    job = {"Resource_List": {"walltime": "00:10:00"}, "resources_used": {"walltime": "00:01:30"}}
+    assert pbs.time_left(job) == 510 and pbs.time_left({"Resource_List": {}}) is None
+    # one line per chunk; a node with two chunks is one node, started at its first line
+    assert pbs.hosts_of("pbs-n0\npbs-n1\npbs-n0\n") == [("pbs-n0", 0), ("pbs-n1", 1)]
+    assert pbs.shutdown_timeout(10) > 10  # torchrun never SIGKILLs ranks PBS itself would still let save
+
+
+def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_path):
+    k = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "LORA=1", "MAX_STEPS=4", "EXTRA_ARGS=--max_length 512"])
+    train = pbs.train_arguments(k, tmp_path, "none")
+    assert train[:4] == ["--model_name_or_path", "org/m", "--dataset_name", "org/d"]
+    assert ["--zero_stage", "2"] == train[train.index("--zero_stage") : train.index("--zero_stage") + 2]
+    assert "--use_peft" in train and train[train.index("--max_steps") + 1] == "4"
+    plan = pbs.plan_arguments(k, tmp_path, tmp_path / "nodes", 2, 0)
+    assert plan[plan.index("--nnodes") + 1] == "2" and plan[plan.index("--nproc_per_node") + 1] == "1"
+    assert "--check_memory" in plan and plan[-3:] == ["--max_length", "512", "--use_peft"]
+    line = "llmft launch: nnodes=2 nproc_per_node=1 cpus_per_node=1 omp_num_threads=1 dataloader_num_workers=0 "
+    line += "dataset_num_proc=1 host_ram_gb=23 numa_binding=off"
+    assert pbs.launch_line(f"llmft plan: x\n{line}\n")["host_ram_gb"] == "23"
+    with pytest.raises(pbs.PbsJobError, match="no 'numa_binding'"):
+        pbs.launch_line(line.replace(" numa_binding=off", ""))
