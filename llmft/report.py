@@ -3,6 +3,7 @@
 ```bash
 llmft report runs/x                        # runs/x/report/: loss.png, learning_rate.png, ... and report.md
 llmft report runs/lr-1e-4 runs/lr-3e-4 runs/lr-1e-3 --output sweep_report
+llmft report runs/sft-1a2b3c4d             # a SWEEP's directory: its variants compared, in runs/sft-1a2b3c4d/report/
 python -m llmft.report runs/x
 ```
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from llmft.command import command_parser, report_error
 from llmft.errors import LlmftError
+from llmft.launch.sweep import variant_dirs
 
 TOKENS_PER_SECOND_KEYS = ("tokens_per_second", "train_tokens_per_second_step", "tokens_per_sec")
 MFU_KEYS = ("mfu",)
@@ -464,7 +466,12 @@ def make_parser(subparsers=None):
         "PNG plots and a Markdown summary of one or more runs (loss, learning rate, "
         "tokens/s, GPU memory, eval metrics).",
     )
-    parser.add_argument("run_dir", nargs="+", type=Path, help="a run's --output_dir (several: compared)")
+    parser.add_argument(
+        "run_dir",
+        nargs="+",
+        type=Path,
+        help="a run's --output_dir (several: compared; a sweep's directory: its variants)",
+    )
     parser.add_argument(
         "--output",
         type=Path,
@@ -475,8 +482,28 @@ def make_parser(subparsers=None):
     return parser
 
 
+def expand_sweeps(paths: list[Path]) -> list[Path]:
+    """A sweep's directory (llmft_sweep.json, from SWEEP=... in the job scripts) stands for its variants' runs, in
+    the sweep's order; a variant not started yet is named and left out."""
+    out = []
+    for path in paths:
+        variants = variant_dirs(path)
+        if variants is None:
+            out.append(path)
+            continue
+        missing = [v.name for v in variants if not v.is_dir()]
+        if missing:
+            print(f"llmft report: sweep {path}: not started yet, left out: {' '.join(missing)}")
+        if len(missing) == len(variants):
+            raise ReportError(f"{path}: no variant of this sweep has a run directory yet; report once one has trained")
+        out += [v for v in variants if v.is_dir()]
+    return out
+
+
 def report(run_dirs: list[Path], out: Path) -> dict:
-    """Read the runs, write the plots and report.md into `out`; returns what was written."""
+    """Read the runs (a sweep's directory: its variants), write the plots and report.md into `out`; returns what
+    was written."""
+    run_dirs = expand_sweeps(run_dirs)
     runs = [read_run(p, name) for p, name in zip(run_dirs, run_names(run_dirs))]
     out.mkdir(parents=True, exist_ok=True)
     plots = {

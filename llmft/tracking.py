@@ -1,6 +1,7 @@
-"""Weights & Biases settings for a Slurm job, printed for the batch script to export (llmft.training.wandb_env).
+"""Weights & Biases settings for a Slurm or PBS job, printed for the job script to export (llmft.training.wandb_env).
 
 python -m llmft.tracking slurm-env --output_dir CHECKPOINT_DIR    # prints WANDB_*=... lines, nothing else
+python -m llmft.tracking job-env --output_dir CHECKPOINT_DIR      # the same, for a Slurm or a PBS job
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from llmft.training.wandb_env import reachable, server_url, slurm_wandb_env
 def make_parser(subparsers=None):
     parser = command_parser(subparsers, "tracking", "W&B settings for a Slurm job (used by slurm/run_llm.slurm).")
     sub = parser.add_subparsers(dest="action", required=True)
-    slurm = sub.add_parser("slurm-env", help="print this job's WANDB_* variables, one KEY=VALUE per line")
-    slurm.add_argument("--output_dir", required=True, help="the run's output directory (W&B writes under it)")
-    slurm.add_argument("--timeout", type=float, default=3.0, help="seconds the connectivity check may take")
+    for name in ("slurm-env", "job-env"):  # job-env: the same for a Slurm or a PBS job (llmft.launch.pbs)
+        job = sub.add_parser(name, help="print this job's WANDB_* variables, one KEY=VALUE per line")
+        job.add_argument("--output_dir", required=True, help="the run's output directory (W&B writes under it)")
+        job.add_argument("--timeout", type=float, default=3.0, help="seconds the connectivity check may take")
     parser.set_defaults(func=main)
     return parser
 

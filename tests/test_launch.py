@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_slurm_script import run_script
 
-from llmft.launch import knobs, pbs
+from llmft.launch import knobs, pbs, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 PBS_SCRIPT = REPO / "pbs" / "run_llm.pbs"
@@ -158,3 +158,82 @@ def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_pat
     assert pbs.launch_line(f"llmft plan: x\n{line}\n")["host_ram_gb"] == "23"
     with pytest.raises(pbs.PbsJobError, match="no 'numa_binding'"):
         pbs.launch_line(line.replace(" numa_binding=off", ""))
+
+
+def test_a_sweep_is_every_combination_in_array_order_each_with_its_own_directory():
+    variants = sweep.parse("learning_rate=1e-5,3e-5 lora_r=8,16")
+    assert [v.describe() for v in variants] == [
+        "learning_rate=1e-5 lora_r=8",
+        "learning_rate=1e-5 lora_r=16",
+        "learning_rate=3e-5 lora_r=8",
+        "learning_rate=3e-5 lora_r=16",
+    ]
+    assert [v.index for v in variants] == [1, 2, 3, 4]
+    assert variants[1].name == "learning_rate-1e-5_lora_r-16"
+    assert variants[1].flags() == ["--learning_rate", "1e-5", "--lora_r", "16"]
+    assert [v.name for v in sweep.parse("--learning_rate=1e-5,3e-5,1e-4")] == [
+        "learning_rate-1e-5",
+        "learning_rate-3e-5",
+        "learning_rate-1e-4",
+    ]
+    assert sweep.parse("learning_rate=1e-5,3e-5;lora_r=8,16") == variants  # ';' too, where a space cannot go
+    # each element checks the array it is in: no variant left out, none trained twice
+    assert sweep.element(variants, "3", "1", "4", "qsub -J 1-{n}").describe() == "learning_rate=3e-5 lora_r=8"
+    with pytest.raises(sweep.SweepError, match="this array's indices are 1-3: submit it as qsub -J 1-4"):
+        sweep.element(variants, "3", "1", "3", "qsub -J 1-{n} ... pbs/run_llm.pbs")
+    with pytest.raises(sweep.SweepError, match="this job is not an array: submit it as one, sbatch --array=1-4"):
+        sweep.element(variants, None, None, None, "sbatch --array=1-{n} ... slurm/run_llm.slurm")
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("learning_rate", "'learning_rate' is not FLAG=VALUE,VALUE,...; e.g. SWEEP=learning_rate=1e-5,3e-5,1e-4"),
+        ("learning_rate=1e-5", "has one variant: that is one run; drop SWEEP and give the flag in EXTRA_ARGS"),
+        ("output_dir=a,b", "--output_dir is set by the job from its knobs and cannot vary within one sweep"),
+        ("learning_rate=1e-5,,3e-5", "holds an empty value or one with '/'"),
+        ("model_name_or_path=../x,y", "holds an empty value or one with '/'"),  # a value names a directory
+        ("lr=1,2 lr=3,4", "lr is given twice"),
+        ("Learning-Rate=1,2", "is not FLAG=VALUE,VALUE,..."),
+    ],
+)
+def test_a_bad_sweep_is_refused_in_the_same_words_by_both_scripts(value, message):
+    proc = run_pbs_script(f"SWEEP={value}", DRY_RUN="1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"run_llm.pbs: error: SWEEP={value}: ") or "one variant" in proc.stderr
+    assert message in proc.stderr
+    slurm = run_script(f"SWEEP={value}", DRY_RUN="1", VIRTUAL_ENV=str(Path(sys.executable).parents[1]))
+    assert slurm.returncode == 2
+    assert slurm.stderr.removeprefix("run_llm.slurm: ") == proc.stderr.removeprefix("run_llm.pbs: ")
+
+
+def test_a_dry_run_lists_the_variants_and_the_array_to_submit_on_either_scheduler():
+    value = "SWEEP=learning_rate=1e-5,3e-5,1e-4"
+    proc = run_pbs_script(value, "DATASET=org/d", DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "run_llm.pbs: sweep variant 2: learning_rate=3e-5 -> learning_rate-3e-5" in proc.stdout
+    assert "learning rate from SWEEP" in proc.stdout
+    assert "submit the sweep as an array of 3: qsub -J 1-3 ... pbs/run_llm.pbs" in proc.stdout
+    slurm = run_script(value, "DATASET=org/d", DRY_RUN="1", VIRTUAL_ENV=str(Path(sys.executable).parents[1]))
+    assert slurm.returncode == 0, slurm.stderr
+    assert "run_llm.slurm: sweep variant 2: learning_rate=3e-5 -> learning_rate-3e-5" in slurm.stdout
+    assert "submit the sweep as an array of 3: sbatch --array=1-3 ... slurm/run_llm.slurm" in slurm.stdout
+
+
+def test_llmft_report_over_a_sweeps_directory_compares_its_variants(tmp_path, capsys):
+    from test_report import fake_run
+
+    from llmft import report
+
+    variants = sweep.parse("learning_rate=1e-5,3e-5,1e-4")
+    sweep.record(tmp_path / "sweep", "learning_rate=1e-5,3e-5,1e-4", variants)
+    for v, lr in zip(variants[:2], (0.05, 0.15)):
+        fake_run(tmp_path / "sweep" / v.name, lr)
+    written = report.report([tmp_path / "sweep"], tmp_path / "sweep" / "report")
+    assert [r.name for r in written["runs"]] == ["learning_rate-1e-5", "learning_rate-3e-5"]
+    assert "not started yet, left out: learning_rate-1e-4" in capsys.readouterr().out
+    assert "learning_rate-3e-5" in written["summary"].read_text()
+    empty = tmp_path / "empty"
+    sweep.record(empty, "lora_r=8,16", sweep.parse("lora_r=8,16"))
+    with pytest.raises(report.ReportError, match="no variant of this sweep has a run directory yet"):
+        report.report([empty], tmp_path / "out")

@@ -120,3 +120,24 @@ def test_a_dead_wandb_service_is_reported_once_and_does_not_end_training():
     assert callback.on_log(None, None, None, logs={"loss": 0.9}) is None
     assert calls == [1] and len(lines) == 1 and "W&B stopped logging (ConnectionResetError" in lines[0]
     assert not guard_wandb(SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[])), lines.append)
+
+
+def test_a_pbs_jobs_sweep_element_is_named_by_its_variant_and_grouped_by_its_array(tmp_path):
+    """A PBS array element (qsub -J) of a SWEEP: named by job, variant and element, one group per sweep, and the
+    same run again after a rerun (qrerun keeps the job id)."""
+    element = {
+        "PBS_JOBID": "12[2].pbs-head",
+        "PBS_JOBNAME": "sft",
+        "PBS_ARRAY_ID": "12[].pbs-head",
+        "PBS_ARRAY_INDEX": "2",
+        "PBS_SERVER": "pbs-head",
+        "LLMFT_SWEEP_VARIANT": "learning_rate-3e-5",
+    }
+    first = slurm_wandb_env(element, str(tmp_path / "sweep" / "learning_rate-3e-5"), online=False)
+    assert first["WANDB_NAME"] == "sft-learning_rate-3e-5-12_2" and first["WANDB_RUN_GROUP"] == "sft-12"
+    assert first["WANDB_RUN_ID"].startswith("sft-12-2-") and set(first["WANDB_RUN_ID"]) <= set(
+        "abcdefghijklmnopqrstuvwxyz0123456789-_.ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    )
+    assert slurm_wandb_env(element, str(tmp_path / "sweep" / "learning_rate-3e-5"), online=False) == first
+    plain = slurm_wandb_env({"PBS_JOBID": "13.pbs-head", "PBS_JOBNAME": "sft"}, str(tmp_path), online=False)
+    assert plain["WANDB_NAME"] == "sft-13" and plain["WANDB_RUN_GROUP"] == "sft"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmft.errors import LlmftError
+from llmft.launch import sweep
 
 
 class KnobError(LlmftError, ValueError):
@@ -66,6 +67,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("DRY_RUN", "0", "1: print the plan and the launch command, run nothing"),
     Knob("PREPARE", "0", "1: tokenise the data with `llmft prepare` before the nodes start"),
     Knob("NUMA_BINDING", "auto", "torchrun --numa-binding: auto | off | node | socket | exclusive | core-complex"),
+    Knob(
+        "SWEEP",
+        "",
+        "train variants as a job array, each in <run dir>/<variant>: e.g. learning_rate=1e-5,3e-5,1e-4 (several "
+        "flags: 'learning_rate=1e-5,3e-5 lora_r=8,16', every combination); submit with qsub -J 1-N / sbatch --array=1-N",
+    ),
 )
 NAMES: tuple[str, ...] = tuple(k.name for k in KNOBS)
 DEFAULTED_SHOWN = ("MODEL", "DATASET", "DATA_PERCENTAGE", "EPOCHS", "GLOBAL_BATCH", "MICRO_BATCH", "ZERO_STAGE")
@@ -275,6 +282,8 @@ def check(v: dict[str, str], cwd: Path) -> None:
         venv = v["VENV"]
         if venv and not (cwd / venv / "bin" / "python").exists():
             raise KnobError(f"VENV={venv} is not a virtual environment (no {venv}/bin/python)")
+    if v["SWEEP"]:
+        sweep.parse(v["SWEEP"])
     if v["CONTAINER_MOUNTS"]:
         if not v["CONTAINER_IMAGE"]:
             raise KnobError(
@@ -302,8 +311,11 @@ def defaults_line(k: Knobs) -> str:
     """The job's first line: every knob that shapes the training and was left to its default, with its value."""
     shown = " ".join(f"{name}={k[name]}" for name in k.defaulted) or "none"
     given_lr = any(a == "--learning_rate" or a.startswith("--learning_rate=") for a in k.extra_args)
+    swept = any(re.match(r"(--)?learning_rate=", part) for part in re.split(r"[;\s]+", k["SWEEP"]))
     lr = (
-        "learning rate from EXTRA_ARGS"
+        "learning rate from SWEEP"
+        if swept
+        else "learning rate from EXTRA_ARGS"
         if given_lr
         else "learning rate 2e-5 (llmft train's; --learning_rate in EXTRA_ARGS changes it)"
     )

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
+from llmft.launch import sweep
 from llmft.launch.knobs import (
     KnobError,
     Knobs,
@@ -133,6 +134,8 @@ def run_key(k: Knobs) -> str:
     fields += [k["LORA"], k["EXTRA_ARGS"]]
     if k["MIXTURE"]:
         fields.append(f"MIXTURE={k['MIXTURE']}")
+    if k["SWEEP"]:  # joins the key only when given, so a run without one keeps its directory
+        fields.append(f"SWEEP={k['SWEEP']}")
     return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
 
 
@@ -197,6 +200,11 @@ def outside_pbs(k: Knobs, raw_dataset: str) -> int:
     )
     if warning:
         say(warning)
+    if k["SWEEP"]:
+        variants = sweep.parse(k["SWEEP"])
+        for v in variants:
+            say(f"sweep variant {v.index}: {v.describe()} -> {v.name}")
+        say(f"submit the sweep as an array of {len(variants)}: qsub -J 1-{len(variants)} ... pbs/run_llm.pbs")
     if k.flag("DRY_RUN"):
         say(
             "knobs are valid; not inside a PBS job, so nothing to plan or launch (submit with: qsub pbs/run_llm.pbs ...)"
@@ -360,6 +368,12 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     say_start(k, env, job_id, run_count, submit_dir, run_dir, python)
 
     node_env = job_environment(k, env, run_dir, submit_dir, files)
+    if node_env["LLMFT_REPORT_TO"] == "wandb":
+        node_env.update(wandb_environment(python, run_dir, {**os.environ, **node_env}))
+        say(
+            f"W&B run {node_env.get('WANDB_NAME', '')} (id {node_env.get('WANDB_RUN_ID', '')}, group "
+            f"{node_env.get('WANDB_RUN_GROUP', '')}) in project {k['WANDB_PROJECT']}, mode {node_env.get('WANDB_MODE', '')}"
+        )
     env_file = run_dir / f".llmft-env-{job_id}.json"
     env_file.write_text(json.dumps(node_env))
     probe_nodes(hosts, python, env_file, files["nodes"])
@@ -432,17 +446,36 @@ def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
 
 
 def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> Path:
-    """CHECKPOINT_DIR, else runs/<job name>-<run key> under the submit directory; claimed for this job."""
+    """CHECKPOINT_DIR, else runs/<job name>-<run key> under the submit directory; with SWEEP, the variant's directory
+    in it (llmft.launch.sweep); claimed for this job."""
     if not k["CHECKPOINT_DIR"]:
         run_dir = submit_dir / "runs" / f"{safe_name(env.get('PBS_JOBNAME') or 'llmft')}-{run_key(k)}"
     else:
         run_dir = Path(k["CHECKPOINT_DIR"])
         run_dir = run_dir if run_dir.is_absolute() else submit_dir / run_dir
+    if k["SWEEP"]:
+        variants = sweep.parse(k["SWEEP"])
+        variant = this_variant(variants, env)
+        sweep.record(run_dir, k["SWEEP"], variants)
+        say(f"sweep variant {variant.index} of {len(variants)}: {variant.describe()} in {run_dir}")
+        run_dir = run_dir / variant.name
+        k.extra_args += variant.flags()
+        k.values["LLMFT_SWEEP_VARIANT"] = variant.name
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     if not k.flag("DRY_RUN"):
         claim_run_dir(run_dir, job_id)
     return run_dir
+
+
+def this_variant(variants: list[sweep.Variant], env: Mapping[str, str]) -> sweep.Variant:
+    """The variant this array element trains: PBS_ARRAY_INDEX within the array's indices (its parent's qstat)."""
+    index, parent = env.get("PBS_ARRAY_INDEX"), env.get("PBS_ARRAY_ID", "")
+    first = last = None
+    if index:
+        m = re.fullmatch(r"(\d+)-(\d+)(:1)?", str(qstat_job(parent).get("array_indices_submitted", "")))
+        first, last = (m.group(1), m.group(2)) if m else (None, None)
+    return sweep.element(variants, index, first, last, "qsub -J 1-{n} ... pbs/run_llm.pbs")
 
 
 def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
@@ -549,6 +582,8 @@ def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:
     if k["VENV"]:
         venv = str(Path(k["VENV"]).absolute())
         out["VIRTUAL_ENV"], out["PATH"] = venv, f"{venv}/bin:{out['PATH']}"
+    if k.values.get("LLMFT_SWEEP_VARIANT"):
+        out["LLMFT_SWEEP_VARIANT"] = k.values["LLMFT_SWEEP_VARIANT"]
     out["LLMFT_REPORT_TO"] = "wandb" if k["WANDB_PROJECT"] and k["WANDB_MODE"] != "disabled" else "none"
     if k["WANDB_PROJECT"]:
         out["WANDB_PROJECT"] = k["WANDB_PROJECT"]
@@ -560,6 +595,25 @@ def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:
     for name, value in env.items():  # the tests' hooks, and NCCL settings the user exported
         if name.startswith(("LLMFT_TEST_", "NCCL_")):
             out[name] = value
+    return out
+
+
+def wandb_environment(python: str, run_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """Name, id (the same after a rerun), group (one per sweep) and mode (offline where W&B cannot be reached)."""
+    proc = subprocess.run(
+        [python, "-m", "llmft.tracking", "job-env", "--output_dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=dict(env),
+    )
+    if proc.returncode != 0:
+        raise PbsJobError(f"llmft.tracking failed: {proc.stderr.strip()[-300:] or proc.stdout.strip()[-300:]}")
+    out = {}
+    for line in proc.stdout.splitlines():  # values are data: kept as they are, never evaluated
+        key, sep, value = line.partition("=")
+        if not sep or not re.fullmatch(r"WANDB_[A-Z_]+", key):
+            raise PbsJobError(f"unexpected line from llmft.tracking: {line}")
+        out[key] = value
     return out
 
 

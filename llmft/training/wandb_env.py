@@ -69,22 +69,42 @@ def _safe(text: str, limit: int = 48) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")[:limit] or "job"
 
 
+def job_identity(env: Mapping[str, str]) -> tuple[str, str, str | None, str | None, str]:
+    """(job id, job name, array job, array index, cluster) of this Slurm or PBS job. PBS ids lose their server
+    suffix ('12.head' -> '12'; an array element '12[2].head' -> '12[2]')."""
+    if env.get("SLURM_JOB_ID", "").strip():
+        return (
+            env["SLURM_JOB_ID"].strip(),
+            env.get("SLURM_JOB_NAME") or "job",
+            env.get("SLURM_ARRAY_JOB_ID"),
+            env.get("SLURM_ARRAY_TASK_ID"),
+            env.get("SLURM_CLUSTER_NAME", ""),
+        )
+    if env.get("PBS_JOBID", "").strip():
+        array = env.get("PBS_ARRAY_ID", "").split("[")[0] or None
+        return (
+            env["PBS_JOBID"].strip().split(".")[0],
+            env.get("PBS_JOBNAME") or "job",
+            array,
+            env.get("PBS_ARRAY_INDEX") if array else None,
+            env.get("PBS_SERVER", ""),
+        )
+    raise ValueError("not inside a Slurm job or a PBS job (SLURM_JOB_ID and PBS_JOBID are unset)")
+
+
 def slurm_wandb_env(env: Mapping[str, str], output_dir: str, online: bool | None = None) -> dict[str, str]:
-    """The W&B variables for this Slurm job (values already set in `env` are kept). `online`: whether the
-    server is reachable; None means the mode is already decided (WANDB_MODE set) and is not checked."""
-    job_id = env.get("SLURM_JOB_ID", "").strip()
-    if not job_id:
-        raise ValueError("not inside a Slurm job (SLURM_JOB_ID is unset)")
-    job_name = _safe(env.get("SLURM_JOB_NAME") or "job")
-    array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
-    shown_id = f"{array_job}_{array_task}" if array_job and array_task else job_id
-    place = hashlib.sha256(f"{env.get('SLURM_CLUSTER_NAME', '')}|{os.path.abspath(output_dir)}".encode()).hexdigest()[
-        :8
-    ]
+    """The W&B variables for this Slurm or PBS job (values already set in `env` are kept). `online`: whether the
+    server is reachable; None means the mode is already decided (WANDB_MODE set) and is not checked. A sweep's
+    element (LLMFT_SWEEP_VARIANT, set by the job script) is named by its variant."""
+    job_id, name, array_job, array_task, cluster = job_identity(env)
+    job_name = _safe(name)
+    shown_id = f"{array_job}_{array_task}" if array_job and array_task else _safe(job_id)
+    place = hashlib.sha256(f"{cluster}|{os.path.abspath(output_dir)}".encode()).hexdigest()[:8]
+    variant = _safe(env.get("LLMFT_SWEEP_VARIANT", ""), 64) if env.get("LLMFT_SWEEP_VARIANT") else ""
     wanted = {
-        "WANDB_NAME": f"{job_name}-{shown_id}",
+        "WANDB_NAME": f"{job_name}-{variant}-{shown_id}" if variant else f"{job_name}-{shown_id}",
         "WANDB_RUN_GROUP": f"{job_name}-{array_job}" if array_job else job_name,
-        "WANDB_RUN_ID": f"{job_name}-{job_id}-{place}",
+        "WANDB_RUN_ID": f"{job_name}-{_safe(job_id)}-{place}",
         "WANDB_RESUME": "allow",
         "WANDB_DIR": os.path.abspath(output_dir),
         "WANDB_JOB_TYPE": "train",
