@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_slurm_script import run_script
 
-from llmft.launch import knobs, pbs, sweep
+from llmft.launch import continuation, knobs, pbs, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 PBS_SCRIPT = REPO / "pbs" / "run_llm.pbs"
@@ -237,3 +237,39 @@ def test_llmft_report_over_a_sweeps_directory_compares_its_variants(tmp_path, ca
     sweep.record(empty, "lora_r=8,16", sweep.parse("lora_r=8,16"))
     with pytest.raises(report.ReportError, match="no variant of this sweep has a run directory yet"):
         report.report([empty], tmp_path / "out")
+
+
+def test_a_continuation_is_the_same_job_after_this_one_with_its_variables_as_data(tmp_path):
+    """PBS lets only operators requeue a job: a run stopped for its walltime submits itself again, after it ends
+    (afterany), with its resources and options, and variables (commas included) in a file, not in qsub -v."""
+    job = {
+        "Job_Name": "sft",
+        "queue": "workq",
+        "Resource_List": {"select": "2:ncpus=8:ngpus=4", "place": "scatter", "walltime": "04:00:00", "ncpus": 16},
+        "Rerunable": "True",
+        "Join_Path": "oe",
+        "Output_Path": "login1:/home/u/logs/sft.log",
+        "Error_Path": "login1:/home/u/sft.e12",
+        "Variable_List": {"PBS_O_HOME": "/home/u", "SWEEP": "learning_rate=1e-5,3e-5", "HF_TOKEN": "x", "EPOCHS": "2"},
+    }
+    cmd = continuation.qsub_command(job, "12[2].head", tmp_path / "job.pbs", tmp_path / "c.json", 1, "/v")
+    assert cmd == [
+        "qsub", "-W", "depend=afterany:12[2].head", "-N", "sft", "-q", "workq",
+        "-l", "select=2:ncpus=8:ngpus=4", "-l", "place=scatter", "-l", "walltime=04:00:00", "-r", "y", "-j", "oe",
+        "-o", "/home/u/logs/sft.log.1", "-e", "/home/u/sft.e12.1",
+        "-v", f"LLMFT_CONTINUE={tmp_path / 'c.json'},VENV=/v", str(tmp_path / "job.pbs"),
+    ]  # fmt: skip
+    node_env = {"WANDB_RUN_ID": "sft-12-abc", "LLMFT_SWEEP_VARIANT": "learning_rate-3e-5", "PATH": "/bin"}
+    extra = ["--seed", "1", "--learning_rate", "3e-5"]
+    values = continuation.variables(job, {}, tmp_path / "sweep" / "learning_rate-3e-5", extra, node_env)
+    assert values == {
+        "HF_TOKEN": "x",
+        "EPOCHS": "2",
+        "CHECKPOINT_DIR": str(tmp_path / "sweep" / "learning_rate-3e-5"),
+        "EXTRA_ARGS": "--seed 1 --learning_rate 3e-5",  # the element's variant, no longer an array
+        "WANDB_RUN_ID": "sft-12-abc",  # the same W&B run goes on
+        "LLMFT_SWEEP_VARIANT": "learning_rate-3e-5",
+    }
+    continuation.write_variables(tmp_path / "c.json", {**values, "EXTRA_ARGS": "$(touch pwned), --a"})
+    loaded = continuation.load({"LLMFT_CONTINUE": str(tmp_path / "c.json"), "EPOCHS": "9"})
+    assert loaded["EPOCHS"] == "2" and loaded["EXTRA_ARGS"] == "$(touch pwned), --a"  # data, read back as it was

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
-from llmft.launch import sweep
+from llmft.launch import continuation, sweep
 from llmft.launch.knobs import (
     KnobError,
     Knobs,
@@ -153,6 +154,56 @@ def shutdown_timeout(kill_delay_s: float) -> int:
     return int(kill_delay_s) + 30
 
 
+# ---- containers: enroot, the way pyxis runs them on Slurm ----------------------------------------------
+
+# What a job inside a container still takes from the host's environment (enroot start --env NAME): llmft's files and
+# caches, W&B, NCCL and torch settings; never PATH or the host's Python environment.
+CONTAINER_ENV_PREFIXES = ("LLMFT_", "WANDB_", "NCCL_", "TORCH_", "HF_", "TRITON_", "OMP_", "PBS_")
+
+
+def container_name(job_id: str) -> str:
+    """One container per job on each node (`enroot create` once per node per job; a rerun of the job reuses it)."""
+    return "llmft-" + safe_name(job_id.split(".")[0])
+
+
+def container_mounts(k: Knobs, paths: Sequence[Path]) -> list[str]:
+    """SRC:DST mounts at the same paths: CONTAINER_MOUNTS first, then each path the run reads or writes that none of
+    them covers (the submit dir, CHECKPOINT_DIR, HF_HOME, LLMFT_CACHE, a local MODEL, DATASET or MIXTURE)."""
+    mounts = list(k.mounts)
+    for path in paths:
+        covered = False
+        for m in mounts:
+            dst = m.split(":")[1] if ":" in m else m
+            if str(path) == dst or str(path).startswith(dst.rstrip("/") + "/"):
+                covered = True
+                break
+        if not covered:
+            mounts.append(f"{path}:{path}")
+    return mounts
+
+
+def run_paths(k: Knobs, submit_dir: Path, run_dir: Path, node_env: Mapping[str, str]) -> list[Path]:
+    paths = [submit_dir, run_dir, Path(node_env["HF_HOME"]), Path(node_env["LLMFT_CACHE"])]
+    for value in (k["MODEL"], k["DATASET"], k["MIXTURE"]):
+        path = (submit_dir / value) if value else None
+        if path is not None and path.is_dir():
+            paths.append(path.resolve())
+        elif path is not None and path.is_file():
+            paths.append(path.resolve().parent)
+    return paths
+
+
+def enroot_start(enroot: str, name: str, mounts: Sequence[str], gpus: bool, env_names: Sequence[str]) -> list[str]:
+    """The prefix that runs a command in the job's container: read-write (DeepSpeed and Triton write their caches),
+    with the GPUs (--nv) where the nodes have them, the run's paths mounted, and llmft's variables passed."""
+    cmd = [enroot, "start", "--rw", *(["--nv"] if gpus else [])]
+    for m in mounts:
+        cmd += ["--mount", m]
+    for name_ in env_names:
+        cmd += ["--env", name_]
+    return [*cmd, name]
+
+
 # ---- what this job is -------------------------------------------------------------------------------
 
 
@@ -216,6 +267,9 @@ def outside_pbs(k: Knobs, raw_dataset: str) -> int:
 
 
 def choose_python(k: Knobs, env: Mapping[str, str]) -> str:
+    """The Python llmft runs in: the container's, VENV's, the environment qsub ran from, else this one."""
+    if k["CONTAINER_IMAGE"]:
+        return "python"
     if k["VENV"]:
         return str(Path(k["VENV"]).absolute() / "bin" / "python")
     venv = env.get("VIRTUAL_ENV") or env.get("PBS_O_VIRTUAL_ENV")
@@ -357,6 +411,8 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     select = str(job.get("Resource_List", {}).get("select", "1:ncpus=1"))
     hosts = job_hosts(env)
     run_dir = run_directory(k, env, submit_dir, job_id)
+    if env.get("LLMFT_PBS_SCRIPT") and Path(env["LLMFT_PBS_SCRIPT"]).is_file():  # what a continuation submits
+        shutil.copyfile(env["LLMFT_PBS_SCRIPT"], run_dir / ".llmft-job.pbs")
     files = {n: run_dir / f".llmft-{n}-{job_id}" for n in ("stop", "requeue", "job-end", "nodes")}
     for f in files.values():
         f.unlink(missing_ok=True)
@@ -376,14 +432,11 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         )
     env_file = run_dir / f".llmft-env-{job_id}.json"
     env_file.write_text(json.dumps(node_env))
-    probe_nodes(hosts, python, env_file, files["nodes"])
+    gpus = per_node(select, "ngpus", 0)
+    inside, create = container_prefix(k, env, job_id, run_paths(k, submit_dir, run_dir, node_env), node_env, gpus)
+    probe_nodes(hosts, env_file, files["nodes"], [*create, "--", *inside, python, "-m", "llmft.planning.allocation"])
     plan = subprocess.run(
-        [
-            python,
-            "-m",
-            "llmft.plan",
-            *plan_arguments(k, run_dir, files["nodes"], len(hosts), per_node(select, "ngpus", 0)),
-        ],
+        [*inside, python, "-m", "llmft.plan", *plan_arguments(k, run_dir, files["nodes"], len(hosts), gpus)],
         capture_output=True,
         text=True,
         env={**os.environ, **node_env, "NCPUS": str(per_node(select, "ncpus", 1))},
@@ -429,10 +482,23 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     failures.mkdir(exist_ok=True)
     (run_dir / "nccl_trace").mkdir(exist_ok=True)
     start_step = newest_complete_step(run_dir)
-    wrapper = [python, "-m", "llmft.launch.pbs", "node", str(env_file), str(failures), "--", *torchrun]
+    wrapper = [
+        sys.executable,
+        "-m",
+        "llmft.launch.pbs",
+        "node",
+        str(env_file),
+        str(failures),
+        "--",
+        *inside,
+        *torchrun,
+    ]
     results = on_every_node(hosts, wrapper, capture=False)
     rc = next((r for r, _ in results if r != 0), 0)
-    return after_training(run_dir, rc, stop, files["requeue"], start_step, failures)
+    outcome = after_training(run_dir, rc, stop, files["requeue"], start_step, failures, kill_delay, job_id, k, env)
+    if outcome.go_on:
+        go_on(k, env, job, job_id, run_dir, node_env, outcome.failure_restarts)
+    return outcome.rc
 
 
 def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
@@ -496,10 +562,22 @@ def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
     say(f"python {python}")
 
 
-def probe_nodes(hosts, python: str, env_file: Path, nodes_file: Path) -> None:
-    """What each node was given (llmft.planning.allocation), one probe per node through PBS's task manager."""
-    probe = [python, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--"]
-    outs = on_every_node(hosts, [*probe, python, "-m", "llmft.planning.allocation"], capture=True)
+def container_prefix(k, env, job_id, paths, node_env, gpus) -> tuple[list[str], list[str]]:
+    """The prefix of every command that runs llmft (none on the host), and the node step's --create arguments."""
+    if not k["CONTAINER_IMAGE"]:
+        return [], []
+    enroot = env.get("LLMFT_ENROOT") or "enroot"  # the enroot command (a site's wrapper; the tests' stand-in)
+    names = sorted(n for n in node_env if n.startswith(CONTAINER_ENV_PREFIXES))
+    inside = enroot_start(enroot, container_name(job_id), container_mounts(k, paths), gpus > 0, names)
+    say(f"container {container_name(job_id)} from {k['CONTAINER_IMAGE']} on each node: {' '.join(inside)}")
+    return inside, ["--create", enroot, k["CONTAINER_IMAGE"], container_name(job_id)]
+
+
+def probe_nodes(hosts, env_file: Path, nodes_file: Path, command: list[str]) -> None:
+    """What each node was given (llmft.planning.allocation), one probe per node through PBS's task manager; in a
+    container, the node's container is created first."""
+    probe = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", *command]
+    outs = on_every_node(hosts, probe, capture=True)
     for (host, _), (rc, out) in zip(hosts, outs):
         if rc != 0:
             raise PbsJobError(f"could not read the allocation on node {host} (exit {rc}): {out.strip()}")
@@ -534,24 +612,48 @@ def torchrun_command(k, python, run_dir, launch, hosts, job_id, node_env) -> lis
     return torchrun
 
 
-def after_training(run_dir, rc, stop, requeue_file, start_step, failures) -> int:
-    """What follows the training: done, a stop for the walltime or a signal (PBS reruns a rerunnable job), or a
-    failure, named by its node."""
+@dataclass(frozen=True)
+class Outcome:
+    rc: int  # the job's exit status
+    go_on: bool = False  # submit the continuation (llmft.launch.continuation)
+    failure_restarts: int = 0  # counted for MAX_RESTARTS, in the continuation's variables
+
+
+WALLTIME_SIGTERM_MARGIN_S = 60.0  # a SIGTERM this close to the walltime (plus kill_delay) is the walltime's
+
+
+def after_training(run_dir, rc, stop, requeue_file, start_step, failures, kill_delay, job_id, k, env) -> Outcome:
+    """What follows the training, each case said in one line: done; stopped for the walltime (llmft's own final
+    save, or PBS's SIGTERM at the limit) or by SIGUSR1, which a continuation resumes; SIGTERM from qdel or qrerun,
+    where PBS decides; or a failure, named by its node, continued only after progress and at most MAX_RESTARTS
+    times."""
     stop.stop_file.unlink(missing_ok=True)
     if (run_dir / "llmft_done.json").is_file():
         requeue_file.unlink(missing_ok=True)
         say(f"training finished (exit {rc}); results in {run_dir}")
-        return rc
-    if requeue_file.is_file() or stop.signal:
+        return Outcome(rc)
+    step = newest_complete_step(run_dir)
+    if requeue_file.is_file() or stop.signal == "USR1":
         requeue_file.unlink(missing_ok=True)
+        why = "on SIGUSR1" if stop.signal == "USR1" else "for its final save before the walltime"
+        say(f"llmft stopped {why} (exit {rc}) after a complete checkpoint at step {step}; continuing in a new job")
+        return Outcome(0, go_on=True)
+    if stop.signal == "TERM":
+        left = time_left(qstat_job(job_id))
+        if left is not None and left <= kill_delay + WALLTIME_SIGTERM_MARGIN_S:
+            say(
+                f"stopped by the walltime's SIGTERM (exit {rc}) after a complete checkpoint at step {step}; "
+                "continuing in a new job"
+            )
+            return Outcome(0, go_on=True)
         say(
-            f"stopped (exit {rc}) after a complete checkpoint at step {newest_complete_step(run_dir)}; a rerun "
-            "(qrerun, or this job again with the same CHECKPOINT_DIR) resumes from it"
+            f"stopped by SIGTERM (exit {rc}) after a complete checkpoint at step {step}; a job PBS reruns (qrerun) "
+            "resumes from it, a deleted one (qdel) ends here"
         )
-        return 0
+        return Outcome(0)
     if rc == 0:
         say(f"warning: training exited 0 but {run_dir}/llmft_done.json is missing")
-        return 0
+        return Outcome(0)
     reports = sorted(failures.glob("node-*.json"))
     for report in reports:
         try:
@@ -559,11 +661,38 @@ def after_training(run_dir, rc, stop, requeue_file, start_step, failures) -> int
             say(f"node {r.get('node')}: {r.get('cause') or r.get('summary') or r}")
         except ValueError:
             say(f"{report.name}: unreadable")
-    say(
-        f"training failed (exit {rc}) at step {newest_complete_step(run_dir)} (started at {start_step}); resubmit "
-        "with the same CHECKPOINT_DIR to resume"
-    )
-    return rc
+    restarts = int(env.get(continuation.RESTARTS_ENV, "0") or 0)
+    limit = int(k["MAX_RESTARTS"])
+    if step > start_step and restarts < limit:
+        say(
+            f"training failed (exit {rc}) after progress (step {start_step} -> {step}); continuing in a new job "
+            f"(after failures {restarts + 1} of at most MAX_RESTARTS={limit})"
+        )
+        return Outcome(rc, go_on=True, failure_restarts=restarts + 1)
+    why = f"MAX_RESTARTS={limit} reached" if step > start_step else "no new complete checkpoint: it would fail again"
+    say(f"training failed (exit {rc}) at step {step}; not continued ({why}); resubmit with the same CHECKPOINT_DIR")
+    return Outcome(rc)
+
+
+def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None:
+    """Submit the continuation (llmft.launch.continuation): this job again, after it ends, from the same run."""
+    values = continuation.variables(job, env, run_dir, k.extra_args, node_env)
+    if failure_restarts:
+        values[continuation.RESTARTS_ENV] = str(failure_restarts)
+    attempt = int(values.get("LLMFT_CONTINUATIONS", "0") or 0) + 1
+    values["LLMFT_CONTINUATIONS"] = str(attempt)
+    variables_file = run_dir / f".llmft-continue-{attempt}.json"
+    continuation.write_variables(variables_file, values)
+    venv = str(Path(k["VENV"]).absolute()) if k["VENV"] else ""
+    cmd = continuation.qsub_command(job, job_id, run_dir / ".llmft-job.pbs", variables_file, attempt, venv)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=env.get("PBS_O_WORKDIR") or None)
+    if proc.returncode != 0:
+        say(
+            f"could not submit the continuation ({' '.join(cmd)}: {proc.stderr.strip()}); resubmit with "
+            f"CHECKPOINT_DIR={run_dir} to resume"
+        )
+        return
+    say(f"continuation submitted: job {proc.stdout.strip()} starts after {job_id} ends, from {run_dir}")
 
 
 def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:
@@ -618,7 +747,12 @@ def wandb_environment(python: str, run_dir: Path, env: Mapping[str, str]) -> dic
 
 
 def on_every_node(hosts: list[tuple[str, int]], command: list[str], capture: bool) -> list[tuple[int, str]]:
-    """`command` once on each node through `pbsdsh -n INDEX` (PBS's task manager), all at once; (rc, stdout) each."""
+    """`command` once on each node through `pbsdsh -n INDEX` (PBS's task manager), all at once; (rc, stdout) each.
+
+    The tasks get the job's own environment, not this process's: a PYTHONPATH that makes llmft importable here
+    (pbs/run_llm.pbs run from a checkout) is handed on explicitly."""
+    if os.environ.get("PYTHONPATH"):
+        command = ["/usr/bin/env", f"PYTHONPATH={os.environ['PYTHONPATH']}", *command]
     procs = [
         subprocess.Popen(
             ["pbsdsh", "-n", str(index), "--", *command],
@@ -642,9 +776,21 @@ def on_every_node(hosts: list[tuple[str, int]], command: list[str], capture: boo
 def node_main(argv: list[str]) -> int:
     """On each node (`pbsdsh`): the job's environment from its file, then the command; a failing torchrun's report
     (llmft.planning.failure_blame node) is written to the failures directory, under SIGTERM too."""
-    env_file, failures = argv[0], argv[1]
-    command = argv[3:] if argv[2:3] == ["--"] else argv[2:]
+    env_file, failures, rest = argv[0], argv[1], argv[2:]
     env = {**os.environ, **json.loads(Path(env_file).read_text())}
+    if rest[:1] == ["--create"]:  # enroot create, once per node per job: a rerun finds the container there
+        enroot, image, name = rest[1:4]
+        rest = rest[4:]
+        listed = subprocess.run([enroot, "list"], capture_output=True, text=True, env=env)
+        if name not in listed.stdout.split():
+            created = subprocess.run(
+                [enroot, "create", "--name", name, image], capture_output=True, text=True, env=env
+            )
+            if created.returncode != 0:
+                last = (created.stderr.strip() or created.stdout.strip()).splitlines()[-1:] or [""]
+                print(f"enroot create --name {name} {image} failed (exit {created.returncode}): {last[0]}")
+                return 2
+    command = rest[1:] if rest[:1] == ["--"] else rest
     node = env.get("PBS_NODENUM", "0")
     host = socket.gethostname().split(".")[0]
     if failures:
@@ -682,8 +828,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(ME, USAGE))
         return 0
-    env = os.environ
     try:
+        env = continuation.load(os.environ)  # a continuation (llmft.launch.continuation) starts with its variables
         cwd = Path(env.get("PBS_O_WORKDIR") or Path.cwd()) if env.get("PBS_JOBID") else Path.cwd()
         knobs = resolve(env, argv, cwd)
         if not env.get("PBS_JOBID"):
