@@ -9,8 +9,9 @@ DEMO_DIR ?= runs/demo
 # Extra set-up steps the tests need (other targets append to this).
 TEST_DEPS := system-deps
 TEST_DEPS += .venv-pcluster/.installed
+TEST_DEPS += pbs-install
 
-.PHONY: venv demo test test-setup test-other-pythons system-deps check-python clean format
+.PHONY: venv demo test test-setup test-other-pythons system-deps pbs-install check-python clean format
 
 venv: check-python $(VENV)/.installed
 
@@ -54,6 +55,12 @@ format: venv
 # System tools the tests need (shellcheck, Slurm, munge): installed once here, before pytest starts.
 system-deps:
 	bash tests/system_deps.sh
+
+# OpenPBS for the real PBS cluster of pbs/local/ (tests/pbs_cluster.py): built from source once (6-7 min on 2 cores)
+# into /opt/llmft-openpbs, or restored from its cached install tree, here beside the venv's creation rather than
+# inside pytest. After system-deps, which installs its build packages (two apt-gets at once would collide).
+pbs-install: system-deps
+	bash pbs/local/start.sh --install --build-only
 
 # The interpreter-dependent tests (checkpoint reading, data) under every other Python 3.11+ found here.
 test-other-pythons: venv

@@ -12,6 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+pytest_plugins = ["pbs_cluster"]  # the session fixture pbs_cluster: the machine's one local OpenPBS cluster
 
 # Well-formed values for blueprints/aws/config.yaml's placeholders (no real account behind them).
 AWS_PLACEHOLDER_ENV = {

@@ -3,6 +3,8 @@
 #   - the shell-script checks: the shellcheck package
 #   - the real two-node Slurm cluster of slurm/local/: slurmctld, slurmd, slurm-client, munge
 #   - the tests' pyxis stand-in SPANK plugin (tests/pyxis_standin.c): gcc, libslurm-dev
+#   - the real two-node OpenPBS cluster of pbs/local/ (built from source by pbs/local/start.sh): its build tools and
+#     headers, PostgreSQL (PBS's datastore) and iproute2 (its node addresses on lo)
 # Present tools are left alone. Missing ones are installed with apt-get (as root, or through sudo -n);
 # where that is impossible the script says what to install and exits 1, so the tests never start half-equipped.
 set -euo pipefail
@@ -15,9 +17,20 @@ declare -A package_of=(
   [shellcheck]=shellcheck [slurmctld]=slurmctld [slurmd]=slurmd
   [sbatch]=slurm-client [srun]=slurm-client [scontrol]=slurm-client [sinfo]=slurm-client
   [munged]=munge [mungekey]=munge [gcc]=gcc
+  [g++]=g++ [make]=make [libtoolize]=libtool [autoconf]=autoconf [automake]=automake [pkg-config]=pkg-config
+  [perl]=perl [swig]=swig [pg_buildext]=postgresql-server-dev-all [tclsh]=tcl [wish]=tk [xmlwf]=expat [ip]=iproute2
 )
-# files (not commands) -> the package that provides them
-declare -A package_of_file=([/usr/include/slurm/spank.h]=libslurm-dev)
+# files (not commands; a pattern where the path names a version) -> the package that provides them
+declare -A package_of_file=(
+  [/usr/include/slurm/spank.h]=libslurm-dev
+  [/usr/include/hwloc.h]=libhwloc-dev [/usr/include/X11/Xlib.h]=libx11-dev [/usr/include/X11/Intrinsic.h]=libxt-dev
+  [/usr/include/histedit.h]=libedit-dev [/usr/include/libical/ical.h]=libical-dev [/usr/include/ncurses.h]=libncurses-dev
+  [/usr/lib/postgresql/*/bin/initdb]=postgresql [/usr/share/doc/postgresql-contrib/copyright]=postgresql-contrib
+  [/usr/bin/python3]=python3 [/usr/bin/python3-config]=python3-dev [/usr/include/tcl/tcl.h]=tcl-dev
+  [/usr/include/tk/tk.h]=tk-dev [/usr/include/expat.h]=libexpat1-dev [/usr/include/openssl/ssl.h]=libssl-dev
+  [/usr/include/X11/extensions/Xext.h]=libxext-dev [/usr/include/X11/Xft/Xft.h]=libxft-dev
+  [/usr/include/cjson/cJSON.h]=libcjson-dev [/usr/lib/*-linux-gnu/libical.so.3]=libical3
+)
 
 missing_packages() {
   local cmd
@@ -27,14 +40,14 @@ missing_packages() {
       command -v "$cmd" >/dev/null 2>&1 || echo "${package_of[$cmd]}"
     done
     for file in "${!package_of_file[@]}"; do
-      [[ -f "$file" ]] || echo "${package_of_file[$file]}"
+      compgen -G "$file" >/dev/null || echo "${package_of_file[$file]}"
     done
   } | sort -u
 }
 
 mapfile -t missing < <(missing_packages)
 if (( ${#missing[@]} == 0 )); then
-  echo "$me: shellcheck, Slurm, munge, gcc and Slurm's SPANK header are installed"
+  echo "$me: shellcheck, Slurm, munge, gcc, Slurm's SPANK header and OpenPBS's build and runtime packages are installed"
   exit 0
 fi
 
