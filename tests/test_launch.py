@@ -142,6 +142,14 @@ def test_pbs_facts_are_read_from_the_select_statement_walltime_and_node_file():
     # one line per chunk; a node with two chunks is one node, started at its first line
     assert pbs.hosts_of("pbs-n0\npbs-n1\npbs-n0\n") == [("pbs-n0", 0), ("pbs-n1", 1)]
     assert pbs.shutdown_timeout(10) > 10  # torchrun never SIGKILLs ranks PBS itself would still let save
+    # an array's elements start together, maybe on one node: each its own rendezvous port, past ports in use
+    free = lambda port: False  # noqa: E731
+    ports = {pbs.rendezvous_port(j, free) for j in ("12.head", "12[1].head", "12[2].head", "13.head")}
+    assert len(ports) == 4 and all(20000 <= p < 30000 for p in ports)
+    first = pbs.rendezvous_port("12[2].head", free)
+    assert pbs.rendezvous_port("12[2].head", lambda port: port == first) == first + 1
+    with pytest.raises(pbs.PbsJobError, match="no free rendezvous port"):
+        pbs.rendezvous_port("12.head", lambda port: True)
 
 
 def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_path):

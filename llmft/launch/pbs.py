@@ -144,9 +144,25 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
-def job_number(job_id: str) -> int:
-    m = re.match(r"\d+", job_id)
-    return int(m.group()) if m else 0
+def rendezvous_port(job_id: str, taken) -> int:
+    """The c10d port: 20000-29999 from the job's number and array index (an array's elements run at once, on one
+    node too), moving on past ports something on the first host already listens on (`taken(port)`)."""
+    m = re.match(r"(\d+)(?:\[(\d+)\])?", job_id)
+    seq, index = (int(m.group(1)), int(m.group(2) or 0)) if m else (0, 0)
+    first = (seq * 101 + index) % 10000
+    for i in range(100):
+        port = 20000 + (first + i) % 10000
+        if not taken(port):
+            return port
+    raise PbsJobError(f"no free rendezvous port in 20000-29999 after 100 tries from {20000 + first}")
+
+
+def port_taken(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def shutdown_timeout(kill_delay_s: float) -> int:
@@ -170,6 +186,7 @@ def container_mounts(k: Knobs, paths: Sequence[Path]) -> list[str]:
     """SRC:DST mounts at the same paths: CONTAINER_MOUNTS first, then each path the run reads or writes that none of
     them covers (the submit dir, CHECKPOINT_DIR, HF_HOME, LLMFT_CACHE, a local MODEL, DATASET or MIXTURE)."""
     mounts = list(k.mounts)
+    paths = [p for p in paths if not any(q != p and q in p.parents for q in paths)]  # a parent mount covers it
     for path in paths:
         covered = False
         for m in mounts:
@@ -431,8 +448,9 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
             f"{node_env.get('WANDB_RUN_GROUP', '')}) in project {k['WANDB_PROJECT']}, mode {node_env.get('WANDB_MODE', '')}"
         )
     env_file = run_dir / f".llmft-env-{job_id}.json"
-    env_file.write_text(json.dumps(node_env))
     gpus = per_node(select, "ngpus", 0)
+    node_env["LLMFT_NODE_GPUS"] = str(gpus)
+    env_file.write_text(json.dumps(node_env))
     inside, create = container_prefix(k, env, job_id, run_paths(k, submit_dir, run_dir, node_env), node_env, gpus)
     probe_nodes(hosts, env_file, files["nodes"], [*create, "--", *inside, python, "-m", "llmft.planning.allocation"])
     plan = subprocess.run(
@@ -482,19 +500,8 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     failures.mkdir(exist_ok=True)
     (run_dir / "nccl_trace").mkdir(exist_ok=True)
     start_step = newest_complete_step(run_dir)
-    wrapper = [
-        sys.executable,
-        "-m",
-        "llmft.launch.pbs",
-        "node",
-        str(env_file),
-        str(failures),
-        "--",
-        *inside,
-        *torchrun,
-    ]
-    results = on_every_node(hosts, wrapper, capture=False)
-    rc = next((r for r, _ in results if r != 0), 0)
+    wrapper = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), str(failures), "--node", "{node}"]
+    rc = next((r for r in on_every_node(hosts, [*wrapper, "--", *inside, *torchrun]) if r != 0), 0)
     outcome = after_training(run_dir, rc, stop, files["requeue"], start_step, failures, kill_delay, job_id, k, env)
     if outcome.go_on:
         go_on(k, env, job, job_id, run_dir, node_env, outcome.failure_restarts)
@@ -575,13 +582,20 @@ def container_prefix(k, env, job_id, paths, node_env, gpus) -> tuple[list[str], 
 
 def probe_nodes(hosts, env_file: Path, nodes_file: Path, command: list[str]) -> None:
     """What each node was given (llmft.planning.allocation), one probe per node through PBS's task manager; in a
-    container, the node's container is created first."""
-    probe = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", *command]
-    outs = on_every_node(hosts, probe, capture=True)
-    for (host, _), (rc, out) in zip(hosts, outs):
+    container, the node's container is created first. A task's output goes to the job's, not to pbsdsh: each node
+    writes its line to a file."""
+    probe = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--node", "{node}"]
+    probe += ["--out", f"{nodes_file}.{{node}}"]
+    outs = on_every_node(hosts, [*probe, *command])
+    lines = []
+    for (host, _), rc in zip(hosts, outs):
+        out = Path(f"{nodes_file}.{host}")
+        text = out.read_text() if out.is_file() else ""
+        out.unlink(missing_ok=True)
         if rc != 0:
-            raise PbsJobError(f"could not read the allocation on node {host} (exit {rc}): {out.strip()}")
-    nodes_file.write_text("".join(out for _, out in outs))
+            raise PbsJobError(f"could not read the allocation on node {host} (exit {rc}): {text.strip()}")
+        lines.append(text)
+    nodes_file.write_text("".join(lines))
 
 
 def torchrun_command(k, python, run_dir, launch, hosts, job_id, node_env) -> list[str]:
@@ -598,10 +612,13 @@ def torchrun_command(k, python, run_dir, launch, hosts, job_id, node_env) -> lis
         rdzv_host = socket.gethostbyname(rdzv_host)
     except OSError:
         pass
-    port = 20000 + job_number(job_id) % 10000
+    port = rendezvous_port(job_id, lambda p: port_taken(rdzv_host, p))
     numa = ["--numa-binding", launch["numa_binding"]] if launch["numa_binding"] != "off" else []
     torchrun = [python, "-m", "torch.distributed.run", "--nnodes", launch["nnodes"]]
     torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
+    # The first node of PBS_NODEFILE hosts the rendezvous, said rather than guessed from its addresses (torch's guess
+    # fails where the node's hostname resolves elsewhere, as on a node with several networks)
+    torchrun += ["--rdzv_conf", "is_host={is_host}"]
     torchrun += ["--rdzv_endpoint", f"{rdzv_host}:{port}", "--rdzv_id", job_id, "-m", "llmft.train", *train]
     say(
         f"nodes {len(hosts)}: {' '.join(h for h, _ in hosts)}; processes per node {launch['nproc_per_node']}; CPUs per "
@@ -651,9 +668,9 @@ def after_training(run_dir, rc, stop, requeue_file, start_step, failures, kill_d
             "resumes from it, a deleted one (qdel) ends here"
         )
         return Outcome(0)
-    if rc == 0:
-        say(f"warning: training exited 0 but {run_dir}/llmft_done.json is missing")
-        return Outcome(0)
+    if rc == 0:  # not a success: nothing says the training finished
+        say(f"error: every node's torchrun exited 0, but {run_dir}/llmft_done.json is missing: the run did not finish")
+        return Outcome(1)
     reports = sorted(failures.glob("node-*.json"))
     for report in reports:
         try:
@@ -746,8 +763,10 @@ def wandb_environment(python: str, run_dir: Path, env: Mapping[str, str]) -> dic
     return out
 
 
-def on_every_node(hosts: list[tuple[str, int]], command: list[str], capture: bool) -> list[tuple[int, str]]:
-    """`command` once on each node through `pbsdsh -n INDEX` (PBS's task manager), all at once; (rc, stdout) each.
+def on_every_node(hosts: list[tuple[str, int]], command: list[str]) -> list[int]:
+    """`command` once on each node through `pbsdsh -n INDEX` (PBS's task manager), all at once; the exit status of
+    each. `{node}` in an argument becomes the node's name (PBS's: all nodes may share one hostname), `{is_host}` 1 on
+    the first node and 0 elsewhere.
 
     The tasks get the job's own environment, not this process's: a PYTHONPATH that makes llmft importable here
     (pbs/run_llm.pbs run from a checkout) is handed on explicitly."""
@@ -755,22 +774,17 @@ def on_every_node(hosts: list[tuple[str, int]], command: list[str], capture: boo
         command = ["/usr/bin/env", f"PYTHONPATH={os.environ['PYTHONPATH']}", *command]
     procs = [
         subprocess.Popen(
-            ["pbsdsh", "-n", str(index), "--", *command],
-            stdout=subprocess.PIPE if capture else None,
-            text=True,
+            [
+                "pbsdsh",
+                "-n",
+                str(index),
+                "--",
+                *(a.replace("{node}", host).replace("{is_host}", "1" if i == 0 else "0") for a in command),
+            ]
         )
-        for _, index in hosts
+        for i, (host, index) in enumerate(hosts)
     ]
-    results = []
-    for p in procs:
-        while True:
-            try:
-                out, _ = p.communicate()
-                break
-            except InterruptedError:
-                continue
-        results.append((p.returncode, out or ""))
-    return results
+    return [p.wait() for p in procs]
 
 
 def node_main(argv: list[str]) -> int:
@@ -778,6 +792,13 @@ def node_main(argv: list[str]) -> int:
     (llmft.planning.failure_blame node) is written to the failures directory, under SIGTERM too."""
     env_file, failures, rest = argv[0], argv[1], argv[2:]
     env = {**os.environ, **json.loads(Path(env_file).read_text())}
+    out_file = None
+    while rest[:1] in (["--node"], ["--out"]):
+        if rest[0] == "--node":  # the node's name in PBS (llmft.planning.allocation prints it)
+            env["LLMFT_NODE_NAME"] = rest[1]
+        else:  # the command's output, to this file (a pbsdsh task's own goes to the job's output)
+            out_file = Path(rest[1])
+        rest = rest[2:]
     if rest[:1] == ["--create"]:  # enroot create, once per node per job: a rerun finds the container there
         enroot, image, name = rest[1:4]
         rest = rest[4:]
@@ -792,7 +813,13 @@ def node_main(argv: list[str]) -> int:
                 return 2
     command = rest[1:] if rest[:1] == ["--"] else rest
     node = env.get("PBS_NODENUM", "0")
-    host = socket.gethostname().split(".")[0]
+    host = env.get("LLMFT_NODE_NAME") or socket.gethostname().split(".")[0]
+    if out_file is not None:
+        proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+        tmp = out_file.with_suffix(".tmp")
+        tmp.write_text(proc.stdout)
+        tmp.replace(out_file)
+        return proc.returncode
     if failures:
         print(f"{ME}: node {host} (node rank {node}): torchrun", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: None)  # outlive torchrun: it forwards the signal and the ranks save

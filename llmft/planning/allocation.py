@@ -146,7 +146,7 @@ def _per_node_counts(spec: str) -> list[int]:
 
 def gpus_on_node(env: Mapping[str, str]) -> int:
     """The job's GPUs on this node (0 without any): SLURM_GPUS_ON_NODE, else the IDs in SLURM_JOB_GPUS
-    (both are this node's, unlike SLURM_GPUS, which is the job's total)."""
+    (both are this node's, unlike SLURM_GPUS, which is the job's total); on PBS, the chunk's ngpus."""
     value = env.get("SLURM_GPUS_ON_NODE", "").strip()
     if value.isdigit():
         return int(value)
@@ -159,7 +159,8 @@ def gpus_on_node(env: Mapping[str, str]) -> int:
                 return parse_gpu_count(env[name])
             except LaunchEnvError:
                 return 0
-    return 0
+    value = env.get("LLMFT_NODE_GPUS", "").strip()  # PBS: the select statement's ngpus (llmft.launch.pbs)
+    return int(value) if value.isdigit() else 0
 
 
 def job_memory(
@@ -460,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = ""
     if args.fabric:
         missing = fabric_missing(args.fabric, os.environ) or ""
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    # the scheduler's name for the node: Slurm's, or the one llmft.launch.pbs passes (several may share a hostname)
+    host = os.environ.get("SLURMD_NODENAME") or os.environ.get("LLMFT_NODE_NAME") or socket.gethostname().split(".")[0]
     sysfs = os.environ.get("LLMFT_SYSFS_ROOT", "/sys")  # tests only: a /sys with other NUMA nodes
     print(
         NodeFacts(

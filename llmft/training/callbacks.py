@@ -222,7 +222,7 @@ def _graceful_stop_class(TrainerCallback):
             if self.deadline is not None:
                 left = self.deadline.time_left()
                 log(
-                    f"Slurm job {self.deadline.job_id} "
+                    f"{self.deadline.scheduler} job {self.deadline.job_id} "
                     + (
                         "has no time limit llmft can read: no early final save"
                         if left is None

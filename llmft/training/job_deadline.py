@@ -148,6 +148,7 @@ class JobDeadline:
         async_save: bool = False,
     ):
         self.async_save = async_save  # --async_save: the final save may first wait out a background write
+        self.scheduler = "Slurm"  # named in the lines it says; for_this_job sets PBS
         self.job_id, self.estimate_s, self.query, self.clock = job_id, estimate_s, query, clock
         self.end_file, self.wall_clock = end_file, wall_clock  # the batch shell's job-end file (JOB_END_FILE_ENV)
         self.background, self.poller = background, None  # background: re-read Slurm's answer in a thread
@@ -166,7 +167,7 @@ class JobDeadline:
         pbs = not job and bool(os.environ.get("PBS_JOBID")) and bool(os.environ.get(JOB_END_FILE_ENV))
         if not (job or pbs) or os.environ.get("RANK", "0") != "0":
             return None
-        return cls(
+        deadline = cls(
             job or os.environ["PBS_JOBID"],
             estimate(),
             query=query_time_left if job else (lambda _job: UNANSWERED),  # PBS: the file llmft.launch.pbs keeps
@@ -174,6 +175,8 @@ class JobDeadline:
             end_file=os.environ.get(JOB_END_FILE_ENV),
             async_save=async_save,
         )
+        deadline.scheduler = "Slurm" if job else "PBS"
+        return deadline
 
     def time_left(self, step: int | None = None) -> float | None:
         """Seconds left of the job; `step`: the optimizer step just trained (None before training)."""
@@ -215,7 +218,7 @@ class JobDeadline:
             else f"no save measured yet, estimated {UNMEASURED_SAVE_S if self.estimate_s is None else self.estimate_s:.0f} s"
         )
         return (
-            f"Slurm job {self.job_id} ends in {max(left, 0):.0f} s: starting the final save now, {lead:.0f} s before "
+            f"{self.scheduler} job {self.job_id} ends in {max(left, 0):.0f} s: starting the final save now, {lead:.0f} s before "
             f"the time limit ({measured}; x{FINAL_SAVE_FACTOR:g}"
             f"{' x 2 (a background write may be in flight)' if self.async_save else ''}"
             f" + a {step_s:.1f} s step + {FINAL_SAVE_MARGIN_S:.0f} s)"

@@ -1,0 +1,269 @@
+"""pbs/run_llm.pbs on a real OpenPBS cluster (pbs/local/: a server, a scheduler and two moms, pbs-n0 and pbs-n1):
+jobs submitted with qsub as the job user train on two nodes, stop for their walltime and go on in a continuation,
+are rerun by qrerun, run a sweep as an array, run in an (enroot stand-in) container, and refuse bad knobs.
+
+The jobs are submitted together by a module fixture, so they overlap (each takes one CPU per node).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pbs_cluster import JOB_USER, PbsCluster
+from slurm_cluster import step_lines as steps_trained
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "pbs" / "run_llm.pbs"
+ENROOT_STANDIN = REPO / "tests" / "enroot_standin"
+TRAINING_JOB_S = 1800  # guards against hangs, not a speed claim (see tests/pbs_cluster.py)
+TOTAL = 8
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def optim_shards(tag_dir: Path) -> list[str]:
+    return sorted(p.name for p in tag_dir.glob("*optim_states.pt"))
+
+
+def own(path: Path) -> None:
+    """The job user's: a job writes where it trains."""
+    shutil.chown(path, JOB_USER, JOB_USER)
+    for p in path.rglob("*"):
+        shutil.chown(p, JOB_USER, JOB_USER)
+
+
+@pytest.fixture(scope="module")
+def inputs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """The tiny model and data where the job user can read them (pytest's tmp_path is root's, mode 700)."""
+    d = pbs_cluster.job_dir(tmp_path_factory.mktemp("pbs_inputs"))
+    shutil.copytree(tiny_model, d / "model")
+    shutil.copy(tiny_data, d / "train.jsonl")
+    (d / "image.sqsh").write_text("a stand-in image\n")
+    own(d)
+    return {"model": d / "model", "data": d / "train.jsonl", "image": d / "image.sqsh", "dir": d}
+
+
+def common(inputs, d: Path) -> str:
+    """The -v items every training job here gets: offline, the inputs, the job's own caches, llmft's venv."""
+    return (
+        f"MODEL={inputs['model']},DATASET={inputs['data']},VENV={sys.prefix},HF_HUB_OFFLINE=1,"
+        f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'}"
+    )
+
+
+@pytest.fixture(scope="module")
+def jobs(pbs_cluster: PbsCluster, inputs, tmp_path_factory):
+    """The training jobs, submitted together: {name: (job id, directory)}."""
+    # The queue's kill_delay: PBS's SIGKILL comes this long after its SIGTERM (walltime, qrerun, qdel). 10 s by default;
+    # the stop checkpoint of two ranks on this loaded 2-core machine needs more.
+    pbs_cluster.cmd([str(pbs_cluster.bin / "qmgr"), "-c", "set queue workq kill_delay = 60"])
+    out = {}
+
+    def submit(name: str, resources: list[str], variables: str) -> None:
+        d = pbs_cluster.job_dir(tmp_path_factory.mktemp(name))
+        output = d / ("out.^array_index^" if "-J" in resources else "out")  # an array: one file per element
+        args = [*resources, "-o", str(output), "-v", f"{common(inputs, d)},{variables.format(d=d)}", str(SCRIPT)]
+        out[name] = (pbs_cluster.qsub(args, cwd=d), d)
+
+    two_nodes = ["-l", "select=2:ncpus=1", "-l", "place=scatter", "-l", "walltime=00:30:00"]
+    # The issue's exact form: two CPU-only nodes, 4 steps, ZeRO-2.
+    submit(
+        "two_nodes",
+        two_nodes,
+        "MAX_STEPS=4,GLOBAL_BATCH=4,MICRO_BATCH=2,ZERO_STAGE=2,CHECKPOINT_DIR={d}/ckpt",
+    )
+    # The walltime: at step 3 the time left becomes 40 s (a test hook; the job's walltime, 30 min, is read from qstat),
+    # less than the final-save lead with a 12 s save: llmft stops, saves, and the job submits its continuation.
+    submit(
+        "walltime",
+        two_nodes,
+        f"MAX_STEPS={TOTAL},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=1000,CHECKPOINT_DIR={{d}}/ckpt,"
+        "EXTRA_ARGS=--logging_steps 1,LLMFT_TEST_TIME_LEFT_AT_STEP=3:40,LLMFT_TEST_SAVE_DELAY_S=12",
+    )
+    # qrerun (an operator's): every rank holds at step 3 until the stop; checkpoints every 2 steps, all kept. The
+    # qrerun is sent from a thread once checkpoint-2 is complete, so the held job never waits on the other tests.
+    submit(
+        "qrerun",
+        two_nodes,
+        f"MAX_STEPS={TOTAL},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,SAVE_TOTAL_LIMIT=0,CHECKPOINT_DIR={{d}}/ckpt,"
+        "EXTRA_ARGS=--logging_steps 1,LLMFT_TEST_HOLD_AT_STEP=3",
+    )
+    job, d = out["qrerun"]
+    rerun: dict = {}
+
+    def qrerun_at_checkpoint_2() -> None:
+        try:
+            done = d / "ckpt" / "checkpoint-2" / "llmft_complete.json"
+            pbs_cluster.wait_for("checkpoint-2", done.is_file, TRAINING_JOB_S)
+            time.sleep(2)  # the ranks are held at step 3: the stop lands there however slow the machine
+            rerun["proc"] = pbs_cluster.qrerun(job)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            rerun["error"] = repr(e)
+
+    rerun["thread"] = threading.Thread(target=qrerun_at_checkpoint_2, daemon=True)
+    rerun["thread"].start()
+    out["qrerun"] = (job, d, rerun)
+    # A sweep: one variant per element, each on one node.
+    submit(
+        "sweep",
+        ["-J", "1-2", "-l", "select=1:ncpus=1", "-l", "walltime=00:30:00"],
+        "MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,CHECKPOINT_DIR={d}/sweep,SWEEP='learning_rate=1e-4,3e-4'",
+    )
+    # A container: the enroot stand-in records each call and runs the command on the host.
+    submit(
+        "container",
+        two_nodes,
+        f"MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,CHECKPOINT_DIR={{d}}/ckpt,CONTAINER_IMAGE={inputs['image']},"
+        f"LLMFT_ENROOT={ENROOT_STANDIN},ENROOT_STANDIN_LOG={{d}}/enroot.log,ENROOT_STANDIN_STATE={{d}}/enroot",
+    )
+    return out
+
+
+def test_two_cpu_nodes_train_to_a_complete_checkpoint_with_both_ranks_shards(pbs_cluster, jobs):
+    """qsub -l select=2:ncpus=1 -l place=scatter -v MODEL=...,MAX_STEPS=4,... pbs/run_llm.pbs: one torchrun per node,
+    the rendezvous at the first node of PBS_NODEFILE, and checkpoint-4/global_step4/ holds both ranks' shards."""
+    job, d = jobs["two_nodes"]
+    info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    text = pbs_cluster.wait_for("the job's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 0, text
+    assert "run_llm.pbs: nodes 2: pbs-n0 pbs-n1; processes per node 1; CPUs per node 1" in text, text
+    assert "run_llm.pbs: node" not in text or text.count("torchrun") >= 2
+    assert re.search(r"run_llm.pbs: rendezvous c10d at 198\.51\.100\.\d+:\d+ \(first host pbs-n0\)", text), text
+    tag = d / "ckpt" / "checkpoint-4" / "global_step4"
+    assert optim_shards(tag) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    assert json.loads((d / "ckpt" / "llmft_done.json").read_text())["global_step"] == 4
+    assert "run_llm.pbs: training finished (exit 0)" in text
+
+
+def test_a_walltime_stop_saves_and_the_continuation_resumes_without_losing_or_repeating_a_step(pbs_cluster, jobs):
+    job, d = jobs["walltime"]
+    info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    first = pbs_cluster.wait_for("the first job's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 0, first
+    assert "run_llm.pbs: walltime: 0:29:" in first or "run_llm.pbs: walltime: 0:30:" in first, first
+    m = re.search(r"continuation submitted: job (\S+) starts after", first)
+    assert m and "llmft stopped for its final save before the walltime" in first, first
+    second_job = m.group(1)
+    second_info = pbs_cluster.wait(second_job, timeout=TRAINING_JOB_S)
+    second = pbs_cluster.wait_for("the continuation's output", lambda: read(d / "out.1"))
+    assert second_info["Exit_status"] == 0, second
+    assert second_info["depend"].startswith(f"afterany:{job}"), second_info
+    resumed = re.search(r"llmft: resuming from (\S+)/checkpoint-(\d+)\n", second)
+    assert resumed and resumed.group(1) == str((d / "ckpt").resolve()), second
+    k = int(resumed.group(2))
+    assert steps_trained(first) == list(range(1, k + 1)) and steps_trained(second) == list(range(k + 1, TOTAL + 1))
+    assert optim_shards(d / "ckpt" / f"checkpoint-{k}" / f"global_step{k}") == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    assert json.loads((d / "ckpt" / "llmft_done.json").read_text())["global_step"] == TOTAL
+
+
+def test_qrerun_stops_every_rank_at_a_checkpoint_and_the_rerun_resumes_from_it(pbs_cluster, jobs):
+    job, d, rerun = jobs["qrerun"]
+    ckpt = d / "ckpt"
+    rerun["thread"].join(timeout=TRAINING_JOB_S)
+    assert "error" not in rerun and rerun["proc"].returncode == 0, rerun
+    info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    text = pbs_cluster.wait_for("the rerun's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 0 and int(info["run_count"]) == 2, (info, text)
+    assert f"run_llm.pbs: job {job} (" in text and ") run 2," in text, text
+    resumed = re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", text)
+    assert resumed and int(resumed.group(1)) >= 3, text  # the stop checkpoint at the held step, not checkpoint-2
+    k = int(resumed.group(1))
+    assert steps_trained(text) == list(range(k + 1, TOTAL + 1))
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == TOTAL
+    assert "continuation submitted" not in text  # PBS reran the job itself
+
+
+def test_a_sweep_trains_each_variant_in_its_own_directory_and_report_compares_them(pbs_cluster, jobs, tmp_path):
+    job, d = jobs["sweep"]
+    pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    subjobs = {jid: i for jid, i in pbs_cluster.qstat(job, subjobs=True).items() if jid != job}
+    assert sorted(i["Exit_status"] for i in subjobs.values()) == [0, 0], subjobs
+    sweep_dir = d / "sweep"
+    assert json.loads((sweep_dir / "llmft_sweep.json").read_text())["sweep"] == "learning_rate=1e-4,3e-4"
+    for name, lr in (("learning_rate-1e-4", 1e-4), ("learning_rate-3e-4", 3e-4)):
+        run = sweep_dir / name
+        assert json.loads((run / "llmft_done.json").read_text())["global_step"] == 2
+        assert json.loads((run / "llmft_run.json").read_text())["hyperparameters"]["learning_rate"] == lr
+    first, second = read(d / "out.1"), read(d / "out.2")
+    assert f"run_llm.pbs: sweep variant 1 of 2: learning_rate=1e-4 in {sweep_dir}" in first, first
+    assert f"run_llm.pbs: sweep variant 2 of 2: learning_rate=3e-4 in {sweep_dir}" in second, second
+    from llmft import report
+
+    written = report.report([sweep_dir], tmp_path / "report")
+    assert [r.name for r in written["runs"]] == ["learning_rate-1e-4", "learning_rate-3e-4"]
+
+
+def test_in_a_container_enroot_creates_once_per_node_and_every_step_starts_in_it(pbs_cluster, jobs, inputs):
+    job, d = jobs["container"]
+    info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    text = pbs_cluster.wait_for("the job's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 0, text
+    name = "llmft-" + job.split(".")[0]
+    calls = read(d / "enroot.log").splitlines()
+    creates = [c for c in calls if " enroot create " in c]
+    assert sorted(creates) == [
+        f"node 0: enroot create --name {name} {inputs['image']}",
+        f"node 1: enroot create --name {name} {inputs['image']}",
+    ], calls
+    starts = [c for c in calls if " enroot start " in c]
+    model, data_dir = inputs["model"], inputs["dir"]
+    # read-write, no --nv (no GPUs here), every path the run uses mounted at its own path: the submit directory (which
+    # holds CHECKPOINT_DIR, HF_HOME and LLMFT_CACHE here), and DATASET's directory (which holds the local MODEL)
+    assert model.parent == data_dir
+    mounts = f"--rw --mount {d}:{d} --mount {data_dir}:{data_dir} --env "
+    for c in starts:
+        assert c.split(" enroot start ", 1)[1].startswith(mounts), c
+        assert " --env LLMFT_STOP_FILE " in c and " --env PATH " not in c and f" {name} python -m " in c, c
+    # the probe on each node, the plan on the first, and one torchrun per node
+    assert sum(" -m llmft.planning.allocation" in c for c in starts) == 2
+    assert sum(" -m llmft.plan " in c for c in starts) == 1
+    assert sum(" -m torch.distributed.run " in c for c in starts) == 2
+    assert json.loads((d / "ckpt" / "llmft_done.json").read_text())["global_step"] == 2
+
+
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ("EPOCHS=abc", "run_llm.pbs: error: EPOCHS=abc is not a positive number (default 3)"),
+        ("EPOCH=3", "run_llm.pbs: error: unknown knob 'EPOCH' in 'qsub -v'; did you mean EPOCHS?"),
+        ("VENV=/nonexistent", "run_llm.pbs: error: VENV=/nonexistent is not a virtual environment"),
+    ],
+)
+def test_bad_knobs_end_the_job_with_one_line_and_exit_2(pbs_cluster, tmp_path, variables, message):
+    d = pbs_cluster.job_dir(tmp_path)
+    venv = "" if variables.startswith("VENV=") else f"VENV={sys.prefix},"
+    job = pbs_cluster.qsub(
+        [
+            "-l",
+            "select=1:ncpus=1",
+            "-l",
+            "walltime=00:10:00",
+            "-o",
+            str(d / "out"),
+            "-v",
+            venv + variables,
+            str(SCRIPT),
+        ],
+        cwd=d,
+    )
+    info = pbs_cluster.wait(job)
+    text = pbs_cluster.wait_for("the job's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 2, text
+    ours = [line for line in text.splitlines() if line.startswith("run_llm.pbs")]
+    assert len(ours) == 1 and ours[0].startswith(message), text
+    assert "Traceback" not in text
