@@ -14,6 +14,7 @@ this machine's GPUs and RAM when neither is given.
     llmft plan --model meta-llama/Llama-3.1-8B --node_type a2-highgpu-8g --global_batch_size 64 --max_length 2048
     llmft plan --model runs/llama-cfg --node_type g2-standard-4 --nnodes 2 --use_peft --lora_r 16 --json
     llmft plan --model runs/llama-cfg --gpu L4 --host_ram_gb 192 --nproc_per_node 4 --write plans/l4
+    llmft plan --model runs/llama-cfg --node_type a2-highgpu-8g --nnodes 2 --write plans/a100 --scheduler pbs
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -177,9 +179,9 @@ def memory_plan_json(mplan) -> dict:
     }
 
 
-def sbatch_line(args, est, world: World, global_batch: int) -> str:
-    """The run_llm.slurm submission that runs the recommended setting, asking Slurm for the host memory it needs."""
-
+def submission_knobs(args, est, global_batch: int) -> list[str]:
+    """The job scripts' knobs (KEY=VALUE) for the recommended setting: the same for slurm/run_llm.slurm and
+    pbs/run_llm.pbs."""
     s = est.setting
     knobs = [f"MODEL={args.model}", f"GLOBAL_BATCH={global_batch}", f"MICRO_BATCH={s.micro_batch}"]
     if s.offload == "optimizer" and s.zero_stage == 3:
@@ -207,12 +209,32 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
     if args.async_save:
         extra.append("--async_save")
     knobs.append("EXTRA_ARGS=" + " ".join(extra))
-    export = "--export=ALL," + ",".join(knobs)
+    return knobs
+
+
+def sbatch_line(args, est, world: World, global_batch: int) -> str:
+    """The run_llm.slurm submission that runs the recommended setting, asking Slurm for the host memory it needs."""
+    export = "--export=ALL," + ",".join(submission_knobs(args, est, global_batch))
     # The host memory the plan needs per node (rounded up), not the whole node: others' jobs may share it.
     mem = math.ceil(est.host["peak"] / 2**30)
     return (
         f"sbatch --nodes={world.nnodes} --gpus-per-node={world.procs_per_node} --mem={mem}G slurm/run_llm.slurm "
         f"{shlex.quote(export)}"
+    )
+
+
+def qsub_line(args, est, world: World, global_batch: int, gpus: bool, cpus_per_node: int | None) -> str:
+    """The pbs/run_llm.pbs submission: one chunk per node (place=scatter) with its CPUs, GPUs and the host memory
+    the plan needs, the walltime, and every knob in -v (a value holding a comma quoted, as qsub -v needs)."""
+    knobs = submission_knobs(args, est, global_batch)
+    variables = ",".join(f"{k.split('=', 1)[0]}='{k.split('=', 1)[1]}'" if "," in k else k for k in knobs)
+    mem = math.ceil(est.host["peak"] / 2**30)
+    per_node = world.procs_per_node if gpus else 0
+    ncpus = cpus_per_node or 4 * max(1, per_node)  # pbs/run_llm.pbs's default: 4 CPUs per GPU
+    select = f"{world.nnodes}:ncpus={ncpus}" + (f":ngpus={per_node}" if gpus else "") + f":mem={mem}gb"
+    return (
+        f"qsub -l select={select} -l place=scatter -l walltime={args.walltime} -v {shlex.quote(variables)} "
+        "pbs/run_llm.pbs"
     )
 
 
@@ -310,8 +332,9 @@ def data_fit_lines(args, positions: int | None) -> list[str]:
     return [f"llmft plan: {line}" for line in lines]
 
 
-def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
-    """--write DIR: the resolved DeepSpeed config of the recommended setting and the sbatch line that runs it."""
+def write_plan_files(directory: Path, args, mplan, world: World, hardware) -> list[Path]:
+    """--write DIR: the resolved DeepSpeed config of the recommended setting and the sbatch line that runs it
+    (--scheduler pbs: the qsub line, qsub.txt)."""
 
     est = mplan.recommended
     s = est.setting
@@ -329,11 +352,18 @@ def write_plan_files(directory: Path, args, mplan, world: World) -> list[Path]:
     )
     directory.mkdir(parents=True, exist_ok=True)
     written = [ds_config.write_resolved(cfg, directory)]
-    line = sbatch_line(args, est, world, batch.global_batch)
-    (directory / "sbatch.txt").write_text(line + "\n")
+    if args.scheduler == "pbs":
+        line = qsub_line(args, est, world, batch.global_batch, hardware.gpu is not None, hardware.cpus_per_node)
+    else:
+        line = sbatch_line(args, est, world, batch.global_batch)
+    (directory / submission_file(args)).write_text(line + "\n")
     (directory / "plan.json").write_text(json.dumps(memory_plan_json(mplan), indent=2) + "\n")
-    written += [directory / "sbatch.txt", directory / "plan.json"]
+    written += [directory / submission_file(args), directory / "plan.json"]
     return written
+
+
+def submission_file(args) -> str:
+    return "qsub.txt" if args.scheduler == "pbs" else "sbatch.txt"
 
 
 def memory_main(args, world: World) -> tuple[int, World]:
@@ -392,7 +422,8 @@ def memory_main(args, world: World) -> tuple[int, World]:
     fit = data_fit_lines(args, positions) if args.dataset_name or args.dataset_mixture else []
     written = []
     if args.write and mplan.recommended is not None:
-        written = write_plan_files(Path(args.write), args, mplan, World(job.nnodes, job.nproc_per_node, world.source))
+        world_ = World(job.nnodes, job.nproc_per_node, world.source)
+        written = write_plan_files(Path(args.write), args, mplan, world_, hardware)
     if args.json:
         print(json.dumps({**memory_plan_json(mplan), **getattr(args, "extra_json", {})}, indent=2))
     else:
@@ -400,7 +431,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
         for path in written:
             print(f"llmft plan: wrote {path}")
         if written:
-            print(f"llmft plan: run it: {(Path(args.write) / 'sbatch.txt').read_text().strip()}")
+            print(f"llmft plan: run it: {(Path(args.write) / submission_file(args)).read_text().strip()}")
             if not args.dataset_name and not args.dataset_mixture:
                 print(
                     "llmft plan: warning: no --dataset_name: the line trains on run_llm.slurm's default dataset; "
@@ -600,6 +631,13 @@ def add_memory_plan_arguments(parser) -> None:
     mem.add_argument(
         "--write", default=None, metavar="DIR", help="write the recommended DeepSpeed config and sbatch line to DIR"
     )
+    mem.add_argument(
+        "--scheduler",
+        default="slurm",
+        choices=("slurm", "pbs"),
+        help="the submission --write writes: slurm (sbatch.txt) or pbs (qsub.txt: select, place, walltime, -v knobs)",
+    )
+    mem.add_argument("--walltime", default=None, help="with --scheduler pbs: the job's walltime (HH:MM:SS; 04:00:00)")
     mem.add_argument("--trust_remote_code", action="store_true")
     add_run_data_arguments(parser)
 
@@ -704,6 +742,7 @@ def check_model(args) -> str:
 def main(args) -> int:
 
     try:
+        check_submission_flags(args)
         if args.check_model:
             if not args.model:
                 raise PlanError("--check_model needs --model (the model whose config to read)")
@@ -772,6 +811,17 @@ def main(args) -> int:
     except LlmftError as e:
         return report_error("plan", e, all_ranks=True)
     return 0
+
+
+def check_submission_flags(args) -> None:
+    """--scheduler and --walltime shape the line --write writes: without it they would be ignored, so refused."""
+    if (args.scheduler != "slurm" or args.walltime is not None) and not args.write:
+        raise PlanError("--scheduler and --walltime shape the submission line --write writes: add --write DIR")
+    if args.walltime is not None and args.scheduler != "pbs":
+        raise PlanError("--walltime is the PBS job's (qsub -l walltime): add --scheduler pbs, or drop it")
+    args.walltime = args.walltime or "04:00:00"
+    if not re.fullmatch(r"\d+:[0-5]\d:[0-5]\d", args.walltime):
+        raise PlanError(f"--walltime {args.walltime}: give HH:MM:SS, e.g. 04:00:00")
 
 
 def apply_node_facts(path: str, numa_request: str) -> dict[str, str]:

@@ -6,6 +6,7 @@ import json
 import math
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,55 @@ def test_write_gives_a_resolved_config_and_an_sbatch_line_the_script_accepts(cap
         timeout=60,
     )
     assert proc.returncode == 0 and "knobs are valid" in proc.stdout, proc.stderr
+
+
+def test_write_for_pbs_gives_a_qsub_line_the_pbs_script_accepts(capsys, llama_config, tmp_path):
+    """--scheduler pbs: a select statement with the node type's CPUs, its GPUs and the host memory the plan needs
+    per node, place=scatter, the walltime, and every knob in -v, which pbs/run_llm.pbs checks as the job would."""
+    rc, out, _ = llmft_plan(
+        capsys,
+        "--model", llama_config, "--node_type", "a2-highgpu-2g", "--nnodes", 2, "--global_batch_size", 32,
+        "--max_length", 2048, "--use_peft", "--lora_target_modules", "q_proj", "v_proj",
+        "--write", tmp_path / "w", "--scheduler", "pbs", "--walltime", "08:00:00",
+    )  # fmt: skip
+    assert rc == 0
+    rec = json.loads((tmp_path / "w" / "plan.json").read_text())["recommended"]
+    line = (tmp_path / "w" / "qsub.txt").read_text().strip()
+    assert f"run it: {line}" in out and not (tmp_path / "w" / "sbatch.txt").exists()
+    words = shlex.split(line)
+    mem = math.ceil(rec["host_ram_gib_per_node"])
+    assert words[:7] == [
+        "qsub", "-l", f"select=2:ncpus=24:ngpus=2:mem={mem}gb", "-l", "place=scatter", "-l", "walltime=08:00:00",
+    ]  # fmt: skip
+    assert words[7] == "-v" and words[9] == "pbs/run_llm.pbs"
+    variables = words[8]
+    assert f"MICRO_BATCH={rec['micro_batch']}" in variables and "LORA=1" in variables
+    assert "EXTRA_ARGS=--gradient_checkpointing" in variables and "--lora_target_modules q_proj v_proj" in variables
+    # what qsub -v hands the job: KEY=VALUE items; the PBS script checks each as it would in the job
+    items = [item for item in variables.split(",")]
+    proc = subprocess.run(
+        ["bash", str(REPO / "pbs" / "run_llm.pbs"), f"VENV={sys.prefix}", *items],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1"},
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0 and "knobs are valid" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "{cfg}", "--scheduler", "pbs"], "--scheduler and --walltime shape the submission line --write"),
+        (["--model", "{cfg}", "--walltime", "1:00:00", "--write", "{out}"], "--walltime is the PBS job's"),
+        (["--model", "{cfg}", "--scheduler", "pbs", "--walltime", "4h", "--write", "{out}"], "give HH:MM:SS"),
+    ],
+)
+def test_a_submission_flag_without_its_line_is_refused(capsys, llama_config, tmp_path, argv, message):
+    argv = [a.replace("{cfg}", str(llama_config)).replace("{out}", str(tmp_path / "w")) for a in argv]
+    rc, _, err = llmft_plan(capsys, *argv, "--node_type", "a2-highgpu-2g")
+    assert rc == 2 and message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(
