@@ -4,6 +4,7 @@ words), and PBS's facts (select statements, walltimes, node files) are read righ
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -281,3 +282,45 @@ def test_a_continuation_is_the_same_job_after_this_one_with_its_variables_as_dat
     continuation.write_variables(tmp_path / "c.json", {**values, "EXTRA_ARGS": "$(touch pwned), --a"})
     loaded = continuation.load({"LLMFT_CONTINUE": str(tmp_path / "c.json"), "EPOCHS": "9"})
     assert loaded["EPOCHS"] == "2" and loaded["EXTRA_ARGS"] == "$(touch pwned), --a"  # data, read back as it was
+
+
+def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_signal(tmp_path, monkeypatch, capsys):
+    """Done; a stop for the walltime or SIGUSR1 goes on in a continuation; SIGTERM near the walltime too, far from it
+    (qrerun, qdel) PBS decides; a failure goes on only after progress and up to MAX_RESTARTS, naming each node."""
+    run = tmp_path / "run"
+    run.mkdir()
+    k = knobs.resolve({}, ["MAX_RESTARTS=2"])
+    stop, requeue, failures = pbs.Stop(run / "stop"), run / "requeue", run / "failures"
+    failures.mkdir()
+
+    def decide(rc, signal="", start=0, restarts="0", left=None):
+        stop.signal = signal
+        monkeypatch.setattr(pbs, "qstat_job", lambda _job: {} if left is None else {
+            "Resource_List": {"walltime": "01:00:00"}, "resources_used": {"walltime": pbs.hms(3600 - left)}})  # fmt: skip
+        env = {"LLMFT_FAILURE_RESTARTS": restarts}
+        return pbs.after_training(run, rc, stop, requeue, start, failures, 10.0, "7.head", k, env)
+
+    def checkpoint(step):
+        (run / f"checkpoint-{step}").mkdir()
+        (run / f"checkpoint-{step}" / "llmft_complete.json").write_text("{}")
+
+    assert decide(0) == pbs.Outcome(1)  # exit 0 and no llmft_done.json: not a success
+    assert "the run did not finish" in capsys.readouterr().out
+    checkpoint(2)
+    requeue.write_text("")
+    assert decide(0) == pbs.Outcome(0, go_on=True) and not requeue.exists()
+    assert "llmft stopped for its final save before the walltime" in capsys.readouterr().out
+    assert decide(0, "USR1") == pbs.Outcome(0, go_on=True)
+    assert decide(0, "TERM", left=30) == pbs.Outcome(0, go_on=True)  # within kill_delay + 60 s of the walltime
+    assert decide(0, "TERM", left=1800) == pbs.Outcome(0)  # qrerun or qdel: PBS decides
+    assert "a job PBS reruns (qrerun) resumes from it" in capsys.readouterr().out
+    (failures / "node-1.json").write_text(json.dumps({"node": "pbs-n1", "rc": -9, "cause": "rank 1 killed (SIGKILL)"}))
+    assert decide(1, start=0, restarts="1") == pbs.Outcome(1, go_on=True, failure_restarts=2)
+    out = capsys.readouterr().out
+    assert "node pbs-n1: rank 1 killed (SIGKILL)" in out and "after failures 2 of at most MAX_RESTARTS=2" in out
+    assert decide(1, start=0, restarts="2") == pbs.Outcome(1)  # the limit
+    assert "MAX_RESTARTS=2 reached" in capsys.readouterr().out
+    assert decide(1, start=2) == pbs.Outcome(1)  # no new complete checkpoint: it would fail again
+    assert "no new complete checkpoint" in capsys.readouterr().out
+    (run / "llmft_done.json").write_text("{}")
+    assert decide(0) == pbs.Outcome(0)
