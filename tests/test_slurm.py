@@ -826,6 +826,43 @@ def test_the_default_checkpoint_dir_is_one_per_experiment(cluster, tmp_path):
     assert dirs["other name"].name.startswith("exp2-")
 
 
+def test_a_sweep_array_gives_each_element_its_variant_and_refuses_an_array_that_does_not_match(
+    cluster, tiny_model, tmp_path
+):
+    """sbatch --array=1-2 with SWEEP: each element plans its own variant in <run dir>/<variant>, with the variant's
+    flags after EXTRA_ARGS, and the sweep's directory records it for llmft report; an array of another size is refused
+    in its first lines (one line, exit 2). DRY_RUN=1 runs each job up to the launch."""
+    (tmp_path / "data.jsonl").write_text('{"text": "x"}\n')
+    knobs = [
+        f"MODEL={tiny_model}",
+        "DATASET=data.jsonl",
+        "DRY_RUN=1",
+        f"VENV={sys.prefix}",
+        f"CHECKPOINT_DIR={tmp_path / 'sweep'}",
+        "EXTRA_ARGS=--seed 1",
+        "SWEEP=learning_rate=1e-4,3e-4",
+    ]
+    out = "-o", str(tmp_path / "%x-%A_%a.out")
+    array = cluster.sbatch(["-J", "sw", "--array=1-2", "--nodes=1", *out, str(SCRIPT), *knobs], cwd=tmp_path)
+    for index, lr in ((1, "1e-4"), (2, "3e-4")):
+        info = cluster.wait(f"{array}_{index}", timeout=SHORT_JOB_S)
+        text = read(tmp_path / f"sw-{array}_{index}.out")
+        assert info["JobState"] == "COMPLETED", text
+        assert f"run_llm.slurm: sweep variant {index} of 2: learning_rate={lr} in {tmp_path / 'sweep'}" in text, text
+        assert f"llmft plan: checkpoint dir {tmp_path / 'sweep' / f'learning_rate-{lr}'}" in text, text
+        assert re.search(rf"launch: srun .* --seed 1 --learning_rate {lr}\s*$", text, re.M), text
+    recorded = json.loads((tmp_path / "sweep" / "llmft_sweep.json").read_text())
+    assert [v["name"] for v in recorded["variants"]] == ["learning_rate-1e-4", "learning_rate-3e-4"]
+    wrong = cluster.sbatch(["-J", "sw3", "--array=1-3", "--nodes=1", *out, str(SCRIPT), *knobs], cwd=tmp_path)
+    info = cluster.wait(f"{wrong}_1", timeout=SHORT_JOB_S)
+    text = read(tmp_path / f"sw3-{wrong}_1.out")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", text
+    assert (
+        "run_llm.slurm: error: SWEEP has 2 variants, and this array's indices are 1-3: submit it as sbatch --array=1-2"
+        in text
+    )
+
+
 def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

@@ -722,7 +722,9 @@ def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:
         "HF_HOME": env.get("HF_HOME") or str(Path(env.get("HOME") or submit_dir) / ".cache" / "huggingface"),
         "PATH": env.get("PATH", os.defpath),
     }
-    node_cache = Path(env.get("TMPDIR") or "/tmp") / f"llmft-{env.get('USER') or os.getuid()}"
+    # Build caches are node-local and outlive the job: not under TMPDIR, which PBS makes per job and deletes after it
+    # (DeepSpeed would compile its ops again in every job).
+    node_cache = Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"
     out["LLMFT_EXTENSIONS_ROOT"] = env.get("LLMFT_EXTENSIONS_ROOT") or str(node_cache / "torch_extensions")
     out["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or str(node_cache / "triton")
     if k["VENV"]:
