@@ -136,6 +136,11 @@ def test_pbs_facts_are_read_from_the_select_statement_walltime_and_node_file():
     with pytest.raises(pbs.PbsJobError, match="asks for ngpus \\[2, 4\\] in different chunks"):
         pbs.per_node("1:ngpus=4+1:ngpus=2", "ngpus", 0)
     assert pbs.memory_gib("200gb") == 200 and pbs.memory_gib("512mb") == 0.5 and pbs.memory_gib("1tb") == 1024
+    assert pbs.select_memory("2:ncpus=8:mem=200gb") == {
+        "LLMFT_HOST_RAM_GB": "200",
+        "LLMFT_HOST_RAM_SOURCE": "PBS select mem=200gb",
+    }  # the plan's limit on every node (llmft.planning.allocation takes the smallest of it and the node's own)
+    assert pbs.select_memory("2:ncpus=8") == {}
     assert pbs.seconds("04:00:00") == 14400 and pbs.seconds("90:00") == 5400 and pbs.seconds("30") == 30
     assert pbs.seconds("forever") is None and pbs.hms(3725) == "1:02:05"
     job = {"Resource_List": {"walltime": "00:10:00"}, "resources_used": {"walltime": "00:01:30"}}

@@ -159,7 +159,8 @@ def test_a_walltime_stop_saves_and_the_continuation_resumes_without_losing_or_re
     second_info = pbs_cluster.wait(second_job, timeout=TRAINING_JOB_S)
     second = pbs_cluster.wait_for("the continuation's output", lambda: read(d / "out.1"))
     assert second_info["Exit_status"] == 0, second
-    assert second_info["depend"].startswith(f"afterany:{job}"), second_info
+    # submitted by the first job to start after it ended (PBS clears `depend` once it is met)
+    assert f"-W depend=afterany:{job} " in second_info["Submit_arguments"], second_info
     resumed = re.search(r"llmft: resuming from (\S+)/checkpoint-(\d+)\n", second)
     assert resumed and resumed.group(1) == str((d / "ckpt").resolve()), second
     k = int(resumed.group(2))

@@ -105,6 +105,18 @@ def memory_gib(text: str) -> float | None:
     return int(m.group(1)) * scale * (8 if m.group(3) == "w" else 1) / 2**30
 
 
+def select_memory(select: str) -> dict[str, str]:
+    """The chunk's `mem`, as a memory limit every node's probe takes (the smallest chunk's; none asked: {})."""
+    asked = [
+        (memory_gib(c.resources["mem"]), c.resources["mem"]) for c in parse_select(select) if "mem" in c.resources
+    ]
+    asked = [(gib, text) for gib, text in asked if gib]
+    if not asked:
+        return {}
+    gib, text = min(asked)
+    return {"LLMFT_HOST_RAM_GB": f"{gib:g}", "LLMFT_HOST_RAM_SOURCE": f"PBS select mem={text}"}
+
+
 def seconds(hms: str) -> float | None:
     """PBS walltime `[[HH:]MM:]SS` (hours may exceed 24) -> seconds."""
     if not re.fullmatch(r"\d+(:\d+){0,2}", hms.strip()):
@@ -450,6 +462,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     env_file = run_dir / f".llmft-env-{job_id}.json"
     gpus = per_node(select, "ngpus", 0)
     node_env["LLMFT_NODE_GPUS"] = str(gpus)
+    node_env.update(select_memory(select))
     env_file.write_text(json.dumps(node_env))
     inside, create = container_prefix(k, env, job_id, run_paths(k, submit_dir, run_dir, node_env), node_env, gpus)
     probe_nodes(hosts, env_file, files["nodes"], [*create, "--", *inside, python, "-m", "llmft.planning.allocation"])
@@ -765,6 +778,13 @@ def wandb_environment(python: str, run_dir: Path, env: Mapping[str, str]) -> dic
     return out
 
 
+def ignore_sigterm() -> None:
+    """pbsdsh outlives the job's SIGTERM (the walltime, qrerun, qdel): it returns only once its task has ended, after
+    the ranks wrote their stop checkpoint. Were it to die at once, this launcher would return, the job's shell end,
+    and PBS kill every task of the job before any checkpoint was written."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def on_every_node(hosts: list[tuple[str, int]], command: list[str]) -> list[int]:
     """`command` once on each node through `pbsdsh -n INDEX` (PBS's task manager), all at once; the exit status of
     each. `{node}` in an argument becomes the node's name (PBS's: all nodes may share one hostname), `{is_host}` 1 on
@@ -782,7 +802,8 @@ def on_every_node(hosts: list[tuple[str, int]], command: list[str]) -> list[int]
                 str(index),
                 "--",
                 *(a.replace("{node}", host).replace("{is_host}", "1" if i == 0 else "0") for a in command),
-            ]
+            ],
+            preexec_fn=ignore_sigterm,
         )
         for i, (host, index) in enumerate(hosts)
     ]
