@@ -34,6 +34,10 @@ SHELL_SCRIPTS = [
     REPO / "blueprints" / "gcp" / "install-build-deps.sh",
     REPO / "blueprints" / "aws" / "on-head-node-configured.sh",
     REPO / "blueprints" / "aws" / "on-compute-node-start.sh",
+    REPO / "pbs" / "run_llm.pbs",
+    REPO / "pbs" / "local" / "start.sh",
+    REPO / "pbs" / "local" / "stop.sh",
+    REPO / "tests" / "enroot_standin",
 ]
 
 

@@ -16,6 +16,10 @@ SHELL_SCRIPTS = [
     REPO / "slurm" / "local" / "start.sh",
     REPO / "slurm" / "local" / "stop.sh",
     REPO / "tests" / "system_deps.sh",
+    REPO / "pbs" / "run_llm.pbs",
+    REPO / "pbs" / "local" / "start.sh",
+    REPO / "pbs" / "local" / "stop.sh",
+    REPO / "tests" / "enroot_standin",
 ]
 
 
