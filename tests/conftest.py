@@ -31,6 +31,7 @@ AWS_PLACEHOLDER_ENV = {
 LONGEST_FILES = (
     "test_slurm.py",
     "test_eval.py",
+    "test_pbs.py",
     "test_train.py",
     "test_gpu_suite.py",
     "test_async_save.py",

@@ -232,9 +232,12 @@ done
 # name back through its address, so two moms need two.
 marker="# llmft pbs/local/start.sh"
 want=()
+# Each pipeline's input is read whole before it is matched: `cmd | grep -q` under pipefail fails when grep stops
+# reading at the first match and cmd dies of SIGPIPE (an address already there was then added again).
+lo_addresses=$(ip -4 -o addr show dev lo)
 for n in "$head_name" "${node_names[@]}"; do
   ip_addr=${address_of[$n]}
-  if ! ip -4 -o addr show dev lo | grep -qF " $ip_addr/32 "; then
+  if [[ "$lo_addresses" != *" $ip_addr/32 "* ]]; then
     ip addr add "$ip_addr/32" dev lo || die "could not add $ip_addr/32 to lo"
   fi
   want+=("$ip_addr $n $marker")
@@ -367,7 +370,8 @@ qmgr "set queue workq kill_delay = 10"
 for _ in $(seq 1 120); do
   free=0
   for n in "${node_names[@]}"; do
-    if "$prefix/bin/pbsnodes" "$n" 2>/dev/null | grep -qx ' *state = free'; then free=$((free + 1)); fi
+    node_state=$("$prefix/bin/pbsnodes" "$n" 2>/dev/null || true)
+    if grep -qx ' *state = free' <<< "$node_state"; then free=$((free + 1)); fi
   done
   [[ "$free" == "${#node_names[@]}" ]] && break
   sleep 0.5

@@ -59,11 +59,12 @@ stop_pids() {  # stop_pids SIGNAL "NAME PID"...: SIGNAL to each, wait up to 15 s
   done
 }
 job_leftovers() {  # pids of this cluster's job processes still running (PBS_NODEFILE in one of its moms' PBS_HOME)
-  local environ pid
+  local environ pid job_env
   for environ in /proc/[0-9]*/environ; do
     pid=${environ#/proc/}
     pid=${pid%/environ}
-    if tr '\0' '\n' 2>/dev/null < "$environ" | grep -qE "^PBS_NODEFILE=$state/pbs-n[0-9]+/aux/"; then echo "$pid"; fi
+    job_env=$(tr '\0' '\n' 2>/dev/null < "$environ" || true)
+    if grep -qE "^PBS_NODEFILE=$state/pbs-n[0-9]+/aux/" <<< "$job_env"; then echo "$pid"; fi
   done
 }
 
