@@ -514,7 +514,9 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     (run_dir / "nccl_trace").mkdir(exist_ok=True)
     start_step = newest_complete_step(run_dir)
     wrapper = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), str(failures), "--node", "{node}"]
-    rc = next((r for r in on_every_node(hosts, [*wrapper, "--", *inside, *torchrun]) if r != 0), 0)
+    started = on_every_node(hosts, [*wrapper, "--", *inside, *torchrun])
+    wait_s = shutdown_timeout(kill_delay) if stop.signal else NODE_EXIT_WAIT_S
+    rc = next((r for r in node_exits(failures, hosts, started, wait_s) if r != 0), 0)
     outcome = after_training(run_dir, rc, stop, files["requeue"], start_step, failures, kill_delay, job_id, k, env)
     if outcome.go_on:
         go_on(k, env, job, job_id, run_dir, node_env, outcome.failure_restarts)
@@ -778,6 +780,21 @@ def wandb_environment(python: str, run_dir: Path, env: Mapping[str, str]) -> dic
     return out
 
 
+NODE_EXIT_WAIT_S = 10.0  # how long an exit a node's wrapper has not recorded yet is waited for (no stop signalled)
+
+
+def node_exits(failures: Path, hosts, pbsdsh_rcs: list[int], wait_s: float) -> list[int]:
+    """Each node's exit status, as its wrapper recorded it (`exit-<node>` in the failures directory), waited for up
+    to `wait_s`; pbsdsh's status where none came. After the job's SIGTERM pbsdsh returns at once (its task manager
+    stops answering) while the ranks are still writing their stop checkpoint: this launcher, the job's top process,
+    must stay until they have, or PBS ends the job and kills them mid-save."""
+    deadline = time.monotonic() + wait_s
+    paths = [failures / f"exit-{host}" for host, _ in hosts]
+    while not all(p.is_file() for p in paths) and time.monotonic() < deadline:
+        time.sleep(1)
+    return [int(p.read_text()) if p.is_file() else rc for p, rc in zip(paths, pbsdsh_rcs)]
+
+
 def ignore_sigterm() -> None:
     """pbsdsh outlives the job's SIGTERM (the walltime, qrerun, qdel): it returns only once its task has ended, after
     the ranks wrote their stop checkpoint. Were it to die at once, this launcher would return, the job's shell end,
@@ -846,6 +863,7 @@ def node_main(argv: list[str]) -> int:
     if failures:
         print(f"{ME}: node {host} (node rank {node}): torchrun", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: None)  # outlive torchrun: it forwards the signal and the ranks save
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a job's USR1 reaches every process: the launcher acts on it
     started = time.time()
     err_path = Path(env.get("TMPDIR") or "/tmp") / f"llmft-torchrun-err-{os.getpid()}"
     with open(err_path, "w") as err:
@@ -868,6 +886,11 @@ def node_main(argv: list[str]) -> int:
         tmp.write_text(text)
         tmp.replace(report)
     err_path.unlink(missing_ok=True)
+    if failures:  # the launcher waits for this (node_exits), not for pbsdsh
+        done = Path(failures) / f"exit-{host}"
+        tmp = done.parent / f"{done.name}.tmp"
+        tmp.write_text(f"{rc}\n")
+        tmp.replace(done)
     return rc
 
 
