@@ -329,3 +329,12 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
     assert "no new complete checkpoint" in capsys.readouterr().out
     (run / "llmft_done.json").write_text("{}")
     assert decide(0) == pbs.Outcome(0)
+
+
+def test_each_nodes_exit_is_its_wrappers_record_not_pbsdshs(tmp_path):
+    """After the job's SIGTERM pbsdsh returns at once while the ranks still save: the launcher takes each node's exit
+    from the record its wrapper writes when torchrun has ended, and pbsdsh's only where none came in time."""
+    (tmp_path / "exit-pbs-n0").write_text("0\n")
+    (tmp_path / "exit-pbs-n1").write_text("1\n")
+    hosts = [("pbs-n0", 0), ("pbs-n1", 1), ("pbs-n2", 2)]
+    assert pbs.node_exits(tmp_path, hosts, [143, 143, 143], wait_s=0) == [0, 1, 143]
