@@ -176,7 +176,11 @@ def test_qrerun_stops_every_rank_at_a_checkpoint_and_the_rerun_resumes_from_it(p
     job, d, rerun = jobs["qrerun"]
     ckpt = d / "ckpt"
     rerun["thread"].join(timeout=TRAINING_JOB_S)
-    assert "error" not in rerun and rerun["proc"].returncode == 0, rerun
+    # qrerun returns once PBS requeued the job, or says it is still in progress when the ranks' stop checkpoint
+    # outlasts its wait for the server's reply; either way the job runs again (run_count below)
+    proc = rerun.get("proc")
+    assert "error" not in rerun and proc is not None, rerun
+    assert proc.returncode == 0 or "Job rerun request still in progress" in proc.stderr, proc
     info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
     text = pbs_cluster.wait_for("the rerun's output", lambda: read(d / "out"))
     assert info["Exit_status"] == 0 and int(info["run_count"]) == 2, (info, text)

@@ -868,9 +868,15 @@ def node_main(argv: list[str]) -> int:
     err_path = Path(env.get("TMPDIR") or "/tmp") / f"llmft-torchrun-err-{os.getpid()}"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+        echo = True
         for line in proc.stderr:
-            sys.stderr.write(line)
             err.write(line)
+            if echo:
+                try:  # PBS may close a task's output while the job ends: keep draining, keep the copy
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                except OSError:
+                    echo = False
         rc = proc.wait()
     if rc != 0 and failures:
         report = Path(failures) / f"node-{node}.json"
