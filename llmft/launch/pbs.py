@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -827,6 +828,21 @@ def on_every_node(hosts: list[tuple[str, int]], command: list[str]) -> list[int]
     return [p.wait() for p in procs]
 
 
+def forward(stream, to, copy) -> None:
+    """Every line of `stream` to `to` while it takes them (PBS may close a task's output as the job ends: the lines
+    then go on being read, so the writer never blocks or breaks), and to `copy` always."""
+    echo = True
+    for line in stream:
+        if copy is not None:
+            copy.write(line)
+        if echo:
+            try:
+                to.write(line)
+                to.flush()
+            except (OSError, ValueError):
+                echo = False
+
+
 def node_main(argv: list[str]) -> int:
     """On each node (`pbsdsh`): the job's environment from its file, then the command; a failing torchrun's report
     (llmft.planning.failure_blame node) is written to the failures directory, under SIGTERM too."""
@@ -867,17 +883,14 @@ def node_main(argv: list[str]) -> int:
     started = time.time()
     err_path = Path(env.get("TMPDIR") or "/tmp") / f"llmft-torchrun-err-{os.getpid()}"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-        echo = True
-        for line in proc.stderr:
-            err.write(line)
-            if echo:
-                try:  # PBS may close a task's output while the job ends: keep draining, keep the copy
-                    sys.stderr.write(line)
-                    sys.stderr.flush()
-                except OSError:
-                    echo = False
+        # Both streams pass through this process: PBS closes a task's output when the job is signalled, and a rank
+        # printing to it then would die of a broken pipe before its stop checkpoint.
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out = threading.Thread(target=forward, args=(proc.stdout, sys.stdout, None), daemon=True)
+        out.start()
+        forward(proc.stderr, sys.stderr, err)
         rc = proc.wait()
+        out.join(timeout=10)
     if rc != 0 and failures:
         report = Path(failures) / f"node-{node}.json"
         blame = [sys.executable, "-m", "llmft.planning.failure_blame", "node", "--node", host, "--rc", str(rc)]
