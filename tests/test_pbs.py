@@ -185,10 +185,21 @@ def test_qrerun_stops_every_rank_at_a_checkpoint_and_the_rerun_resumes_from_it(p
     text = pbs_cluster.wait_for("the rerun's output", lambda: read(d / "out"))
     assert info["Exit_status"] == 0 and int(info["run_count"]) == 2, (info, text)
     assert f"run_llm.pbs: job {job} (" in text and ") run 2," in text, text
-    resumed = re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", text)
+    first, second = text.split(") run 2,", 1)  # the rerun's output follows the first run's in the same file
+    resumed = re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", second)
     assert resumed and int(resumed.group(1)) >= 3, text  # the stop checkpoint at the held step, not checkpoint-2
     k = int(resumed.group(1))
-    assert steps_trained(text) == list(range(k + 1, TOTAL + 1))
+    # the first run's own lines stop where PBS closed its output at the SIGTERM; the stop checkpoint is the launcher's
+    logged = steps_trained(first)
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) <= k, logged
+    assert steps_trained(second) == list(range(k + 1, TOTAL + 1))
+    assert re.search(
+        rf"run_llm.pbs: stopped by SIGTERM \(exit \d+\) after a complete checkpoint at step {k}; a job PBS", first
+    )
+    assert optim_shards(ckpt / f"checkpoint-{k}" / f"global_step{k}") == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == TOTAL
     assert "continuation submitted" not in text  # PBS reran the job itself
 
