@@ -8,6 +8,7 @@ The jobs are submitted together by a module fixture, so they overlap (each takes
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -41,6 +42,33 @@ def own(path: Path) -> None:
         shutil.chown(p, JOB_USER, JOB_USER)
 
 
+def seed_the_job_users_op_cache() -> None:
+    """The DeepSpeed ops this environment's own tests built (llmft keys one op cache per environment), copied into the
+    job user's node-local cache when it has none: as on a cluster whose nodes keep their op caches, the first PBS job
+    loads them instead of compiling them again (140 s of the 2-core CI machine). Nothing built yet: the job builds."""
+    import deepspeed
+    import torch
+
+    from llmft.training.build_locks import extensions_root
+    from llmft.training.upstream_noise import keyed_extensions_dir
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    ours = keyed_extensions_dir(env, sys.prefix, torch.__version__, deepspeed.__version__, extensions_root(env))
+    theirs = keyed_extensions_dir(
+        {"LLMFT_EXTENSIONS_ROOT": f"/tmp/llmft-{JOB_USER}/torch_extensions"},
+        sys.prefix,
+        torch.__version__,
+        deepspeed.__version__,
+        extensions_root(env),
+    )
+    for op in ours.glob("*") if ours.is_dir() else []:
+        built = any(op.glob("*.so")) and not (op / "lock").exists()
+        if built and not (theirs / op.name).exists():
+            shutil.copytree(op, theirs / op.name)  # copy2: the build's mtimes kept, so nothing is out of date
+    for path in (theirs.parent.parent, theirs.parent, theirs) if theirs.is_dir() else ():
+        own(path)
+
+
 @pytest.fixture(scope="module")
 def inputs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory) -> dict[str, Path]:
     """The tiny model and data where the job user can read them (pytest's tmp_path is root's, mode 700)."""
@@ -49,6 +77,7 @@ def inputs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory) -> 
     shutil.copy(tiny_data, d / "train.jsonl")
     (d / "image.sqsh").write_text("a stand-in image\n")
     own(d)
+    seed_the_job_users_op_cache()
     return {"model": d / "model", "data": d / "train.jsonl", "image": d / "image.sqsh", "dir": d}
 
 
