@@ -136,6 +136,16 @@ class PbsCluster:
         """Delete a job, running or queued (-W force: also when its mom does not answer)."""
         self.cmd([str(self.bin / "qdel"), "-W", "force", job_id], check=False)
 
+    def job_log(self, job_id: str) -> str:
+        """Every server, scheduler and mom log line that names the job (what PBS did to it, for a failure message)."""
+        short = job_id.split(".")[0]
+        out = []
+        for log in sorted(self.state.glob("*/*_logs/*")):
+            lines = [line for line in log.read_text(errors="replace").splitlines() if short in line]
+            if lines:
+                out.append(f"--- {log}\n" + "\n".join(lines))
+        return "\n".join(out)
+
     def logs_tail(self, n: int = 30) -> str:
         out = []
         for log in sorted(self.state.glob("*/*_logs/*")):

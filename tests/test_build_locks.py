@@ -84,9 +84,11 @@ def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(
     """ZeRO-2 with optimizer offload loads DeepSpeed's cpu_adam op; with a stale lock and without llmft's check,
     torch waits on it forever (measured: still waiting after 100 s; the timeout below fails the test).
 
-    The lock goes where this machine's DeepSpeed ops really are built (a fresh extensions directory would cost a
-    cold build of about 90 s); it is removed afterwards whatever happens.
+    The run gets its own extensions directory, a copy of this environment's op cache (a fresh one would cost a cold
+    build of about 90 s): a lock planted in the shared cache could be cleared first by a training in another test
+    worker, llmft's check doing its job there, and this run would then have nothing to say.
     """
+    import shutil
     import sys
     from importlib.metadata import version
 
@@ -99,48 +101,46 @@ def test_training_after_a_build_killed_mid_way_runs_instead_of_waiting_forever(
     keyed = upstream_noise.keyed_extensions_dir(
         os.environ, sys.prefix, torch.__version__, version("deepspeed"), extensions_root()
     )
-    if keyed is not None:  # where llmft train builds: this environment's own op cache
-        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(keyed))
-    locks = [Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"]
-    planted = [lock for lock in locks if not lock.exists()]
-    for lock in planted:
-        lock.touch()
-    try:
-        out = tmp_path / "run"
-        proc = run(
-            [
-                PYTHON,
-                "-m",
-                "llmft.train",
-                "--model_name_or_path",
-                str(tiny_model),
-                "--dataset_name",
-                str(tiny_data),
-                "--output_dir",
-                str(out),
-                "--report_to",
-                "none",
-                "--max_steps",
-                "1",
-                "--global_batch_size",
-                "2",
-                "--per_device_train_batch_size",
-                "2",
-                "--save_strategy",
-                "no",
-                "--disable_tqdm",
-                "true",
-                "--zero_stage",
-                "2",
-                "--offload",
-            ],
-            timeout=420,
-            check=True,
-        )
-        for lock in planted:
-            assert f"removed a stale build lock {lock}" in proc.stdout
-            assert not lock.exists()
-        assert (out / "run_summary.json").is_file()
-    finally:
-        for lock in planted:
-            lock.unlink(missing_ok=True)
+    private = tmp_path / "torch_extensions"
+    built = keyed / "cpu_adam" if keyed is not None else None  # where llmft train builds: this environment's op cache
+    if built is not None and (built / "cpu_adam.so").is_file():
+        shutil.copytree(built, private / "cpu_adam", ignore=shutil.ignore_patterns("lock"))  # mtimes kept: no rebuild
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(private))
+    lock = Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"
+    assert lock.parent == private / "cpu_adam"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    out = tmp_path / "run"
+    proc = run(
+        [
+            PYTHON,
+            "-m",
+            "llmft.train",
+            "--model_name_or_path",
+            str(tiny_model),
+            "--dataset_name",
+            str(tiny_data),
+            "--output_dir",
+            str(out),
+            "--report_to",
+            "none",
+            "--max_steps",
+            "1",
+            "--global_batch_size",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+            "--zero_stage",
+            "2",
+            "--offload",
+        ],
+        timeout=420,
+        check=True,
+    )
+    assert f"removed a stale build lock {lock}" in proc.stdout
+    assert not lock.exists()
+    assert (out / "run_summary.json").is_file()

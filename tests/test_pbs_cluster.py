@@ -77,25 +77,30 @@ def test_array_job_runs_each_index(pbs_cluster: PbsCluster, tmp_path):
 
 def test_walltime_sends_sigterm_then_ends_with_minus_29(pbs_cluster: PbsCluster, tmp_path):
     """At its walltime limit a job gets SIGTERM (a trap can still write its last words) and ends with Exit_status
-    -29; nothing warns it earlier, so the launcher must time its own last checkpoint from the walltime."""
+    -29; nothing warns it earlier, so the launcher must time its own last checkpoint from the walltime.
+
+    The walltime runs from the mom's start of the job, before its login shell has read a line: 15 s leaves the shell
+    time to set its trap on a loaded machine (with 5 s, CI once saw a job end with no SIGTERM caught)."""
     d = pbs_cluster.job_dir(tmp_path)
     q = shlex.quote(str(d))
     script = write_script(
         d / "job.sh",
-        f"trap 'echo TERM > {q}/got-term; exit 143' TERM\n"
-        f"touch {q}/started\n"
+        f"trap 'date +%s.%N > {q}/got-term; exit 143' TERM\n"
+        f"date +%s.%N > {q}/started\n"
         "sleep 300 &\n"
         "wait $!\n"
         f"touch {q}/survived\n",
     )
     job_id = pbs_cluster.qsub(
-        ["-l", "walltime=00:00:05", "-o", str(d / "out"), "-e", str(d / "err"), str(script)], cwd=d
+        ["-l", "walltime=00:00:15", "-o", str(d / "out"), "-e", str(d / "err"), str(script)], cwd=d
     )
     info = pbs_cluster.wait(job_id)
-    assert info["Exit_status"] == -29, info
-    assert info["Resource_List"]["walltime"] == "00:00:05"
-    assert (d / "started").exists()
-    assert (d / "got-term").read_text().strip() == "TERM"
+    why = f"{info}\n{pbs_cluster.job_log(job_id)}"
+    assert info["Exit_status"] == -29, why
+    assert info["Resource_List"]["walltime"] == "00:00:15"
+    assert (d / "started").exists(), why
+    assert (d / "got-term").exists(), f"no SIGTERM caught; the trap was set at {(d / 'started').read_text()}{why}"
+    assert float((d / "got-term").read_text()) > float((d / "started").read_text())
     assert not (d / "survived").exists()
     err = pbs_cluster.wait_for(
         "the job's stderr copied back", lambda: (d / "err").exists() and (d / "err").read_text()

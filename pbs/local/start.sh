@@ -211,6 +211,9 @@ while [[ "$d" != / ]]; do
   d=$(dirname "$d")
 done
 getent passwd postgres >/dev/null || die "no postgres account (PBS runs its datastore as postgres): install the postgresql package"
+# The datastore's socket directory: made by the postgresql package's install, but /run is emptied at each boot and, without
+# systemd's tmpfiles, nothing makes it again. Without it the datastore starts but createdb cannot reach it.
+install -d -m 2775 -o postgres -g postgres /var/run/postgresql
 
 pids_file=$state/run/started.pids
 if [[ -s "$pids_file" ]]; then
