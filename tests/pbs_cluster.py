@@ -138,10 +138,9 @@ class PbsCluster:
 
     def job_log(self, job_id: str) -> str:
         """Every server, scheduler and mom log line that names the job (what PBS did to it, for a failure message)."""
-        short = job_id.split(".")[0]
         out = []
         for log in sorted(self.state.glob("*/*_logs/*")):
-            lines = [line for line in log.read_text(errors="replace").splitlines() if short in line]
+            lines = [line for line in log.read_text(errors="replace").splitlines() if f";{job_id};" in line]
             if lines:
                 out.append(f"--- {log}\n" + "\n".join(lines))
         return "\n".join(out)
