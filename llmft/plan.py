@@ -517,6 +517,12 @@ def make_parser(subparsers=None):
     parser.add_argument("--zero_stage", type=int, default=None)
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--deepspeed", default=None)
+    parser.add_argument(
+        "--sequence_parallel",
+        type=int,
+        default=1,
+        help="Ulysses groups of N ranks: the global batch is planned over world / N data-parallel ranks",
+    )
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--output_dir", default="")
     parser.add_argument(
@@ -756,6 +762,10 @@ def main(args) -> int:
             world = World(nnodes, procs, "arguments")
         if world.nnodes < 1 or world.procs_per_node < 1:
             raise PlanError("--nnodes and --nproc_per_node must be positive")
+        if args.sequence_parallel != 1 and args.model and not args.check_memory:
+            raise PlanError(
+                "the memory plan (--model) does not model --sequence_parallel yet: plan the batch without --model"
+            )
         if args.model and not args.check_memory:
             if args.deepspeed and (args.zero_stage is not None or args.offload):
                 raise PlanError("give either --zero_stage/--offload or --deepspeed, not both")
@@ -798,9 +808,15 @@ def main(args) -> int:
             precision=precision,
             output_dir=args.output_dir,
             world=world,
+            sequence_parallel=args.sequence_parallel,
         )
         print("\n".join(plan.lines()))
-        if args.check_memory:
+        if args.check_memory and args.sequence_parallel != 1:
+            print(
+                "llmft plan: memory: not checked: the memory planner does not model --sequence_parallel yet (each "
+                "rank holds about 1/N of the activations, all of its ZeRO share of the states)"
+            )
+        elif args.check_memory:
             lines, error = check_memory(args, plan)
             for line in lines:
                 print(line)

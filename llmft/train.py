@@ -52,7 +52,7 @@ from llmft.data.cache import DataOptions, Prepared, check_options, prepare, writ
 from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
-from llmft.planning import ds_config, world
+from llmft.planning import ds_config, sequence_parallel, world
 from llmft.planning.hardware import choose_attention, choose_liger, flash_attn_installed, liger_model_types, local_gpu
 from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
@@ -75,6 +75,7 @@ from llmft.training import (
     process_group_timeout,
     rerun,
     run_identity,
+    ulysses,
     upstream_noise,
 )
 from llmft.training.arguments import LlmftArguments
@@ -193,6 +194,11 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
     precision = train_precision(training, extra, gpu)
     grad_accum = training.gradient_accumulation_steps if training.gradient_accumulation_steps != 1 else None
     micro, zero_stage, offload, auto_line = training.per_device_train_batch_size, extra.zero_stage, extra.offload, ""
+    if extra.auto and extra.sequence_parallel > 1:
+        raise TrainError(
+            "--auto does not plan sequence parallelism yet: with --sequence_parallel give --zero_stage and "
+            "--per_device_train_batch_size yourself"
+        )
     if extra.auto:
         setting, auto_line = choose_automatically(run, precision, grad_accum)
         micro, zero_stage, offload, grad_accum = (
@@ -212,6 +218,7 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
         precision=precision,
         output_dir=training.output_dir,
         auto=auto_line,
+        sequence_parallel=extra.sequence_parallel,
     )
     if extra.save_consolidated and (plan.zero_stage != 3 or model.use_peft):
         raise TrainError(
@@ -309,6 +316,14 @@ def decide_resume(run: RunSettings, decided: Decisions) -> ResumeDecision:
         ),
     )
     identity["hyperparameters"] = rerun.hyperparameters(training)  # recorded, not compared: rerun.decide
+    identity["sequence_parallel"] = plan.sequence_parallel
+    if checkpoint:
+        saved_sp = (run_identity.read_record(training.output_dir) or {}).get("sequence_parallel", 1)
+        if saved_sp != plan.sequence_parallel:
+            raise TrainError(
+                f"{checkpoint} was trained with --sequence_parallel {saved_sp}; resume with --sequence_parallel "
+                f"{saved_sp} (changing N on a resume is not supported), or start a new --output_dir"
+            )
     accepted = run_identity.check_same_run(training.output_dir, identity, training.resume_from_checkpoint)
     schedule_changes = []
     if checkpoint:
@@ -334,6 +349,12 @@ def decide_resume(run: RunSettings, decided: Decisions) -> ResumeDecision:
     resuming = checkpoint and elastic.plan_resume(
         checkpoint, plan.world.world_size, plan.zero_stage, plan.batch, global_batch_given=given
     )
+    moved = resuming and (resuming.universal or resuming.saved_world not in (None, resuming.world))
+    if moved and plan.sequence_parallel > 1:  # another world or stage under Ulysses: not tested, so refused
+        raise TrainError(
+            f"{checkpoint} was saved by {resuming.saved_world} ranks; a --sequence_parallel run resumes on the same "
+            f"number of ranks ({resuming.saved_world}) and ZeRO stage: run it there, or start a new --output_dir"
+        )
     if accepted:
         log(f"continuing on purpose with new settings: {'; '.join(accepted)}")
     return ResumeDecision(checkpoint, identity, resuming or None, None, tuple(schedule_changes))
@@ -398,8 +419,18 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
     )
     masks_from_positions = packing.masks_from_position_ids(model_config, training.trust_remote_code)
     capability = gpu.compute_capability if gpu is not None else None
+    sp = run.llmft.sequence_parallel
+    sequence_parallel.check_model(
+        sp,
+        model_config.model_type,
+        getattr(model_config, "num_attention_heads", None),
+        getattr(model_config, "num_key_value_heads", None),
+    )
+    requested_padding_free = training.padding_free
+    if sp > 1 and requested_padding_free is None and attention not in sequence_parallel.BOUNDARY_AWARE:
+        requested_padding_free = False  # llmft's own choice never mixes samples under Ulysses
     padding_free, why = packing.choose_padding_free(
-        requested=training.padding_free,
+        requested=requested_padding_free,
         packing=training.packing,
         cuda=decided.cuda,
         micro_batch=decided.plan.batch.micro_batch,
@@ -414,6 +445,7 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
     training = run.training
     if why:
         log(why)
+    sequence_parallel.check_attention(sp, attention, training.packing, training.padding_free)
     if training.packing or training.padding_free:
         attention = packing.check_packing(
             packing=training.packing,
@@ -503,6 +535,10 @@ def write_deepspeed_config(run: RunSettings, decided: Decisions, resume: ResumeD
     )
     if resume.elastic_resume and resume.elastic_resume.universal:
         resolved = elastic.with_universal_load(resolved)
+    if decided.plan.sequence_parallel > 1:
+        # HF checks train_batch_size against micro x accumulation x all ranks before accelerate sets it to the
+        # data-parallel ranks' batch (llmft's global batch): "auto" lets both do their part, and DeepSpeed checks the end
+        resolved = {**resolved, "train_batch_size": "auto"}
     if decided.cuda:  # the optimizer DeepSpeed can run here: FusedAdam needs nvcc unless prebuilt
         adam = ds_config.with_adam_kernel(
             resolved,
@@ -576,6 +612,13 @@ def build_trainer(
     args.model_init_kwargs = model_init_kwargs(
         run.model, run.training, decided.quantization, decided.precision, attention
     )
+    sp = decided.plan.sequence_parallel
+    args.parallelism_config = ulysses.parallelism_config(sp, decided.plan.batch.world_size, attention)
+    if sp > 1:
+        ulysses.install_resume_skip()
+    args.pad_to_multiple_of = sequence_parallel.pad_to_multiple_of(
+        sp, run.training.pad_to_multiple_of, decided.cuda, run.training.max_length
+    )
     quantization = decided.quantization
     quantization_config = (
         BitsAndBytesConfig(**{k: v for k, v in quantization.items() if k != "model_dtype"}) if quantization else None
@@ -605,7 +648,11 @@ def build_trainer(
         decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit, make_writer
     )
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
-        trainer = checkpoint_save.trainer_class(run.llmft.save_consolidated)(
+        trainer_class = ulysses.mixin_class(
+            checkpoint_save.trainer_class(run.llmft.save_consolidated),
+            sequence_parallel.gradient_scale(decided.plan.zero_stage, sp),
+        )
+        trainer = trainer_class(
             model=files.weights,
             args=args,
             train_dataset=prepared.train,

@@ -81,12 +81,36 @@ def make_tokenizer(vocab_size: int = 512):
     return fast
 
 
-def make_model(tokenizer, n_layer: int = 2, n_embd: int = 64, n_head: int = 2, n_positions: int = 256, seed: int = 0):
-    """A randomly initialised GPT-2-style causal LM sized for CPU tests."""
+def make_model(
+    tokenizer,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 2,
+    n_positions: int = 256,
+    seed: int = 0,
+    arch: str = "gpt2",
+    n_kv_head: int | None = None,
+):
+    """A randomly initialised causal LM sized for CPU tests: GPT-2-style, or Llama-style (`arch="llama"`: grouped KV
+    heads, rotary positions, no dropout) where a test needs what GPT-2's config lacks (sequence parallelism)."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=n_embd,
+            intermediate_size=2 * n_embd,
+            num_hidden_layers=n_layer,
+            num_attention_heads=n_head,
+            num_key_value_heads=n_kv_head or n_head,
+            max_position_embeddings=n_positions,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return LlamaForCausalLM(config)
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=n_positions,

@@ -19,6 +19,7 @@ from llmft.planning.ds_config import DSConfigError, load_config, offload_mode, o
 from llmft.planning.hardware import GPU, gpu_by_name, local_gpu, local_host_memory, node_type_by_name
 from llmft.planning.memory import GIB, MemoryPlanError, plan_memory
 from llmft.planning.model_shape import cap_max_length, load_model_config, model_shape
+from llmft.planning.sequence_parallel import Layout, SequenceParallelError, plan_layout
 from llmft.planning.world import LaunchEnvError, World, discover_world
 
 
@@ -37,9 +38,15 @@ class RunPlan:
     output_dir: str
     offload_mode: str = "none"
     auto: str = ""  # --auto: what the memory planner chose, and why
+    sequence_parallel: int = 1  # --sequence_parallel N: batch.world_size counts the data-parallel ranks
 
     def lines(self) -> list[str]:
         b = self.batch
+        layout = []
+        ranks = f"world size {b.world_size}"
+        if self.sequence_parallel > 1:
+            layout = [f"llmft plan: {Layout(self.world.world_size, self.sequence_parallel).line()}"]
+            ranks = f"data-parallel size {b.world_size}"
         offload = {
             "none": "",
             "optimizer": " with CPU offload (optimizer)",
@@ -48,9 +55,10 @@ class RunPlan:
         auto = [f"llmft plan: auto: {self.auto}"] if self.auto else []
         return auto + [
             f"llmft plan: {self.world.describe()}",
+            *layout,
             f"llmft plan: micro-batch {b.micro_batch} per process",
             f"llmft plan: gradient accumulation {b.grad_accum}",
-            f"llmft plan: global batch {b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.grad_accum} x world size {b.world_size}",
+            f"llmft plan: global batch {b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.grad_accum} x {ranks}",
             f"llmft plan: ZeRO stage {self.zero_stage}{offload} ({self.ds_template})",
             f"llmft plan: precision {self.precision}",
             f"llmft plan: checkpoint dir {self.output_dir or '(not set)'}",
@@ -69,17 +77,29 @@ def make_plan(
     output_dir: str = "",
     world: World | None = None,
     auto: str = "",
+    sequence_parallel: int = 1,
 ) -> RunPlan:
-    """Check everything that can be checked without a model; raise PlanError naming the fix."""
+    """Check everything that can be checked without a model; raise PlanError naming the fix. Under sequence
+    parallelism the batch is planned over the data-parallel ranks (a group of N trains the same samples)."""
     try:
         world = world or discover_world()
-        batch = plan_batch(world.world_size, micro_batch, global_batch, grad_accum)
+        layout = plan_layout(world.world_size, sequence_parallel)
+        batch = plan_batch(layout.data_parallel, micro_batch, global_batch, grad_accum)
         path = template_path(zero_stage, offload, deepspeed)
         config = load_config(path)
-    except (BatchError, DSConfigError, LaunchEnvError) as e:
+    except (BatchError, DSConfigError, LaunchEnvError, SequenceParallelError) as e:
         raise PlanError(str(e)) from None
     return RunPlan(
-        world, batch, path, zero_stage_of(config), offloads(config), precision, output_dir, offload_mode(config), auto
+        world,
+        batch,
+        path,
+        zero_stage_of(config),
+        offloads(config),
+        precision,
+        output_dir,
+        offload_mode(config),
+        auto,
+        sequence_parallel,
     )
 
 

@@ -84,6 +84,14 @@ class LlmftArguments:
             "while they are written (`llmft plan --async_save` counts it)."
         },
     )
+    sequence_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "Ulysses sequence parallelism (DeepSpeed's, through accelerate): each sample's sequence is split "
+            "over groups of N ranks, data-parallel size = world / N, the global batch counted over data-parallel "
+            "ranks (llmft.planning.sequence_parallel)."
+        },
+    )
     # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.training.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
     fp16_flag: bool | None = field(default=None, init=False, repr=False)

@@ -215,8 +215,10 @@ def _graceful_stop_class(TrainerCallback):
                 kill_leftover_workers
             )  # once, and after multiprocessing's own exit hook so it runs first
             atexit.register(kill_leftover_workers)
-            # accelerate's DataLoaderShard wraps the torch DataLoader that forks the workers (per epoch, after this)
-            loader = getattr(train_dataloader, "base_dataloader", train_dataloader)
+            # accelerate's DataLoaderShard wraps the torch DataLoader that forks the workers (per epoch, after this);
+            # under sequence parallelism DeepSpeed's UlyssesSPDataLoaderAdapter wraps that (its `dl`)
+            loader = getattr(train_dataloader, "dl", train_dataloader)
+            loader = getattr(loader, "base_dataloader", loader)
             if loader is not None and loader.num_workers > 0:
                 loader.worker_init_fn = functools.partial(worker_ignores_stop_signals, loader.worker_init_fn)
             if self.deadline is not None:

@@ -144,7 +144,11 @@ POLICY: dict[str, tuple[str, str]] = {
         "ddp_find_unused_parameters ddp_bucket_cap_mb ddp_broadcast_buffers ddp_static_graph",
         "a PyTorch DDP setting; DeepSpeed ZeRO replaces DDP",
     ),
-    **_table(REFUSED, "fsdp fsdp_config parallelism_config", "llmft parallelises with DeepSpeed ZeRO (--zero_stage)"),
+    **_table(
+        REFUSED,
+        "fsdp fsdp_config parallelism_config",
+        "llmft parallelises with DeepSpeed ZeRO (--zero_stage) and --sequence_parallel",
+    ),
     "do_predict": (REFUSED, "llmft train does not predict; use llmft infer"),
     # ---- passed to TRL / HF unchanged
     **_table(
@@ -247,6 +251,12 @@ POLICY: dict[str, tuple[str, str]] = {
         CHECKED,
         "periodic checkpoints written in the background (llmft.training.checkpoint_async_save); refused with a "
         "DeepSpeed config that chose its own checkpoint writer",
+    ),
+    "sequence_parallel": (
+        CHECKED,
+        "DeepSpeed's Ulysses through accelerate's ParallelismConfig (llmft.planning.sequence_parallel): the batch over "
+        "world / N data-parallel ranks; refused where the world, the model's heads, the attention or packing cannot "
+        "take it, with --auto, and on a resume with another N",
     ),
 }
 
