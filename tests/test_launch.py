@@ -61,6 +61,8 @@ BAD_KNOBS = [
     (["MIXTURE=/nonexistent/mix.yaml"], "MIXTURE=/nonexistent/mix.yaml: no such file"),
     (["DATASET=/nonexistent/data.jsonl"], "DATASET=/nonexistent/data.jsonl: no such file or directory (looked in "),
     (["MODEL=./models/mine"], "MODEL=./models/mine: no such directory (looked in "),
+    (["SEQUENCE_PARALLEL=0"], "SEQUENCE_PARALLEL=0 is not a positive integer (default 1)"),
+    (["SEQUENCE_PARALLEL=2", "ZERO_STAGE=auto"], "ZERO_STAGE=auto does not plan SEQUENCE_PARALLEL yet"),
 ]
 
 
@@ -125,6 +127,14 @@ def test_a_run_directory_is_keyed_like_the_slurm_jobs():
     assert pbs.run_key(k) == hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
     other = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 2"])
     assert pbs.run_key(other) != pbs.run_key(k)
+    # SEQUENCE_PARALLEL joins the key only when it is not 1 (a run without it keeps its directory): its checkpoints
+    # resume only under the same N
+    sp = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 1", "SEQUENCE_PARALLEL=2"])
+    keyed = hashlib.sha256(("\n".join([*fields, "SEQUENCE_PARALLEL=2"]) + "\n").encode()).hexdigest()[:8]
+    assert pbs.run_key(sp) == keyed
+    assert pbs.run_key(
+        knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 1", "SEQUENCE_PARALLEL=1"])
+    ) == pbs.run_key(k)
     assert pbs.safe_name("my job/1") == "my_job_1"
 
 
@@ -172,6 +182,11 @@ def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_pat
     assert pbs.launch_line(f"llmft plan: x\n{line}\n")["host_ram_gb"] == "23"
     with pytest.raises(pbs.PbsJobError, match="no 'numa_binding'"):
         pbs.launch_line(line.replace(" numa_binding=off", ""))
+    # SEQUENCE_PARALLEL reaches both, as --sequence_parallel (the plan's batch over data-parallel groups)
+    k = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "SEQUENCE_PARALLEL=2"])
+    for args in (pbs.train_arguments(k, tmp_path, "none"), pbs.plan_arguments(k, tmp_path, tmp_path / "n", 1, 2)):
+        assert args[args.index("--sequence_parallel") + 1] == "2"
+    assert "--sequence_parallel" not in pbs.train_arguments(knobs.resolve({}, ["MODEL=org/m"]), tmp_path, "none")
 
 
 def test_a_sweep_is_every_combination_in_array_order_each_with_its_own_directory():

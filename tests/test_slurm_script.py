@@ -331,6 +331,17 @@ def test_a_dry_run_checks_the_sbatch_world_and_reads_a_local_models_config(tiny_
     ), proc.stdout + proc.stderr
     assert "give sbatch its options before the script" in run_script("--nodes=1", **fake_job_env(tmp_path)).stderr
     assert "submit with: sbatch --nodes=1 slurm/run_llm.slurm" in run_script("--nodes=1").stderr
+    # SEQUENCE_PARALLEL: the batch over data-parallel groups of N ranks, and N must divide the ranks
+    proc = run_script("--nodes=2", "--gpus-per-node=4", "GLOBAL_BATCH=8", "SEQUENCE_PARALLEL=4", DRY_RUN="1")
+    assert (
+        "batch: GLOBAL_BATCH=8 = MICRO_BATCH 4 x 2 data-parallel groups of SEQUENCE_PARALLEL=4 (given: --nodes=2, "
+        "--gpus-per-node=4) x accumulation 1"
+    ) in proc.stdout, proc.stdout + proc.stderr
+    proc = run_script("--nodes=1", "--gpus-per-node=4", "SEQUENCE_PARALLEL=3", DRY_RUN="1")
+    assert proc.returncode == 2 and proc.stderr == (
+        "run_llm.slurm: error: SEQUENCE_PARALLEL=3 does not divide the 4 processes (given: --nodes=1, "
+        "--gpus-per-node=4); use a SEQUENCE_PARALLEL that divides 4\n"
+    ), proc.stderr
     # inside a container the paths may live in the image: not checked on the host
     proc = run_script("DATASET=/data/in-image.jsonl", "MODEL=/models/org/in-image", CONTAINER_IMAGE="img", DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr

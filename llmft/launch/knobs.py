@@ -68,6 +68,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("PREPARE", "0", "1: tokenise the data with `llmft prepare` before the nodes start"),
     Knob("NUMA_BINDING", "auto", "torchrun --numa-binding: auto | off | node | socket | exclusive | core-complex"),
     Knob(
+        "SEQUENCE_PARALLEL",
+        "1",
+        "Ulysses sequence parallelism (llmft train --sequence_parallel N): each sample's sequence split over N ranks, "
+        "GLOBAL_BATCH counted over the ranks / N data-parallel groups",
+    ),
+    Knob(
         "SWEEP",
         "",
         "train variants as a job array, each in <run dir>/<variant>: e.g. learning_rate=1e-5,3e-5,1e-4 (several "
@@ -231,6 +237,8 @@ def check(v: dict[str, str], cwd: Path) -> None:
             f"MAX_RESTARTS={v['MAX_RESTARTS']} is not a number of restarts; use 0 (never requeue a failed attempt) or "
             "more (default 3)"
         )
+    if not positive_int(v["SEQUENCE_PARALLEL"]):
+        raise KnobError(f"SEQUENCE_PARALLEL={v['SEQUENCE_PARALLEL']} is not a positive integer (default 1)")
     if not re.fullmatch(r"0|[1-9][0-9]*", v["SAVE_TOTAL_LIMIT"]):
         raise KnobError(
             f"SAVE_TOTAL_LIMIT={v['SAVE_TOTAL_LIMIT']} is not a number of checkpoints; use 0 (keep all) or more "
@@ -301,6 +309,8 @@ def check_zero(v: dict[str, str]) -> None:
     stage, offload = v["ZERO_STAGE"], v["OFFLOAD"]
     if stage not in ZERO_STAGES:
         raise KnobError(f"ZERO_STAGE={stage} is not a ZeRO stage; use 0, 1, 2 or 3, or auto (default 2)")
+    if stage == "auto" and v["SEQUENCE_PARALLEL"] != "1":
+        raise KnobError("ZERO_STAGE=auto does not plan SEQUENCE_PARALLEL yet; give ZERO_STAGE=0, 1, 2 or 3 with it")
     if stage == "auto" and offload == "1":
         raise KnobError("ZERO_STAGE=auto chooses the offload itself; drop OFFLOAD=1")
     if offload == "1" and stage != "auto" and int(stage) < 2:

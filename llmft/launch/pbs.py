@@ -150,6 +150,8 @@ def run_key(k: Knobs) -> str:
         fields.append(f"MIXTURE={k['MIXTURE']}")
     if k["SWEEP"]:  # joins the key only when given, so a run without one keeps its directory
         fields.append(f"SWEEP={k['SWEEP']}")
+    if k["SEQUENCE_PARALLEL"] != "1":
+        fields.append(f"SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}")
     return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
 
 
@@ -359,6 +361,8 @@ def train_arguments(k: Knobs, run_dir: Path, report_to: str) -> list[str]:
         args += ["--save_steps", k["SAVE_STEPS"]]
     if k.flag("LORA"):
         args += ["--use_peft"]
+    if k["SEQUENCE_PARALLEL"] != "1":
+        args += ["--sequence_parallel", k["SEQUENCE_PARALLEL"]]
     return args
 
 
@@ -381,6 +385,8 @@ def plan_arguments(k: Knobs, run_dir: Path, nodes_file: Path, nnodes: int, gpus:
         args += ["--use_peft"]
     if k.flag("OFFLOAD"):
         args += ["--offload"]
+    if k["SEQUENCE_PARALLEL"] != "1":
+        args += ["--sequence_parallel", k["SEQUENCE_PARALLEL"]]
     return args
 
 
@@ -577,6 +583,7 @@ def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
         f"DATA_PERCENTAGE={k['DATA_PERCENTAGE']} ZERO_STAGE={k['ZERO_STAGE'] or '<DS_CONFIG>'} "
         f"GLOBAL_BATCH={k['GLOBAL_BATCH']} MICRO_BATCH={k['MICRO_BATCH']} MAX_STEPS={k['MAX_STEPS'] or '<none>'} "
         f"LORA={k['LORA']} CONTAINER_IMAGE={k['CONTAINER_IMAGE'] or '<none>'}"
+        + (f" SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}" if k["SEQUENCE_PARALLEL"] != "1" else "")
     )
     say(defaults_line(k))
     warning = default_dataset_warning(k, env.get("DATASET", ""), "llmft plan --dataset_name ... --write DIR")
