@@ -34,9 +34,13 @@ LONGEST_FILES = (
     "test_pbs.py",
     "test_train.py",
     "test_gpu_suite.py",
-    "test_async_save.py",
-    "test_host_memory.py",
+    "test_infer.py",
     "test_elastic.py",
+    "test_sequence_parallel.py",
+    "test_your_data_docs.py",
+    "test_build_locks.py",
+    "test_host_memory.py",
+    "test_async_save.py",
 )
 
 
