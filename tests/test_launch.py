@@ -82,6 +82,8 @@ def test_an_unknown_or_misspelt_knob_is_named_with_the_fix():
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "unknown knob 'EPOCH' in 'EPOCH=3'; did you mean EPOCHS?" in proc.stderr
     assert "known knobs: EPOCHS CHECKPOINT_DIR DATA_PERCENTAGE" in proc.stderr
+    slurm_knobs = (REPO / "slurm" / "run_llm.slurm").read_text().split("KNOBS=(")[1].split(")")[0].split()
+    assert proc.stderr.rstrip("\n").endswith(knobs.known_knobs()) and list(knobs.NAMES) == slurm_knobs  # same order
     assert "cannot read argument '--epochs'" in run_pbs_script("--epochs", "3").stderr
     # qsub -v NAME=... also carries variables a job needs (HF_TOKEN, NCCL_DEBUG); a misspelt knob is refused
     with pytest.raises(knobs.KnobError, match="unknown knob 'GLOBAL_BACTH' in 'qsub -v'; did you mean GLOBAL_BATCH"):

@@ -68,16 +68,16 @@ KNOBS: tuple[Knob, ...] = (
     Knob("PREPARE", "0", "1: tokenise the data with `llmft prepare` before the nodes start"),
     Knob("NUMA_BINDING", "auto", "torchrun --numa-binding: auto | off | node | socket | exclusive | core-complex"),
     Knob(
-        "SEQUENCE_PARALLEL",
-        "1",
-        "Ulysses sequence parallelism (llmft train --sequence_parallel N): each sample's sequence split over N ranks, "
-        "GLOBAL_BATCH counted over the ranks / N data-parallel groups",
-    ),
-    Knob(
         "SWEEP",
         "",
         "train variants as a job array, each in <run dir>/<variant>: e.g. learning_rate=1e-5,3e-5,1e-4 (several "
         "flags: 'learning_rate=1e-5,3e-5 lora_r=8,16', every combination); submit with qsub -J 1-N / sbatch --array=1-N",
+    ),
+    Knob(
+        "SEQUENCE_PARALLEL",
+        "1",
+        "Ulysses sequence parallelism (llmft train --sequence_parallel N): each sample's sequence split over N ranks, "
+        "GLOBAL_BATCH counted over the ranks / N data-parallel groups",
     ),
 )
 NAMES: tuple[str, ...] = tuple(k.name for k in KNOBS)
