@@ -34,13 +34,13 @@ from llmft.data import cache, padding
 from llmft.data.cache import load_prepared_train
 from llmft.data.loading import DataError
 from llmft.errors import LlmftError
-from llmft.planning import comm, ds_config, memory
+from llmft.planning import comm, ds_config, memory, sequence_parallel
 from llmft.planning.allocation import AllocationError, job_nodes, numa_binding, parse_node_lines
 from llmft.planning.batch import plan_batch
 from llmft.planning.conversion import plan_conversion
 from llmft.planning.ds_config import load_config, template_path
 from llmft.planning.hardware import AUTO_PRECISION, PRECISIONS, choose_precision
-from llmft.planning.memory import MemoryPlanError, plan_memory
+from llmft.planning.memory import MemoryPlanError, plan_long_context, plan_memory
 from llmft.planning.model_shape import cap_max_length, load_model_config, model_positions, model_shape
 from llmft.planning.run_plan import (
     TRAIN_DEFAULTS,
@@ -68,9 +68,9 @@ def network_assumption(network: comm.NodeNetwork) -> str:
     )
 
 
-def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
+def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None) -> list[str]:
     """The memory plan as printed: the model and hardware, the recommendation and why, the candidate table,
-    warnings, and the assumptions behind the numbers."""
+    warnings, and the assumptions behind the numbers; `tried`: what each other sequence parallelism breaks."""
     job, shape = mplan.job, mplan.job.shape
     train = f"LoRA: {shape.trainable / 1e6:.1f}M trainable" if shape.lora else "full fine-tuning"
     if job.load_in_4bit:
@@ -81,19 +81,21 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
         f"sequence {job.max_length}, {batch}",
         f"llmft plan: hardware {hardware.describe(job.nnodes, job.nproc_per_node)}; world size {job.world}",
     ]
+    out += sequence_lines(mplan, tried or [])
     if mplan.recommended is not None:
         out.append(f"llmft plan: recommended {mplan.recommended.setting.describe()}")
         out.append(f"llmft plan: why: {mplan.reason}")
     else:
         out.append(f"llmft plan: {mplan.reason}")
     out.append(
-        "  stage offload           micro accum ckpt | states  activ   loss  other    GPU | host/node | ckpt GiB  write s | tokens/s | fits"
+        "  stage offload           micro accum ckpt tiled    | states  activ   loss  other    GPU | host/node | ckpt GiB  write s | tokens/s | fits"
     )
     for c in _table_rows(mplan.candidates):
         s, d = c.setting, c.as_dict()
         tps = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}"
         out.append(
-            f"  {s.zero_stage:<5} {s.offload:<17} {s.micro_batch:>5} {s.grad_accum:>5} {'on' if s.gradient_checkpointing else 'off':<4} |"
+            f"  {s.zero_stage:<5} {s.offload:<17} {s.micro_batch:>5} {s.grad_accum:>5} {'on' if s.gradient_checkpointing else 'off':<4}"
+            f" {savers_column(s):<8} |"
             f" {d['model_states_gib']:6.1f} {d['activations_gib']:6.1f} {d['loss_buffers_gib']:6.1f} {d['overhead_gib']:6.1f}"
             f" {d['gpu_total_gib']:6.1f} | {d['host_ram_gib_per_node']:9.1f} | {d['checkpoint_gib']:8.1f} {c.write_s:8.0f} |"
             f" {tps:>8} | {'yes' if c.fits else 'no: ' + c.why}"
@@ -128,6 +130,44 @@ def format_memory_plan(mplan, hardware: Hardware) -> list[str]:
     return out
 
 
+def savers_column(setting) -> str:
+    """The table's memory savers beyond ZeRO: '-', 'mlp' (--tiled_mlp), 'mlp+act' (and --activation_offloading)."""
+    parts = (["mlp"] if setting.tiled_mlp else []) + (["act"] if setting.activation_offloading else [])
+    return "+".join(parts) or "-"
+
+
+def sequence_lines(mplan, tried: list[str]) -> list[str]:
+    """Under sequence parallelism: the layout, each rank's share of a sample, and the all-to-all traffic; and what
+    the other N tried break (smaller ones when this one fits; every other one when nothing fits)."""
+    job = mplan.job
+    verdict = (
+        "a smaller sequence parallelism does not fit (with the tiling and offload allowed)"
+        if mplan.recommended is not None
+        else "not with the tiling, offload and sequence parallelism allowed either"
+    )
+    others = [f"llmft plan: {verdict}: {line}" for line in tried]
+    if job.sequence_parallel == 1:
+        return others
+    layout = sequence_parallel.plan_layout(job.world, job.sequence_parallel)
+    out = [
+        f"llmft plan: sequence parallelism: {layout.line()}; each rank holds {job.rank_length} of a sample's "
+        f"{job.max_length} tokens"
+    ]
+    est = mplan.recommended
+    if est is not None:
+        link = (
+            "link not modelled (no --node_type)"
+            if job.network is None
+            else comm.ulysses_link(job.network, job.sequence_parallel, job.nproc_per_node)[1]
+        )
+        took = "" if est.time is None or job.network is None else f", {est.time.sequence_s:.2f} s a step"
+        out.append(
+            f"llmft plan: Ulysses all-to-all: {memory.gib(est.sequence_bytes)} GiB per rank per step over the "
+            f"{link}{took}, not hidden behind compute"
+        )
+    return out + others
+
+
 def conversion_line(mplan, hardware: Hardware) -> str | None:
     """The recommended setting's elastic resume (llmft.training.elastic: a checkpoint continued on another world size
     goes through DeepSpeed's universal format): ds_to_universal's workers, host RAM and time on one of these nodes,
@@ -152,11 +192,11 @@ def conversion_line(mplan, hardware: Hardware) -> str | None:
 
 
 def _table_rows(candidates):
-    """One row per (stage, offload): the first that fits in llmft's order (the candidates' order), else the one
+    """One row per (stage, offload, tiling, activation offload): the first that fits in llmft's order (the candidates' order), else the one
     needing least memory. --json lists every candidate."""
     rows = {}
     for c in candidates:
-        key = (c.setting.zero_stage, c.setting.offload)
+        key = (c.setting.zero_stage, c.setting.offload, c.setting.tiled_mlp, c.setting.activation_offloading)
         best = rows.get(key)
         if (
             best is None
@@ -172,6 +212,7 @@ def memory_plan_json(mplan) -> dict:
     return {
         "params": shape.total,
         "trainable_params": shape.trainable,
+        "sequence_parallel": mplan.job.sequence_parallel,
         "recommended": None if mplan.recommended is None else mplan.recommended.as_dict(),
         "reason": mplan.reason,
         "warnings": mplan.warnings,
@@ -179,11 +220,13 @@ def memory_plan_json(mplan) -> dict:
     }
 
 
-def submission_knobs(args, est, global_batch: int) -> list[str]:
+def submission_knobs(args, est, global_batch: int, sequence_parallel: int = 1) -> list[str]:
     """The job scripts' knobs (KEY=VALUE) for the recommended setting: the same for slurm/run_llm.slurm and
     pbs/run_llm.pbs."""
     s = est.setting
     knobs = [f"MODEL={args.model}", f"GLOBAL_BATCH={global_batch}", f"MICRO_BATCH={s.micro_batch}"]
+    if sequence_parallel > 1:
+        knobs.append(f"SEQUENCE_PARALLEL={sequence_parallel}")
     if s.offload == "optimizer" and s.zero_stage == 3:
         knobs.append(f"DS_CONFIG={template_path(3, 'optimizer')}")
     else:
@@ -196,6 +239,7 @@ def submission_knobs(args, est, global_batch: int) -> list[str]:
         "true" if s.gradient_checkpointing else "false",
         "--max_length",
         str(args.max_length),
+        *s.flags(),
     ]
     extra += data_flags(args)
     if args.use_peft:
@@ -212,9 +256,9 @@ def submission_knobs(args, est, global_batch: int) -> list[str]:
     return knobs
 
 
-def sbatch_line(args, est, world: World, global_batch: int) -> str:
+def sbatch_line(args, est, world: World, global_batch: int, sequence_parallel: int = 1) -> str:
     """The run_llm.slurm submission that runs the recommended setting, asking Slurm for the host memory it needs."""
-    export = "--export=ALL," + ",".join(submission_knobs(args, est, global_batch))
+    export = "--export=ALL," + ",".join(submission_knobs(args, est, global_batch, sequence_parallel))
     # The host memory the plan needs per node (rounded up), not the whole node: others' jobs may share it.
     mem = math.ceil(est.host["peak"] / 2**30)
     return (
@@ -223,10 +267,12 @@ def sbatch_line(args, est, world: World, global_batch: int) -> str:
     )
 
 
-def qsub_line(args, est, world: World, global_batch: int, gpus: bool, cpus_per_node: int | None) -> str:
+def qsub_line(
+    args, est, world: World, global_batch: int, gpus: bool, cpus_per_node: int | None, sequence_parallel: int = 1
+) -> str:
     """The pbs/run_llm.pbs submission: one chunk per node (place=scatter) with its CPUs, GPUs and the host memory
     the plan needs, the walltime, and every knob in -v (a value holding a comma quoted, as qsub -v needs)."""
-    knobs = submission_knobs(args, est, global_batch)
+    knobs = submission_knobs(args, est, global_batch, sequence_parallel)
     variables = ",".join(f"{k.split('=', 1)[0]}='{k.split('=', 1)[1]}'" if "," in k else k for k in knobs)
     mem = math.ceil(est.host["peak"] / 2**30)
     per_node = world.procs_per_node if gpus else 0
@@ -338,7 +384,9 @@ def write_plan_files(directory: Path, args, mplan, world: World, hardware) -> li
 
     est = mplan.recommended
     s = est.setting
-    batch = plan_batch(world.world_size, s.micro_batch, global_batch=s.micro_batch * s.grad_accum * world.world_size)
+    sp = mplan.job.sequence_parallel
+    dp = world.world_size // sp  # the global batch counts data-parallel ranks (a sequence group trains one sample)
+    batch = plan_batch(dp, s.micro_batch, global_batch=s.micro_batch * s.grad_accum * dp)
     cfg = ds_config.resolve(
         load_config(template_path(s.zero_stage, s.offload)),
         batch,
@@ -350,12 +398,14 @@ def write_plan_files(directory: Path, args, mplan, world: World, hardware) -> li
         weight_decay=TRAIN_DEFAULTS["weight_decay"],
         hidden_size=mplan.job.shape.hidden,
     )
+    if sp > 1:  # as llmft train writes it: DeepSpeed counts the world, llmft's global batch data-parallel ranks only
+        cfg = {**cfg, "train_batch_size": "auto"}
     directory.mkdir(parents=True, exist_ok=True)
     written = [ds_config.write_resolved(cfg, directory)]
     if args.scheduler == "pbs":
-        line = qsub_line(args, est, world, batch.global_batch, hardware.gpu is not None, hardware.cpus_per_node)
+        line = qsub_line(args, est, world, batch.global_batch, hardware.gpu is not None, hardware.cpus_per_node, sp)
     else:
-        line = sbatch_line(args, est, world, batch.global_batch)
+        line = sbatch_line(args, est, world, batch.global_batch, sp)
     (directory / submission_file(args)).write_text(line + "\n")
     (directory / "plan.json").write_text(json.dumps(memory_plan_json(mplan), indent=2) + "\n")
     written += [directory / submission_file(args), directory / "plan.json"]
@@ -414,11 +464,18 @@ def memory_main(args, world: World) -> tuple[int, World]:
         save_consolidated=args.save_consolidated,
         async_save=args.async_save,
         nccl_profile=args.nccl_profile,
+        sequence_parallel=args.sequence_parallel or 1,
+        tiled_mlp=args.tiled_mlp,
+        activation_offloading=args.activation_offloading,
     )
     try:
-        mplan = plan_memory(job)
+        # llmft train --auto keeps the N it is given; the plan otherwise finds the smallest that fits
+        long_context = plan_long_context(
+            job, search_sequence_parallel=args.sequence_parallel is None and not args.auto
+        )
     except MemoryPlanError as e:
         raise PlanError(str(e)) from None
+    mplan, job = long_context.plan, long_context.plan.job
     fit = data_fit_lines(args, positions) if args.dataset_name or args.dataset_mixture else []
     written = []
     if args.write and mplan.recommended is not None:
@@ -427,7 +484,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
     if args.json:
         print(json.dumps({**memory_plan_json(mplan), **getattr(args, "extra_json", {})}, indent=2))
     else:
-        print("\n".join(format_memory_plan(mplan, hardware) + fit))
+        print("\n".join(format_memory_plan(mplan, hardware, long_context.tried) + fit))
         for path in written:
             print(f"llmft plan: wrote {path}")
         if written:
@@ -480,6 +537,9 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
             save_consolidated=args.save_consolidated,
             async_save=args.async_save,
             nccl_profile=args.nccl_profile,
+            sequence_parallel=plan.sequence_parallel,
+            tiled_mlp=bool(args.tiled_mlp),
+            activation_offloading=bool(args.activation_offloading),
         )
         mplan = plan_memory(job)
     except MemoryPlanError as e:
@@ -520,8 +580,9 @@ def make_parser(subparsers=None):
     parser.add_argument(
         "--sequence_parallel",
         type=int,
-        default=1,
-        help="Ulysses groups of N ranks: the global batch is planned over world / N data-parallel ranks",
+        default=None,
+        help="Ulysses groups of N ranks: the global batch is planned over world / N data-parallel ranks (with "
+        "--model: each rank holds 1/N of a sample; default: the smallest N that fits, 1 if it does)",
     )
     parser.add_argument("--precision", default="auto", choices=PRECISIONS)
     parser.add_argument("--output_dir", default="")
@@ -616,6 +677,7 @@ def add_memory_plan_arguments(parser) -> None:
     mem.add_argument(
         "--mfu", type=float, default=None, help="model FLOPs utilisation for the tokens/s estimate (default 0.35)"
     )
+    add_long_context_arguments(mem)
     mem.add_argument(
         "--check_memory",
         action="store_true",
@@ -646,6 +708,27 @@ def add_memory_plan_arguments(parser) -> None:
     mem.add_argument("--walltime", default=None, help="with --scheduler pbs: the job's walltime (HH:MM:SS; 04:00:00)")
     mem.add_argument("--trust_remote_code", action="store_true")
     add_run_data_arguments(parser)
+
+
+def add_long_context_arguments(mem) -> None:
+    """The memory savers for long sequences a memory plan may choose, or is told to use."""
+    mem.add_argument(
+        "--tiled_mlp",
+        default=None,
+        type=lambda v: _bool(v, "--tiled_mlp"),
+        nargs="?",
+        const=True,
+        help="DeepSpeed's TiledMLP (true/false; default: on only when the sequence does not fit without it)",
+    )
+    mem.add_argument(
+        "--activation_offloading",
+        default=None,
+        type=lambda v: _bool(v, "--activation_offloading"),
+        nargs="?",
+        const=True,
+        help="TRL's activation offload to host RAM, with gradient checkpointing (true/false; default: on only when "
+        "the sequence does not fit on the GPU without it)",
+    )
 
 
 def add_run_data_arguments(parser) -> None:
@@ -710,6 +793,8 @@ MEMORY_ONLY = (
     "save_total_limit",
     "save_consolidated",
     "async_save",
+    "tiled_mlp",
+    "activation_offloading",
     "write_mb_s",
     "mfu",
     "auto",
@@ -762,10 +847,6 @@ def main(args) -> int:
             world = World(nnodes, procs, "arguments")
         if world.nnodes < 1 or world.procs_per_node < 1:
             raise PlanError("--nnodes and --nproc_per_node must be positive")
-        if args.sequence_parallel != 1 and args.model and not args.check_memory:
-            raise PlanError(
-                "the memory plan (--model) does not model --sequence_parallel yet: plan the batch without --model"
-            )
         if args.model and not args.check_memory:
             if args.deepspeed and (args.zero_stage is not None or args.offload):
                 raise PlanError("give either --zero_stage/--offload or --deepspeed, not both")
@@ -808,15 +889,10 @@ def main(args) -> int:
             precision=precision,
             output_dir=args.output_dir,
             world=world,
-            sequence_parallel=args.sequence_parallel,
+            sequence_parallel=args.sequence_parallel or 1,
         )
         print("\n".join(plan.lines()))
-        if args.check_memory and args.sequence_parallel != 1:
-            print(
-                "llmft plan: memory: not checked: the memory planner does not model --sequence_parallel yet (each "
-                "rank holds about 1/N of the activations, all of its ZeRO share of the states)"
-            )
-        elif args.check_memory:
+        if args.check_memory:
             lines, error = check_memory(args, plan)
             for line in lines:
                 print(line)

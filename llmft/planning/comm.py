@@ -261,10 +261,11 @@ class StepTime:
     exposed_comm_s: float  # the part compute does not hide
     link: str  # what the ring's slowest link is
     host_s: float = 0.0  # CPU offload's copies over PCIe (offload_host_bytes), not hidden
+    sequence_s: float = 0.0  # Ulysses' all-to-alls (sequence parallelism), inside each layer: not hidden
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.host_s
+        return self.compute_s + self.exposed_comm_s + self.host_s + self.sequence_s
 
     @property
     def network_bound(self) -> bool:
@@ -313,6 +314,18 @@ def link_bytes_s(network: NodeNetwork, nnodes: int) -> tuple[float, str]:
         name = f"{network.network_gbps:g} Gbps network" + (f" ({network.network})" if network.network else "")
         return network.network_gbps * 1e9 / 8 * LINK_EFFICIENCY, name
     return network.intra_gbytes_s * 1e9 * LINK_EFFICIENCY, f"{network.intra_link} inside the node"
+
+
+def ulysses_link(network: NodeNetwork, group: int, nproc_per_node: int) -> tuple[float, str]:
+    """The bytes/s one rank's Ulysses all-to-all gets, and the link's name. A group of N ranks inside one node
+    (N <= GPUs per node: accelerate puts the sequence dimension innermost, so a group is consecutive ranks) moves
+    over NVLink or PCIe; a larger group crosses the network, which the node's GPUs share, all sending at once."""
+    if group <= nproc_per_node:
+        return network.intra_gbytes_s * 1e9 * LINK_EFFICIENCY, f"{network.intra_link} inside the node"
+    return (
+        network.network_gbps * 1e9 / 8 * LINK_EFFICIENCY / nproc_per_node,
+        f"{network.network_gbps:g} Gbps network shared by {nproc_per_node} GPUs",
+    )
 
 
 def step_time(

@@ -115,6 +115,7 @@ from llmft.planning.batch import BatchError, plan_batch
 from llmft.planning.collective_timeout import SAVE_FACTOR, collective_timeout
 from llmft.planning.final_save import FINAL_SAVE_FACTOR, FINAL_SAVE_MARGIN_S, final_save_lead
 from llmft.planning.hardware import GPU
+from llmft.planning.sequence_parallel import SequenceParallelError, check_model
 
 GIB = 2**30
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -122,6 +123,7 @@ BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor
 CUDA_CONTEXT_GIB = 1.0
 FRAGMENTATION = 0.10
 PROCESS_HOST_GIB = {"cuda": 3.0, "cpu": 1.0}
+OFFLOAD_STASH = 5  # trl.models.activation_offloading: max_fwd_stash_size, activations kept on the GPU while copied
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit weight + fp32 absmax per block of 64
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = (
     4096,
@@ -161,6 +163,10 @@ class ModelShape:
     quantizable_params: int = 0  # weights in linear layers other than the LM head (what bitsandbytes quantizes)
     lora_params: int = 0  # adapter parameters added by LoRA (0: full fine-tuning)
     lora_inputs: int = 0  # per decoder layer, the summed input widths of the linear layers LoRA adapts
+    lora_mlp_inputs: int = 0  # the part of lora_inputs in the MLP (what --tiled_mlp recomputes instead of keeping)
+    kv_heads_named: bool = (
+        True  # the config names num_key_value_heads (DeepSpeed's Ulysses reads it; GPT-2's has none)
+    )
 
     @property
     def lora(self) -> bool:
@@ -192,11 +198,25 @@ class Setting:
     micro_batch: int
     grad_accum: int
     gradient_checkpointing: bool
+    tiled_mlp: bool = False  # --tiled_mlp: DeepSpeed's TiledMLP (llmft.training.tiled_mlp)
+    activation_offloading: bool = False  # --activation_offloading: TRL's, with gradient checkpointing (ALST's offload)
 
     def describe(self) -> str:
         off = "" if self.offload == "none" else f", offload {self.offload}"
         gc = "on" if self.gradient_checkpointing else "off"
-        return f"ZeRO-{self.zero_stage}{off}, micro-batch {self.micro_batch} x accumulation {self.grad_accum}, gradient checkpointing {gc}"
+        extra = (", tiled MLP" if self.tiled_mlp else "") + (
+            ", activations offloaded to the host" if self.activation_offloading else ""
+        )
+        return (
+            f"ZeRO-{self.zero_stage}{off}, micro-batch {self.micro_batch} x accumulation {self.grad_accum}, "
+            f"gradient checkpointing {gc}{extra}"
+        )
+
+    def flags(self) -> list[str]:
+        """The `llmft train` flags of the memory savers beyond ZeRO (tiling, offload)."""
+        return (["--tiled_mlp"] if self.tiled_mlp else []) + (
+            ["--activation_offloading", "true"] if self.activation_offloading else []
+        )
 
 
 @dataclass(frozen=True)
@@ -229,10 +249,23 @@ class Job:
     save_consolidated: bool = False
     async_save: bool = False  # --async_save: each rank holds its checkpoint files' bytes while they are written
     network: comm.NodeNetwork | None = None  # the node type's links (llmft.planning.comm.NETWORKS); None: not modelled
+    sequence_parallel: int = 1  # --sequence_parallel N: Ulysses groups of N ranks share each sample's sequence
+    tiled_mlps: tuple[bool, ...] = (False,)  # --tiled_mlp off / on: which the candidates may use (off tried first)
+    activation_offloads: tuple[bool, ...] = (False,)  # --activation_offloading off / on (GPUs, with recomputation)
 
     @property
     def world(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks that train different samples: the global batch counts these (a sequence group shares one)."""
+        return self.world // self.sequence_parallel
+
+    @property
+    def rank_length(self) -> int:
+        """The tokens of one sample each rank holds: the sequence split over the Ulysses group (padded to N)."""
+        return -(-self.max_length // self.sequence_parallel)
 
     @property
     def device_gib(self) -> float | None:
@@ -259,6 +292,7 @@ class Estimate:
     why: str
     comm_bytes: float = 0.0  # per rank per optimizer step, on the wire (llmft.planning.comm.wire_bytes)
     time: comm.StepTime | None = None  # compute and communication of one step (None: no peak known)
+    sequence_bytes: float = 0.0  # per rank per optimizer step, Ulysses' all-to-alls (sequence_parallel_bytes)
 
     @property
     def gpu_total(self) -> int:
@@ -272,6 +306,8 @@ class Estimate:
             "micro_batch": s.micro_batch,
             "grad_accum": s.grad_accum,
             "gradient_checkpointing": s.gradient_checkpointing,
+            "tiled_mlp": s.tiled_mlp,
+            "activation_offloading": s.activation_offloading,
             "model_states_gib": gib(self.model_states),
             "activations_gib": gib(self.activations),
             "loss_buffers_gib": gib(self.loss_buffers),
@@ -283,6 +319,8 @@ class Estimate:
             "checkpoint_write_s": round(self.write_s, 1),
             "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s),
             "comm_gib_per_step": gib(self.comm_bytes),
+            "sequence_parallel_gib_per_step": gib(self.sequence_bytes),
+            "sequence_parallel_s": None if self.time is None else round(self.time.sequence_s, 3),
             "step_s": None if self.time is None else round(self.time.step_s, 3),
             "comm_s": None if self.time is None else round(self.time.comm_s, 3),
             "exposed_comm_s": None if self.time is None else round(self.time.exposed_comm_s, 3),
@@ -397,17 +435,23 @@ def model_states_bytes(
     raise MemoryPlanError(f"unknown ZeRO stage {zero_stage!r}; use 0, 1, 2 or 3")
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, precision: str, attention: str = "sdpa") -> int:
-    """What autograd keeps for one decoder layer per token, without recomputation (module docstring)."""
+def layer_activation_bytes_per_token(
+    shape: ModelShape, precision: str, attention: str = "sdpa", tiled_mlp: bool = False, masked: bool = True
+) -> int:
+    """What autograd keeps for one decoder layer per token, without recomputation (module docstring). With
+    --tiled_mlp the MLP keeps only its input (DeepSpeed's TiledMLP recomputes the rest in shards in the backward).
+    `masked`: SDPA gets a padding mask, and transformers then repeats the K/V heads; without one (a micro-batch of
+    one sample, or Ulysses, which drops the mask) SDPA takes grouped K/V as they are."""
     a = element_bytes(precision)["w"]
     h, kv, inter = shape.hidden, shape.kv_width, shape.intermediate
     norm = (4 * h + a * h) if shape.rms_norm and a < 4 else 2 * a * h if shape.rms_norm else a * h
-    kv_saved = kv if attention == "flash_attention_2" else h
+    kv_saved = h if attention == "sdpa" and masked else kv
     attn = norm + a * h + a * h + 2 * a * kv_saved + a * h + a * h
-    mlp = norm + a * h + shape.mlp_saved * a * inter
+    mlp_inside = shape.mlp_saved * a * inter  # the MLP's own tensors, beyond its input (a h)
+    mlp = norm + a * h + mlp_inside
     masks = 2 * h if shape.dropout else 0
     if not shape.lora:
-        return attn + mlp + masks
+        return attn + mlp + masks - (mlp_inside if tiled_mlp else 0)
     # LoRA: frozen linear layers and RMSNorm weights keep no copy of their inputs (those are only needed for weight
     # gradients): the inputs of q/k/v, o, the MLP's input projections and its output projection (3 h + I), and the
     # normalised input of each RMSNorm's weight. With TRL's default lora_dropout (0.05) each adapted linear keeps
@@ -416,7 +460,18 @@ def layer_activation_bytes_per_token(shape: ModelShape, precision: str, attentio
     # 113,512 bytes per token against 113,152 counted (bench/activations.py).
     frozen = a * (3 * h + inter) + (2 * a * h if shape.rms_norm else 0)
     mask = 1 if a < 4 else a
-    return attn + mlp + masks - frozen + (a + mask) * shape.lora_inputs
+    full = attn + mlp + masks - frozen + (a + mask) * shape.lora_inputs
+    if not tiled_mlp:
+        return full
+    # tiled: of the MLP only TiledMLP's saved input (a h) stays; its frozen-input savings and adapters' inputs go
+    mlp_lora = mlp_inside - a * inter - a * h + (a + mask) * shape.lora_mlp_inputs  # a h: the frozen gate/up input
+    return full - mlp_lora
+
+
+def tiled_mlp_shards(hidden: int, rank_length: int) -> int:
+    """TiledMLP's shards per sample: one per `hidden` tokens on the rank (DeepSpeed's recipe; llmft.training.tiled_mlp
+    runs this count, the largest over the ranks)."""
+    return max(1, -(-rank_length // hidden))
 
 
 def activation_bytes(
@@ -426,24 +481,73 @@ def activation_bytes(
     gradient_checkpointing: bool,
     precision: str,
     attention: str = "sdpa",
+    *,
+    sequence_parallel: int = 1,
+    tiled_mlp: bool = False,
+    activation_offloading: bool = False,
 ) -> int:
     """Activations kept for the backward pass on one GPU: every layer's, or with full recomputation every layer's
-    input plus one layer rebuilt at a time; plus the final norm and, with SDPA, the shared padding mask."""
+    input plus one layer rebuilt at a time; plus the final norm and, with SDPA, the shared padding mask.
+
+    Under Ulysses (N > 1) each rank keeps its 1/N of the sequence (after the all-to-all a rank's attention holds the
+    whole sequence for 1/N of the heads: the same bytes), and the mask is dropped (Ulysses runs causal attention
+    without one). --tiled_mlp keeps only each MLP's input; its backward rebuilds one shard at a time beside a
+    full-size input gradient. --activation_offloading (with recomputation) moves the layers' inputs to the host
+    (`offloaded_activation_bytes`); TRL's offloader keeps up to OFFLOAD_STASH of them on the GPU while they copy."""
     a = element_bytes(precision)["w"]
-    tokens = micro_batch * seq
-    per_layer = layer_activation_bytes_per_token(shape, precision, attention)
+    n = sequence_parallel
+    rank_length = -(-seq // n)
+    tokens = micro_batch * rank_length
+    # a micro-batch of one sample has no padding, and transformers then runs SDPA causal without building a mask
+    masked = attention == "sdpa" and n == 1 and micro_batch > 1
+    per_layer = layer_activation_bytes_per_token(shape, precision, attention, tiled_mlp, masked)
     head = 4 * shape.hidden + 2 * a * shape.hidden  # final norm and the LM head's input
-    mask = micro_batch * seq * seq if attention == "sdpa" else 0
+    mask = micro_batch * seq * seq if masked else 0
     if gradient_checkpointing:
-        kept = shape.layers * a * shape.hidden + per_layer
+        inputs = min(shape.layers, OFFLOAD_STASH) if activation_offloading else shape.layers
+        kept = inputs * a * shape.hidden + per_layer
     else:
         kept = shape.layers * per_layer
-    return tokens * (kept + head) + mask
+    total = tokens * (kept + head) + mask
+    if tiled_mlp:
+        total += tiled_mlp_backward_bytes(shape, micro_batch, rank_length, precision)
+    return total
+
+
+def tiled_mlp_backward_bytes(shape: ModelShape, micro_batch: int, rank_length: int, precision: str) -> int:
+    """What the backward of one tiled MLP adds while it runs: its input gradient (whole: TiledMLP fills it shard by
+    shard) and one shard's MLP tensors, rebuilt with autograd."""
+    a = element_bytes(precision)["w"]
+    tokens = micro_batch * rank_length
+    shard_tokens = micro_batch * -(-rank_length // tiled_mlp_shards(shape.hidden, rank_length))
+    return tokens * a * shape.hidden + shard_tokens * (a * shape.hidden + shape.mlp_saved * a * shape.intermediate)
+
+
+def offloaded_activation_bytes(shape: ModelShape, micro_batch: int, seq: int, precision: str, sequence_parallel: int):
+    """Host RAM one process holds for --activation_offloading with recomputation: every decoder layer's input (the
+    checkpoint's saved tensor) in pinned memory, whose allocator rounds each block up to a power of two (torch's
+    CachingHostAllocator)."""
+    a = element_bytes(precision)["w"]
+    per_layer = micro_batch * -(-seq // sequence_parallel) * a * shape.hidden
+    return shape.layers * (1 << max(0, math.ceil(math.log2(per_layer))))
+
+
+def ulysses_bytes_per_layer(shape: ModelShape, micro_batch: int, seq: int, precision: str, sequence_parallel: int):
+    """What one rank sends in Ulysses' all-to-alls for one decoder layer's forward: q, k and v to the head
+    layout and the attention output back, (N - 1)/N of its share of each (the rest stays on the rank). The
+    backward sends their gradients: the same again; recomputation repeats the forward's."""
+    n = sequence_parallel
+    if n == 1:
+        return 0.0
+    a = element_bytes(precision)["w"]
+    tokens = micro_batch * -(-seq // n)
+    return (n - 1) / n * tokens * a * (2 * shape.hidden + 2 * shape.kv_width)
 
 
 def loss_buffer_bytes(shape: ModelShape, micro_batch: int, seq: int, precision: str) -> int:
-    """TRL's fused, chunked LM head: a tile, the fp32 hidden-state gradient, and the fp32 LM-head gradient
-    (only when the head trains: full fine-tuning)."""
+    """TRL's fused, chunked LM head (the tiled loss: no [tokens, vocabulary] logits): a tile, the fp32 hidden-state
+    gradient, and the fp32 LM-head gradient (only when the head trains: full fine-tuning). `seq`: the tokens of a
+    sample on this rank (under Ulysses each rank's loss covers its part)."""
     a = element_bytes(precision)["w"]
     tokens = micro_batch * seq
     tile = a * min(tokens, TRL_TOKEN_TILE) * min(shape.vocab, TRL_VOCAB_TILE)
@@ -542,6 +646,11 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
         per_rank_offload += (b["w"] * T + frozen_bytes(shape, job.precision, job.load_in_4bit)) / N
     offload = per_rank_offload * n * BUFFER_FACTOR
     on_cpu = device_bytes * n if job.gpu is None else 0
+    activations = 0
+    if setting.activation_offloading:
+        activations = n * offloaded_activation_bytes(
+            shape, setting.micro_batch, job.max_length, job.precision, job.sequence_parallel
+        )
     # Saving: each rank copies its largest optimizer tensor to the host for torch.save (already there if
     # offloaded, or on a CPU run); under ZeRO-0/1/2 rank 0 also serialises the final model.safetensors.
     saving = 0.0
@@ -559,13 +668,14 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
         final = model + min(model, HF_MAX_SHARD_BYTES)
     snapshot = async_save_bytes(shape, setting.zero_stage, job.precision, n, N) if job.async_save else 0
     training = (
-        offload + on_cpu + max(saving, snapshot, final)
+        offload + activations + on_cpu + max(saving, snapshot, final)
     )  # a synchronous save first waits for the snapshot's writes
     return {
         "runtime": int(runtime),
         "loading": int(loading),
         "file_pages": int(file_pages),
         "offload": int(offload),
+        "activations": int(activations),
         "device_on_host": int(on_cpu),
         "saving": int(saving),
         "async_save": int(snapshot),
@@ -574,12 +684,15 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     }
 
 
-def flops_per_token(shape: ModelShape, seq: int, gradient_checkpointing: bool) -> float:
-    """Model FLOPs per trained token (module docstring), recomputation included."""
+def flops_per_token(shape: ModelShape, seq: int, gradient_checkpointing: bool, tiled_mlp: bool = False) -> float:
+    """Model FLOPs per trained token (module docstring), recomputation included: with --tiled_mlp the MLPs' forward
+    runs once more in the backward (2 x their weights)."""
     P = shape.total
     dense = (4 * P + 2 * shape.trainable) if shape.lora else 6 * P
     if gradient_checkpointing:
         dense += 2 * P
+    if tiled_mlp:
+        dense += 2 * shape.layers * (3 if shape.gated_mlp else 2) * shape.hidden * shape.intermediate
     return dense + 12 * shape.layers * shape.hidden * seq
 
 
@@ -647,7 +760,7 @@ def tokens_per_second(job: Job, setting: Setting) -> float | None:
         * job.gpu.peak_tflops
         * 1e12
         * job.world
-        / flops_per_token(job.shape, job.max_length, setting.gradient_checkpointing)
+        / flops_per_token(job.shape, job.max_length, setting.gradient_checkpointing, setting.tiled_mlp)
     )
 
 
@@ -659,9 +772,17 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     shape = job.shape
     states = model_states_bytes(shape, setting.zero_stage, setting.offload, job.world, job.precision, job.load_in_4bit)
     acts = activation_bytes(
-        shape, setting.micro_batch, job.max_length, setting.gradient_checkpointing, job.precision, job.attention
+        shape,
+        setting.micro_batch,
+        job.max_length,
+        setting.gradient_checkpointing,
+        job.precision,
+        job.attention,
+        sequence_parallel=job.sequence_parallel,
+        tiled_mlp=setting.tiled_mlp,
+        activation_offloading=setting.activation_offloading,
     )
-    loss = loss_buffer_bytes(shape, setting.micro_batch, job.max_length, job.precision)
+    loss = loss_buffer_bytes(shape, setting.micro_batch, job.rank_length, job.precision)
     buckets = zero_buffer_bytes(setting.zero_stage, job.zero_config.get(setting.zero_stage, {}), shape, job.precision)
     allocated = states + acts + loss + buckets
     overhead = buckets + int(FRAGMENTATION * allocated) + (int(CUDA_CONTEXT_GIB * GIB) if job.gpu is not None else 0)
@@ -681,10 +802,14 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         params=shape.total,
     )
     wire = comm.wire_bytes(setting.zero_stage, msgs, job.world)
+    sequence = sequence_parallel_bytes(job, setting)
     step_s, time = None, None
     if tps:
-        tokens = setting.micro_batch * setting.grad_accum * job.world * job.max_length
+        tokens = setting.micro_batch * setting.grad_accum * job.data_parallel * job.max_length
         time = step_time(job, setting, tokens / tps)
+        if sequence and job.network is not None:
+            bytes_s, _ = comm.ulysses_link(job.network, job.sequence_parallel, job.nproc_per_node)
+            time = replace(time, sequence_s=sequence / bytes_s)
         step_s, tps = time.step_s, tokens / time.step_s
 
     problems = []
@@ -695,6 +820,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         names = {
             "loading": "loading the weights",
             "offload": "offloaded states",
+            "activations": "offloaded activations",
             "device_on_host": "the processes' tensors",
             "saving": "saving a checkpoint",
             "async_save": "--async_save's checkpoint in memory",
@@ -707,7 +833,19 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         )
     fits = not problems
     why = "; ".join(problems) if problems else "fits"
-    return Estimate(setting, states, acts, loss, overhead, host, ckpt, write_s, step_s, tps, fits, why, wire, time)
+    return Estimate(
+        setting, states, acts, loss, overhead, host, ckpt, write_s, step_s, tps, fits, why, wire, time, sequence
+    )
+
+
+def sequence_parallel_bytes(job: Job, setting: Setting) -> float:
+    """What one rank sends in Ulysses' all-to-alls per optimizer step: every layer's forward and backward (and the
+    recomputed forward with gradient checkpointing), for each micro-batch."""
+    per_layer = ulysses_bytes_per_layer(
+        job.shape, setting.micro_batch, job.max_length, job.precision, job.sequence_parallel
+    )
+    passes = 3 if setting.gradient_checkpointing else 2
+    return per_layer * job.shape.layers * passes * setting.grad_accum
 
 
 def micro_batch_choices(job: Job) -> list[int]:
@@ -715,9 +853,9 @@ def micro_batch_choices(job: Job) -> list[int]:
     if job.micro_batch is not None:
         return [job.micro_batch]
     if job.global_batch is not None:
-        if job.global_batch % job.world:
+        if job.global_batch % job.data_parallel:
             return []
-        per_rank = job.global_batch // job.world
+        per_rank = job.global_batch // job.data_parallel
         choices = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
     else:
         choices = [64, 32, 16, 8, 4, 2, 1]
@@ -726,18 +864,25 @@ def micro_batch_choices(job: Job) -> list[int]:
 
 def _accum(job: Job, micro: int) -> int:
     if job.global_batch is not None:
-        return job.global_batch // (micro * job.world)
+        return job.global_batch // (micro * job.data_parallel)
     return job.grad_accum or 1
 
 
 def combinations(job: Job):
-    """(stage, offload, gradient checkpointing) triples the job allows, in llmft's order of preference."""
-    gcs = (False, True) if job.gradient_checkpointing is None else (job.gradient_checkpointing,)
+    """(stage, offload, gradient checkpointing, tiled MLP, activation offloading) the job allows, in llmft's order
+    of preference (PREFERENCE)."""
+    savers = [
+        (gc, tiled, acts)
+        for gc, tiled, acts in MEMORY_SAVERS
+        if (job.gradient_checkpointing is None or gc == job.gradient_checkpointing)
+        and tiled in job.tiled_mlps
+        and acts in job.activation_offloads
+    ]
     for offload in job.offloads:
         if offload != "none" and job.gpu is None:
             continue  # offloading to the CPU from the CPU: nothing to gain
         for stages in ((2, 1, 0), (3,)):  # ZeRO-3 last, after recomputation (PREFERENCE)
-            for gc in gcs:
+            for gc, tiled, acts in savers:
                 for stage in stages:
                     if stage not in job.zero_stages:
                         continue
@@ -745,7 +890,19 @@ def combinations(job: Job):
                         continue
                     if stage == 3 and job.load_in_4bit:
                         continue  # 4-bit weights are not partitioned by ZeRO-3 in llmft's loading path
-                    yield stage, offload, gc
+                    yield stage, offload, gc, tiled, acts
+
+
+# (gradient checkpointing, tiled MLP, activation offloading), cheapest first: recomputation costs a forward (+33%),
+# the tiled MLP another MLP forward (its shards run again in the backward), and offloading the layers' inputs their
+# copies over PCIe; offloading is ALST's activation-checkpoint offload, so only with recomputation
+MEMORY_SAVERS = (
+    (False, False, False),
+    (True, False, False),
+    (False, True, False),
+    (True, True, False),
+    (True, True, True),
+)
 
 
 PREFERENCE = (
@@ -774,20 +931,20 @@ def plan_memory(job: Job) -> MemoryPlan:
     micros = micro_batch_choices(job)
     if not micros:
         raise MemoryPlanError(
-            f"global batch {job.global_batch} is not divisible by the world size {job.world}; "
-            f"use a multiple of {job.world}"
+            f"global batch {job.global_batch} is not divisible by the data-parallel size {job.data_parallel}; "
+            f"use a multiple of {job.data_parallel}"
         )
     candidates = []
-    for stage, offload, gc in combinations(job):
+    for stage, offload, gc, tiled, acts in combinations(job):
         best = None
         for micro in micros:  # largest first: the first that fits is the one to show
-            est = estimate(job, Setting(stage, offload, micro, _accum(job, micro), gc))
+            est = estimate(job, Setting(stage, offload, micro, _accum(job, micro), gc, tiled, acts))
             if est.fits:
                 best = est
                 break
             best = best or est  # nothing fits: show the smallest memory (tried last) below
         if best is not None and not best.fits:
-            best = estimate(job, Setting(stage, offload, micros[-1], _accum(job, micros[-1]), gc))
+            best = estimate(job, Setting(stage, offload, micros[-1], _accum(job, micros[-1]), gc, tiled, acts))
         candidates.append(best)
     fitting = [c for c in candidates if c.fits]
     recommended = fitting[0] if fitting else None
@@ -804,6 +961,81 @@ def plan_memory(job: Job) -> MemoryPlan:
     return MemoryPlan(job, candidates, recommended, reason, _warnings(job, recommended))
 
 
+@dataclass(frozen=True)
+class LongContextPlan:
+    """`llmft plan --max_length L`'s answer to what L tokens take on these nodes: the plan with the smallest
+    sequence parallelism that fits (its tiling and offload chosen by plan_with_savers), with a line for each smaller
+    N saying what breaks; when nothing fits, the plan as asked and a line for each larger N tried."""
+
+    plan: MemoryPlan
+    tried: list[str]  # "--sequence_parallel 2: the closest, ..., breaks ..." for each other N tried
+
+
+def plan_with_savers(job: Job) -> MemoryPlan:
+    """The plan without tiling or activation offload, unless they are what fits, or what lets ZeRO-0/1/2 without CPU
+    offload fit where the plan without them needs ZeRO-3 or CPU offload (slower than tiling's extra MLP forward:
+    ZeRO-3 ran 2.8x slower than ZeRO-2 on one H100, bench/README.md). Then the plan with the ones the job allows,
+    its table with their rows."""
+    plain = replace(job, tiled_mlps=(False,), activation_offloads=(False,))
+    if plain == job or False not in job.tiled_mlps or False not in job.activation_offloads:
+        return plan_memory(job)
+    first = plan_memory(plain)
+    fast = first.recommended is not None and (
+        first.recommended.setting.zero_stage < 3 and first.recommended.setting.offload == "none"
+    )
+    if fast:
+        return first
+    full = plan_memory(job)
+    chosen = full.recommended
+    if chosen is not None and (chosen.setting.tiled_mlp or chosen.setting.activation_offloading):
+        return full
+    return first
+
+
+def sequence_parallel_choices(job: Job) -> list[int]:
+    """The N a job can use: divisors of the world size, from 1 up, that the model's heads allow (DeepSpeed's rule)
+    and that leave a global batch divisible by the data-parallel size."""
+    out = []
+    for n in range(1, job.world + 1):
+        if job.world % n:
+            continue
+        try:
+            kv = job.shape.kv_heads if job.shape.kv_heads_named else None
+            check_model(n, job.shape.name, job.shape.heads, kv)
+        except SequenceParallelError:
+            continue
+        if job.global_batch is not None and job.global_batch % (job.world // n):
+            continue
+        out.append(n)
+    return out
+
+
+def plan_long_context(job: Job, search_sequence_parallel: bool = True) -> LongContextPlan:
+    """The first plan that fits, trying N = 1, 2, ... (each first without, then with the tiling and offload the job
+    allows); when none does, the job's own plan without them, and each N's closest candidate with them. With
+    `search_sequence_parallel` False the job's own N is the only one."""
+    first = plan_with_savers(job)
+    if first.recommended is not None:
+        return LongContextPlan(first, [])
+    tried = [f"--sequence_parallel {job.sequence_parallel}: {_closest(first.candidates)}"]
+    if search_sequence_parallel:
+        for n in sequence_parallel_choices(job):
+            if n == job.sequence_parallel:
+                continue
+            mplan = plan_with_savers(replace(job, sequence_parallel=n))
+            if mplan.recommended is not None:
+                return LongContextPlan(mplan, [line for line in tried if _n_of(line) < n])
+            tried.append(f"--sequence_parallel {n}: {_closest(mplan.candidates)}")
+    plain = replace(job, tiled_mlps=(False,), activation_offloads=(False,))
+    return LongContextPlan(
+        plan_memory(plain) if plain != job else first, tried if plain != job or len(tried) > 1 else []
+    )
+
+
+def _n_of(line: str) -> int:
+    return int(line.split()[1].rstrip(":"))
+
+
 def _zero1_instead(zero2: Estimate, fitting: list[Estimate]) -> Estimate | None:
     """The ZeRO-1 candidate to recommend instead of this ZeRO-2 one, or None. With accumulation above 1 ZeRO-1 reduces
     the gradients once per step where ZeRO-2 reduces them after every micro-batch's backward, its last bucket exposed
@@ -816,7 +1048,7 @@ def _zero1_instead(zero2: Estimate, fitting: list[Estimate]) -> Estimate | None:
         return None
     for c in fitting:
         o = c.setting
-        if o.zero_stage == 1 and o.offload == s.offload and o.gradient_checkpointing == s.gradient_checkpointing:
+        if o.zero_stage == 1 and replace(o, zero_stage=2, micro_batch=s.micro_batch, grad_accum=s.grad_accum) == s:
             if c.tokens_per_s is None or zero2.tokens_per_s is None or c.tokens_per_s >= zero2.tokens_per_s:
                 return c
             return None
@@ -833,9 +1065,12 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
             return "not tried"
         best = min(others, key=lambda c: c.gpu_total + c.host["peak"])
         offload = "without offload" if best.setting.offload == "none" else f"offloading the {best.setting.offload}"
+        savers = (", tiled MLP" if best.setting.tiled_mlp else "") + (
+            ", activations offloaded" if best.setting.activation_offloading else ""
+        )
         return (
             f"ZeRO-{best.setting.zero_stage} {offload}, checkpointing "
-            f"{'on' if best.setting.gradient_checkpointing else 'off'}: {best.why}"
+            f"{'on' if best.setting.gradient_checkpointing else 'off'}{savers}: {best.why}"
         )
 
     parts = []
@@ -891,6 +1126,16 @@ def _reason(chosen: Estimate, candidates: list[Estimate]) -> str:
         )
     else:
         parts.append(f"ZeRO-{s.zero_stage} moves no more data than plain data parallelism (ZeRO-3: 1.5x)")
+    if s.tiled_mlp:
+        parts.append(
+            "tiled MLP because the sequence does not fit without it (closest: "
+            f"{blocked(lambda o: o.offload == s.offload and not o.tiled_mlp)})"
+        )
+    if s.activation_offloading:
+        parts.append(
+            "activations offloaded to the host because the sequence does not fit on the GPU otherwise (closest: "
+            f"{blocked(lambda o: o.offload == s.offload and not o.activation_offloading)})"
+        )
     parts.append(f"micro-batch {s.micro_batch} is the largest that fits")
     return "; ".join(parts)
 
@@ -989,13 +1234,23 @@ def _check_job(job: Job) -> None:
             raise MemoryPlanError(f"--{name} must be a positive integer, got {value!r}")
     if job.global_batch is not None and job.micro_batch is not None:
         try:  # the same arithmetic, and the same message with the nearest batches that work, as the batch-only plan
-            plan_batch(job.world, job.micro_batch, job.global_batch, job.grad_accum)
+            plan_batch(job.data_parallel, job.micro_batch, job.global_batch, job.grad_accum)
         except BatchError as e:
             raise MemoryPlanError(str(e)) from None
-    elif job.global_batch is not None and job.global_batch % job.world:
+    elif job.global_batch is not None and job.global_batch % job.data_parallel:
+        size = "world size" if job.sequence_parallel == 1 else "data-parallel size"
         raise MemoryPlanError(
-            f"global batch {job.global_batch} is not divisible by the world size {job.world}: "
-            f"use a multiple of {job.world}"
+            f"global batch {job.global_batch} is not divisible by the {size} {job.data_parallel}: "
+            f"use a multiple of {job.data_parallel}"
+        )
+    if job.sequence_parallel < 1 or job.world % job.sequence_parallel:
+        raise MemoryPlanError(
+            f"--sequence_parallel {job.sequence_parallel} does not divide the world size {job.world}: use a divisor"
+        )
+    if True in job.activation_offloads and job.gpu is None:
+        raise MemoryPlanError(
+            "--activation_offloading moves activations from GPU memory to the host; CPU processes hold them in host "
+            "memory already: drop it"
         )
     if job.host_ram_gib <= 0 or not math.isfinite(job.host_ram_gib):
         raise MemoryPlanError(f"host RAM must be a positive number of GiB, got {job.host_ram_gib!r}")

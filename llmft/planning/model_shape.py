@@ -103,7 +103,7 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
         str(stored).replace("torch.", "")
     )
 
-    lora_params = lora_inputs = 0
+    lora_params = lora_inputs = lora_mlp_inputs = 0
     if use_peft:
         from peft import LoraConfig, get_peft_model
 
@@ -125,6 +125,11 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
 
         adapted = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
         lora_inputs = sum(getattr(m, "in_features", 0) or 0 for m in adapted) // max(1, config.num_hidden_layers)
+        lora_mlp_inputs = sum(
+            getattr(m, "in_features", 0) or 0
+            for name, m in peft_model.named_modules()
+            if isinstance(m, LoraLayer) and ".mlp." in name
+        ) // max(1, config.num_hidden_layers)
 
     return ModelShape(
         name=getattr(config, "_name_or_path", "") or config.model_type,
@@ -134,6 +139,7 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
         hidden=hidden,
         heads=heads,
         kv_heads=kv_heads,
+        kv_heads_named=getattr(config, "num_key_value_heads", None) is not None,
         head_dim=head_dim,
         intermediate=intermediate,
         vocab=config.vocab_size,
@@ -145,4 +151,5 @@ def model_shape(config, *, use_peft: bool = False, lora_r: int = 16, lora_target
         quantizable_params=quantizable,
         lora_params=lora_params,
         lora_inputs=lora_inputs,
+        lora_mlp_inputs=lora_mlp_inputs,
     )

@@ -17,7 +17,7 @@ from llmft.planning import comm, memory
 from llmft.planning.batch import BatchError, BatchPlan, plan_batch
 from llmft.planning.ds_config import DSConfigError, load_config, offload_mode, offloads, template_path, zero_stage_of
 from llmft.planning.hardware import GPU, gpu_by_name, local_gpu, local_host_memory, node_type_by_name
-from llmft.planning.memory import GIB, MemoryPlanError, plan_memory
+from llmft.planning.memory import GIB, MemoryPlanError, plan_with_savers
 from llmft.planning.model_shape import cap_max_length, load_model_config, model_shape
 from llmft.planning.sequence_parallel import Layout, SequenceParallelError, plan_layout
 from llmft.planning.world import LaunchEnvError, World, discover_world
@@ -219,9 +219,14 @@ def memory_job(
     save_consolidated: bool = False,
     async_save: bool = False,
     nccl_profile: str | None = None,
+    sequence_parallel: int = 1,
+    tiled_mlp: bool | None = False,
+    activation_offloading: bool | None = False,
 ):
     """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given);
-    nccl_profile: slurm/run_llm.slurm's NCCL_PROFILE, which decides the network a fabric node reaches."""
+    nccl_profile: slurm/run_llm.slurm's NCCL_PROFILE, which decides the network a fabric node reaches.
+    tiled_mlp, activation_offloading: None lets the planner switch them on when nothing fits without them
+    (activation offloading only on GPUs: CPU processes hold activations in host memory already)."""
 
     stages, offload_modes = memory.Job.__dataclass_fields__["zero_stages"].default, memory.OFFLOADS
     zero_config = {}
@@ -277,6 +282,11 @@ def memory_job(
         save_consolidated=save_consolidated,
         async_save=async_save,
         network=comm.node_network(hardware.node_type, nccl_profile) if hardware.node_type else None,
+        sequence_parallel=sequence_parallel,
+        tiled_mlps=(False, True) if tiled_mlp is None else (tiled_mlp,),
+        activation_offloads=((False, True) if hardware.gpu is not None else (False,))
+        if activation_offloading is None
+        else (activation_offloading,),
     )
 
 
@@ -301,11 +311,16 @@ def auto_choice(
     trust_remote_code: bool = False,
     async_save: bool = False,
     keep_zero_stage: int | None = None,
+    sequence_parallel: int = 1,
+    tiled_mlp: bool | None = None,
+    activation_offloading: bool | None = None,
 ):
     """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
     computes the same answer: run_llm.slurm exports the smallest node's allocation as LLMFT_HOST_RAM_GB).
     keep_zero_stage: a resumed run's stage (its checkpoints load only under it); offload and batch stay free.
-    Returns (Setting, one line saying what was chosen and why); PlanError when nothing fits."""
+    tiled_mlp, activation_offloading: True when asked for; None lets the planner turn them on when the sequence
+    does not fit without them. Returns (Setting, one line saying what was chosen and why); PlanError when nothing
+    fits."""
 
     hardware = resolve_hardware()
     try:
@@ -313,7 +328,7 @@ def auto_choice(
         max_length, _ = cap_max_length(config, max_length)  # llmft train caps it the same way
         shape = model_shape(config, use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules)
         if global_batch is None:
-            global_batch = max_micro_batch * (grad_accum or 1) * world.world_size
+            global_batch = max_micro_batch * (grad_accum or 1) * (world.world_size // max(1, sequence_parallel))
         job = memory_job(
             shape,
             hardware,
@@ -329,10 +344,13 @@ def auto_choice(
             output_dir=output_dir,
             save_consolidated=save_consolidated,
             async_save=async_save,
+            sequence_parallel=sequence_parallel,
+            tiled_mlp=tiled_mlp,
+            activation_offloading=activation_offloading,
         )
         if keep_zero_stage is not None:
             job = dataclasses.replace(job, zero_stages=(keep_zero_stage,))
-        mplan = plan_memory(job)
+        mplan = plan_with_savers(job)
     except MemoryPlanError as e:
         raise PlanError(f"--auto: {e}") from None
     where = hardware.describe(world.nnodes, world.procs_per_node)
