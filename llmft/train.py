@@ -75,6 +75,7 @@ from llmft.training import (
     process_group_timeout,
     rerun,
     run_identity,
+    tiled_mlp,
     ulysses,
     upstream_noise,
 )
@@ -194,11 +195,6 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
     precision = train_precision(training, extra, gpu)
     grad_accum = training.gradient_accumulation_steps if training.gradient_accumulation_steps != 1 else None
     micro, zero_stage, offload, auto_line = training.per_device_train_batch_size, extra.zero_stage, extra.offload, ""
-    if extra.auto and extra.sequence_parallel > 1:
-        raise TrainError(
-            "--auto does not plan sequence parallelism yet: with --sequence_parallel give --zero_stage and "
-            "--per_device_train_batch_size yourself"
-        )
     if extra.auto:
         setting, auto_line = choose_automatically(run, precision, grad_accum)
         micro, zero_stage, offload, grad_accum = (
@@ -207,7 +203,10 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
             setting.offload,
             setting.grad_accum,
         )
-        run = run.with_training(gradient_checkpointing=setting.gradient_checkpointing)
+        run = run.with_training(
+            gradient_checkpointing=setting.gradient_checkpointing, activation_offloading=setting.activation_offloading
+        )
+        run = dataclasses.replace(run, llmft=dataclasses.replace(extra, tiled_mlp=setting.tiled_mlp))
     plan = make_plan(
         micro_batch=micro,
         global_batch=extra.global_batch_size,
@@ -281,6 +280,9 @@ def choose_automatically(run: RunSettings, precision: str, grad_accum: int | Non
         trust_remote_code=training.trust_remote_code,
         keep_zero_stage=keep if isinstance(keep, int) else None,
         async_save=extra.async_save,
+        sequence_parallel=extra.sequence_parallel,
+        tiled_mlp=True if extra.tiled_mlp else None,
+        activation_offloading=True if training.activation_offloading else None,
     )
 
 
@@ -612,13 +614,7 @@ def build_trainer(
     args.model_init_kwargs = model_init_kwargs(
         run.model, run.training, decided.quantization, decided.precision, attention
     )
-    sp = decided.plan.sequence_parallel
-    args.parallelism_config = ulysses.parallelism_config(sp, decided.plan.batch.world_size, attention)
-    if sp > 1:
-        ulysses.install_resume_skip()
-    args.pad_to_multiple_of = sequence_parallel.pad_to_multiple_of(
-        sp, run.training.pad_to_multiple_of, decided.cuda, run.training.max_length
-    )
+    apply_sequence_parallel(args, run, decided, attention)
     quantization = decided.quantization
     quantization_config = (
         BitsAndBytesConfig(**{k: v for k, v in quantization.items() if k != "model_dtype"}) if quantization else None
@@ -650,7 +646,7 @@ def build_trainer(
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
         trainer_class = ulysses.mixin_class(
             checkpoint_save.trainer_class(run.llmft.save_consolidated),
-            sequence_parallel.gradient_scale(decided.plan.zero_stage, sp),
+            sequence_parallel.gradient_scale(decided.plan.zero_stage, decided.plan.sequence_parallel),
         )
         trainer = trainer_class(
             model=files.weights,
@@ -662,6 +658,7 @@ def build_trainer(
             quantization_config=quantization_config,
             callbacks=[publish, stop, rerun.callback(log)],
         )
+    install_tiled_mlp(run, trainer.model, files.config)
     if files.source:  # saved configs and adapters name the model, not its node-local copy
         restore_source_name(trainer.model, files.weights, files.source)
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
@@ -684,6 +681,25 @@ def build_trainer(
     trainer.add_callback(timeout)  # last: it reads every other callback's should_save
     job_deadline.time_each_save(trainer, stop.deadline, log, timeout, publish)
     return trainer, RunCallbacks(publish, stop, meter)
+
+
+def apply_sequence_parallel(args, run: RunSettings, decided: Decisions, attention: str) -> None:
+    """Ulysses for the Trainer: accelerate's ParallelismConfig, the resume skip inside its loader, and the padding
+    that splits each row in N equal parts (llmft.training.ulysses, llmft.planning.sequence_parallel)."""
+    sp = decided.plan.sequence_parallel
+    args.parallelism_config = ulysses.parallelism_config(sp, decided.plan.batch.world_size, attention)
+    if sp > 1:
+        ulysses.install_resume_skip()
+    args.pad_to_multiple_of = sequence_parallel.pad_to_multiple_of(
+        sp, run.training.pad_to_multiple_of, decided.cuda, run.training.max_length
+    )
+
+
+def install_tiled_mlp(run: RunSettings, model, config) -> None:
+    """--tiled_mlp (or --auto's choice): DeepSpeed's TiledMLP on the model's MLPs, said in one line."""
+    if run.llmft.tiled_mlp:
+        tiled = tiled_mlp.install(model, getattr(config, "model_type", "this"))
+        log(f"tiled MLP: DeepSpeed's TiledMLP on {tiled} MLPs (one shard per {config.hidden_size} tokens a rank)")
 
 
 def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallbacks, prepared: Prepared, result) -> int:

@@ -92,6 +92,14 @@ class LlmftArguments:
             "ranks (llmft.planning.sequence_parallel)."
         },
     )
+    tiled_mlp: bool = field(
+        default=False,
+        metadata={
+            "help": "Run every gated MLP through DeepSpeed's TiledMLP (ALST): only its input is kept for the backward, "
+            "which recomputes it in shards; for sequences that do not fit otherwise (llmft.training.tiled_mlp). "
+            "--auto turns it on when the planner says so."
+        },
+    )
     # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.training.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
     fp16_flag: bool | None = field(default=None, init=False, repr=False)

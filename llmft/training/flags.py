@@ -201,8 +201,13 @@ POLICY: dict[str, tuple[str, str]] = {
         PASSED,
         "router_aux_loss_coef chat_template_path dataset_num_proc eos_token pad_token "
         "truncation_mode shuffle_dataset pad_to_multiple_of "
-        "completion_only_loss loss_type activation_offloading",
+        "completion_only_loss loss_type",
         "TRL's data preparation (run once by llmft.prepare, part of its cache key), packing and loss",
+    ),
+    "activation_offloading": (
+        CHECKED,
+        "TRL's offload of activations to host RAM (with gradient checkpointing: ALST's checkpoint offload); refused "
+        "without a CUDA GPU, where activations are in host memory already; --auto turns it on when the planner says so",
     ),
     **_table(
         USED,
@@ -252,11 +257,15 @@ POLICY: dict[str, tuple[str, str]] = {
         "periodic checkpoints written in the background (llmft.training.checkpoint_async_save); refused with a "
         "DeepSpeed config that chose its own checkpoint writer",
     ),
+    "tiled_mlp": (
+        USED,
+        "DeepSpeed's TiledMLP on every gated MLP (llmft.training.tiled_mlp); refused for a model without one",
+    ),
     "sequence_parallel": (
         CHECKED,
         "DeepSpeed's Ulysses through accelerate's ParallelismConfig (llmft.planning.sequence_parallel): the batch over "
         "world / N data-parallel ranks; refused where the world, the model's heads, the attention or packing cannot "
-        "take it, with --auto, and on a resume with another N",
+        "take it, and on a resume with another N; --auto plans with it",
     ),
 }
 
@@ -322,6 +331,11 @@ def check_flags(script_args, training_args, model_args, *, cuda: bool) -> None:
             "--use_cpu true, but CUDA GPUs are visible: llmft trains on them; to train on CPU hide them (CUDA_VISIBLE_DEVICES=)"
             if cuda
             else "--use_cpu false, but no CUDA GPU is visible here: drop --use_cpu (llmft trains on CPU without GPUs)"
+        )
+    if getattr(training_args, "activation_offloading", False) and not cuda:
+        raise FlagError(
+            "--activation_offloading moves activations from GPU memory to host RAM; without a CUDA GPU they are in "
+            "host memory already: drop it"
         )
     if training_args.learning_rate < 0:
         raise FlagError(f"--learning_rate {training_args.learning_rate} is negative: give a positive learning rate")
