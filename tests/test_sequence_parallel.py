@@ -119,17 +119,34 @@ def logged(stdout: str) -> list[tuple[float, float]]:
 
 @pytest.fixture(scope="module")
 def runs(llama, tiny_data, tmp_path_factory):
-    """The 1-rank reference and the 2-rank --sequence_parallel 2 run (ZeRO-2), same samples, global batch, seed."""
+    """The 1-rank reference and the 2-rank --sequence_parallel 2 run (ZeRO-2), same samples, global batch, seed; and
+    the same 2-rank run under ZeRO-3 with --tiled_mlp, its rows 256 tokens (CPU runs pad to --max_length), 128 a
+    rank: 2 shards of the tiny model's hidden 64 (the samples are shorter than 64 tokens: no more is trained)."""
     root = tmp_path_factory.mktemp("sp")
     one = train(llama, tiny_data, root / "one", 1, "--save_strategy", "no").stdout
     two = train(llama, tiny_data, root / "two", 2, "--sequence_parallel", "2").stdout
-    return root, one, two
+    tiled = train(
+        llama,
+        tiny_data,
+        root / "tiled",
+        2,
+        "--sequence_parallel",
+        "2",
+        "--save_strategy",
+        "no",
+        "--zero_stage",
+        "3",
+        "--tiled_mlp",
+        "--max_length",
+        "256",
+    ).stdout
+    return root, one, two, tiled
 
 
 def test_two_sequence_parallel_ranks_train_as_one_rank_does(runs):
     """The first losses and gradient norms of a 2-rank run with --sequence_parallel 2 match a 1-rank run on the same
     data within 2%. The norms are the ZeRO-2 gradient correction's evidence: without it they come out 2x."""
-    _, one, two = runs
+    _, one, two, _ = runs
     assert "llmft plan: 2 ranks = 1 data-parallel x 2 sequence-parallel" in two
     assert "global batch 4 = micro-batch 2 x accumulation 2 x data-parallel size 1" in two
     assert "global batch 4 = micro-batch 2 x accumulation 2 x world size 1" in one
@@ -140,10 +157,22 @@ def test_two_sequence_parallel_ranks_train_as_one_rank_does(runs):
         assert norm2 == pytest.approx(norm1, rel=0.02), (s, one, two)
 
 
+def test_zero_3_with_the_tiled_mlp_trains_as_one_rank_does(runs):
+    """Any ZeRO stage, with DeepSpeed's TiledMLP in 2 shards: under ZeRO-3 each shard gathers the MLP's weights, so
+    the ranks agree on the shard count; the losses and gradient norms match the 1-rank run within 2%."""
+    _, one, _, tiled = runs
+    assert "llmft: tiled MLP: DeepSpeed's TiledMLP on 2 MLPs (one shard per 64 tokens a rank)" in tiled
+    assert "llmft plan: ZeRO stage 3" in tiled
+    one, tiled = logged(one), logged(tiled)
+    assert len(tiled) == TOTAL
+    for s, ((loss1, norm1), (loss2, norm2)) in enumerate(zip(one, tiled), start=1):
+        assert (loss2, norm2) == pytest.approx((loss1, norm1), rel=0.02), (s, one, tiled)
+
+
 def test_a_sequence_parallel_run_resumes_from_its_checkpoint_and_infer_reads_it(runs, llama, tiny_data):
     """checkpoint-2 of the 2-rank run, resumed by the same layout, trains steps 3-4 as the uninterrupted run did; the
     same checkpoint resumed without --sequence_parallel is refused in one line; llmft infer reads the final one."""
-    root, _, two = runs
+    root, _, two, _ = runs
     src = root / "two"
     assert json.loads((src / RUN_RECORD).read_text())["sequence_parallel"] == 2
     dest = root / "resumed"
