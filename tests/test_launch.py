@@ -62,7 +62,6 @@ BAD_KNOBS = [
     (["DATASET=/nonexistent/data.jsonl"], "DATASET=/nonexistent/data.jsonl: no such file or directory (looked in "),
     (["MODEL=./models/mine"], "MODEL=./models/mine: no such directory (looked in "),
     (["SEQUENCE_PARALLEL=0"], "SEQUENCE_PARALLEL=0 is not a positive integer (default 1)"),
-    (["SEQUENCE_PARALLEL=2", "ZERO_STAGE=auto"], "ZERO_STAGE=auto does not plan SEQUENCE_PARALLEL yet"),
 ]
 
 
@@ -189,6 +188,10 @@ def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_pat
     for args in (pbs.train_arguments(k, tmp_path, "none"), pbs.plan_arguments(k, tmp_path, tmp_path / "n", 1, 2)):
         assert args[args.index("--sequence_parallel") + 1] == "2"
     assert "--sequence_parallel" not in pbs.train_arguments(knobs.resolve({}, ["MODEL=org/m"]), tmp_path, "none")
+    # ZERO_STAGE=auto plans with it (the planner keeps the N it is given)
+    k = knobs.resolve({}, ["MODEL=org/m", "SEQUENCE_PARALLEL=2", "ZERO_STAGE=auto"])
+    train = pbs.train_arguments(k, tmp_path, "none")
+    assert "--auto" in train and train[train.index("--sequence_parallel") + 1] == "2"
 
 
 def test_a_sweep_is_every_combination_in_array_order_each_with_its_own_directory():

@@ -347,3 +347,72 @@ def test_packed_long_rows_keep_their_samples_apart_for_a_sequence_parallel_kerne
     assert len(positions) % n == 0 and len(positions) >= sum(seq_lengths)
     starts = [i for i, p in enumerate(positions[: sum(seq_lengths)]) if p == 0]
     assert starts == [0, 20053, 20053 + 40053]
+
+
+@pytest.mark.parametrize("host_ram_gb, tiled", [("8", False), ("4.2", True)])
+def test_auto_turns_the_tiled_mlp_on_only_when_the_sequence_does_not_fit_without_it(
+    tmp_path, monkeypatch, host_ram_gb, tiled
+):
+    """In-process, no training: a tiny Llama at 131,072 tokens on this CPU machine (recomputation off) needs 4.4 GiB
+    untiled and 3.9 GiB with the tiled MLP, by the planner: with 8 GiB --auto leaves it off, with 4.2 GiB it turns it
+    on, says why, and the run's settings carry it (llmft.train installs it on the model)."""
+    from llmft.data.synthetic import make_model_dir
+    from llmft.train import RunSettings, check_run, make_parser
+
+    model = make_model_dir(tmp_path / "model", arch="llama", n_head=4, n_kv_head=2, n_positions=131072)
+    monkeypatch.setenv("LLMFT_HOST_RAM_GB", host_ram_gb)
+    argv = ["--model_name_or_path", str(model), "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "o")]
+    argv += ["--auto", "--gradient_checkpointing", "false", "--max_length", "131072"]
+    argv += ["--global_batch_size", "1", "--per_device_train_batch_size", "1"]
+    run = RunSettings(*make_parser().parse_args_and_config(args=argv))
+    run, decided = check_run(run, cuda=False, gpu=None)
+    assert run.llmft.tiled_mlp is tiled
+    assert ("tiled MLP because the sequence does not fit without it" in decided.plan.auto) is tiled
+    assert run.training.activation_offloading is False  # never on CPU: the activations are in host memory already
+
+
+# ---- docs/long-context.md's worked example --------------------------------------------------------------------------
+
+
+def worked_example_rows() -> list[str]:
+    """The table in docs/long-context.md: Llama-3.1-8B (positions raised to 512k), LoRA r=16 and full fine-tuning,
+    global batch 8, on one 8-GPU node of each type, as `llmft plan --model M --max_length L` answers."""
+    from published_shapes import llama_3_1_8b
+
+    from llmft.planning.run_plan import memory_job, resolve_hardware
+    from llmft.planning.world import World
+
+    config = llama_3_1_8b(max_position_embeddings=524288)
+    rows = []
+    for lora in (True, False):
+        shape = model_shape(config, use_peft=lora, lora_r=16)
+        for node in ("a3-highgpu-8g", "a2-ultragpu-8g", "a2-highgpu-8g"):
+            hardware = resolve_hardware(None, None, node, None)
+            for length in (32768, 131072, 524288):
+                job = memory_job(
+                    shape,
+                    hardware,
+                    World(1, 8, "arguments"),
+                    max_length=length,
+                    precision="bf16",
+                    global_batch=8,
+                    tiled_mlp=None,
+                    activation_offloading=None,
+                )
+                found = plan_long_context(job)
+                est, s = found.plan.recommended, found.plan.recommended.setting
+                stage = f"ZeRO-{s.zero_stage}" + ("" if s.offload == "none" else f" + {s.offload} offload")
+                rows.append(
+                    f"| {node} ({hardware.gpu.name}) | {'LoRA' if lora else 'full'} | {length // 1024}k | "
+                    f"{found.plan.job.sequence_parallel} | {stage} | {'yes' if s.tiled_mlp else 'no'} | "
+                    f"{'yes' if s.activation_offloading else 'no'} | {memory.gib(est.gpu_total):.1f} | "
+                    f"{memory.gib(est.host['peak']):.0f} | {est.tokens_per_s:,.0f} | {est.time.sequence_s:.2f} |"
+                )
+    return rows
+
+
+def test_the_worked_example_in_the_docs_is_this_planners_output():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "long-context.md").read_text()
+    table = text[text.index("<!-- WORKED_EXAMPLE -->") : text.index("<!-- /WORKED_EXAMPLE -->")]
+    shown = [line for line in table.splitlines() if line.startswith("| a")]  # the rows: every node type starts with a
+    assert shown == worked_example_rows()

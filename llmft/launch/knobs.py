@@ -309,8 +309,6 @@ def check_zero(v: dict[str, str]) -> None:
     stage, offload = v["ZERO_STAGE"], v["OFFLOAD"]
     if stage not in ZERO_STAGES:
         raise KnobError(f"ZERO_STAGE={stage} is not a ZeRO stage; use 0, 1, 2 or 3, or auto (default 2)")
-    if stage == "auto" and v["SEQUENCE_PARALLEL"] != "1":
-        raise KnobError("ZERO_STAGE=auto does not plan SEQUENCE_PARALLEL yet; give ZERO_STAGE=0, 1, 2 or 3 with it")
     if stage == "auto" and offload == "1":
         raise KnobError("ZERO_STAGE=auto chooses the offload itself; drop OFFLOAD=1")
     if offload == "1" and stage != "auto" and int(stage) < 2:

@@ -48,6 +48,19 @@ width, I the MLP width):
   token) and one layer's activations are rebuilt at a time. SDPA with a padding mask adds the boolean mask
   (micro-batch x s^2 bytes, shared by all layers).
 
+Long sequences (`activation_bytes`'s keywords; docs/long-context.md): under Ulysses (--sequence_parallel N) each
+rank holds length / N tokens of a sample, and the attention after the all-to-all holds the whole sequence for 1/N of
+the heads (the same bytes); Ulysses drops the mask, as does a micro-batch of one sample (no padding), so SDPA keeps
+grouped K/V as they are and there is no length^2 term. --tiled_mlp (DeepSpeed's TiledMLP) keeps only the MLP's
+input; its backward adds a full-size input gradient and one shard's MLP tensors (`tiled_mlp_backward_bytes`, one
+shard per `hidden` tokens) and its forward runs once more (2 x the MLP's weights in FLOPs per token).
+--activation_offloading with recomputation moves every layer's input to pinned host RAM
+(`offloaded_activation_bytes`, each block rounded up to a power of two), keeping OFFLOAD_STASH of them on the GPU.
+Ulysses' all-to-alls (`ulysses_bytes_per_layer`): per layer and pass, (N - 1)/N of each rank's q, k, v and attention
+output; forward, backward and the recomputed forward; over NVLink/PCIe inside a node, the node's shared network
+beyond it (llmft.planning.comm.ulysses_link), not hidden behind compute. Measured on CPU against the tensors
+autograd saves on 1 and 2 Ulysses ranks at two lengths: within 5% (tests/test_long_context.py).
+
 Loss buffers per GPU (`loss_buffer_bytes`): TRL's SFTTrainer computes the loss with a fused, chunked LM head
 (trl.trainer.utils.add_fused_lm_head): the [tokens, vocabulary] logits are never materialised. It keeps a w-byte
 tile of 4096 tokens x 32768 vocabulary columns, an fp32 gradient of the final hidden states (4 h per token), and,
