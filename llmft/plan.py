@@ -161,9 +161,12 @@ def sequence_lines(mplan, tried: list[str]) -> list[str]:
             else comm.ulysses_link(job.network, job.sequence_parallel, job.nproc_per_node)[1]
         )
         took = "" if est.time is None or job.network is None else f", {est.time.sequence_s:.2f} s a step"
+        layer = memory.ulysses_bytes_per_layer(
+            job.shape, est.setting.micro_batch, job.max_length, job.precision, job.sequence_parallel
+        )
         out.append(
-            f"llmft plan: Ulysses all-to-all: {memory.gib(est.sequence_bytes)} GiB per rank per step over the "
-            f"{link}{took}, not hidden behind compute"
+            f"llmft plan: Ulysses all-to-all: {layer / 2**20:.0f} MiB per rank a layer and pass, "
+            f"{memory.gib(est.sequence_bytes)} GiB a step, over the {link}{took}, not hidden behind compute"
         )
     return out + others
 
@@ -711,24 +714,20 @@ def add_memory_plan_arguments(parser) -> None:
 
 
 def add_long_context_arguments(mem) -> None:
-    """The memory savers for long sequences a memory plan may choose, or is told to use."""
-    mem.add_argument(
-        "--tiled_mlp",
-        default=None,
-        type=lambda v: _bool(v, "--tiled_mlp"),
-        nargs="?",
-        const=True,
-        help="DeepSpeed's TiledMLP (true/false; default: on only when the sequence does not fit without it)",
-    )
-    mem.add_argument(
-        "--activation_offloading",
-        default=None,
-        type=lambda v: _bool(v, "--activation_offloading"),
-        nargs="?",
-        const=True,
-        help="TRL's activation offload to host RAM, with gradient checkpointing (true/false; default: on only when "
-        "the sequence does not fit on the GPU without it)",
-    )
+    """The memory savers for long sequences a memory plan may choose, or is told to use: each takes true or false, or
+    stands alone for true; left out, the plan turns it on only when the sequence does not fit without it."""
+    for flag, what in (
+        ("--tiled_mlp", "DeepSpeed's TiledMLP"),
+        ("--activation_offloading", "TRL's activation offload to host RAM, with gradient checkpointing"),
+    ):
+        mem.add_argument(
+            flag,
+            default=None,
+            type=lambda v, flag=flag: _bool(v, flag),
+            nargs="?",
+            const=True,
+            help=f"{what} (true/false; default: on only when the sequence does not fit without it)",
+        )
 
 
 def add_run_data_arguments(parser) -> None:

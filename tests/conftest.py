@@ -37,6 +37,7 @@ LONGEST_FILES = (
     "test_infer.py",
     "test_elastic.py",
     "test_sequence_parallel.py",
+    "test_long_context.py",
     "test_your_data_docs.py",
     "test_build_locks.py",
     "test_host_memory.py",

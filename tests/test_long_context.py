@@ -177,6 +177,9 @@ def test_llmft_plan_answers_with_n_tiling_offload_and_the_submission(capsys, tmp
         "llmft plan: sequence parallelism: 8 ranks = 4 data-parallel x 2 sequence-parallel; each rank holds 262144 "
         "of a sample's 524288 tokens" in out
     )
+    # half of each rank's 262,144 tokens of q, k, v and output (2 x 4096 + 2 x 1024 bf16 values) leave it
+    assert "llmft plan: Ulysses all-to-all: 2560 MiB per rank a layer and pass, " in out
+    assert "over the NVLink inside the node, " in out
     assert "llmft plan: a smaller sequence parallelism does not fit (with the tiling and offload allowed): " in out
     assert "gradient checkpointing on, tiled MLP, activations offloaded to the host" in out
     sbatch = (tmp_path / "p" / "sbatch.txt").read_text()

@@ -169,9 +169,10 @@ def test_zero_3_with_the_tiled_mlp_trains_as_one_rank_does(runs):
         assert (loss2, norm2) == pytest.approx((loss1, norm1), rel=0.02), (s, one, tiled)
 
 
-def test_a_sequence_parallel_run_resumes_from_its_checkpoint_and_infer_reads_it(runs, llama, tiny_data):
+def test_a_sequence_parallel_run_resumes_from_its_checkpoint_and_infer_and_eval_read_it(runs, llama, tiny_data):
     """checkpoint-2 of the 2-rank run, resumed by the same layout, trains steps 3-4 as the uninterrupted run did; the
-    same checkpoint resumed without --sequence_parallel is refused in one line; llmft infer reads the final one."""
+    same checkpoint resumed without --sequence_parallel is refused in one line; llmft infer and llmft eval read the
+    final one."""
     root, _, two, _ = runs
     src = root / "two"
     assert json.loads((src / RUN_RECORD).read_text())["sequence_parallel"] == 2
@@ -198,3 +199,16 @@ def test_a_sequence_parallel_run_resumes_from_its_checkpoint_and_infer_reads_it(
         [PYTHON, "-m", "llmft.infer", str(tag), "--prompt", "Add 2 and 3.", "--max_new_tokens", "4"], check=True
     )
     assert f"llmft infer: loaded {tag} (ZeRO-2, 2 ranks" in proc.stdout + proc.stderr
+    # llmft eval reads the run like any other: the harness's results for its last checkpoint, in the run
+    from test_eval import eval_args
+
+    task_data = eval_args([], root).task_data
+    proc = run(
+        [PYTHON, "-m", "llmft.eval", str(dest), "--tasks", "gsm8k", "--num_fewshot", "2", "--limit", "2"]
+        + ["--gen_kwargs", "max_gen_toks=4", *[f for t in task_data for f in ("--task_data", t)]],
+        check=True,
+        timeout=600,
+    )
+    [result] = (dest / "eval").glob(f"results-step{TOTAL}-*.json")
+    assert json.loads(result.read_text())["llmft"]["checkpoint"].endswith(f"checkpoint-{TOTAL}/global_step{TOTAL}")
+    assert f"llmft eval: gsm8k (2-shot, n=2) step {TOTAL}: exact_match,strict-match " in proc.stderr
