@@ -188,10 +188,34 @@ def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_pat
     for args in (pbs.train_arguments(k, tmp_path, "none"), pbs.plan_arguments(k, tmp_path, tmp_path / "n", 1, 2)):
         assert args[args.index("--sequence_parallel") + 1] == "2"
     assert "--sequence_parallel" not in pbs.train_arguments(knobs.resolve({}, ["MODEL=org/m"]), tmp_path, "none")
+    # the long-context memory savers in EXTRA_ARGS reach the memory check, with or without a value after them
+    k = knobs.resolve({}, ["MODEL=org/m", "EXTRA_ARGS=--tiled_mlp --activation_offloading true --max_length 131072"])
+    plan = pbs.plan_arguments(k, tmp_path, tmp_path / "n", 1, 1)
+    assert plan[plan.index("--check_memory") + 1 :] == [
+        "--tiled_mlp",
+        "--activation_offloading",
+        "true",
+        "--max_length",
+        "131072",
+    ]
     # ZERO_STAGE=auto plans with it (the planner keeps the N it is given)
     k = knobs.resolve({}, ["MODEL=org/m", "SEQUENCE_PARALLEL=2", "ZERO_STAGE=auto"])
     train = pbs.train_arguments(k, tmp_path, "none")
     assert "--auto" in train and train[train.index("--sequence_parallel") + 1] == "2"
+
+
+def test_the_slurm_script_forwards_the_same_memory_flags_to_the_plan():
+    """run_llm.slurm's memory_args loop (bash) names every flag pbs.memory_arguments forwards, in the same three
+    forms, so a job checks the same setting on either scheduler."""
+    text = (REPO / "slurm" / "run_llm.slurm").read_text()
+    loop = text[text.index("memory_args=()") : text.index("done", text.index("memory_args=()"))]
+    value_flags, switches, bool_flags = (
+        "|".join(group) for group in (pbs.MEMORY_VALUE_FLAGS, pbs.MEMORY_SWITCHES, pbs.MEMORY_BOOL_FLAGS)
+    )
+    assert f"    {value_flags})" in loop and f"{'|'.join(f + '=*' for f in pbs.MEMORY_VALUE_FLAGS)})" in loop
+    assert f"    {switches})" in loop
+    assert f"    {bool_flags})" in loop and f"{'|'.join(f + '=*' for f in pbs.MEMORY_BOOL_FLAGS)})" in loop
+    assert "|".join(pbs.BOOL_WORDS) in loop
 
 
 def test_a_sweep_is_every_combination_in_array_order_each_with_its_own_directory():

@@ -390,16 +390,27 @@ def plan_arguments(k: Knobs, run_dir: Path, nodes_file: Path, nnodes: int, gpus:
     return args
 
 
+# The llmft train flags in EXTRA_ARGS that change the memory a setting needs (slurm/run_llm.slurm forwards the same):
+# flags with a value, switches, and switches that may take true/false after them.
+MEMORY_VALUE_FLAGS = ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation")
+MEMORY_SWITCHES = ("--load_in_4bit", "--save_consolidated", "--async_save")
+MEMORY_BOOL_FLAGS = ("--tiled_mlp", "--activation_offloading")
+BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
 def memory_arguments(extra: Sequence[str]) -> list[str]:
     """The llmft train flags in EXTRA_ARGS that change the memory a setting needs, for the plan's memory check."""
     out = []
     for i, arg in enumerate(extra):
-        if arg in ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation"):
+        if arg in MEMORY_VALUE_FLAGS:
             out += extra[i : i + 2]
-        elif arg.split("=")[0] in ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation"):
+        elif "=" in arg and arg.split("=")[0] in MEMORY_VALUE_FLAGS + MEMORY_BOOL_FLAGS:
             out.append(arg)
-        elif arg in ("--load_in_4bit", "--save_consolidated", "--async_save"):
+        elif arg in MEMORY_SWITCHES:
             out.append(arg)
+        elif arg in MEMORY_BOOL_FLAGS:
+            given_value = i + 1 < len(extra) and extra[i + 1].lower() in BOOL_WORDS
+            out += extra[i : i + 2] if given_value else [arg]
     return out
 
 
