@@ -419,3 +419,34 @@ def test_the_worked_example_in_the_docs_is_this_planners_output():
     table = text[text.index("<!-- WORKED_EXAMPLE -->") : text.index("<!-- /WORKED_EXAMPLE -->")]
     shown = [line for line in table.splitlines() if line.startswith("| a")]  # the rows: every node type starts with a
     assert shown == worked_example_rows()
+
+
+def test_auto_plans_the_batch_over_the_data_parallel_ranks_under_sequence_parallelism(tmp_path, monkeypatch):
+    """`llmft train --auto --sequence_parallel 2` on 2 ranks: one data-parallel rank, so a global batch of 4 with
+    micro-batches of 2 accumulates 2 (over both ranks it would be 1)."""
+    from llmft.data.synthetic import make_model_dir
+    from llmft.planning.run_plan import auto_choice
+    from llmft.planning.world import World
+
+    model = make_model_dir(tmp_path / "model", arch="llama", n_head=4, n_kv_head=2)
+    monkeypatch.setenv("LLMFT_HOST_RAM_GB", "16")
+    common = dict(
+        precision="fp32",
+        max_micro_batch=2,
+        global_batch=4,
+        grad_accum=None,
+        max_length=64,
+        use_peft=False,
+        lora_r=16,
+        lora_target_modules=None,
+        allow_gradient_checkpointing=False,
+        save_total_limit=None,
+        output_dir=str(tmp_path / "o"),
+        attention="sdpa",
+        load_in_4bit=False,
+        save_consolidated=False,
+    )
+    setting, _ = auto_choice(str(model), World(1, 2, "arguments"), sequence_parallel=2, **common)
+    assert (setting.micro_batch, setting.grad_accum) == (2, 2)
+    setting, _ = auto_choice(str(model), World(1, 2, "arguments"), **common)
+    assert (setting.micro_batch, setting.grad_accum) == (2, 1)
