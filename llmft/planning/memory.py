@@ -1030,23 +1030,24 @@ def plan_long_context(job: Job, search_sequence_parallel: bool = True) -> LongCo
     first = plan_with_savers(job)
     if first.recommended is not None:
         return LongContextPlan(first, [])
-    tried = [f"--sequence_parallel {job.sequence_parallel}: {_closest(first.candidates)}"]
+    tried = [(job.sequence_parallel, first)]
     if search_sequence_parallel:
         for n in sequence_parallel_choices(job):
             if n == job.sequence_parallel:
                 continue
             mplan = plan_with_savers(replace(job, sequence_parallel=n))
             if mplan.recommended is not None:
-                return LongContextPlan(mplan, [line for line in tried if _n_of(line) < n])
-            tried.append(f"--sequence_parallel {n}: {_closest(mplan.candidates)}")
+                return LongContextPlan(mplan, [_tried_line(m, p) for m, p in tried if m < n])
+            tried.append((n, mplan))
     plain = replace(job, tiled_mlps=(False,), activation_offloads=(False,))
-    return LongContextPlan(
-        plan_memory(plain) if plain != job else first, tried if plain != job or len(tried) > 1 else []
-    )
+    shown = plan_memory(plain) if plain != job else first
+    if shown is first and len(tried) == 1:  # its one line would repeat the plan's own "nothing fits"
+        return LongContextPlan(shown, [])
+    return LongContextPlan(shown, [_tried_line(m, p) for m, p in tried])
 
 
-def _n_of(line: str) -> int:
-    return int(line.split()[1].rstrip(":"))
+def _tried_line(n: int, mplan: MemoryPlan) -> str:
+    return f"--sequence_parallel {n}: {_closest(mplan.candidates)}"
 
 
 def _zero1_instead(zero2: Estimate, fitting: list[Estimate]) -> Estimate | None:
