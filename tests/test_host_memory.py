@@ -133,8 +133,10 @@ def test_zero3_checkpoints_gather_nothing_loading_is_partitioned_and_the_node_st
     loading, without = host_lines(plain.stdout)
 
     # Checkpoints every step add well under the model's size to the largest rank's peak (gathering the 16-bit
-    # model onto rank 0, as before, added ~0.9x the model's size here).
-    assert max(with_ckpt) - max(without) < 0.25 * MODEL_GIB, (with_ckpt, without)
+    # model onto rank 0, as before, added ~0.9x the model's size here). Two separate runs' peaks differ by allocator
+    # noise too: fresh-clone CI runs measured up to 0.26x (3.00 against 2.88 GiB, 2026-11-28), so the bound sits
+    # halfway between that and the gather.
+    assert max(with_ckpt) - max(without) < 0.55 * MODEL_GIB, (with_ckpt, without)
     tag = tmp_path / "saving" / "checkpoint-1" / "global_step1"
     assert sorted(p.name for p in tag.glob("zero_pp_rank_*_model_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt",
