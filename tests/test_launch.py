@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_slurm_script import run_script
 
-from llmft.launch import continuation, knobs, pbs, sweep
+from llmft.launch import continuation, job, knobs, pbs, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 PBS_SCRIPT = REPO / "pbs" / "run_llm.pbs"
@@ -81,8 +81,12 @@ def test_an_unknown_or_misspelt_knob_is_named_with_the_fix():
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "unknown knob 'EPOCH' in 'EPOCH=3'; did you mean EPOCHS?" in proc.stderr
     assert "known knobs: EPOCHS CHECKPOINT_DIR DATA_PERCENTAGE" in proc.stderr
-    slurm_knobs = (REPO / "slurm" / "run_llm.slurm").read_text().split("KNOBS=(")[1].split(")")[0].split()
-    assert proc.stderr.rstrip("\n").endswith(knobs.known_knobs()) and list(knobs.NAMES) == slurm_knobs  # same order
+    slurm = run_script(
+        "EPOCH=3"
+    )  # the same knobs, in the same order (Slurm's message has no "did you mean", as before)
+    assert proc.stderr.rstrip("\n").endswith(knobs.known_knobs()) and slurm.stderr.rstrip("\n").endswith(
+        knobs.known_knobs()
+    )
     assert "cannot read argument '--epochs'" in run_pbs_script("--epochs", "3").stderr
     # qsub -v NAME=... also carries variables a job needs (HF_TOKEN, NCCL_DEBUG); a misspelt knob is refused
     with pytest.raises(knobs.KnobError, match="unknown knob 'GLOBAL_BACTH' in 'qsub -v'; did you mean GLOBAL_BATCH"):
@@ -125,18 +129,18 @@ def test_a_run_directory_is_keyed_like_the_slurm_jobs():
     computes it with printf | sha256sum)."""
     k = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 1"])
     fields = ["org/m", "org/d", "100", "2", "", "32", "0", "--seed 1"]
-    assert pbs.run_key(k) == hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
+    assert job.run_key(k) == hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
     other = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 2"])
-    assert pbs.run_key(other) != pbs.run_key(k)
+    assert job.run_key(other) != job.run_key(k)
     # SEQUENCE_PARALLEL joins the key only when it is not 1 (a run without it keeps its directory): its checkpoints
     # resume only under the same N
     sp = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 1", "SEQUENCE_PARALLEL=2"])
     keyed = hashlib.sha256(("\n".join([*fields, "SEQUENCE_PARALLEL=2"]) + "\n").encode()).hexdigest()[:8]
-    assert pbs.run_key(sp) == keyed
-    assert pbs.run_key(
+    assert job.run_key(sp) == keyed
+    assert job.run_key(
         knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "EXTRA_ARGS=--seed 1", "SEQUENCE_PARALLEL=1"])
-    ) == pbs.run_key(k)
-    assert pbs.safe_name("my job/1") == "my_job_1"
+    ) == job.run_key(k)
+    assert job.safe_name("my job/1") == "my_job_1"
 
 
 def test_pbs_facts_are_read_from_the_select_statement_walltime_and_node_file():
@@ -171,26 +175,26 @@ def test_pbs_facts_are_read_from_the_select_statement_walltime_and_node_file():
 
 def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_path):
     k = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "LORA=1", "MAX_STEPS=4", "EXTRA_ARGS=--max_length 512"])
-    train = pbs.train_arguments(k, tmp_path, "none")
+    train = job.train_arguments(k, tmp_path, "none")
     assert train[:4] == ["--model_name_or_path", "org/m", "--dataset_name", "org/d"]
     assert ["--zero_stage", "2"] == train[train.index("--zero_stage") : train.index("--zero_stage") + 2]
     assert "--use_peft" in train and train[train.index("--max_steps") + 1] == "4"
-    plan = pbs.plan_arguments(k, tmp_path, tmp_path / "nodes", 2, 0)
+    plan = job.plan_arguments(k, tmp_path, tmp_path / "nodes", 2, 0)
     assert plan[plan.index("--nnodes") + 1] == "2" and plan[plan.index("--nproc_per_node") + 1] == "1"
     assert "--check_memory" in plan and plan[-3:] == ["--max_length", "512", "--use_peft"]
     line = "llmft launch: nnodes=2 nproc_per_node=1 cpus_per_node=1 omp_num_threads=1 dataloader_num_workers=0 "
     line += "dataset_num_proc=1 host_ram_gb=23 numa_binding=off"
-    assert pbs.launch_line(f"llmft plan: x\n{line}\n")["host_ram_gb"] == "23"
-    with pytest.raises(pbs.PbsJobError, match="no 'numa_binding'"):
-        pbs.launch_line(line.replace(" numa_binding=off", ""))
+    assert job.launch_line(f"llmft plan: x\n{line}\n")["host_ram_gb"] == "23"
+    with pytest.raises(job.JobError, match="no 'numa_binding'"):
+        job.launch_line(line.replace(" numa_binding=off", ""))
     # SEQUENCE_PARALLEL reaches both, as --sequence_parallel (the plan's batch over data-parallel groups)
     k = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d", "SEQUENCE_PARALLEL=2"])
-    for args in (pbs.train_arguments(k, tmp_path, "none"), pbs.plan_arguments(k, tmp_path, tmp_path / "n", 1, 2)):
+    for args in (job.train_arguments(k, tmp_path, "none"), job.plan_arguments(k, tmp_path, tmp_path / "n", 1, 2)):
         assert args[args.index("--sequence_parallel") + 1] == "2"
-    assert "--sequence_parallel" not in pbs.train_arguments(knobs.resolve({}, ["MODEL=org/m"]), tmp_path, "none")
+    assert "--sequence_parallel" not in job.train_arguments(knobs.resolve({}, ["MODEL=org/m"]), tmp_path, "none")
     # the long-context memory savers in EXTRA_ARGS reach the memory check, with or without a value after them
     k = knobs.resolve({}, ["MODEL=org/m", "EXTRA_ARGS=--tiled_mlp --activation_offloading true --max_length 131072"])
-    plan = pbs.plan_arguments(k, tmp_path, tmp_path / "n", 1, 1)
+    plan = job.plan_arguments(k, tmp_path, tmp_path / "n", 1, 1)
     assert plan[plan.index("--check_memory") + 1 :] == [
         "--tiled_mlp",
         "--activation_offloading",
@@ -200,22 +204,30 @@ def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_pat
     ]
     # ZERO_STAGE=auto plans with it (the planner keeps the N it is given)
     k = knobs.resolve({}, ["MODEL=org/m", "SEQUENCE_PARALLEL=2", "ZERO_STAGE=auto"])
-    train = pbs.train_arguments(k, tmp_path, "none")
+    train = job.train_arguments(k, tmp_path, "none")
     assert "--auto" in train and train[train.index("--sequence_parallel") + 1] == "2"
 
 
-def test_the_slurm_script_forwards_the_same_memory_flags_to_the_plan():
-    """run_llm.slurm's memory_args loop (bash) names every flag pbs.memory_arguments forwards, in the same three
-    forms, so a job checks the same setting on either scheduler."""
-    text = (REPO / "slurm" / "run_llm.slurm").read_text()
-    loop = text[text.index("memory_args=()") : text.index("done", text.index("memory_args=()"))]
-    value_flags, switches, bool_flags = (
-        "|".join(group) for group in (pbs.MEMORY_VALUE_FLAGS, pbs.MEMORY_SWITCHES, pbs.MEMORY_BOOL_FLAGS)
-    )
-    assert f"    {value_flags})" in loop and f"{'|'.join(f + '=*' for f in pbs.MEMORY_VALUE_FLAGS)})" in loop
-    assert f"    {switches})" in loop
-    assert f"    {bool_flags})" in loop and f"{'|'.join(f + '=*' for f in pbs.MEMORY_BOOL_FLAGS)})" in loop
-    assert "|".join(pbs.BOOL_WORDS) in loop
+def test_both_schedulers_forward_the_memory_flags_of_extra_args_to_the_plans_memory_check(tmp_path):
+    """The Slurm and the PBS job build `llmft plan`'s flags with one function (llmft.launch.job.plan_arguments): the
+    llmft train flags in EXTRA_ARGS that change a setting's memory reach the memory check in the three forms a user
+    writes them, and nothing else does."""
+    extra = "--max_length 4096 --seed 1 --tiled_mlp --activation_offloading false --lora_r=16 --load_in_4bit --logging_steps 5"
+    k = knobs.resolve({}, ["MODEL=org/m", f"EXTRA_ARGS={extra}"])
+    forwarded = [
+        "--max_length",
+        "4096",
+        "--tiled_mlp",
+        "--activation_offloading",
+        "false",
+        "--lora_r=16",
+        "--load_in_4bit",
+    ]
+    for world in ({}, {"nnodes": 2, "gpus": 4}):  # Slurm's (llmft plan reads SLURM_*), PBS's (said)
+        plan = job.plan_arguments(k, tmp_path, tmp_path / "nodes", **world)
+        check = plan.index("--check_memory")
+        assert plan[check + 1 :] == forwarded, plan
+        assert ("--nnodes" in plan) == bool(world)
 
 
 def test_a_sweep_is_every_combination_in_array_order_each_with_its_own_directory():
@@ -347,7 +359,9 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
         monkeypatch.setattr(pbs, "qstat_job", lambda _job: {} if left is None else {
             "Resource_List": {"walltime": "01:00:00"}, "resources_used": {"walltime": pbs.hms(3600 - left)}})  # fmt: skip
         env = {"LLMFT_FAILURE_RESTARTS": restarts}
-        return pbs.after_training(run, rc, stop, requeue, start, failures, 10.0, "7.head", k, env)
+        return pbs.after_training(
+            run, rc, stop, requeue, start, failures, 10.0, "7.head", k, env, ["pbs-n0", "pbs-n1"]
+        )
 
     def checkpoint(step):
         (run / f"checkpoint-{step}").mkdir()
@@ -363,14 +377,32 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
     assert decide(0, "TERM", left=30) == pbs.Outcome(0, go_on=True)  # within kill_delay + 60 s of the walltime
     assert decide(0, "TERM", left=1800) == pbs.Outcome(0)  # qrerun or qdel: PBS decides
     assert "a job PBS reruns (qrerun) resumes from it" in capsys.readouterr().out
-    (failures / "node-1.json").write_text(json.dumps({"node": "pbs-n1", "rc": -9, "cause": "rank 1 killed (SIGKILL)"}))
+    killed = {"node": "pbs-n1", "rc": 1, "rank": 1, "exitcode": -9, "kind": "signal", "time": "2026-11-28_02:00:00"}
+    (failures / "node-1.json").write_text(json.dumps(killed))
     assert decide(1, start=0, restarts="1") == pbs.Outcome(1, go_on=True, failure_restarts=2)
     out = capsys.readouterr().out
-    assert "node pbs-n1: rank 1 killed (SIGKILL)" in out and "after failures 2 of at most MAX_RESTARTS=2" in out
+    # one line names the rank and node that failed first (llmft.planning.failure_blame, as on Slurm)
+    assert "run_llm.pbs: training failed (exit 1): rank 1 on node pbs-n1 failed first (exit code -9, SIGKILL)\n" in out
+    assert "after failures 2 of at most MAX_RESTARTS=2" in out
     assert decide(1, start=0, restarts="2") == pbs.Outcome(1)  # the limit
     assert "MAX_RESTARTS=2 reached" in capsys.readouterr().out
     assert decide(1, start=2) == pbs.Outcome(1)  # no new complete checkpoint: it would fail again
     assert "no new complete checkpoint" in capsys.readouterr().out
+    # an application error fails the same way anywhere: not continued, whatever the progress, and the fix is said
+    oom = {
+        "node": "pbs-n0",
+        "rank": 0,
+        "exitcode": 1,
+        "kind": "app",
+        "cause": "torch.OutOfMemoryError: CUDA out of memory",
+    }
+    (failures / "node-1.json").write_text(json.dumps(oom))
+    assert decide(1, start=0) == pbs.Outcome(1)
+    out = capsys.readouterr().out
+    assert "rank 0 on node pbs-n0 failed first (exit code 1): torch.OutOfMemoryError" in out
+    assert (
+        "not continued: an application error fails the same way on any node; out of memory: lower MICRO_BATCH" in out
+    )
     (run / "llmft_done.json").write_text("{}")
     assert decide(0) == pbs.Outcome(0)
 

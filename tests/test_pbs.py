@@ -1,6 +1,7 @@
 """pbs/run_llm.pbs on a real OpenPBS cluster (pbs/local/: a server, a scheduler and two moms, pbs-n0 and pbs-n1):
 jobs submitted with qsub as the job user train on two nodes, stop for their walltime and go on in a continuation,
-are rerun by qrerun, run a sweep as an array, run in an (enroot stand-in) container, and refuse bad knobs.
+lose a rank and go on in a continuation, are rerun by qrerun, run a sweep as an array, run in an (enroot stand-in)
+container, and refuse bad knobs.
 
 The jobs are submitted together by a module fixture, so they overlap (each takes one CPU per node).
 """
@@ -141,6 +142,15 @@ def jobs(pbs_cluster: PbsCluster, inputs, tmp_path_factory):
     rerun["thread"] = threading.Thread(target=qrerun_at_checkpoint_2, daemon=True)
     rerun["thread"].start()
     out["qrerun"] = (job, d, rerun)
+    # A rank dies: tests/kill_hook SIGKILLs the rank on pbs-n1 once checkpoint-2 is complete (the attempt made
+    # progress), once; the job names it in one line and goes on in a continuation, which resumes and finishes.
+    submit(
+        "killed",
+        two_nodes,
+        f"MAX_STEPS={TOTAL},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,CHECKPOINT_DIR={{d}}/ckpt,"
+        f"EXTRA_ARGS=--logging_steps 1,PYTHONPATH={REPO / 'tests' / 'kill_hook'},LLMFT_TEST_KILL_NODE=pbs-n1,"
+        "LLMFT_TEST_KILL_AFTER={d}/ckpt/checkpoint-2/llmft_complete.json,LLMFT_TEST_KILL_RECORD={d}/failed_rank",
+    )
     # A sweep: one variant per element, each on one node.
     submit(
         "sweep",
@@ -198,6 +208,30 @@ def test_a_walltime_stop_saves_and_the_continuation_resumes_without_losing_or_re
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
+    assert json.loads((d / "ckpt" / "llmft_done.json").read_text())["global_step"] == TOTAL
+
+
+def test_a_rank_killed_mid_run_is_named_in_one_line_and_the_run_goes_on_in_a_continuation(pbs_cluster, jobs):
+    """The rank on pbs-n1 is SIGKILLed after checkpoint-2: the job names that rank and node in one line (the rules of
+    the Slurm job, llmft.planning.failure_blame), counts the failure, and its continuation resumes from the newest
+    complete checkpoint and trains to the end, no step lost or trained twice."""
+    job, d = jobs["killed"]
+    info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    first = pbs_cluster.wait_for("the first job's output", lambda: read(d / "out"))
+    rank = (d / "failed_rank").read_text().split()[0]
+    assert info["Exit_status"] != 0, first  # the attempt failed; the run goes on in the continuation
+    failed = rf"run_llm.pbs: training failed \(exit \d+\): rank {rank} on node pbs-n1 failed first \(exit code -9, SIGKILL\)\n"
+    assert len(re.findall(failed, first)) == 1, first
+    assert re.search(r"continuing in a new job \(after failures 1 of at most MAX_RESTARTS=3\)", first), first
+    m = re.search(r"continuation submitted: job (\S+) starts after", first)
+    assert m, first
+    second_info = pbs_cluster.wait(m.group(1), timeout=TRAINING_JOB_S)
+    second = pbs_cluster.wait_for("the continuation's output", lambda: read(d / "out.1"))
+    assert second_info["Exit_status"] == 0, second
+    resumed = re.search(r"llmft: resuming from \S+/checkpoint-(\d+)\n", second)
+    assert resumed and int(resumed.group(1)) >= 2, second
+    k = int(resumed.group(1))
+    assert steps_trained(second) == list(range(k + 1, TOTAL + 1)), second
     assert json.loads((d / "ckpt" / "llmft_done.json").read_text())["global_step"] == TOTAL
 
 

@@ -36,6 +36,11 @@ def test_shell_scripts_are_shellcheck_clean():
 
 def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
     """The batch script run by bash outside Slurm: it checks knobs, then says it must be submitted."""
+    return run_job_script(SCRIPT, *args, **env)
+
+
+def run_job_script(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """A job script (Slurm's or PBS's) run by bash outside a job, with no knob from this environment."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     for knob in (
         "EPOCHS",
@@ -51,7 +56,7 @@ def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
         clean.pop(knob, None)
     clean.update(env)
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=clean, timeout=60, cwd=REPO
+        ["bash", str(script), *args], capture_output=True, text=True, env=clean, timeout=60, cwd=REPO
     )
 
 
@@ -194,8 +199,9 @@ def test_help_documents_every_knob_with_its_default():
         "WANDB_PROJECT=",
     ):
         assert line in proc.stdout, line
-    knobs = SCRIPT.read_text().split("KNOBS=(")[1].split(")")[0].split()
-    for knob in knobs:
+    from llmft.launch.knobs import NAMES
+
+    for knob in NAMES:
         assert f"  {knob}=" in proc.stdout, f"{knob} is not documented in --help"
 
 
@@ -346,3 +352,20 @@ def test_a_dry_run_checks_the_sbatch_world_and_reads_a_local_models_config(tiny_
     proc = run_script("DATASET=/data/in-image.jsonl", "MODEL=/models/org/in-image", CONTAINER_IMAGE="img", DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
     assert "model: /models/org/in-image not checked here (llmft runs inside CONTAINER_IMAGE=img)" in proc.stdout
+
+
+def test_a_python_too_old_for_the_launcher_is_refused_in_one_line(tmp_path):
+    """The job scripts run their launcher (llmft.launch.slurm, llmft.launch.pbs) with VENV's Python, else the
+    environment's or python3; one older than 3.9 (a cluster's system Python 3.6 or 3.8) is named, not a traceback.
+    The stand-in answers the version check as such a Python does (exit 1)."""
+    venv = tmp_path / "old-venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")
+    python.chmod(0o755)
+    for script in (SCRIPT, REPO / "pbs" / "run_llm.pbs"):
+        proc = run_job_script(script, f"VENV={venv}", DRY_RUN="1")
+        assert proc.returncode == 2 and proc.stderr == (
+            f"{script.name}: error: {python} is not Python 3.9 or newer, which the launcher needs; set "
+            "VENV=/path/to/venv (llmft's environment)\n"
+        ), proc.stderr

@@ -4,8 +4,8 @@ A knob comes from the job's environment (`qsub -v`, `sbatch --export`) or from a
 an argument wins. Every knob is checked before anything runs, and a bad one ends the job in one line that names it
 and the fix (`KnobError`). The values are data, never code: nothing here hands one to a shell.
 
-slurm/run_llm.slurm still checks its knobs in bash with the same rules and words (tests/test_slurm_script.py and
-tests/test_launch_knobs.py assert the same messages); pbs/run_llm.pbs uses this module.
+Both schedulers' jobs (llmft.launch.slurm, llmft.launch.pbs) resolve their knobs here, so a knob is refused in the same
+words on either (tests/test_launch.py).
 """
 
 from __future__ import annotations

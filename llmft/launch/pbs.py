@@ -18,7 +18,6 @@ The knobs are slurm/run_llm.slurm's (llmft.launch.knobs). What differs from Slur
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,19 @@ from pathlib import Path
 
 from llmft.errors import LlmftError
 from llmft.launch import continuation, sweep
+from llmft.launch.job import (
+    JobError,
+    container_mounts,
+    given,
+    launch_line,
+    newest_complete_step,
+    plan_arguments,
+    port_taken,
+    run_key,
+    run_paths,
+    safe_name,
+    train_arguments,
+)
 from llmft.launch.knobs import (
     KnobError,
     Knobs,
@@ -45,12 +57,13 @@ from llmft.launch.knobs import (
     resolve,
     unknown_in_variable_list,
 )
+from llmft.planning import failure_blame
 
 ME = "run_llm.pbs"
 USAGE = __doc__.split("\n\n")[1]
 
 
-class PbsJobError(LlmftError, RuntimeError):
+class PbsJobError(JobError):
     """The PBS job cannot go on; one line, exit 2."""
 
 
@@ -141,24 +154,6 @@ def hosts_of(nodefile_text: str) -> list[tuple[str, int]]:
     return list(seen.items())
 
 
-def run_key(k: Knobs) -> str:
-    """slurm/run_llm.slurm's key of the knobs that define a run, byte for byte: the same experiment lands in the
-    same directory on either scheduler."""
-    fields = [k[n] for n in ("MODEL", "DATASET", "DATA_PERCENTAGE", "ZERO_STAGE", "DS_CONFIG", "GLOBAL_BATCH")]
-    fields += [k["LORA"], k["EXTRA_ARGS"]]
-    if k["MIXTURE"]:
-        fields.append(f"MIXTURE={k['MIXTURE']}")
-    if k["SWEEP"]:  # joins the key only when given, so a run without one keeps its directory
-        fields.append(f"SWEEP={k['SWEEP']}")
-    if k["SEQUENCE_PARALLEL"] != "1":
-        fields.append(f"SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}")
-    return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
-
-
-def safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
-
-
 def rendezvous_port(job_id: str, taken) -> int:
     """The c10d port: 20000-29999 from the job's number and array index (an array's elements run at once, on one
     node too), moving on past ports something on the first host already listens on (`taken(port)`)."""
@@ -170,14 +165,6 @@ def rendezvous_port(job_id: str, taken) -> int:
         if not taken(port):
             return port
     raise PbsJobError(f"no free rendezvous port in 20000-29999 after 100 tries from {20000 + first}")
-
-
-def port_taken(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def shutdown_timeout(kill_delay_s: float) -> int:
@@ -195,34 +182,6 @@ CONTAINER_ENV_PREFIXES = ("LLMFT_", "WANDB_", "NCCL_", "TORCH_", "HF_", "TRITON_
 def container_name(job_id: str) -> str:
     """One container per job on each node (`enroot create` once per node per job; a rerun of the job reuses it)."""
     return "llmft-" + safe_name(job_id.split(".")[0])
-
-
-def container_mounts(k: Knobs, paths: Sequence[Path]) -> list[str]:
-    """SRC:DST mounts at the same paths: CONTAINER_MOUNTS first, then each path the run reads or writes that none of
-    them covers (the submit dir, CHECKPOINT_DIR, HF_HOME, LLMFT_CACHE, a local MODEL, DATASET or MIXTURE)."""
-    mounts = list(k.mounts)
-    paths = [p for p in paths if not any(q != p and q in p.parents for q in paths)]  # a parent mount covers it
-    for path in paths:
-        covered = False
-        for m in mounts:
-            dst = m.split(":")[1] if ":" in m else m
-            if str(path) == dst or str(path).startswith(dst.rstrip("/") + "/"):
-                covered = True
-                break
-        if not covered:
-            mounts.append(f"{path}:{path}")
-    return mounts
-
-
-def run_paths(k: Knobs, submit_dir: Path, run_dir: Path, node_env: Mapping[str, str]) -> list[Path]:
-    paths = [submit_dir, run_dir, Path(node_env["HF_HOME"]), Path(node_env["LLMFT_CACHE"])]
-    for value in (k["MODEL"], k["DATASET"], k["MIXTURE"]):
-        path = (submit_dir / value) if value else None
-        if path is not None and path.is_dir():
-            paths.append(path.resolve())
-        elif path is not None and path.is_file():
-            paths.append(path.resolve().parent)
-    return paths
 
 
 def enroot_start(enroot: str, name: str, mounts: Sequence[str], gpus: bool, env_names: Sequence[str]) -> list[str]:
@@ -329,108 +288,6 @@ def claim_run_dir(run_dir: Path, job_id: str) -> None:
     owner_file.write_text(job_id + "\n")
 
 
-def newest_complete_step(run_dir: Path) -> int:
-    steps = [
-        int(d.name.split("-")[1])
-        for d in run_dir.glob("checkpoint-*")
-        if d.name.split("-")[1].isdigit() and (d / "llmft_complete.json").is_file()
-    ]
-    return max(steps, default=0)
-
-
-def train_arguments(k: Knobs, run_dir: Path, report_to: str) -> list[str]:
-    data = (
-        ["--dataset_mixture", k["MIXTURE"]]
-        if k["MIXTURE"]
-        else ["--dataset_name", k["DATASET"], "--data_percentage", k["DATA_PERCENTAGE"]]
-    )
-    args = ["--model_name_or_path", k["MODEL"], *data, "--output_dir", str(run_dir), "--num_train_epochs", k["EPOCHS"]]
-    args += ["--global_batch_size", k["GLOBAL_BATCH"], "--per_device_train_batch_size", k["MICRO_BATCH"]]
-    args += ["--report_to", report_to, "--disable_tqdm", "true"]
-    if k["DS_CONFIG"]:
-        args += ["--deepspeed", k["DS_CONFIG"]]
-    elif k["ZERO_STAGE"] == "auto":
-        args += ["--auto"]
-    else:
-        args += ["--zero_stage", k["ZERO_STAGE"]]
-    if k.flag("OFFLOAD"):
-        args += ["--offload"]
-    if k["MAX_STEPS"]:
-        args += ["--max_steps", k["MAX_STEPS"]]
-    if k["SAVE_STEPS"]:
-        args += ["--save_steps", k["SAVE_STEPS"]]
-    if k.flag("LORA"):
-        args += ["--use_peft"]
-    if k["SEQUENCE_PARALLEL"] != "1":
-        args += ["--sequence_parallel", k["SEQUENCE_PARALLEL"]]
-    return args
-
-
-def plan_arguments(k: Knobs, run_dir: Path, nodes_file: Path, nnodes: int, gpus: int) -> list[str]:
-    """`llmft plan`'s flags for this job: its world (one process per GPU, one on a node without GPUs) and knobs."""
-    nproc = max(1, gpus)
-    args = ["--global_batch_size", k["GLOBAL_BATCH"], "--per_device_train_batch_size", k["MICRO_BATCH"]]
-    args += ["--output_dir", str(run_dir), "--print_launch", "--nodes", str(nodes_file)]
-    args += ["--numa_binding", k["NUMA_BINDING"], "--nnodes", str(nnodes), "--nproc_per_node", str(nproc)]
-    memory = memory_arguments(k.extra_args)
-    if k["DS_CONFIG"]:
-        args += ["--deepspeed", k["DS_CONFIG"]]
-    elif k["ZERO_STAGE"] == "auto":
-        args += ["--model", k["MODEL"], "--auto", *memory]
-    else:
-        args += ["--zero_stage", k["ZERO_STAGE"]]
-    if k["ZERO_STAGE"] != "auto":
-        args += ["--model", k["MODEL"], "--check_memory", *memory]
-    if k.flag("LORA"):
-        args += ["--use_peft"]
-    if k.flag("OFFLOAD"):
-        args += ["--offload"]
-    if k["SEQUENCE_PARALLEL"] != "1":
-        args += ["--sequence_parallel", k["SEQUENCE_PARALLEL"]]
-    return args
-
-
-# The llmft train flags in EXTRA_ARGS that change the memory a setting needs (slurm/run_llm.slurm forwards the same):
-# flags with a value, switches, and switches that may take true/false after them.
-MEMORY_VALUE_FLAGS = ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation")
-MEMORY_SWITCHES = ("--load_in_4bit", "--save_consolidated", "--async_save")
-MEMORY_BOOL_FLAGS = ("--tiled_mlp", "--activation_offloading")
-BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
-
-
-def memory_arguments(extra: Sequence[str]) -> list[str]:
-    """The llmft train flags in EXTRA_ARGS that change the memory a setting needs, for the plan's memory check."""
-    out = []
-    for i, arg in enumerate(extra):
-        if arg in MEMORY_VALUE_FLAGS:
-            out += extra[i : i + 2]
-        elif "=" in arg and arg.split("=")[0] in MEMORY_VALUE_FLAGS + MEMORY_BOOL_FLAGS:
-            out.append(arg)
-        elif arg in MEMORY_SWITCHES:
-            out.append(arg)
-        elif arg in MEMORY_BOOL_FLAGS:
-            given_value = i + 1 < len(extra) and extra[i + 1].lower() in BOOL_WORDS
-            out += extra[i : i + 2] if given_value else [arg]
-    return out
-
-
-def given(extra: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in extra)
-
-
-def launch_line(plan_out: str) -> dict[str, str]:
-    for line in plan_out.splitlines():
-        if line.startswith("llmft launch: "):
-            pairs = dict(kv.split("=", 1) for kv in line[len("llmft launch: ") :].split())
-            needed = ("nnodes", "nproc_per_node", "cpus_per_node", "omp_num_threads", "dataloader_num_workers")
-            needed += ("dataset_num_proc", "host_ram_gb", "numa_binding")
-            missing = [n for n in needed if n not in pairs]
-            if missing:
-                raise PbsJobError(f"llmft plan printed no '{missing[0]}' on its 'llmft launch:' line")
-            return pairs
-    raise PbsJobError("llmft plan printed no 'llmft launch:' line")
-
-
 class Stop:
     """SIGTERM (the walltime, qdel, qrerun) or SIGUSR1 to the job's shell: every rank finishes its step and saves."""
 
@@ -535,7 +392,9 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     started = on_every_node(hosts, [*wrapper, "--", *inside, *torchrun])
     wait_s = shutdown_timeout(kill_delay) if stop.signal else NODE_EXIT_WAIT_S
     rc = next((r for r in node_exits(failures, hosts, started, wait_s) if r != 0), 0)
-    outcome = after_training(run_dir, rc, stop, files["requeue"], start_step, failures, kill_delay, job_id, k, env)
+    outcome = after_training(
+        run_dir, rc, stop, files["requeue"], start_step, failures, kill_delay, job_id, k, env, [h for h, _ in hosts]
+    )
     if outcome.go_on:
         go_on(k, env, job, job_id, run_dir, node_env, outcome.failure_restarts)
     return outcome.rc
@@ -673,11 +532,13 @@ class Outcome:
 WALLTIME_SIGTERM_MARGIN_S = 60.0  # a SIGTERM this close to the walltime (plus kill_delay) is the walltime's
 
 
-def after_training(run_dir, rc, stop, requeue_file, start_step, failures, kill_delay, job_id, k, env) -> Outcome:
+def after_training(
+    run_dir, rc, stop, requeue_file, start_step, failures, kill_delay, job_id, k, env, hosts: Sequence[str] = ()
+) -> Outcome:
     """What follows the training, each case said in one line: done; stopped for the walltime (llmft's own final
     save, or PBS's SIGTERM at the limit) or by SIGUSR1, which a continuation resumes; SIGTERM from qdel or qrerun,
-    where PBS decides; or a failure, named by its node, continued only after progress and at most MAX_RESTARTS
-    times."""
+    where PBS decides; or a failure, named in one line (llmft.planning.failure_blame), continued only after progress,
+    at most MAX_RESTARTS times, and never for an application error."""
     stop.stop_file.unlink(missing_ok=True)
     if (run_dir / "llmft_done.json").is_file():
         requeue_file.unlink(missing_ok=True)
@@ -705,19 +566,30 @@ def after_training(run_dir, rc, stop, requeue_file, start_step, failures, kill_d
     if rc == 0:  # not a success: nothing says the training finished
         say(f"error: every node's torchrun exited 0, but {run_dir}/llmft_done.json is missing: the run did not finish")
         return Outcome(1)
-    reports = sorted(failures.glob("node-*.json"))
-    for report in reports:
-        try:
-            r = json.loads(report.read_text())
-            say(f"node {r.get('node')}: {r.get('cause') or r.get('summary') or r}")
-        except ValueError:
-            say(f"{report.name}: unreadable")
+    # The failure in one line, by the rules of the Slurm job (llmft.planning.failure_blame): the rank and node that
+    # failed first, a node that reported nothing, or every node waiting; an application error is not continued.
+    found = failure_blame.blame(failure_blame.read_reports(failures), list(hosts), rc, str(run_dir / "nccl_trace"))
+    for line in found.line.split("\n"):
+        say(line)
     restarts = int(env.get(continuation.RESTARTS_ENV, "0") or 0)
     limit = int(k["MAX_RESTARTS"])
+    if found.deterministic:
+        say(
+            f"not continued: an application error fails the same way on any node; {found.fix}, then resubmit with "
+            "the same CHECKPOINT_DIR to resume"
+        )
+        return Outcome(rc)
     if step > start_step and restarts < limit:
+        # qsub has no exclusion (Slurm's ExcNodeList): the new job may be placed on the node again
+        avoid = (
+            f"; PBS cannot keep node(s) {','.join(found.exclude)} out of it: ask for other nodes with -l "
+            "select=...:host=, or have an administrator offline them"
+            if found.exclude
+            else ""
+        )
         say(
             f"training failed (exit {rc}) after progress (step {start_step} -> {step}); continuing in a new job "
-            f"(after failures {restarts + 1} of at most MAX_RESTARTS={limit})"
+            f"(after failures {restarts + 1} of at most MAX_RESTARTS={limit}){avoid}"
         )
         return Outcome(rc, go_on=True, failure_restarts=restarts + 1)
     why = f"MAX_RESTARTS={limit} reached" if step > start_step else "no new complete checkpoint: it would fail again"

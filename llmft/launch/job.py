@@ -1,0 +1,184 @@
+"""What a job does on any scheduler: its run directory's name and state, the `llmft plan` and `llmft train`
+arguments its knobs make, the plan's launch line, and its container's mounts.
+
+llmft.launch.slurm and llmft.launch.pbs are the two schedulers' jobs over this module; what differs between them
+(reading the allocation, starting one launcher per node, stopping and continuing) stays in each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from llmft.errors import LlmftError
+from llmft.launch.knobs import Knobs
+
+
+class JobError(LlmftError, RuntimeError):
+    """The job cannot go on; said in one line after the script's name, exit 2."""
+
+
+def run_key(k: Knobs) -> str:
+    """The key of the knobs that define a run (the default run directory's suffix), the one the Slurm job's bash
+    used to compute, byte for byte: an experiment keeps its directory, on either scheduler."""
+    fields = [k[n] for n in ("MODEL", "DATASET", "DATA_PERCENTAGE", "ZERO_STAGE", "DS_CONFIG", "GLOBAL_BATCH")]
+    fields += [k["LORA"], k["EXTRA_ARGS"]]
+    if k["MIXTURE"]:
+        fields.append(f"MIXTURE={k['MIXTURE']}")
+    if k["SWEEP"]:  # joins the key only when given, so a run without one keeps its directory
+        fields.append(f"SWEEP={k['SWEEP']}")
+    if k["SEQUENCE_PARALLEL"] != "1":
+        fields.append(f"SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}")
+    return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def port_taken(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def container_mounts(k: Knobs, paths: Sequence[Path]) -> list[str]:
+    """SRC:DST mounts at the same paths: CONTAINER_MOUNTS first, then each path the run reads or writes that none of
+    them covers (the submit dir, CHECKPOINT_DIR, HF_HOME, LLMFT_CACHE, a local MODEL, DATASET or MIXTURE)."""
+    mounts = list(k.mounts)
+    paths = [p for p in paths if not any(q != p and q in p.parents for q in paths)]  # a parent mount covers it
+    for path in paths:
+        covered = False
+        for m in mounts:
+            dst = m.split(":")[1] if ":" in m else m
+            if str(path) == dst or str(path).startswith(dst.rstrip("/") + "/"):
+                covered = True
+                break
+        if not covered:
+            mounts.append(f"{path}:{path}")
+    return mounts
+
+
+def run_paths(k: Knobs, submit_dir: Path, run_dir: Path, node_env: Mapping[str, str]) -> list[Path]:
+    paths = [submit_dir, run_dir, Path(node_env["HF_HOME"]), Path(node_env["LLMFT_CACHE"])]
+    for value in (k["MODEL"], k["DATASET"], k["MIXTURE"]):
+        path = (submit_dir / value) if value else None
+        if path is not None and path.is_dir():
+            paths.append(path.resolve())
+        elif path is not None and path.is_file():
+            paths.append(path.resolve().parent)
+    return paths
+
+
+def newest_complete_step(run_dir: Path) -> int:
+    steps = [
+        int(d.name.split("-")[1])
+        for d in run_dir.glob("checkpoint-*")
+        if d.name.split("-")[1].isdigit() and (d / "llmft_complete.json").is_file()
+    ]
+    return max(steps, default=0)
+
+
+def train_arguments(k: Knobs, run_dir: Path, report_to: str) -> list[str]:
+    data = (
+        ["--dataset_mixture", k["MIXTURE"]]
+        if k["MIXTURE"]
+        else ["--dataset_name", k["DATASET"], "--data_percentage", k["DATA_PERCENTAGE"]]
+    )
+    args = ["--model_name_or_path", k["MODEL"], *data, "--output_dir", str(run_dir), "--num_train_epochs", k["EPOCHS"]]
+    args += ["--global_batch_size", k["GLOBAL_BATCH"], "--per_device_train_batch_size", k["MICRO_BATCH"]]
+    args += ["--report_to", report_to, "--disable_tqdm", "true"]
+    if k["DS_CONFIG"]:
+        args += ["--deepspeed", k["DS_CONFIG"]]
+    elif k["ZERO_STAGE"] == "auto":
+        args += ["--auto"]
+    else:
+        args += ["--zero_stage", k["ZERO_STAGE"]]
+    if k.flag("OFFLOAD"):
+        args += ["--offload"]
+    if k["MAX_STEPS"]:
+        args += ["--max_steps", k["MAX_STEPS"]]
+    if k["SAVE_STEPS"]:
+        args += ["--save_steps", k["SAVE_STEPS"]]
+    if k.flag("LORA"):
+        args += ["--use_peft"]
+    if k["SEQUENCE_PARALLEL"] != "1":
+        args += ["--sequence_parallel", k["SEQUENCE_PARALLEL"]]
+    return args
+
+
+def plan_arguments(
+    k: Knobs, run_dir: Path, nodes_file: Path, nnodes: int | None = None, gpus: int | None = None
+) -> list[str]:
+    """`llmft plan`'s flags for this job: its knobs, and its world where the scheduler does not tell llmft plan
+    (PBS: `nnodes` nodes, one process per GPU, one on a node without GPUs; Slurm: llmft plan reads SLURM_*)."""
+    args = ["--global_batch_size", k["GLOBAL_BATCH"], "--per_device_train_batch_size", k["MICRO_BATCH"]]
+    args += ["--output_dir", str(run_dir), "--print_launch", "--nodes", str(nodes_file)]
+    args += ["--numa_binding", k["NUMA_BINDING"]]
+    if nnodes is not None:
+        args += ["--nnodes", str(nnodes), "--nproc_per_node", str(max(1, gpus or 0))]
+    memory = memory_arguments(k.extra_args)
+    if k["DS_CONFIG"]:
+        args += ["--deepspeed", k["DS_CONFIG"]]
+    elif k["ZERO_STAGE"] == "auto":
+        args += ["--model", k["MODEL"], "--auto", *memory]
+    else:
+        args += ["--zero_stage", k["ZERO_STAGE"]]
+    if k["ZERO_STAGE"] != "auto":
+        args += ["--model", k["MODEL"], "--check_memory", *memory]
+    if k.flag("LORA"):
+        args += ["--use_peft"]
+    if k.flag("OFFLOAD"):
+        args += ["--offload"]
+    if k["SEQUENCE_PARALLEL"] != "1":
+        args += ["--sequence_parallel", k["SEQUENCE_PARALLEL"]]
+    return args
+
+
+# The llmft train flags in EXTRA_ARGS that change the memory a setting needs :
+# flags with a value, switches, and switches that may take true/false after them.
+MEMORY_VALUE_FLAGS = ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation")
+MEMORY_SWITCHES = ("--load_in_4bit", "--save_consolidated", "--async_save")
+MEMORY_BOOL_FLAGS = ("--tiled_mlp", "--activation_offloading")
+BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
+def memory_arguments(extra: Sequence[str]) -> list[str]:
+    """The llmft train flags in EXTRA_ARGS that change the memory a setting needs, for the plan's memory check."""
+    out = []
+    for i, arg in enumerate(extra):
+        if arg in MEMORY_VALUE_FLAGS:
+            out += extra[i : i + 2]
+        elif "=" in arg and arg.split("=")[0] in MEMORY_VALUE_FLAGS + MEMORY_BOOL_FLAGS:
+            out.append(arg)
+        elif arg in MEMORY_SWITCHES:
+            out.append(arg)
+        elif arg in MEMORY_BOOL_FLAGS:
+            given_value = i + 1 < len(extra) and extra[i + 1].lower() in BOOL_WORDS
+            out += extra[i : i + 2] if given_value else [arg]
+    return out
+
+
+def given(extra: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in extra)
+
+
+def launch_line(plan_out: str) -> dict[str, str]:
+    for line in plan_out.splitlines():
+        if line.startswith("llmft launch: "):
+            pairs = dict(kv.split("=", 1) for kv in line[len("llmft launch: ") :].split())
+            needed = ("nnodes", "nproc_per_node", "cpus_per_node", "omp_num_threads", "dataloader_num_workers")
+            needed += ("dataset_num_proc", "host_ram_gb", "numa_binding")
+            missing = [n for n in needed if n not in pairs]
+            if missing:
+                raise JobError(
+                    f"llmft plan printed no '{missing[0]}' on its 'llmft launch:' line; is the llmft it ran older than "
+                    "this launcher?"
+                )
+            return pairs
+    raise JobError("llmft plan printed no 'llmft launch:' line")

@@ -1,0 +1,1121 @@
+"""llmft on Slurm: one torchrun per node (srun), DeepSpeed ZeRO inside, preemption-safe.
+
+  sbatch -J sft slurm/run_llm.slurm --export=ALL,MODEL=Qwen/Qwen2.5-0.5B,DATASET=data.jsonl   # after the script,
+                                                                  # sbatch hands --export=... to it
+  sbatch -J sft --export=ALL,DATASET=data.jsonl slurm/run_llm.slurm   # before it, sbatch's own --export sets the environment
+  sbatch slurm/run_llm.slurm DATASET=data.jsonl MODEL=/models/llama   # plain KEY=VALUE arguments work too
+  DRY_RUN=1 bash slurm/run_llm.slurm DATASET=data.jsonl               # outside Slurm: check what can be checked here
+
+Knobs (KEY=VALUE; arguments override the environment; any other key is an error). A value cannot hold a
+comma inside --export=... (sbatch splits there): CONTAINER_MOUNTS takes ';' between mounts, and any value
+can be given as a plain KEY=VALUE argument instead. EPOCHS and DATA_PERCENTAGE default to `llmft train`'s, and the
+learning rate is llmft train's own (2e-5, TRL's; --learning_rate in EXTRA_ARGS). GLOBAL_BATCH and MICRO_BATCH are
+this script's: a global batch kept on any number of nodes, split into micro-batches of 4 (llmft train alone: 8 per
+process, the global batch following the processes). The job's first lines name every default it applied
+("defaults applied: ...").
+  EPOCHS=3                        training epochs (a positive number; llmft train's default)
+  CHECKPOINT_DIR=runs/<job name>-<run key>
+                                  output and checkpoint directory on storage every node shares; a rerun
+                                  (or a requeue) with the same directory resumes from its newest complete checkpoint.
+                                  Default: under the submit directory, named by the job (sbatch -J NAME) and a
+                                  key of MODEL DATASET DATA_PERCENTAGE ZERO_STAGE DS_CONFIG GLOBAL_BATCH LORA
+                                  EXTRA_ARGS (and MIXTURE when given), so a different experiment never resumes
+                                  another's checkpoints
+  DATA_PERCENTAGE=100             use this percentage of the dataset (0 < p <= 100; default: all of it)
+  MODEL=Qwen/Qwen2.5-0.5B         model: hub id or a local model directory (a local one must exist, checked before
+                                  anything runs; DRY_RUN=1 also reads its config)
+  DATASET=trl-lib/Capybara        dataset: hub id or a local .jsonl/.json/.parquet/.csv file; a local path that does
+                                  not exist stops the job on the batch host before any srun
+  MIXTURE=                        a --dataset_mixture YAML file (several datasets at chosen weights) instead of
+                                  DATASET: the whole mixture trains (each source's percentage: is in the file), so
+                                  DATASET and DATA_PERCENTAGE are refused beside it, as is --dataset_mixture in EXTRA_ARGS
+  ZERO_STAGE=2                    DeepSpeed ZeRO stage 0-3 (ignored when DS_CONFIG is set), or auto: llmft's
+                                  memory planner picks stage, offload, micro-batch (up to MICRO_BATCH) and
+                                  gradient checkpointing for the GPUs and RAM this job got (llmft train --auto)
+  DS_CONFIG=                      your own DeepSpeed JSON instead of llmft's ZeRO templates
+  OFFLOAD=0                       1: ZeRO CPU offload (stage 2 or 3)
+  GLOBAL_BATCH=32                 global batch; kept on any number of nodes/GPUs by adjusting accumulation (a
+                                  multiple of MICRO_BATCH x the job's processes; llmft train alone: MICRO_BATCH x processes)
+  MICRO_BATCH=4                   micro-batch per GPU process (only splits GLOBAL_BATCH: memory, not the result)
+  MAX_STEPS=                      stop after this many optimizer steps (overrides EPOCHS)
+  SAVE_STEPS=                     checkpoint every N steps (empty: llmft train's default)
+  SAVE_TOTAL_LIMIT=2              complete checkpoints kept (0: all); the oldest is deleted only once a newer one is
+                                  complete. --save_total_limit in EXTRA_ARGS wins
+  MAX_RESTARTS=3                  a failed attempt (a rank died, a node failed, a collective timed out) is requeued
+                                  at most this many times, without the nodes there is evidence against (dead, a GPU
+                                  or fabric failure), and only when it wrote a new complete checkpoint; an
+                                  application error (out of memory, an exception) is not requeued (0: never)
+  LORA=0                          1: train LoRA adapters (PEFT) instead of all weights
+  WANDB_PROJECT=                  set to log to Weights & Biases (else --report_to none); the run is named
+                                  <job-name>-<job-id>, and a requeued job continues it
+  WANDB_MODE=                     online | offline | disabled; empty: offline when the node cannot reach W&B
+  PREPARE=0                       1: tokenise the data with `llmft prepare` on the batch host before srun
+                                  (cached in LLMFT_CACHE, default <submit dir>/.llmft-cache; reused by every run)
+  CONTAINER_IMAGE=                run inside this image with pyxis (srun --container-image ...)
+                                  The container is named llmft-<job id> (pyxis --container-name), so each node
+                                  creates it once per job and every srun of the job reuses it
+  CONTAINER_MOUNTS=               more pyxis mounts SRC:DST[:FLAGS], separated by ';' (or ',' outside --export=...);
+                                  always mounted at the same paths: the submit dir, CHECKPOINT_DIR, HF_HOME,
+                                  LLMFT_CACHE, and MODEL and DATASET where they are local paths
+  NCCL_PROFILE=                   gcp-g2 (plain TCP, no GPUDirect) | aws-efa (EFA through the aws-ofi-nccl
+                                  plugin; refused on nodes without an EFA device, e.g. g6, or where the plugin or
+                                  libfabric is not on the library path) | gcp-tcpx (a3-highgpu-8g's GPUDirect-TCPX;
+                                  refused where its NCCL plugin or receive-datapath-manager is missing) |
+                                  ib (InfiniBand); empty: NCCL's own defaults. NCCL_* variables you set yourself win.
+                                  aws-efa and gcp-tcpx name their plugin in NCCL_NET: NCCL fails at start rather
+                                  than falling back to TCP sockets
+  SWEEP=                          train variants as a job array, each in CHECKPOINT_DIR/<variant> (llmft.launch.sweep):
+                                  e.g. SWEEP=learning_rate=1e-5,3e-5,1e-4 (3 variants; several flags:
+                                  'learning_rate=1e-5,3e-5 lora_r=8,16', every combination); submit with
+                                  sbatch --array=1-N (N variants; any other array is refused); a value with commas
+                                  goes after the script as SWEEP=..., not inside --export=...
+  SEQUENCE_PARALLEL=1             Ulysses sequence parallelism (llmft train --sequence_parallel N): each sample's
+                                  sequence split over N ranks; GLOBAL_BATCH counts the ranks / N data-parallel
+                                  groups (ZERO_STAGE=auto plans with this N; see docs/long-context.md)
+  NUMA_BINDING=auto               torchrun --numa-binding: auto binds each process to its GPU's NUMA node where every
+                                  node has GPUs, several NUMA nodes and numactl, and the job's CPUs there cover each of
+                                  its GPUs' NUMA nodes (not on a shared node that misses one); off | node | socket |
+                                  exclusive | core-complex
+  VENV=                           virtual environment to run in; default: the Python environment sbatch was run from
+  EXTRA_ARGS=                     more `llmft train` flags, split on spaces (e.g. "--logging_steps 5 --seed 1")
+  DRY_RUN=0                       1: print the plan and the launch command, run nothing. Outside Slurm it checks
+                                  what it can without GPUs: the knobs, that local MODEL/DATASET paths exist, that
+                                  GLOBAL_BATCH divides by MICRO_BATCH x the processes the script's #SBATCH lines ask for
+                                  (or sbatch's --nodes=N --gpus-per-node=G, given to the dry run as arguments), and
+                                  that a local MODEL's config reads (with VENV's, or the current, Python)
+
+Resources: change the #SBATCH lines of slurm/run_llm.slurm (e.g. --gpus-per-node=4); nothing else needs editing:
+`llmft plan` decides the world from Slurm's allocation (each node runs one torchrun with one process per
+GPU Slurm gave it, 1 on a node without GPUs) and llmft keeps GLOBAL_BATCH by adjusting gradient accumulation.
+CPUs: --cpus-per-gpu=4 fits every node of the blueprints (g2-standard-4 has 4 vCPUs per L4); raise it where
+nodes have more (a2-highgpu, p4d, g6.12xlarge: 12 per GPU). The training step gets all of the job's CPUs on
+each node (srun --cpus-per-task, which srun no longer inherits from sbatch since Slurm 22.05), and llmft
+plan splits them: OMP_NUM_THREADS and dataloader workers per process, tokenisation processes per node.
+OMP_NUM_THREADS you export, or --dataloader_num_workers / --dataset_num_proc in EXTRA_ARGS, win.
+Memory: #SBATCH --mem=0 asks for each node's whole memory. To share nodes, give what `llmft plan --model M
+--write DIR` prints (sbatch --mem=NG). Every node reports what the job may use there (its memory cgroup,
+--mem/--mem-per-cpu/--mem-per-gpu, MemTotal) and llmft plans with the smallest; whenever MODEL's config can be
+read, the plan checks that the run's setting fits before anything launches, and names the limit and the
+sbatch flag when it does not. sbatch refuses --mem-per-cpu/--mem-per-gpu beside --mem: to use them, replace the
+#SBATCH --mem line. GPUs spread unevenly over the nodes (sbatch --gpus=N) are refused: every node runs
+one process per GPU, the same number on each.
+Caches: downloads go to the shared HF_HOME (default ~/.cache/huggingface; one process per job downloads, the
+others wait); build caches that nodes would race on over a shared /home are node-local:
+DeepSpeed's JIT-built ops (one cache per environment) and TRITON_CACHE_DIR under ${TMPDIR:-/tmp}/llmft-$USER.
+Variables you export yourself win.
+Preemption and time limits: llmft reads the job's end from Slurm, times its own checkpoints and starts the last
+one early enough to finish before the time limit (1.5 x the longest save + a step + 60 s), then this job requeues
+itself and resumes. As a backstop Slurm signals the batch shell 120 s before the end (--signal=B:USR1@120): every
+rank finishes its step, a complete checkpoint is written, and the job requeues itself.
+On SIGTERM (scancel, scontrol requeue, preemption) the ranks checkpoint too, and Slurm decides what follows.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmft.errors import LlmftError
+from llmft.launch import sweep
+from llmft.launch.job import (
+    JobError,
+    container_mounts,
+    given,
+    launch_line,
+    newest_complete_step,
+    plan_arguments,
+    run_key,
+    run_paths,
+    safe_name,
+    train_arguments,
+)
+from llmft.launch.knobs import NAMES, Knobs, default_dataset_warning, defaults_line, model_is_local, resolve
+
+ME = "run_llm.slurm"
+HELP = __doc__
+
+
+class SlurmJobError(JobError):
+    """The Slurm job cannot go on; one line, exit 2."""
+
+
+def say(text: str) -> None:
+    print(f"{ME}: {text}", flush=True)
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ---- the arguments: KEY=VALUE, --export=..., and sbatch's world for a dry run -----------------------------------
+
+
+def known() -> str:
+    return "known knobs: " + " ".join(NAMES)
+
+
+def split_export(text: str) -> list[str]:
+    """An --export=... list split at commas outside quotes, as sbatch splits it."""
+    items, item, quote = [], "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+            item += ch
+        elif ch in "'\"":
+            quote = ch
+            item += ch
+        elif ch == ",":
+            items.append(item)
+            item = ""
+        else:
+            item += ch
+    return [*items, item]
+
+
+def not_a_name(item: str, source: str) -> None:
+    """An --export=... item that is neither KEY=VALUE nor a variable name is the rest of a value cut at a comma."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", item):
+        raise SlurmJobError(
+            f"'{item}' in '{source}' is not KEY=VALUE: a value was cut at a comma, which separates items in "
+            "--export=...; separate CONTAINER_MOUNTS with ';', or pass the value as a plain KEY=VALUE argument after "
+            "the script"
+        )
+
+
+def knob_item(item: str, source: str, into: dict[str, str]) -> None:
+    key, sep, value = item.partition("=")
+    if not sep:
+        if item in NAMES:
+            return  # --export=ALL,NAME: the variable as it is
+        not_a_name(item, source)
+        raise SlurmJobError(f"unknown knob '{item}' in '{source}'; {known()}")
+    if key not in NAMES:
+        raise SlurmJobError(f"unknown knob '{key}' in '{source}'; {known()}")
+    into[key] = value
+
+
+def read_arguments(argv: Sequence[str], in_job: bool) -> tuple[dict[str, str], list[str], bool]:
+    """The knobs given as arguments, sbatch's --nodes=N/--gpus-per-node=G given to a dry run, and whether --help was
+    asked; each argument checked in order, the first bad one named."""
+    knobs: dict[str, str] = {}
+    world: list[str] = []
+    for arg in argv:
+        if arg.startswith(("--nodes=", "--gpus-per-node=")):
+            if in_job:
+                raise SlurmJobError(
+                    f"'{arg}' after the script reaches the script, not Slurm: give sbatch its options before the "
+                    f"script (sbatch {arg} slurm/run_llm.slurm ...)"
+                )
+            value = arg.split("=", 1)[1]
+            if not (re.fullmatch(r"[1-9][0-9]*", value) or arg == "--gpus-per-node=0"):
+                raise SlurmJobError(
+                    f"'{arg}': a dry run checks the batch for one number of nodes and of GPUs per node; give "
+                    f"{arg.split('=')[0]}=N"
+                )
+            world.append(arg)
+        elif arg in ("-h", "--help"):
+            return knobs, world, True
+        elif arg.startswith("--export="):
+            for item in split_export(arg[len("--export=") :]):
+                if item not in ("ALL", "NONE", "NIL", ""):
+                    knob_item(item, arg, knobs)
+        elif re.match(r"[A-Za-z_].*=", arg, re.S):
+            knob_item(arg, arg, knobs)
+        else:
+            raise SlurmJobError(
+                f"cannot read argument '{arg}'; pass knobs as KEY=VALUE or --export=ALL,KEY=VALUE; {known()}"
+            )
+    return knobs, world, False
+
+
+def choose_python(k: Knobs, env: Mapping[str, str]) -> str:
+    """VENV, else the virtual environment / python3 sbatch was run from (inside a container: its python)."""
+    if k["CONTAINER_IMAGE"]:
+        return "python"
+    if k["VENV"]:
+        return f"{k['VENV']}/bin/python"
+    venv = env.get("VIRTUAL_ENV", "")
+    if venv and os.access(f"{venv}/bin/python", os.X_OK):
+        return f"{venv}/bin/python"
+    return shutil.which("python3") or shutil.which("python") or ""
+
+
+def bash_quoted(arg: str) -> str:
+    """An argument as bash's printf %q writes it (the launch line is read by people and by the tests, as before)."""
+    if arg == "":
+        return "''"
+    quoted = re.sub(r"([^A-Za-z0-9_./:=+@%~#-])", r"\\\1", arg)
+    return "\\" + quoted if quoted[0] in "~#" else quoted
+
+
+# ---- outside a job: what a dry run can check ----------------------------------------------------------------
+
+
+def sweep_lines(k: Knobs) -> list[sweep.Variant]:
+    variants = sweep.parse(k["SWEEP"])
+    for v in variants:
+        say(f"sweep variant {v.index}: {v.describe()} -> {v.name}")
+    return variants
+
+
+def dry_run_checks(k: Knobs, world: Sequence[str], script: str) -> None:
+    """DRY_RUN=1 outside Slurm: the batch for the world the #SBATCH lines ask for (or sbatch's --nodes=N /
+    --gpus-per-node=G given as arguments), the sweep, and a local MODEL's config (read by llmft plan)."""
+    nodes, gpus, where = "", 1, "the #SBATCH lines"
+    text = Path(script).read_text() if script and Path(script).is_file() else ""
+    for line in text.splitlines():
+        m = re.fullmatch(r"#SBATCH\s+--nodes=([0-9]+)\s*", line)
+        nodes = m.group(1) if m else nodes
+        m = re.fullmatch(r"#SBATCH\s+--gpus-per-node=([0-9]+)\s*", line)
+        gpus = int(m.group(1)) if m else gpus
+    for arg in world:
+        if arg.startswith("--nodes="):
+            nodes = arg.split("=", 1)[1]
+        else:
+            gpus = int(arg.split("=", 1)[1])
+        where = "given"
+    n = int(nodes or 1)
+    shape = f"{where}: --nodes={n}, --gpus-per-node={gpus}"
+    procs = n * (gpus if gpus > 0 else 1)
+    ranks = f"{procs} processes"
+    sp, micro, batch = int(k["SEQUENCE_PARALLEL"]), int(k["MICRO_BATCH"]), int(k["GLOBAL_BATCH"])
+    if sp != 1:
+        if procs % sp:
+            raise SlurmJobError(
+                f"SEQUENCE_PARALLEL={sp} does not divide the {procs} processes ({shape}); use a SEQUENCE_PARALLEL "
+                f"that divides {procs}"
+            )
+        ranks = f"{procs // sp} data-parallel groups of SEQUENCE_PARALLEL={sp}"
+        procs //= sp
+    per_step = micro * procs
+    if k["ZERO_STAGE"] == "auto":
+        say(
+            f"batch: not checked here (ZERO_STAGE=auto picks the micro-batch, up to MICRO_BATCH={micro}, on the nodes)"
+        )
+    elif batch % per_step:
+        lower = batch // per_step * per_step
+        hint = f"GLOBAL_BATCH={lower + per_step}" + (f" or {lower}" if lower > 0 else "")
+        raise SlurmJobError(
+            f"GLOBAL_BATCH={batch} is not a multiple of MICRO_BATCH={micro} x {ranks} ({shape}) = {per_step}; use "
+            f"{hint}, or another MICRO_BATCH"
+        )
+    else:
+        say(
+            f"batch: GLOBAL_BATCH={batch} = MICRO_BATCH {micro} x {ranks} ({shape}) x accumulation {batch // per_step}"
+        )
+    if k["SWEEP"]:
+        n_variants = len(sweep_lines(k))
+        say(f"submit the sweep as an array of {n_variants}: sbatch --array=1-{n_variants} ... slurm/run_llm.slurm")
+    model = k["MODEL"]
+    if not model_is_local(model):
+        say(f"model: {model} is a hub id, read on the nodes (not checked here)")
+    elif k["CONTAINER_IMAGE"]:
+        say(f"model: {model} not checked here (llmft runs inside CONTAINER_IMAGE={k['CONTAINER_IMAGE']})")
+    else:
+        python = choose_python(k, os.environ)
+        rc, out = 127, ""
+        if python:
+            try:
+                proc = subprocess.run(
+                    [python, "-m", "llmft.plan", "--model", model, "--check_model"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                rc, out = proc.returncode, proc.stdout
+            except OSError as e:
+                rc, out = 127, str(e)
+        error, last = "", ""
+        for line in out.splitlines():  # data, never evaluated
+            if line.startswith("llmft plan: error: "):
+                error = line[len("llmft plan: error: ") :]
+            if rc == 0 and line.startswith("llmft plan: model: "):
+                say(line[len("llmft plan: ") :])
+            last = line or last
+        if error:
+            raise SlurmJobError(error)  # llmft read the config and names what is wrong with it
+        if rc != 0:
+            said = f"exit {rc}" + (f": {last}" if last else "")
+            say(
+                f"model: the config of {model} not read here ({python or 'python3'} -m llmft.plan: {said}); set "
+                "VENV=/path/to/venv with llmft installed"
+            )
+
+
+def outside_slurm(k: Knobs, world: Sequence[str], script: str) -> int:
+    if not k.flag("DRY_RUN"):
+        if world:
+            raise SlurmJobError(
+                f"{world[0]} is sbatch's option, for DRY_RUN=1 outside a job (the world its batch check uses); submit "
+                f"with: sbatch {' '.join(world)} slurm/run_llm.slurm ..."
+            )
+        raise SlurmJobError(
+            "not inside a Slurm job (SLURM_JOB_ID is unset); submit with: sbatch slurm/run_llm.slurm "
+            "--export=ALL,DATASET=your.jsonl"
+        )
+    say(defaults_line(k))
+    warn_default_dataset(k)
+    dry_run_checks(k, world, script)
+    say(
+        "knobs are valid; not inside a Slurm job, so nothing to plan or launch (submit with: sbatch slurm/run_llm.slurm ...)"
+    )
+    return 0
+
+
+def warn_default_dataset(k: Knobs) -> None:
+    raw = "" if "DATASET" in k.defaulted else k["DATASET"]
+    warning = default_dataset_warning(k, raw, "llmft plan --dataset_name ... --write DIR prints a complete line")
+    if warning:
+        say(warning)
+
+
+# ---- inside the job --------------------------------------------------------------------------------------------
+
+
+def run(cmd: Sequence[str], timeout: float | None = None) -> subprocess.CompletedProcess | None:
+    """A Slurm client's answer (None when it could not run or timed out)."""
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def has_efa(sysfs: str) -> bool:
+    """An Elastic Fabric Adapter on this node: an RDMA device bound to the efa driver (LLMFT_SYSFS_ROOT: tests)."""
+    root = Path(sysfs) / "class" / "infiniband"
+    return any(Path(os.path.realpath(d / "device" / "driver")).name == "efa" for d in sorted(root.glob("*")))
+
+
+def host_checks(k: Knobs, env: Mapping[str, str]) -> None:
+    """What the batch host checks before it touches the run directory."""
+    if env.get("SLURM_EXPORT_ENV"):  # sbatch's own --export=... drops what follows a comma inside a value
+        for item in split_export(env["SLURM_EXPORT_ENV"]):
+            if item not in ("ALL", "NONE", "NIL", "") and "=" not in item:
+                not_a_name(item, f"sbatch --export={env['SLURM_EXPORT_ENV']}")
+    if k["CONTAINER_IMAGE"]:
+        out = run(["srun", "--help"])
+        if out is None or "--container-image" not in out.stdout + out.stderr:
+            raise SlurmJobError(
+                f"CONTAINER_IMAGE={k['CONTAINER_IMAGE']} needs the pyxis SPANK plugin, and this cluster's srun has no "
+                "--container-image"
+            )
+    sysfs = env.get("LLMFT_SYSFS_ROOT") or "/sys"
+    if k["NCCL_PROFILE"] == "aws-efa" and not has_efa(sysfs):
+        raise SlurmJobError(
+            f"NCCL_PROFILE=aws-efa, but node {socket.gethostname().split('.')[0]} has no EFA device (no RDMA device "
+            f"with the efa driver in {sysfs}/class/infiniband); only some instance types have EFA (p4d, p5, ...; not "
+            "g6): leave NCCL_PROFILE empty there"
+        )
+
+
+def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> tuple[Path, list[str]]:
+    """CHECKPOINT_DIR, else runs/<job name>-<run key> under the submit directory; with SWEEP, this element's variant's
+    directory in it; claimed for this job. Also the variant's flags (none without SWEEP)."""
+    run_dir = Path(k["CHECKPOINT_DIR"]) if k["CHECKPOINT_DIR"] else None
+    if run_dir is None:
+        run_dir = submit_dir / "runs" / f"{safe_name(env.get('SLURM_JOB_NAME') or 'llmft')}-{run_key(k)}"
+    flags: list[str] = []
+    if k["SWEEP"]:
+        variants = sweep.parse(k["SWEEP"])
+        index = env.get("SLURM_ARRAY_TASK_ID")
+        v = sweep.element(
+            variants,
+            index,
+            env.get("SLURM_ARRAY_TASK_MIN", ""),
+            env.get("SLURM_ARRAY_TASK_MAX", ""),
+            "sbatch --array=1-{n} ... slurm/run_llm.slurm",
+        )
+        try:
+            sweep.record(run_dir, k["SWEEP"], variants)
+        except OSError as e:
+            raise SlurmJobError(f"could not write {run_dir}/{sweep.SWEEP_FILE}: {e}") from None
+        say(f"sweep variant {index} of {len(variants)}: {v.describe()} in {run_dir}")
+        run_dir = run_dir / v.name
+        flags = v.flags()
+        os.environ["LLMFT_SWEEP_VARIANT"] = v.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_dir.resolve()
+    if not k.flag("DRY_RUN"):
+        claim_run_dir(run_dir, job_id)
+    return run_dir, flags
+
+
+def claim_run_dir(run_dir: Path, job_id: str) -> None:
+    """Two live jobs must not write one directory: the job that took it is recorded (created exclusively, so of two
+    jobs starting together one wins); a job still in the queue (running, or requeued and pending) keeps it."""
+    owner_file = run_dir / ".llmft-job"
+    try:
+        with open(owner_file, "x") as f:
+            f.write(job_id + "\n")
+        return
+    except FileExistsError:
+        owner = owner_file.read_text().strip() if owner_file.is_file() else ""
+    if re.fullmatch(r"[0-9_]+", owner) and owner != job_id:
+        out = run(["squeue", "-h", "-j", owner, "-o", "%T"])
+        state = out.stdout.strip() if out is not None and out.returncode == 0 else ""
+        if state:
+            raise SlurmJobError(
+                f"CHECKPOINT_DIR={run_dir} is in use by job {owner} ({state.replace(chr(10), ' ')}); wait for it to "
+                "end, or give this job another name (sbatch -J NAME) or CHECKPOINT_DIR"
+            )
+    owner_file.write_text(job_id + "\n")  # ours already (a requeue), or left by a job that has ended
+
+
+class Stop:
+    """USR1 (--signal=B:USR1@120 before the time limit, or `scancel --signal=USR1 --batch`): every rank finishes its
+    step and checkpoints, then this job requeues itself. TERM (scancel, scontrol requeue, preemption with a grace
+    time): the ranks checkpoint the same way, but Slurm decides what follows."""
+
+    def __init__(self, stop_file: Path):
+        self.stop_file, self.signal = stop_file, ""
+
+    def __call__(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name[3:]
+        if not self.signal or name == "USR1":
+            self.signal = name
+        say(f"got SIG{name} at {now()}: asking every rank to finish its step and write a checkpoint")
+        self.stop_file.touch()
+
+
+def job_hosts(env: Mapping[str, str]) -> list[str]:
+    nodelist = env.get("SLURM_JOB_NODELIST", "")
+    out = run(["scontrol", "show", "hostnames", nodelist])
+    if out is None or out.returncode != 0:
+        text = "" if out is None else (out.stdout + out.stderr).strip()
+        raise SlurmJobError(
+            f"cannot list the job's nodes: 'scontrol show hostnames {nodelist or '<SLURM_JOB_NODELIST unset>'}' "
+            f"failed: {text.splitlines()[-1] if text else ''}"
+        )
+    hosts = out.stdout.split()
+    if not hosts:
+        raise SlurmJobError(f"cannot list the job's nodes: 'scontrol show hostnames {nodelist}' printed nothing")
+    return hosts
+
+
+def rendezvous(first: str, job_id: str) -> tuple[str, int]:
+    """The c10d rendezvous on the first host, at the address Slurm itself uses to reach it, on a port from the job id
+    (20000-29999, so jobs sharing a node do not collide), past ports something there already listens on."""
+    host = first
+    out = run(["scontrol", "show", "node", first, "-o"])
+    m = re.search(r"NodeAddr=(\S+)", out.stdout if out is not None else "")
+    host = m.group(1) if m else host
+    for i in range(100):
+        port = 20000 + (int(job_id) + i) % 10000
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                continue
+        except OSError:
+            return host, port
+    raise SlurmJobError(
+        f"no free rendezvous port on {host} in 20000-29999 after 100 tries from {20000 + int(job_id) % 10000}"
+    )
+
+
+# NCCL network profiles (NCCL_* you set yourself win).
+NCCL_PROFILES: dict[str, tuple[tuple[str, str], ...]] = {
+    # G2 (L4) VMs: no GPUDirect-TCPX; NCCL over plain TCP sockets on gVNIC
+    "gcp-g2": (
+        ("NCCL_NET", "Socket"),
+        ("NCCL_IB_DISABLE", "1"),
+        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
+        ("NCCL_NSOCKS_PERTHREAD", "4"),
+        ("NCCL_SOCKET_NTHREADS", "2"),
+    ),
+    # EFA through libfabric and the aws-ofi-nccl plugin (installed with the EFA driver / DLAMI); every node is checked
+    # for the plugin before launch, and NCCL_NET names it so NCCL never falls back to sockets
+    "aws-efa": (
+        ("NCCL_NET_PLUGIN", "ofi"),
+        ("NCCL_NET", "AWS Libfabric"),
+        ("FI_PROVIDER", "efa"),
+        ("FI_EFA_USE_DEVICE_RDMA", "1"),
+        ("FI_EFA_FORK_SAFE", "1"),
+        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
+    ),
+    # a3-highgpu-8g (8 x H100): GPUDirect-TCPX over its 4 data NICs, with Google's NCCL plugin and the
+    # receive-datapath-manager (RxDM) on each node (checked before launch); values from Google's A3 guide
+    "gcp-tcpx": (
+        ("NCCL_NET", "GPUDirectTCPX_v7"),
+        ("NCCL_SOCKET_IFNAME", "eth0"),
+        ("NCCL_GPUDIRECTTCPX_CTRL_DEV", "eth0"),
+        ("NCCL_GPUDIRECTTCPX_SOCKET_IFNAME", "eth1,eth2,eth3,eth4"),
+        ("NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX", "/run/tcpx"),
+        ("NCCL_CROSS_NIC", "0"),
+        ("NCCL_ALGO", "Ring"),
+        ("NCCL_PROTO", "Simple"),
+        ("NCCL_NSOCKS_PERTHREAD", "4"),
+        ("NCCL_SOCKET_NTHREADS", "1"),
+        ("NCCL_NET_GDR_LEVEL", "PIX"),
+        ("NCCL_P2P_PXN_LEVEL", "0"),
+        ("NCCL_DYNAMIC_CHUNK_SIZE", "524288"),
+        ("NCCL_P2P_NET_CHUNKSIZE", "524288"),
+        ("NCCL_P2P_PCI_CHUNKSIZE", "524288"),
+        ("NCCL_P2P_NVL_CHUNKSIZE", "1048576"),
+        ("NCCL_BUFFSIZE", "4194304"),
+        ("NCCL_GPUDIRECTTCPX_PROGRAM_FLOW_STEERING_WAIT_MICROS", "500000"),
+    ),
+    # InfiniBand (Mellanox/NVIDIA HCAs), GPUDirect RDMA where the topology allows
+    "ib": (
+        ("NCCL_IB_DISABLE", "0"),
+        ("NCCL_IB_HCA", "mlx5"),
+        ("NCCL_NET_GDR_LEVEL", "PHB"),
+        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
+    ),
+}
+
+
+def network_environment(profile: str, run_dir: Path, job_id: str) -> None:
+    """The NCCL profile's variables, then NCCL's flight recorder (torch reads these): each rank keeps its last 2000
+    collectives and, when one times out (llmft.planning.collective_timeout sizes it), dumps them to
+    CHECKPOINT_DIR/nccl_trace/<job>_rank_<N> for `python -m torch.distributed.flight_recorder.fr_trace`. Each is set
+    unless already set, and said."""
+    pairs = NCCL_PROFILES.get(profile, ())
+    pairs += (
+        ("TORCH_FR_BUFFER_SIZE", "2000"),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+        ("TORCH_FR_DUMP_TEMP_FILE", f"{run_dir}/nccl_trace/{job_id}_rank_"),
+    )
+    for name, value in pairs:
+        if not os.environ.get(name):
+            os.environ[name] = value
+        say(f"nccl {name}={os.environ[name]}")
+
+
+def container_arguments(k: Knobs, submit_dir: Path, run_dir: Path, job_id: str) -> list[str]:
+    """pyxis's options: the image, a container named by the job (each node creates it once at the job's first srun,
+    and every later srun reuses it), and every path the run reads or writes mounted at the same path."""
+    if not k["CONTAINER_IMAGE"]:
+        return []
+    for name in ("HF_HOME", "LLMFT_CACHE"):
+        Path(os.environ[name]).mkdir(parents=True, exist_ok=True)
+    mounts = container_mounts(k, run_paths(k, submit_dir, run_dir, os.environ))
+    for m in mounts:
+        if "," in m:
+            raise SlurmJobError(
+                f"the container mount '{m}' holds a comma, which pyxis cannot take; use a path without one"
+            )
+    return [
+        f"--container-image={k['CONTAINER_IMAGE']}",
+        f"--container-name=llmft-{job_id}",
+        f"--container-mounts={','.join(mounts)}",
+        f"--container-workdir={submit_dir}",
+    ]
+
+
+def kill_chain_command(python: str, env: Mapping[str, str]) -> list[str]:
+    """llmft.planning.kill_chain with Slurm's text (KillWait, the partition's and the QOS's GraceTime), read there:
+    torchrun's shutdown timeout goes past Slurm's SIGKILL, so only Slurm's limit cuts a stop save."""
+    out = run(["scontrol", "show", "config"], timeout=10)
+    partition, qos = env.get("SLURM_JOB_PARTITION", ""), env.get("SLURM_JOB_QOS", "")
+    args = ["--config", out.stdout.rstrip("\n") if out is not None else ""]
+    args += ["--partition", partition, "--qos", qos]
+    if partition:
+        out = run(["scontrol", "show", "partition", partition, "-o"], timeout=10)
+        if out is not None and out.returncode == 0:
+            args += ["--partition_text", out.stdout.rstrip("\n")]
+    if qos:
+        if not shutil.which("sacctmgr"):
+            args += ["--qos_problem", f"no sacctmgr on {socket.gethostname().split('.')[0]}"]
+        else:
+            out = run(["sacctmgr", "-nP", "show", "qos", qos, "format=GraceTime"], timeout=10)
+            if out is not None and out.returncode == 0:
+                args += ["--qos_text", (out.stdout + out.stderr).rstrip("\n")]
+            else:
+                first = ((out.stdout + out.stderr) if out is not None else "timed out").split("\n")[0]
+                args += ["--qos_problem", f"sacctmgr: {first}"]
+    return [python, "-m", "llmft.planning.kill_chain", *args]
+
+
+# The plan and the kill chain share one step: inside a container every srun starts the container again (seconds to
+# minutes on a real cluster). The step prints the plan's output, then, once the plan succeeded, the kill chain's two
+# lines; it exits with the plan's status, or 99 when the kill chain failed.
+PLAN_STEP = 'n=$1; shift; "${@:1:n}" || exit; shift "$n"; "$@" || exit 99'
+
+# What each node runs: it says where it starts, then torchrun (passed as arguments, never re-parsed). A node whose
+# torchrun fails writes its report to the failures directory (node-N.json), from torchrun's stderr and the node's
+# kernel log (`python -m llmft.planning.failure_blame node`), under `trap "" TERM` (srun signals every process of the
+# step when another node failed): a node that writes none counts as dead. torchrun's stderr passes through unchanged;
+# a node-local copy is read for the report and removed. The wrapper and its tee stay up through a SIGTERM: the ranks
+# still write their stop checkpoint then.
+NODE_STEP = r"""failures=$1 py=$2; shift 2
+node=${SLURMD_NODENAME:-$(hostname)}
+echo "run_llm.slurm: node $node (node rank ${SLURM_NODEID:-0}): torchrun with ${SLURM_GPUS_ON_NODE:-0} GPU(s) and ${SLURM_CPUS_ON_NODE:-?} CPU(s)"
+err=$(mktemp "${TMPDIR:-/tmp}/llmft-torchrun-err.XXXXXX")
+trap : TERM INT  # Slurm signals every process of the step: this shell outlives torchrun (a handler, not inherited)
+started=$(date +%s)
+rc=0
+"$@" 2> >(trap "" TERM INT; exec tee "$err" >&2) || rc=$?  # tee too: a stop save still writes to stderr
+wait "$!" 2>/dev/null || true
+if (( rc != 0 )); then
+  report="$failures/node-${SLURM_NODEID:-0}.json"
+  if ! (trap "" TERM INT; exec "$py" -m llmft.planning.failure_blame node --node "$node" --rc "$rc" --stderr "$err" --since "$started") > "$report.tmp"; then
+    echo "run_llm.slurm: node $node: llmft.planning.failure_blame could not write the report of this node" >&2
+    printf "{\"node\": \"%s\", \"rc\": %d, \"cause\": \"no report: llmft.planning.failure_blame failed\"}\n" "${node//[^A-Za-z0-9._-]/_}" "$rc" > "$report.tmp"
+  fi
+  mv -f "$report.tmp" "$report"
+fi
+rm -f "$err"
+exit "$rc"
+"""
+
+
+def write_job_end(path: Path, job_id: str) -> None:
+    """'<Unix time asked> <squeue %L>' for rank 0 (llmft.training.job_deadline), which inside a container usually has
+    no squeue; a failed squeue keeps the file as it was."""
+    asked = int(time.time())
+    out = run(["squeue", "-h", "-j", job_id, "-o", "%L"], timeout=10)
+    left = out.stdout.strip() if out is not None and out.returncode == 0 else ""
+    if not left:
+        return
+    try:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(f"{asked} {left}\n")
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def wandb_sync_hint(run_dir: Path) -> None:
+    """The job's last lines: how to upload an offline run (every attempt of this job, in order)."""
+    if os.environ.get("WANDB_MODE") != "offline":
+        return
+    run_id = os.environ.get("WANDB_RUN_ID", "")
+    runs = sorted(Path(os.environ.get("WANDB_DIR") or run_dir).joinpath("wandb").glob(f"offline-run-*-{run_id}"))
+    if not runs:
+        say(f"W&B: no offline run directory for id {run_id} yet")
+        return
+    say(
+        f"W&B ran offline; upload from a machine with internet: wandb sync --id {run_id} -p "
+        f"{os.environ.get('WANDB_PROJECT', '')} {' '.join(map(str, runs))}"
+    )
+
+
+def requeue(job_id: str, why: str) -> None:
+    say(why)
+    out = run(["scontrol", "requeue", job_id])
+    if out is None or out.returncode != 0:
+        say("scontrol requeue failed; resubmit with the same CHECKPOINT_DIR to resume")
+
+
+@dataclass
+class Attempt:
+    """This attempt of the job: what the steps after the plan read."""
+
+    job_id: str
+    submit_dir: Path
+    run_dir: Path
+    files: dict[str, Path]  # stop, requeue, job-end: the files the ranks read
+    stop: Stop
+    failure_restarts: int  # requeues after failures so far (SLURM_RESTART_COUNT counts every requeue)
+    hosts: list[str]
+    python: str
+    restart: str
+
+
+def run_job(k: Knobs, env: Mapping[str, str]) -> int:
+    """Inside a Slurm job, as named steps: the batch host's checks, the run directory and its stop signals, the
+    nodes and where llmft runs, the network, each node's allocation and the plan, the data, one torchrun per node,
+    and what follows."""
+    os.environ["PATH"] = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
+    host_checks(k, env)
+    submit_dir = Path(env.get("SLURM_SUBMIT_DIR") or Path.cwd())
+    run_dir, sweep_flags = run_directory(k, env, submit_dir, env["SLURM_JOB_ID"])
+    a = start_attempt(k, env, submit_dir, run_dir)
+    rdzv_host, rdzv_port = rendezvous(a.hosts[0], a.job_id)
+    say_start(k, env, a)
+    network_environment(k["NCCL_PROFILE"], run_dir, a.job_id)
+    report_to = tracking_environment(k, env)
+    container = container_arguments(k, submit_dir, run_dir, a.job_id)
+    runner = ["srun", "--nodes=1", "--ntasks=1", *container] if container else []  # llmft's own steps
+    planned = plan(k, env, a, container, runner)
+    if planned is None:
+        return 2
+    launch, kill_out = planned
+    train, srun_args = launch_arguments(k, env, a, launch, report_to, sweep_flags, container)
+    if k.flag("PREPARE") and not k.flag("DRY_RUN") and not prepare(a, runner, train):
+        return 2
+    if report_to == "wandb":
+        wandb_run(k, a, runner)
+    shutdown_timeout(kill_out, env)
+    numa = ["--numa-binding", launch["numa_binding"]] if launch["numa_binding"] != "off" else []
+    torchrun = [a.python, "-m", "torch.distributed.run", "--nnodes", launch["nnodes"]]
+    torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
+    torchrun += ["--rdzv_endpoint", f"{rdzv_host}:{rdzv_port}", "--rdzv_id", a.job_id, "-m", "llmft.train", *train]
+    failures = run_dir / f".llmft-failures-{a.job_id}-{a.restart}"
+    node_step = ["bash", "-c", NODE_STEP, "run_llm_node", str(failures), a.python]
+    say(f"rendezvous c10d at {rdzv_host}:{rdzv_port} (first host {a.hosts[0]}), id {a.job_id}")
+    say(f"launch: srun {' '.join(srun_args)} {''.join(bash_quoted(x) + ' ' for x in torchrun)}")
+    if k.flag("DRY_RUN"):
+        say("DRY_RUN=1: not launching")
+        return 0
+    if a.stop.signal:
+        return stopped_before_launch(a)
+    try:
+        (run_dir / "nccl_trace").mkdir(exist_ok=True)  # the flight recorder's dumps, the nodes' failure reports
+        failures.mkdir(exist_ok=True)
+        start_step = newest_complete_step(run_dir)
+        write_job_end(a.files["job-end"], a.job_id)
+        rc = train_on_every_node(srun_args, node_step, torchrun, a.files["job-end"], a.job_id)
+        done = after_training(a, rc)
+        return done if done is not None else after_failure(k, env, a, rc, start_step, failures, runner)
+    finally:
+        if report_to == "wandb":
+            wandb_sync_hint(run_dir)
+
+
+def start_attempt(k: Knobs, env: Mapping[str, str], submit_dir: Path, run_dir: Path) -> Attempt:
+    """The files the ranks read (named in the environment every srun passes on), the stop signals handled from
+    here on (a signal may come any time), the job's nodes, the Python llmft runs in, and the caches."""
+    job_id = env["SLURM_JOB_ID"]
+    files = {n: run_dir / f".llmft-{n}-{job_id}" for n in ("stop", "requeue", "job-end")}
+    os.environ["LLMFT_STOP_FILE"] = str(files["stop"])
+    # llmft itself stops early enough for its final save to finish before the time limit (llmft.training.job_deadline)
+    # and then writes this file: requeue once it has exited.
+    os.environ["LLMFT_REQUEUE_FILE"] = str(files["requeue"])
+    # Inside a container rank 0 usually has no squeue: this process keeps the job's end in this file, before the
+    # launch and every 60 s while srun runs, so a requeue and `scontrol update TimeLimit=` reach it.
+    os.environ["LLMFT_JOB_END_FILE"] = str(files["job-end"])
+    restarts_file = run_dir / f".llmft-failure-restarts-{job_id}"
+    text = restarts_file.read_text().strip() if restarts_file.is_file() else ""
+    for f in files.values():
+        f.unlink(missing_ok=True)  # stale from a previous run of this job (requeue)
+    stop = Stop(files["stop"])
+    signal.signal(signal.SIGUSR1, stop)
+    signal.signal(signal.SIGTERM, stop)
+    hosts = job_hosts(env)
+    python = choose_python(k, env)
+    if not k["CONTAINER_IMAGE"] and k["VENV"]:
+        os.environ["VIRTUAL_ENV"] = k["VENV"]
+        os.environ["PATH"] = f"{k['VENV']}/bin:{os.environ['PATH']}"
+    if not python:
+        raise SlurmJobError("no python3 on PATH; set VENV=/path/to/venv")
+    # Downloads on shared storage (HF_HOME: one process per job downloads); build caches node-local, since DeepSpeed's
+    # JIT-built ops and Triton's kernels would race on a shared /home. Yours win.
+    os.environ.setdefault("HF_HOME", f"{env.get('HOME') or submit_dir}/.cache/huggingface")
+    node_cache = f"{env.get('TMPDIR') or '/tmp'}/llmft-{pwd.getpwuid(os.getuid()).pw_name}"
+    os.environ["LLMFT_EXTENSIONS_ROOT"] = env.get("LLMFT_EXTENSIONS_ROOT") or f"{node_cache}/torch_extensions"
+    os.environ["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or f"{node_cache}/triton"
+    restart = env.get("SLURM_RESTART_COUNT") or "0"
+    return Attempt(
+        job_id, submit_dir, run_dir, files, stop, int(text) if text.isdigit() else 0, hosts, python, restart
+    )
+
+
+def say_start(k: Knobs, env: Mapping[str, str], a: Attempt) -> None:
+    say(
+        f"job {a.job_id} ({env.get('SLURM_JOB_NAME', '')}) restart {a.restart}, submitted from {a.submit_dir}, "
+        f"started {now()}; requeued after failures {a.failure_restarts} of at most {k['MAX_RESTARTS']} times"
+    )
+    data = f"DATA_PERCENTAGE={k['DATA_PERCENTAGE']} MODEL={k['MODEL']} DATASET={k['DATASET']}"
+    if k["MIXTURE"]:
+        data = f"MODEL={k['MODEL']} MIXTURE={k['MIXTURE']} (all of it: no DATASET, no DATA_PERCENTAGE)"
+    sp = f" SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}" if k["SEQUENCE_PARALLEL"] != "1" else ""
+    say(
+        f"knobs EPOCHS={k['EPOCHS']} CHECKPOINT_DIR={a.run_dir} {data} ZERO_STAGE={k['ZERO_STAGE'] or '<DS_CONFIG>'} "
+        f"DS_CONFIG={k['DS_CONFIG'] or '<none>'} OFFLOAD={k['OFFLOAD']} GLOBAL_BATCH={k['GLOBAL_BATCH']} "
+        f"MICRO_BATCH={k['MICRO_BATCH']} MAX_STEPS={k['MAX_STEPS'] or '<none>'} "
+        f"SAVE_STEPS={k['SAVE_STEPS'] or '<default>'} SAVE_TOTAL_LIMIT={k['SAVE_TOTAL_LIMIT']} LORA={k['LORA']} "
+        f"NCCL_PROFILE={k['NCCL_PROFILE'] or '<none>'} CONTAINER_IMAGE={k['CONTAINER_IMAGE'] or '<none>'}{sp}"
+    )
+    say(defaults_line(k))
+    warn_default_dataset(k)
+    say(f"python {a.python}")
+    say(
+        f"caches HF_HOME={os.environ['HF_HOME']} (shared: downloads) LLMFT_EXTENSIONS_ROOT="
+        f"{os.environ['LLMFT_EXTENSIONS_ROOT']} TRITON_CACHE_DIR={os.environ['TRITON_CACHE_DIR']} (node-local: "
+        "builds, one op cache per environment)"
+    )
+
+
+def tracking_environment(k: Knobs, env: Mapping[str, str]) -> str:
+    """W&B's project and mode for every rank, and the shared cache of prepared data (every run submitted from the
+    same directory reuses it: sweeps and reruns tokenise nothing again). Returns --report_to."""
+    report_to = "wandb" if k["WANDB_PROJECT"] and k["WANDB_MODE"] != "disabled" else "none"
+    if report_to == "wandb":
+        os.environ["WANDB_PROJECT"] = k["WANDB_PROJECT"]
+    if k["WANDB_MODE"]:
+        os.environ["WANDB_MODE"] = k["WANDB_MODE"]
+    os.environ["LLMFT_CACHE"] = env.get("LLMFT_CACHE") or f"{env.get('SLURM_SUBMIT_DIR') or Path.cwd()}/.llmft-cache"
+    return report_to
+
+
+def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], runner: list[str]):
+    """What each node was given (llmft.planning.allocation, one task per node), then `llmft plan` for it and the
+    kill chain, before anything expensive runs: (the plan's launch line, the kill chain's lines), or None when the
+    plan refused the job (it said why)."""
+    nodes_file = a.run_dir / f".llmft-nodes-{a.job_id}"
+    probe = ["--fabric", k["NCCL_PROFILE"]] if k["NCCL_PROFILE"] in ("aws-efa", "gcp-tcpx") else []
+    # --mem=0: all the job's memory on the node; --whole: all its CPUs there, as training gets (the NUMA check)
+    with open(nodes_file, "w") as out:
+        probe_rc = subprocess.run(
+            ["srun", f"--nodes={len(a.hosts)}", "--ntasks-per-node=1", "--mem=0", "--whole", "--kill-on-bad-exit=1"]
+            + [*container, a.python, "-m", "llmft.planning.allocation", *probe],
+            stdout=out,
+        ).returncode
+    if probe_rc != 0:
+        raise SlurmJobError(
+            f"could not read the allocation on every node ('{a.python} -m llmft.planning.allocation' in srun exited "
+            f"{probe_rc}): {nodes_file.read_text().replace(chr(10), ' ')}"
+        )
+    plan_cmd = [a.python, "-m", "llmft.plan", *plan_arguments(k, a.run_dir, nodes_file)]
+    kill_cmd = kill_chain_command(a.python, env)
+    step = subprocess.run(
+        [*runner, "bash", "-c", PLAN_STEP, "plan_step", str(len(plan_cmd)), *plan_cmd, *kill_cmd],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    nodes_file.unlink(missing_ok=True)
+    lines = step.stdout.splitlines()
+    split = next((i for i, line in enumerate(lines) if line.startswith("llmft kill chain: ")), len(lines))
+    plan_out = "\n".join(lines[:split])
+    if plan_out:
+        print(plan_out, flush=True)
+    if step.returncode == 2:
+        say(
+            "not launching: change what llmft plan names above (knobs such as GLOBAL_BATCH, MICRO_BATCH, ZERO_STAGE, "
+            "DS_CONFIG, OFFLOAD, or the #SBATCH resources)"
+        )
+        return None
+    if step.returncode == 99:
+        raise SlurmJobError("llmft.planning.kill_chain failed")
+    if step.returncode != 0:
+        raise SlurmJobError(
+            f"could not run 'llmft plan' with {a.python} (exit {step.returncode}); is llmft installed there? Set "
+            "VENV=/path/to/venv"
+        )
+    launch = launch_line(plan_out)
+    for key, value in launch.items():
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", value):
+            raise SlurmJobError(f"cannot read '{key}={value}' in llmft plan's 'llmft launch:' line")
+    return launch, lines[split:]
+
+
+def launch_arguments(k, env, a: Attempt, launch, report_to, sweep_flags, container) -> tuple[list[str], list[str]]:
+    """llmft train's arguments and srun's, from the knobs and the plan's launch line (its CPU split unless EXTRA_ARGS
+    sets the same flag: yours wins)."""
+    # Every rank plans (llmft train --auto) and checks with the smallest node's memory, so all pick the same setting.
+    os.environ["LLMFT_HOST_RAM_GB"] = launch["host_ram_gb"]
+    os.environ["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or launch["omp_num_threads"]  # else torchrun sets 1
+    train = train_arguments(k, a.run_dir, report_to)
+    for flag in ("dataloader_num_workers", "dataset_num_proc"):
+        if not given(k.extra_args, f"--{flag}"):
+            train += [f"--{flag}", launch[flag]]
+    if k["SAVE_TOTAL_LIMIT"] != "0" and not given(k.extra_args, "--save_total_limit"):
+        train += ["--save_total_limit", k["SAVE_TOTAL_LIMIT"]]
+    train += [*k.extra_args, *sweep_flags]
+    # Every CPU the job has on a node goes to its torchrun, asked for explicitly: since Slurm 22.05 srun does not
+    # inherit sbatch's --cpus-per-task, and a step gets only the CPUs it asks for once --exact or --cpus-per-task is
+    # in play.
+    srun_args = [f"--nodes={launch['nnodes']}", "--ntasks-per-node=1", f"--cpus-per-task={launch['cpus_per_node']}"]
+    srun_args += ["--mem=0", "--kill-on-bad-exit=1", *container]
+    say(
+        f"nodes {launch['nnodes']}: {' '.join(a.hosts)}; processes per node {launch['nproc_per_node']}; CPUs per node "
+        f"{launch['cpus_per_node']}; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    )
+    return train, srun_args
+
+
+def prepare(a: Attempt, runner: list[str], train: list[str]) -> bool:
+    """PREPARE=1: the data tokenised once (llmft prepare, in LLMFT_CACHE) before the GPUs start."""
+    say(f"preparing the data (llmft prepare, cache {os.environ['LLMFT_CACHE']})")
+    rc = subprocess.run([*runner, a.python, "-m", "llmft.prepare", *train]).returncode
+    if rc != 0:
+        say(f"not launching: llmft prepare failed (exit {rc})")
+    return rc == 0
+
+
+def wandb_run(k: Knobs, a: Attempt, runner: list[str]) -> None:
+    """The W&B run's name, id (stable across requeues), group, and offline mode where W&B is unreachable."""
+    out = subprocess.run(
+        [*runner, a.python, "-m", "llmft.tracking", "slurm-env", "--output_dir", str(a.run_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if out.returncode != 0:
+        raise SlurmJobError("llmft.tracking failed")
+    for line in out.stdout.splitlines():  # values are data: exported as they are, never evaluated
+        key, _, value = line.partition("=")
+        if not key:
+            continue
+        if not re.fullmatch(r"WANDB_[A-Z_]+", key):
+            raise SlurmJobError(f"unexpected line from llmft.tracking: {key}")
+        os.environ[key] = value
+    say(
+        f"W&B run {os.environ.get('WANDB_NAME', '')} (id {os.environ.get('WANDB_RUN_ID', '')}, group "
+        f"{os.environ.get('WANDB_RUN_GROUP', '')}) in project {k['WANDB_PROJECT']}, mode "
+        f"{os.environ.get('WANDB_MODE') or 'online'}"
+    )
+
+
+def shutdown_timeout(kill_out: list[str], env: Mapping[str, str]) -> None:
+    """torchrun's wait for its ranks after a SIGTERM, as llmft.planning.kill_chain decided (yours wins)."""
+    m = re.fullmatch(r"llmft kill chain: shutdown_timeout=([0-9]+)", kill_out[0] if kill_out else "")
+    if not m or len(kill_out) < 2:
+        raise SlurmJobError(f"cannot read llmft.planning.kill_chain's output: {chr(10).join(kill_out)}")
+    said = "\n".join(kill_out[1:])
+    if env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        say(
+            f"{said.split('; torchrun waits')[0]}; torchrun waits {env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s for its "
+            f"ranks (your TORCH_ELASTIC_SHUTDOWN_TIMEOUT; llmft would set {m.group(1)})"
+        )
+    else:
+        os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = m.group(1)
+        say(said)
+
+
+def stopped_before_launch(a: Attempt) -> int:
+    """USR1 before anything trained: nothing to save, requeue; TERM: Slurm decides, nothing starts."""
+    a.files["stop"].unlink(missing_ok=True)
+    if a.stop.signal == "USR1":
+        say(f"stop requested before launch; requeueing job {a.job_id}")
+        out = run(["scontrol", "requeue", a.job_id])
+        if out is None or out.returncode != 0:
+            say("scontrol requeue failed; resubmit to run")
+    else:
+        say("terminated before launch; not starting training")
+    return 0
+
+
+JOB_END_EVERY_S = 60.0
+
+
+def train_on_every_node(srun_args, node_step, torchrun, job_end: Path, job_id: str) -> int:
+    """srun, one torchrun per node; the job's end kept in its file every JOB_END_EVERY_S while it runs. A stop
+    signal is handled while srun runs (the ranks save), and srun is waited for through it."""
+    proc = subprocess.Popen(["srun", *srun_args, *node_step, *torchrun])
+    done = threading.Event()
+
+    def keep() -> None:
+        while not done.wait(JOB_END_EVERY_S):
+            write_job_end(job_end, job_id)
+
+    keeper = threading.Thread(target=keep, daemon=True)
+    keeper.start()
+    try:
+        return proc.wait()
+    finally:
+        done.set()
+
+
+def after_training(a: Attempt, rc: int) -> int | None:
+    """What follows, each case said in one line: done; llmft's own stop before the time limit or a USR1, which
+    requeue this job; a SIGTERM, after which Slurm decides. None: the training failed (after_failure decides)."""
+    files, stop, job_id = a.files, a.stop, a.job_id
+    files["stop"].unlink(missing_ok=True)
+    if (a.run_dir / "llmft_done.json").is_file():
+        files["requeue"].unlink(missing_ok=True)
+        say(f"training finished (exit {rc}); results in {a.run_dir}")
+        return rc
+    if files["requeue"].is_file() and stop.signal != "TERM":
+        files["requeue"].unlink(missing_ok=True)
+        requeue(
+            job_id,
+            f"llmft stopped for its final save before the time limit (exit {rc}); requeueing job {job_id} to resume "
+            "from the newest complete checkpoint",
+        )
+        return 0
+    files["requeue"].unlink(missing_ok=True)
+    if stop.signal == "USR1":
+        requeue(
+            job_id,
+            f"stopped early (exit {rc}) after a checkpoint; requeueing job {job_id} to resume from the newest complete "
+            "checkpoint",
+        )
+        return 0
+    if stop.signal == "TERM":
+        say(
+            f"stopped by SIGTERM (exit {rc}) after a checkpoint; a preempted or requeued job resumes from it, a "
+            "cancelled one ends here"
+        )
+        return 0
+    if rc == 0:
+        say(f"warning: training exited 0 but {a.run_dir}/llmft_done.json is missing")
+        return 0
+    return None
+
+
+def after_failure(k: Knobs, env, a: Attempt, rc: int, start_step: int, failures: Path, runner: list[str]) -> int:
+    """Which node to run without, and whether to run again: llmft.planning.failure_blame.decide (its docstring says
+    why), from the nodes' reports, this attempt's progress, and the nodes the partition (and reservation) can still
+    offer."""
+    job_id = a.job_id
+    end_step = newest_complete_step(a.run_dir)
+    out = run(["scontrol", "show", "job", job_id])
+    m = re.search(r"ExcNodeList=(\S*)", out.stdout if out is not None else "")
+    excluded = m.group(1) if m and m.group(1) != "(null)" else ""
+    where = []
+    partition, reservation = env.get("SLURM_JOB_PARTITION", ""), env.get("SLURM_JOB_RESERVATION", "")
+    if partition:
+        out = run(["sinfo", "-h", "-N", "-o", "%N %t", "-p", partition], timeout=30)
+        if out is not None and out.returncode == 0:
+            (failures / "sinfo").write_text(out.stdout)
+            where += ["--sinfo", str(failures / "sinfo")]
+    if reservation:
+        out = run(["scontrol", "show", "reservation", reservation], timeout=30)
+        if out is not None and out.returncode == 0:
+            (failures / "reservation").write_text(out.stdout)
+            where += ["--reservation", str(failures / "reservation")]
+    decide = [a.python, "-m", "llmft.planning.failure_blame", "decide", "--reports", str(failures), "--job", job_id]
+    decide += ["--rc", str(rc), "--hosts", " ".join(a.hosts), "--restarts", str(a.failure_restarts)]
+    decide += ["--max_restarts", k["MAX_RESTARTS"], "--start_step", str(start_step), "--end_step", str(end_step)]
+    decide += ["--excluded", excluded, "--trace_dir", str(a.run_dir / "nccl_trace"), *where]
+    proc = subprocess.run([*runner, *decide], stdout=subprocess.PIPE, text=True)
+    decision = proc.stdout if proc.returncode == 0 else ""
+    again, exclude = "0", ""
+    for line in decision.splitlines():  # data, never evaluated
+        if line.startswith("say: "):
+            say(line[len("say: ") :])
+        elif line.startswith("exclude: "):
+            exclude = line[len("exclude: ") :]
+        elif line.startswith("requeue: "):
+            again = line[len("requeue: ") :]
+    if not decision.strip():
+        say(
+            f"training failed (exit {rc}); llmft.planning.failure_blame could not decide, so the job is not requeued: "
+            "resubmit with the same CHECKPOINT_DIR to resume"
+        )
+    if again != "1":
+        return rc
+    (a.run_dir / f".llmft-failure-restarts-{job_id}").write_text(f"{a.failure_restarts + 1}\n")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue signals this job; the exclusion must still be set
+    out = run(["scontrol", "requeue", job_id])
+    if out is None or out.returncode != 0:
+        say("scontrol requeue failed; resubmit with the same CHECKPOINT_DIR to resume")
+        return rc
+    if exclude:  # Slurm takes the exclusion only while the job is pending
+        out = run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={exclude}"])
+        if out is None or out.returncode != 0:
+            say(f"could not exclude {exclude}; the requeued job may get it again")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    in_job = bool(env.get("SLURM_JOB_ID"))
+    try:
+        given_knobs, world, wants_help = read_arguments(argv, in_job)
+        if wants_help:
+            print(HELP.rstrip("\n"))
+            return 0
+        knobs = resolve(env, [f"{key}={value}" for key, value in given_knobs.items()], Path.cwd())
+        if not in_job:
+            return outside_slurm(knobs, world, env.get("LLMFT_SLURM_SCRIPT", ""))
+        return run_job(knobs, env)
+    except LlmftError as e:
+        print(f"{ME}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
