@@ -351,7 +351,7 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
     run = tmp_path / "run"
     run.mkdir()
     k = knobs.resolve({}, ["MAX_RESTARTS=2"])
-    stop, requeue, failures = pbs.Stop(run / "stop"), run / "requeue", run / "failures"
+    stop, requeue, failures = job.Stop(run / "stop", "run_llm.pbs"), run / "requeue", run / "failures"
     failures.mkdir()
 
     def decide(rc, signal="", start=0, restarts="0", left=None):

@@ -71,7 +71,7 @@ def test_a_network_profile_sets_what_the_user_did_not_and_says_each(tmp_path, mo
 
 def attempt(run_dir: Path, signal: str = "") -> slurm.Attempt:
     files = {n: run_dir / f".llmft-{n}-7" for n in ("stop", "requeue", "job-end")}
-    stop = slurm.Stop(files["stop"])
+    stop = slurm.Stop(files["stop"], slurm.ME)
     stop.signal = signal
     return slurm.Attempt("7", run_dir, run_dir, files, stop, 0, ["n1", "n2"], "python", "0")
 

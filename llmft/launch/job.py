@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+import signal
 import socket
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from llmft.errors import LlmftError
@@ -182,3 +184,44 @@ def launch_line(plan_out: str) -> dict[str, str]:
                 )
             return pairs
     raise JobError("llmft plan printed no 'llmft launch:' line")
+
+
+class Stop:
+    """A stop signal to the job's launcher (Slurm: USR1 before the time limit, TERM from scancel, a requeue or a
+    preemption; PBS: TERM at the walltime, from qdel or qrerun, and USR1): the stop file makes every rank finish its
+    step and write a checkpoint, and the signal is kept for what follows (USR1, the job's own, wins over TERM)."""
+
+    def __init__(self, stop_file: Path, script: str):
+        self.stop_file, self.script, self.signal = stop_file, script, ""
+
+    def __call__(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name[3:]
+        if not self.signal or name == "USR1":
+            self.signal = name
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        print(
+            f"{self.script}: got SIG{name} at {now}: asking every rank to finish its step and write a checkpoint",
+            flush=True,
+        )
+        self.stop_file.touch()
+
+
+def claim_run_dir(run_dir: Path, job_id: str, live: Callable[[str], str], rename: str) -> None:
+    """Two live jobs never write one directory: the job that took it is recorded in .llmft-job (created exclusively,
+    so of two jobs starting together one wins); a job still in the queue (`live(owner)` says its state; "" when it has
+    ended) keeps it. A requeued or rerun job finds its own id there."""
+    owner_file = run_dir / ".llmft-job"
+    try:
+        with open(owner_file, "x") as f:
+            f.write(job_id + "\n")
+        return
+    except FileExistsError:
+        owner = owner_file.read_text().strip() if owner_file.is_file() else ""
+    if owner and owner != job_id:
+        state = live(owner)
+        if state:
+            raise JobError(
+                f"CHECKPOINT_DIR={run_dir} is in use by job {owner} ({state}); wait for it to end, or give this job "
+                f"another name ({rename}) or CHECKPOINT_DIR"
+            )
+    owner_file.write_text(job_id + "\n")  # ours already, or left by a job that has ended

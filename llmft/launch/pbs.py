@@ -37,6 +37,8 @@ from llmft.errors import LlmftError
 from llmft.launch import continuation, sweep
 from llmft.launch.job import (
     JobError,
+    Stop,
+    claim_run_dir,
     container_mounts,
     given,
     launch_line,
@@ -226,6 +228,12 @@ def time_left(job: Mapping) -> float | None:
     return limit - used
 
 
+def live_state(owner: str) -> str:
+    """How the job that holds a run directory is said while it is queued or runs ("" once it has ended)."""
+    state = job_is_live(owner)
+    return f"state {state}" if state else ""
+
+
 def job_is_live(job_id: str) -> str:
     """The state of another job that holds a run directory ('' when it has ended or is unknown)."""
     state = qstat_job(job_id).get("job_state", "")
@@ -269,42 +277,6 @@ def choose_python(k: Knobs, env: Mapping[str, str]) -> str:
     return sys.executable
 
 
-def claim_run_dir(run_dir: Path, job_id: str) -> None:
-    """Two live jobs never write one directory: the first to create .llmft-job keeps it while it is queued or runs."""
-    owner_file = run_dir / ".llmft-job"
-    try:
-        with open(owner_file, "x") as f:
-            f.write(job_id + "\n")
-        return
-    except FileExistsError:
-        owner = owner_file.read_text().strip()
-    if owner and owner != job_id:
-        state = job_is_live(owner)
-        if state:
-            raise PbsJobError(
-                f"CHECKPOINT_DIR={run_dir} is in use by job {owner} (state {state}); wait for it to end, or give this "
-                "job another name (qsub -N NAME) or CHECKPOINT_DIR"
-            )
-    owner_file.write_text(job_id + "\n")
-
-
-class Stop:
-    """SIGTERM (the walltime, qdel, qrerun) or SIGUSR1 to the job's shell: every rank finishes its step and saves."""
-
-    def __init__(self, stop_file: Path):
-        self.stop_file, self.signal = stop_file, ""
-
-    def __call__(self, signum, _frame) -> None:
-        name = signal.Signals(signum).name[3:]
-        if not self.signal or name == "USR1":
-            self.signal = name
-        say(
-            f"got SIG{name} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: asking every rank to finish "
-            "its step and write a checkpoint"
-        )
-        self.stop_file.touch()
-
-
 def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     """Inside a PBS job, as named steps: the job's facts, the run directory, what each node was given, the plan, one
     torchrun per node, and what follows."""
@@ -320,7 +292,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     files = {n: run_dir / f".llmft-{n}-{job_id}" for n in ("stop", "requeue", "job-end", "nodes")}
     for f in files.values():
         f.unlink(missing_ok=True)
-    stop = Stop(files["stop"])
+    stop = Stop(files["stop"], ME)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGUSR1, stop)
     python = choose_python(k, env)
@@ -429,7 +401,7 @@ def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: st
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     if not k.flag("DRY_RUN"):
-        claim_run_dir(run_dir, job_id)
+        claim_run_dir(run_dir, job_id, live_state, "qsub -N NAME")
     return run_dir
 
 

@@ -130,6 +130,8 @@ from llmft.errors import LlmftError
 from llmft.launch import sweep
 from llmft.launch.job import (
     JobError,
+    Stop,
+    claim_run_dir,
     container_mounts,
     given,
     launch_line,
@@ -447,45 +449,16 @@ def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: st
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     if not k.flag("DRY_RUN"):
-        claim_run_dir(run_dir, job_id)
+        claim_run_dir(run_dir, job_id, live_state, "sbatch -J NAME")
     return run_dir, flags
 
 
-def claim_run_dir(run_dir: Path, job_id: str) -> None:
-    """Two live jobs must not write one directory: the job that took it is recorded (created exclusively, so of two
-    jobs starting together one wins); a job still in the queue (running, or requeued and pending) keeps it."""
-    owner_file = run_dir / ".llmft-job"
-    try:
-        with open(owner_file, "x") as f:
-            f.write(job_id + "\n")
-        return
-    except FileExistsError:
-        owner = owner_file.read_text().strip() if owner_file.is_file() else ""
-    if re.fullmatch(r"[0-9_]+", owner) and owner != job_id:
-        out = run(["squeue", "-h", "-j", owner, "-o", "%T"])
-        state = out.stdout.strip() if out is not None and out.returncode == 0 else ""
-        if state:
-            raise SlurmJobError(
-                f"CHECKPOINT_DIR={run_dir} is in use by job {owner} ({state.replace(chr(10), ' ')}); wait for it to "
-                "end, or give this job another name (sbatch -J NAME) or CHECKPOINT_DIR"
-            )
-    owner_file.write_text(job_id + "\n")  # ours already (a requeue), or left by a job that has ended
-
-
-class Stop:
-    """USR1 (--signal=B:USR1@120 before the time limit, or `scancel --signal=USR1 --batch`): every rank finishes its
-    step and checkpoints, then this job requeues itself. TERM (scancel, scontrol requeue, preemption with a grace
-    time): the ranks checkpoint the same way, but Slurm decides what follows."""
-
-    def __init__(self, stop_file: Path):
-        self.stop_file, self.signal = stop_file, ""
-
-    def __call__(self, signum, _frame) -> None:
-        name = signal.Signals(signum).name[3:]
-        if not self.signal or name == "USR1":
-            self.signal = name
-        say(f"got SIG{name} at {now()}: asking every rank to finish its step and write a checkpoint")
-        self.stop_file.touch()
+def live_state(owner: str) -> str:
+    """The state of the job that holds a run directory ("" when it has ended, or is not a Slurm job id)."""
+    if not re.fullmatch(r"[0-9_]+", owner):
+        return ""
+    out = run(["squeue", "-h", "-j", owner, "-o", "%T"])
+    return out.stdout.strip().replace("\n", " ") if out is not None and out.returncode == 0 else ""
 
 
 def job_hosts(env: Mapping[str, str]) -> list[str]:
@@ -789,7 +762,7 @@ def start_attempt(k: Knobs, env: Mapping[str, str], submit_dir: Path, run_dir: P
     text = restarts_file.read_text().strip() if restarts_file.is_file() else ""
     for f in files.values():
         f.unlink(missing_ok=True)  # stale from a previous run of this job (requeue)
-    stop = Stop(files["stop"])
+    stop = Stop(files["stop"], ME)
     signal.signal(signal.SIGUSR1, stop)
     signal.signal(signal.SIGTERM, stop)
     hosts = job_hosts(env)
