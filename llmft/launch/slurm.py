@@ -774,7 +774,7 @@ def start_attempt(k: Knobs, env: Mapping[str, str], submit_dir: Path, run_dir: P
         raise SlurmJobError("no python3 on PATH; set VENV=/path/to/venv")
     # Downloads on shared storage (HF_HOME: one process per job downloads); build caches node-local, since DeepSpeed's
     # JIT-built ops and Triton's kernels would race on a shared /home. Yours win.
-    os.environ.setdefault("HF_HOME", f"{env.get('HOME') or submit_dir}/.cache/huggingface")
+    os.environ["HF_HOME"] = env.get("HF_HOME") or f"{env.get('HOME') or submit_dir}/.cache/huggingface"
     node_cache = f"{env.get('TMPDIR') or '/tmp'}/llmft-{pwd.getpwuid(os.getuid()).pw_name}"
     os.environ["LLMFT_EXTENSIONS_ROOT"] = env.get("LLMFT_EXTENSIONS_ROOT") or f"{node_cache}/torch_extensions"
     os.environ["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or f"{node_cache}/triton"
