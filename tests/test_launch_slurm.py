@@ -121,3 +121,12 @@ def test_a_dry_run_checks_the_batch_for_the_scripts_world_or_the_one_given(tmp_p
     assert "MICRO_BATCH 1 x 2 data-parallel groups of SEQUENCE_PARALLEL=4" in capsys.readouterr().out
     with pytest.raises(slurm.SlurmJobError, match="SEQUENCE_PARALLEL=3 does not divide the 8 processes"):
         slurm.dry_run_checks(knobs.resolve({}, ["SEQUENCE_PARALLEL=3"]), [], str(script))
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))  # the job adds /usr/sbin:/sbin; restored after
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.chdir(tmp_path)
+    assert slurm.main(["CHECKPOINT_DIR=/proc/llmft-no-such/ckpt", "DATASET=org/data"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("run_llm.slurm: error: ") and "/proc/llmft-no-such" in err, err

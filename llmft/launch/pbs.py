@@ -792,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         os.chdir(cwd)
         return run_job(knobs, env)
-    except (KnobError, PbsJobError, LlmftError) as e:
+    except (KnobError, PbsJobError, LlmftError, OSError) as e:  # OSError: a run directory it cannot create or write
         print(f"{ME}: error: {e}", file=sys.stderr, flush=True)
         return 2
 

@@ -1088,6 +1088,9 @@ def main(argv: list[str] | None = None) -> int:
     except LlmftError as e:
         print(f"{ME}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except OSError as e:  # a run directory it cannot create or write: one line, as any other error
+        print(f"{ME}: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":
