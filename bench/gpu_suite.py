@@ -20,15 +20,21 @@ and optimizer are the same), on the same model, data, batch numbers and steps:
              first run of the suite (default) is the job before the install step: it compiles FusedAdam itself.
 
 The 1-4 model is Llama-3.2-1B's shape (1.24B parameters, vocabulary 128,256, tied embeddings), built from its config
-with random bf16 weights; the data is GSM8K-shaped prompt/completion records generated in code (questions of 40-150
-and answers of 50-250 words: GSM8K itself would have to come from the hub, which the GPU machine cannot reach).
+with random bf16 weights. The data is GSM8K's training split (7,473 problems, bench/data/gsm8k_train.jsonl.gz: the
+file openai/grade-school-math publishes under the MIT licence, the same records as the hub's openai/gsm8k `main`
+train split) as prompt/completion records. Its tokenizer is a byte-level BPE trained on that text (at most 32,000
+tokens; the text has merges for 23,424) with Llama 3's pre-tokenizer split (words, numbers in groups of up to 3
+digits), because Llama 3's own tokenizer comes from the hub, which the GPU machine cannot reach: a problem is 156
+tokens on average and 458 at most (1.58 tokens a word, the calculator annotations included), a real tokenizer's
+counts, not exactly Llama 3's.
 Sequence 2048, micro-batch 8 x accumulation 4 (the 2026-11-24 measurement's numbers), --steps optimizer steps.
 
 Each run prints and appends to OUT/results.jsonl: non-padding tokens/s, MFU, peak allocated GPU memory, and
 `llmft plan`'s estimate for the same setting; rates leave out the first optimizer step (warm-up: llmft's
 run_summary.json does; the plain script's --summary measures the same window). OUT/table.md is rewritten after each
 run, ratios side by side. A run past --budget_s is not started; one that fails is recorded with its error and the
-suite goes on. On a machine without CUDA only --dry_run runs (a tiny Llama, sequence 256, 3 steps; Liger absent
+suite goes on. On a machine without CUDA only --dry_run runs (a tiny Llama, the first 200 problems and a 512-token
+BPE, sequence 256, 3 steps; Liger absent
 on CPU is a row that says so, and the start-up run uses the warm op cache: a cold build is a minute of CPU).
 """
 
@@ -37,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -162,20 +167,49 @@ def build_model(root: Path, name: str, tokenizer, device: str) -> Path:
     return out
 
 
-def gsm8k_shaped(path: Path, n: int, seed: int = 0) -> Path:
-    """n prompt/completion records shaped like GSM8K's: a question of 40-150 words, then "Answer:", and a worked
-    answer of 50-250 words ending in "#### N"."""
-    from llmft.data.synthetic import _WORDS, write_jsonl
+GSM8K = Path(__file__).parent / "data" / "gsm8k_train.jsonl.gz"
+# Llama 3's pre-tokenizer split (its tokenizer.json): contractions, words, 1-3 digit numbers, punctuation, spaces
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        question = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(40, 150)))
-        answer = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(50, 250)))
-        rows.append(
-            {"prompt": f"Question: {question}?\nAnswer:", "completion": f" {answer}\n#### {rng.randint(1, 999)}"}
-        )
+
+def gsm8k(path: Path, n: int | None = None) -> Path:
+    """GSM8K's training split as prompt/completion records ("Question: ...\\nAnswer:" and the worked answer ending in
+    "#### N"), the first n problems (None: all 7,473)."""
+    import gzip
+
+    from llmft.data.synthetic import write_jsonl
+
+    with gzip.open(GSM8K, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f][:n]
+    rows = [{"prompt": f"Question: {p['question']}\nAnswer:", "completion": f" {p['answer']}"} for p in problems]
     return write_jsonl(rows, path)
+
+
+def gsm8k_tokenizer(data: Path, vocab_size: int):
+    """A byte-level BPE of vocab_size tokens trained on the records' text, split as Llama 3 splits before BPE."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [r["prompt"] + r["completion"] for r in map(json.loads, data.read_text().splitlines())]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
 def llmft_command(s: Setting, model: Path, data: Path, out: Path, steps: int) -> list[str]:
@@ -371,13 +405,12 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     kept = a.results or a.out
     (kept / "summaries").mkdir(parents=True, exist_ok=True)
-    from llmft.data.synthetic import make_tokenizer
-
-    tokenizer = make_tokenizer()
-    data = gsm8k_shaped(a.out / "gsm8k_shaped.jsonl", 200 if a.dry_run else 8000)
+    data = gsm8k(a.out / "gsm8k_train.jsonl", 200 if a.dry_run else None)
+    tokenizer = gsm8k_tokenizer(data, 512 if a.dry_run else 32000)
     head = (
         f"{environment()}\n{'DRY RUN (CPU, tiny Llama): ' if a.dry_run else ''}one process, ZeRO-2, {steps} "
-        "optimizer steps a run (rates from step 2 on), GSM8K-shaped records"
+        f"optimizer steps a run (rates from step 2 on), GSM8K train ({len(data.read_text().splitlines()):,} problems, "
+        f"{len(tokenizer):,}-token BPE trained on them)"
     )
     print(head, flush=True)
     results, rows = kept / "results.jsonl", []

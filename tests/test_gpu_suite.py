@@ -49,11 +49,26 @@ def test_the_dry_run_measures_one_setting_of_each_kind_llmft_beside_plain_trl(tm
     measured = {r["name"] for r in rows if "error" not in r and r["who"] != "prebuild"}
     assert {p.stem for p in (kept / "summaries").iterdir()} == measured  # each run's whole summary, as it came
     text = (kept / "table.md").read_text()
-    assert "DRY RUN (CPU, tiny Llama)" in text
+    assert "DRY RUN (CPU, tiny Llama)" in text and "GSM8K train (200 problems, 512-token BPE" in text
     assert text.count("(llmft / plain)") == 2  # the default and the packed pair
     # the plain script trained with the DeepSpeed config llmft resolved for the same setting
     plain_log = (kept / "log.txt").read_text()
     assert str(work / "runs" / "default" / "ds_config.json") in plain_log
+
+
+def test_the_runs_train_on_all_of_gsm8ks_training_split_as_prompt_completion(tmp_path):
+    """The issue's data: GSM8K's 7,473 training problems (carried in the repository, since the GPU machine reaches no
+    hub), each a prompt ending in "Answer:" and the worked answer ending in its "#### N" line; and a tokenizer that
+    splits numbers as Llama 3 does, so a run trains on realistic token counts."""
+    from gpu_suite import gsm8k, gsm8k_tokenizer
+
+    rows = [json.loads(line) for line in gsm8k(tmp_path / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 7473 and set(rows[0]) == {"prompt", "completion"}
+    assert rows[0]["prompt"].startswith("Question: Natalia sold clips to 48 of her friends in April")
+    assert all(r["prompt"].endswith("\nAnswer:") and "\n#### " in r["completion"] for r in rows)
+    tokenizer = gsm8k_tokenizer(gsm8k(tmp_path / "few.jsonl", 300), 2000)
+    split = [piece for piece, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(" 12345 clips")]
+    assert split == ["Ġ", "123", "45", "Ġclips"]  # numbers in groups of up to 3 digits, as Llama 3 splits them
 
 
 def test_a_run_past_the_budget_is_recorded_not_started(tmp_path):
