@@ -125,7 +125,8 @@ def plan_estimate(model: Path, spec: dict, micro: int, nproc: int) -> tuple[floa
             and r.get("offload") in (None, "none")
             and bool(r.get("gradient_checkpointing")) == spec["checkpointing"]
         )
-        return row["model_states_gib"] + row["activations_gib"] + row["loss_buffers_gib"], row["gpu_total_gib"]
+        allocated = row["model_states_gib"] + row["activations_gib"] + row["loss_buffers_gib"] + row["phase_gib"]
+        return allocated, row["gpu_total_gib"]
     except (ValueError, KeyError, StopIteration, TypeError):
         print(f"gpu.py: no plan estimate for {spec}: {(proc.stderr or proc.stdout).strip()[-300:]}", flush=True)
         return None

@@ -162,6 +162,7 @@ def main() -> int:
                 est.model_states
                 + est.activations
                 + est.loss_buffers
+                + est.phase
                 + memory.zero_buffer_bytes(stage, job.zero_config[stage], shape, "bf16")
             ) / 2**30
             if peaks is None:

@@ -281,7 +281,8 @@ def plain_command(s: Setting, model: Path, data: Path, out: Path, steps: int, ds
 
 
 def plan_estimate(s: Setting, model: Path) -> float | None:
-    """`llmft plan`'s per-GPU allocated estimate (model states + activations + loss buffers, GiB) for the setting."""
+    """`llmft plan`'s per-GPU allocated estimate for the setting (GiB): model states + activations + loss buffers
+    + phase (the peak is the larger of the backward and ZeRO-2's optimizer step, not the sum)."""
     import subprocess
 
     cmd = [PYTHON, "-m", "llmft.plan", "--model", str(model), "--nproc_per_node", "1", "--nnodes", "1"]
@@ -300,7 +301,7 @@ def plan_estimate(s: Setting, model: Path) -> float | None:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     try:
         row = json.loads(proc.stdout)["recommended"]
-        return row["model_states_gib"] + row["activations_gib"] + row["loss_buffers_gib"]
+        return row["model_states_gib"] + row["activations_gib"] + row["loss_buffers_gib"] + row["phase_gib"]
     except (ValueError, KeyError, TypeError):
         print(f"gpu_suite: no plan estimate for {s.name}: {(proc.stderr or proc.stdout).strip()[-300:]}", flush=True)
         return None

@@ -88,7 +88,7 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
     else:
         out.append(f"llmft plan: {mplan.reason}")
     out.append(
-        "  stage offload           micro accum ckpt tiled    | states  activ   loss  other    GPU | host/node | ckpt GiB  write s | tokens/s | fits"
+        "  stage offload           micro accum ckpt tiled    | states  activ   loss  phase  other    GPU | host/node | ckpt GiB  write s | tokens/s | fits"
     )
     for c in _table_rows(mplan.candidates):
         s, d = c.setting, c.as_dict()
@@ -96,8 +96,8 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
         out.append(
             f"  {s.zero_stage:<5} {s.offload:<17} {s.micro_batch:>5} {s.grad_accum:>5} {'on' if s.gradient_checkpointing else 'off':<4}"
             f" {savers_column(s):<8} |"
-            f" {d['model_states_gib']:6.1f} {d['activations_gib']:6.1f} {d['loss_buffers_gib']:6.1f} {d['overhead_gib']:6.1f}"
-            f" {d['gpu_total_gib']:6.1f} | {d['host_ram_gib_per_node']:9.1f} | {d['checkpoint_gib']:8.1f} {c.write_s:8.0f} |"
+            f" {d['model_states_gib']:6.1f} {d['activations_gib']:6.1f} {d['loss_buffers_gib']:6.1f} {round(d['phase_gib'], 1) + 0.0:6.1f}"
+            f" {d['overhead_gib']:6.1f} {d['gpu_total_gib']:6.1f} | {d['host_ram_gib_per_node']:9.1f} | {d['checkpoint_gib']:8.1f} {c.write_s:8.0f} |"
             f" {tps:>8} | {'yes' if c.fits else 'no: ' + c.why}"
         )
     conversion = conversion_line(mplan, hardware)
@@ -122,6 +122,11 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
         network += (
             f"; CPU offload's copies over each GPU's PCIe link at {comm.host_link_gbytes_s(job.gpu.name):g} GB/s, "
             "not hidden (its CPU optimizer step is not modelled)"
+        )
+    if any(c.phase for c in mplan.candidates):
+        device += (
+            "; phase: ZeRO-1/2 make the fp32 gradient partition (in states) and a flat copy of the 16-bit one only in "
+            "the optimizer step, after the activations and loss buffers are freed: the peak is the larger phase"
         )
     out.append(
         f"llmft plan: assumed: {device}; {peak}{lora}; {network}; checkpoints written at {job.write_mb_s:g} MB/s; "

@@ -37,3 +37,18 @@ def llama_3_2_1b(**overrides) -> LlamaConfig:
         dtype="bfloat16",
     )
     return LlamaConfig(**{**published, **overrides})
+
+
+def tinyllama_1_1b(**overrides) -> LlamaConfig:
+    """TinyLlama/TinyLlama-1.1B: 1.10B parameters (bench/gpu.py's model on the 2026-11-24 H100)."""
+    published = dict(
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        intermediate_size=5632,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    return LlamaConfig(**{**published, **overrides})

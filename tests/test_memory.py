@@ -25,6 +25,7 @@ from llmft.planning.memory import (
     estimate,
     layer_activation_bytes_per_token,
     model_states_bytes,
+    optimizer_step_bytes,
     plan_memory,
 )
 
@@ -221,11 +222,15 @@ def test_a_fitting_candidate_never_exceeds_the_gpu_or_host_it_was_given(job):
     plan = plan_memory(job)
     for c in plan.candidates:
         d = c.as_dict()
-        assert c.gpu_total == c.model_states + c.activations + c.loss_buffers + c.overhead
+        s = c.setting
+        # the peak is the larger of the micro-batches' phase and ZeRO-1/2's optimizer step, never their sum
+        fp32_grads, flat = optimizer_step_bytes(job.shape, s.zero_stage, s.offload, job.world, job.precision)
+        training = c.model_states - fp32_grads + c.activations + c.loss_buffers
+        assert c.gpu_total == max(training, c.model_states + flat) + c.overhead
+        assert -fp32_grads <= c.phase <= flat
         if c.fits:
             assert c.gpu_total <= job.device_gib * GIB and d["gpu_total_gib"] <= job.device_gib + 0.005
             assert c.host["peak"] <= job.host_ram_gib * GIB
-            s = c.setting
             assert s.micro_batch * s.grad_accum * job.world == job.global_batch
         else:
             assert "GPU memory" in c.why or "host RAM" in c.why
@@ -357,6 +362,38 @@ def test_lora_activation_term_matches_what_autograd_saves(precision, targets):
     if targets:
         without_term = dataclasses.replace(s, lora_inputs=0)
         assert activation_bytes(without_term, batch, seq, False, precision) < 0.85 * measured
+
+
+# ---- the planner against the GPU -----------------------------------------------------------------------------------
+# Peaks measured with one process, ZeRO-2, bf16, llmft's packed attention (torch.cuda.max_memory_allocated, from
+# bench/README.md's GPU sections), beside the part of the plan they measure: model states + activations + loss
+# buffers + phase (the optimizer step's fp32 gradient partition is never live with the activations).
+MEASURED_PEAKS = [  # (config, micro-batch, sequence, gradient checkpointing, LoRA r=16 on every linear, GiB, run)
+    ("llama_3_2_1b", 8, 2048, True, False, 25.4, "H100 2026-11-27 packed"),
+    ("llama_3_2_1b", 8, 2048, False, False, 48.6, "H200 2026-11-27 packed-no-ckpt"),
+    ("llama_3_1_8b", 2, 4096, True, True, 21.0, "H100 2026-11-27 8b-lora"),
+    ("llama_3_1_8b", 1, 4096, False, True, 49.3, "H200 2026-11-27 8b-lora-no-ckpt"),
+    ("tinyllama_1_1b", 4, 2048, True, False, 22.6, "H100 2026-11-24 z2-pack-ckpt"),
+    ("tinyllama_1_1b", 4, 2048, False, False, 33.4, "H100 2026-11-24 z2-pack, accumulation 8"),
+    ("tinyllama_1_1b", 4, 2048, False, False, 31.4, "H100 2026-11-24 z2-pack, accumulation 1"),
+]
+
+
+@pytest.mark.parametrize("config, micro, seq, checkpointing, lora, measured, run", MEASURED_PEAKS)
+def test_the_plan_is_within_10_percent_of_every_peak_measured_on_a_gpu(
+    config, micro, seq, checkpointing, lora, measured, run
+):
+    """Issue 31's goal for the planner. Counting ZeRO-2's fp32 gradient partition beside the activations put the
+    no-recomputation runs 11-20% over (54.1 GiB planned for the 48.6 measured)."""
+    import published_shapes
+
+    from llmft.planning.model_shape import model_shape
+
+    s = model_shape(getattr(published_shapes, config)(), use_peft=lora, lora_r=16, lora_target_modules=["all-linear"])
+    job = Job(s, GPUS["H100-80GB"], 1000, 1, 1, seq, "bf16", micro_batch=micro, gradient_checkpointing=checkpointing)
+    c = estimate(job, Setting(2, "none", micro, 1, checkpointing))
+    planned = (c.model_states + c.activations + c.loss_buffers + c.phase) / GIB
+    assert abs(planned / measured - 1) <= 0.10, f"{run}: planned {planned:.1f} GiB, measured {measured}"
 
 
 # ---- plans users rely on (docs/memory-planning.md's examples) --------------------------------------------------------

@@ -369,12 +369,12 @@ def test_save_total_limit_is_checked_against_the_output_dirs_free_space(capsys, 
     rc, out, _ = llmft_plan(capsys, *args, "--save_total_limit", 100_000)
     assert rc == 0
     assert (
-        "llmft plan: warning: save_total_limit 100000 keeps 100000 complete checkpoints while writing the next: 100001 x 89.75 GiB per checkpoint = 897"
+        "llmft plan: warning: save_total_limit 100000 keeps 100000 complete checkpoints while writing the next: 100001 x 104.7 GiB per checkpoint = 1047"
         in out
     )
     assert "GiB free in the output directory; lower --save_total_limit or free space" in out
     rc, out, _ = llmft_plan(capsys, *args)
-    assert "llmft plan: warning: --save_total_limit is not set: every checkpoint is kept (89.75 GiB each" in out
+    assert "llmft plan: warning: --save_total_limit is not set: every checkpoint is kept (104.7 GiB each" in out
 
 
 def test_a3_plans_its_gpudirect_tcpx_bandwidth_only_with_the_nccl_profile_that_loads_it(capsys, llama_config):
