@@ -298,6 +298,8 @@ def plan_estimate(s: Setting, model: Path) -> float | None:
     cmd += ["--gradient_checkpointing", checkpointing(s.flags)]
     if "--use_peft" in s.flags:
         cmd += ["--use_peft", "--lora_target_modules", "all-linear"]
+    if "--use_liger_kernel" in s.flags:  # else the plan counts Liger's kernels as llmft train turns them on
+        cmd += ["--use_liger_kernel", s.flags[s.flags.index("--use_liger_kernel") + 1]]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     try:
         row = json.loads(proc.stdout)["recommended"]

@@ -49,6 +49,7 @@ from llmft.planning.run_plan import (
     RunPlan,
     make_plan,
     memory_job,
+    planned_liger,
     resolve_hardware,
 )
 from llmft.planning.world import CpuSplit, World, cpu_split, discover_cpus, discover_world
@@ -117,6 +118,10 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
         else f"CPU processes: device memory is host memory, {memory.PROCESS_HOST_GIB['cpu']:g} GiB host per process"
     )
     lora = "; LoRA dropout on (TRL's default 0.05; 0 keeps less)" if job.shape.lora else ""
+    if job.liger and memory.liger_kernels_apply(job.shape):
+        lora += "; Liger's RMSNorm/SwiGLU kernels, which keep fewer activations (--use_liger_kernel false: without)"
+    elif job.gpu is not None and job.gpu.has_bf16 and memory.liger_kernels_apply(job.shape):
+        lora += "; without Liger's kernels, which llmft train turns on where liger-kernel is installed and keep fewer activations (--use_liger_kernel true counts them)"
     network = "no node type: communication not modelled" if job.network is None else network_assumption(job.network)
     if job.gpu is not None and any(o != "none" for o in job.offloads):
         network += (
@@ -125,8 +130,8 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
         )
     if any(c.phase for c in mplan.candidates):
         device += (
-            "; phase: ZeRO-1/2 make the fp32 gradient partition (in states) and a flat copy of the 16-bit one only in "
-            "the optimizer step, after the activations and loss buffers are freed: the peak is the larger phase"
+            "; phase: ZeRO-1/2/3 make the fp32 gradient partition (in states) and a flat copy of the 16-bit one only "
+            "in the optimizer step, after the activations and loss buffers are freed: the peak is the larger phase"
         )
     out.append(
         f"llmft plan: assumed: {device}; {peak}{lora}; {network}; checkpoints written at {job.write_mb_s:g} MB/s; "
@@ -260,6 +265,8 @@ def submission_knobs(args, est, global_batch: int, sequence_parallel: int = 1) -
         extra.append("--save_consolidated")
     if args.async_save:
         extra.append("--async_save")
+    if args.use_liger_kernel is not None:  # the plan counted what was asked: the run must do the same
+        extra += ["--use_liger_kernel", "true" if args.use_liger_kernel else "false"]
     knobs.append("EXTRA_ARGS=" + " ".join(extra))
     return knobs
 
@@ -475,6 +482,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
         sequence_parallel=args.sequence_parallel or 1,
         tiled_mlp=args.tiled_mlp,
         activation_offloading=args.activation_offloading,
+        liger=planned_liger(args.use_liger_kernel, hardware.gpu, config.model_type),
     )
     try:
         # llmft train --auto keeps the N it is given; the plan otherwise finds the smallest that fits
@@ -548,6 +556,7 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
             sequence_parallel=plan.sequence_parallel,
             tiled_mlp=bool(args.tiled_mlp),
             activation_offloading=bool(args.activation_offloading),
+            liger=planned_liger(args.use_liger_kernel, hardware.gpu, config.model_type),
         )
         mplan = plan_memory(job)
     except MemoryPlanError as e:
@@ -663,7 +672,7 @@ def add_memory_plan_arguments(parser) -> None:
     mem.add_argument("--lora_r", type=int, default=None, help="LoRA rank (default: TRL's 16)")
     mem.add_argument("--lora_target_modules", nargs="+", default=None, help="default: PEFT's for the architecture")
     mem.add_argument("--load_in_4bit", action="store_true", help="QLoRA: frozen weights in 4-bit (needs --use_peft)")
-    mem.add_argument("--attn_implementation", default=None, choices=["sdpa", "flash_attention_2"], help="default sdpa")
+    add_kernel_arguments(mem)
     mem.add_argument(
         "--save_total_limit",
         type=int,
@@ -716,6 +725,20 @@ def add_memory_plan_arguments(parser) -> None:
     mem.add_argument("--walltime", default=None, help="with --scheduler pbs: the job's walltime (HH:MM:SS; 04:00:00)")
     mem.add_argument("--trust_remote_code", action="store_true")
     add_run_data_arguments(parser)
+
+
+def add_kernel_arguments(mem) -> None:
+    """The kernels the run uses, which decide the activations it keeps."""
+    mem.add_argument("--attn_implementation", default=None, choices=["sdpa", "flash_attention_2"], help="default sdpa")
+    mem.add_argument(
+        "--use_liger_kernel",
+        default=None,
+        type=lambda v: _bool(v, "--use_liger_kernel"),
+        nargs="?",
+        const=True,
+        help="true/false: count Liger's kernels (fewer activations) or not; default: as llmft train decides with "
+        "this machine's liger-kernel (on for a bf16 GPU and a Llama-like model where it is installed)",
+    )
 
 
 def add_long_context_arguments(mem) -> None:
@@ -799,6 +822,7 @@ MEMORY_ONLY = (
     "async_save",
     "tiled_mlp",
     "activation_offloading",
+    "use_liger_kernel",
     "write_mb_s",
     "mfu",
     "auto",

@@ -283,6 +283,9 @@ def choose_automatically(run: RunSettings, precision: str, grad_accum: int | Non
         sequence_parallel=extra.sequence_parallel,
         tiled_mlp=True if extra.tiled_mlp else None,
         activation_offloading=True if training.activation_offloading else None,
+        use_liger_kernel=True
+        if training.liger_kernel_config and training.use_liger_kernel is None
+        else training.use_liger_kernel,
     )
 
 

@@ -212,7 +212,10 @@ def test_both_schedulers_forward_the_memory_flags_of_extra_args_to_the_plans_mem
     """The Slurm and the PBS job build `llmft plan`'s flags with one function (llmft.launch.job.plan_arguments): the
     llmft train flags in EXTRA_ARGS that change a setting's memory reach the memory check in the three forms a user
     writes them, and nothing else does."""
-    extra = "--max_length 4096 --seed 1 --tiled_mlp --activation_offloading false --lora_r=16 --load_in_4bit --logging_steps 5"
+    extra = (
+        "--max_length 4096 --seed 1 --tiled_mlp --activation_offloading false --lora_r=16 --load_in_4bit "
+        "--use_liger_kernel false --logging_steps 5"
+    )
     k = knobs.resolve({}, ["MODEL=org/m", f"EXTRA_ARGS={extra}"])
     forwarded = [
         "--max_length",
@@ -222,6 +225,8 @@ def test_both_schedulers_forward_the_memory_flags_of_extra_args_to_the_plans_mem
         "false",
         "--lora_r=16",
         "--load_in_4bit",
+        "--use_liger_kernel",  # Liger's kernels keep fewer activations: the check counts them as the run will
+        "false",
     ]
     for world in ({}, {"nnodes": 2, "gpus": 4}):  # Slurm's (llmft plan reads SLURM_*), PBS's (said)
         plan = job.plan_arguments(k, tmp_path, tmp_path / "nodes", **world)

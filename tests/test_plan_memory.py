@@ -388,3 +388,34 @@ def test_a3_plans_its_gpudirect_tcpx_bandwidth_only_with_the_nccl_profile_that_l
     rc, fast, _ = llmft_plan(capsys, *args, "--zero_stage", 2, "--nccl_profile", "gcp-tcpx", "--json")
     slow, fast = json.loads(slow)["recommended"], json.loads(fast)["recommended"]
     assert fast["comm_s"] < slow["comm_s"] and fast["tokens_per_s"] >= slow["tokens_per_s"]
+
+
+@pytest.mark.parametrize("gpu, counted", [("L4", True), ("A100-40GB", True), ("H100-80GB", True), ("T4", False)])
+def test_the_plan_counts_ligers_kernels_where_llmft_train_would_run_them(
+    capsys, llama_config, monkeypatch, gpu, counted
+):
+    """Liger's kernels keep fewer activations (4.4 GiB less for a 1.1B model on an H100). The plan counts them as
+    llmft train decides (llmft.planning.hardware.choose_liger): on a bf16 GPU where liger-kernel is installed, not
+    on a T4; --use_liger_kernel says it either way, and --write passes the same choice to the run."""
+    from llmft.planning import run_plan
+
+    monkeypatch.setattr(run_plan, "liger_model_types", lambda: frozenset({"llama", "mistral"}))  # installed here
+    common = ("--model", llama_config, "--gpu", gpu, "--host_ram_gb", 500, "--nproc_per_node", 8, "--nnodes", 1)
+    common += ("--global_batch_size", 64, "--per_device_train_batch_size", 1, "--max_length", 2048, "--zero_stage", 3)
+    common += ("--gradient_checkpointing", "false")
+
+    def activations(*flags):
+        rc, out, _ = llmft_plan(capsys, *common, *flags, "--json")
+        return json.loads(out)["candidates"][0]["activations_gib"]
+
+    auto, on, off = activations(), activations("--use_liger_kernel"), activations("--use_liger_kernel", "false")
+    assert on < off and auto == (on if counted else off)
+    rc, out, _ = llmft_plan(capsys, *common)
+    said = "Liger's RMSNorm/SwiGLU kernels, which keep fewer activations (--use_liger_kernel false: without)"
+    assert (said in out) == counted
+    monkeypatch.setattr(run_plan, "liger_model_types", lambda: None)  # not installed: counted only when asked
+    assert activations() == off
+    if gpu == "H100-80GB":  # where this setting fits
+        write = llama_config.parent / "liger-write"
+        rc, out, _ = llmft_plan(capsys, *common, "--use_liger_kernel", "false", "--write", write)
+        assert rc == 0 and "EXTRA_ARGS=--gradient_checkpointing false" in out and "--use_liger_kernel false" in out

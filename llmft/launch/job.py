@@ -146,7 +146,7 @@ def plan_arguments(
 # flags with a value, switches, and switches that may take true/false after them.
 MEMORY_VALUE_FLAGS = ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation")
 MEMORY_SWITCHES = ("--load_in_4bit", "--save_consolidated", "--async_save")
-MEMORY_BOOL_FLAGS = ("--tiled_mlp", "--activation_offloading")
+MEMORY_BOOL_FLAGS = ("--tiled_mlp", "--activation_offloading", "--use_liger_kernel")
 BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
 
 

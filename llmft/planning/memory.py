@@ -67,12 +67,18 @@ tile of 4096 tokens x 32768 vocabulary columns, an fp32 gradient of the final hi
 when the LM head trains, an fp32 gradient of the whole LM head (4 V h, with its w-byte cast): 3 GiB for Llama-3's
 128k vocabulary at hidden 4096, whatever the batch.
 
-Not all at once (`optimizer_step_bytes`): ZeRO-1/2 in 16-bit training make the fp32 gradient partition (4 T/N, one of
-the model states) and a flat copy of the 16-bit gradient partition (2 T/N) only in the optimizer step, after the
-activations and loss buffers are freed. The peak is the larger of the two phases: model states - 4 T/N +
-activations + loss buffers while the micro-batches train, model states + 2 T/N in the step (`Estimate.phase` is the
-peak less the sum of the three columns). Measured on one GPU: 25.3 GiB planned for 25.4 with recomputation (the
-step), 49.5 for 48.6 without (the backward), where the sum said 27.9 and 54.1.
+Not all at once (`optimizer_step_bytes`): ZeRO-1/2/3 in 16-bit training make the fp32 gradient partition (4 T/N, one
+of the model states) and a flat copy of the 16-bit gradient partition (2 T/N) only in the optimizer step (ZeRO-3 one
+sub-group at a time), after the activations and loss buffers are freed. The peak is the larger of the two phases:
+model states - 4 T/N + activations + loss buffers while the micro-batches train, model states + 2 T/N in a ZeRO-1/2
+step (`Estimate.phase` is the peak less the sum of the three columns). Measured on one GPU: 25.3 GiB planned for
+25.4 with recomputation (the step), 49.5 for 48.6 without (the backward), where the sum said 27.9 and 54.1.
+
+Liger's kernels (`Job.liger`: on by default on bf16 GPUs where liger-kernel is installed, llmft.planning.hardware.
+choose_liger) keep fewer activations: LigerRMSNormFunction keeps its input and a fp32 1/rms per token (a h + 4
+instead of 4 h + a h) and LigerSiLUMulFunction keeps gate and up but not SiLU's output (3 a I instead of 4 a I with
+down's input). Measured on an H100 (TinyLlama's shape, micro-batch 4 x 2048, no recomputation): 4.4 GiB less under
+ZeRO-2 and 4.7 under ZeRO-3; counted: 4.6.
 
 Other per GPU (`zero_buffer_bytes` and fixed): DeepSpeed's working buffers, read from the ZeRO config (reduce
 and all-gather buckets, the reduce bucket doubled with overlap_comm; under ZeRO-3 the prefetch bucket and the
@@ -272,6 +278,7 @@ class Job:
     sequence_parallel: int = 1  # --sequence_parallel N: Ulysses groups of N ranks share each sample's sequence
     tiled_mlps: tuple[bool, ...] = (False,)  # --tiled_mlp off / on: which the candidates may use (off tried first)
     activation_offloads: tuple[bool, ...] = (False,)  # --activation_offloading off / on (GPUs, with recomputation)
+    liger: bool = False  # Liger's RMSNorm/SwiGLU kernels run (llmft.planning.hardware.choose_liger): fewer activations
 
     @property
     def world(self) -> int:
@@ -460,38 +467,55 @@ def model_states_bytes(
 
 
 def optimizer_step_bytes(
-    shape: ModelShape, zero_stage: int, offload: str, world: int, precision: str
+    shape: ModelShape, zero_stage: int, offload: str, world: int, precision: str, zero_config: dict | None = None
 ) -> tuple[int, int]:
-    """(fp32 gradient partition, flat 16-bit copy): what only ZeRO-1/2's optimizer step holds, in bytes per GPU.
+    """(absent while training, added in the step): the model states' bytes that exist only in the optimizer step,
+    and what the step holds beyond the model states, per GPU. The peak is the larger of the two phases, not the sum.
 
-    In 16-bit training DeepSpeed's ZeRO-1/2 optimizer (runtime/zero/stage_1_and_2.py, `step`) creates the fp32
-    gradient partition (4 T/N, one of the model states' 18 T/N) at the step, from a flat copy of the 16-bit gradient
-    partition (2 T/N, counted nowhere else), and frees both after the update: neither is live while the micro-batches'
-    activations are. So the peak is the larger of the two phases, not their sum. Measured: the 1.24B Llama-3.2 shape
-    on one GPU peaked at 25.4 GiB with recomputation (22 T = 25.3: the step) and 48.6 without (16 T + activations +
-    loss buffers = 49.5: the backward), where counting all at once said 27.9 and 54.1. (0, 0) where the planner
-    keeps counting everything at once: ZeRO-0 and ZeRO-3 (not measured this way; ZeRO-3 steps one sub-group at a
-    time), CPU offload (its fp32 gradients live on the host) and fp32 training (no fp32 gradient copy)."""
+    In 16-bit training DeepSpeed's ZeRO optimizers create the fp32 gradient partition (4 T/N, one of the model
+    states' 18 T/N) only in the step, from a flat copy of the 16-bit gradient partition (2 T/N, counted nowhere
+    else), and free both after the update: neither is live while the micro-batches' activations are. ZeRO-1/2
+    (runtime/zero/stage_1_and_2.py, `step`) do the whole partition at once: (4 T/N, 2 T/N). ZeRO-3 (stage3.py,
+    `_prepare_fp32_grad_for_sub_group`) one sub-group at a time, each freed before the next: (4 T/N, 6 S - 4 T/N),
+    S the largest sub-group (sub_group_size elements at most). Measured on one GPU: the 1.24B Llama-3.2 shape under
+    ZeRO-2 peaked at 25.4 GiB with recomputation (22 T = 25.3: the step) and 48.6 without (16 T + activations + loss
+    buffers = 49.5: the backward), where counting all at once said 27.9 and 54.1. (0, 0) where the optimizer's fp32
+    gradients live on the host (CPU offload), in fp32 training (no fp32 gradient copy) and under ZeRO-0, whose
+    bf16 optimizer keeps fp32 gradients for accumulation."""
     b = element_bytes(precision)
-    if zero_stage not in (1, 2) or offload != "none" or not b["g32"]:
+    if zero_stage not in (1, 2, 3) or offload != "none" or not b["g32"]:
         return 0, 0
     partition = shape.trainable / world
-    return int(b["g32"] * partition), int(b["g"] * partition)
+    if zero_stage in (1, 2):
+        return int(b["g32"] * partition), int(b["g"] * partition)
+    value = (zero_config or {}).get("sub_group_size", 1_000_000_000)
+    sub_group = min(partition, 1_000_000_000 if value == "auto" else int(value))
+    return int(b["g32"] * partition), int((b["g32"] + b["g"]) * sub_group - b["g32"] * partition)
 
 
 def layer_activation_bytes_per_token(
-    shape: ModelShape, precision: str, attention: str = "sdpa", tiled_mlp: bool = False, masked: bool = True
+    shape: ModelShape,
+    precision: str,
+    attention: str = "sdpa",
+    tiled_mlp: bool = False,
+    masked: bool = True,
+    liger: bool = False,
 ) -> int:
     """What autograd keeps for one decoder layer per token, without recomputation (module docstring). With
     --tiled_mlp the MLP keeps only its input (DeepSpeed's TiledMLP recomputes the rest in shards in the backward).
     `masked`: SDPA gets a padding mask, and transformers then repeats the K/V heads; without one (a micro-batch of
-    one sample, or Ulysses, which drops the mask) SDPA takes grouped K/V as they are."""
+    one sample, or Ulysses, which drops the mask) SDPA takes grouped K/V as they are. `liger`: Liger's kernels
+    replace RMSNorm and SwiGLU (`liger_kernels_apply`)."""
     a = element_bytes(precision)["w"]
     h, kv, inter = shape.hidden, shape.kv_width, shape.intermediate
+    liger = liger and liger_kernels_apply(shape)
     norm = (4 * h + a * h) if shape.rms_norm and a < 4 else 2 * a * h if shape.rms_norm else a * h
+    if liger:
+        norm = a * h + 4  # LigerRMSNormFunction keeps its input and a fp32 1/rms per token, LoRA or not
     kv_saved = h if attention == "sdpa" and masked else kv
     attn = norm + a * h + a * h + 2 * a * kv_saved + a * h + a * h
-    mlp_inside = shape.mlp_saved * a * inter  # the MLP's own tensors, beyond its input (a h)
+    # the MLP's own tensors, beyond its input (a h); LigerSiLUMulFunction keeps gate and up, not SiLU's output
+    mlp_inside = (shape.mlp_saved - (1 if liger else 0)) * a * inter
     mlp = norm + a * h + mlp_inside
     masks = 2 * h if shape.dropout else 0
     if not shape.lora:
@@ -502,7 +526,7 @@ def layer_activation_bytes_per_token(
     # its own dropped-out input (a bytes) and dropout mask instead (1 byte: CUDA's boolean mask; fp32, llmft's CPU
     # precision, keeps an fp32 mask there). Measured on an H100 for a TinyLlama layer with r=16 on every linear:
     # 113,512 bytes per token against 113,152 counted (bench/activations.py).
-    frozen = a * (3 * h + inter) + (2 * a * h if shape.rms_norm else 0)
+    frozen = a * (3 * h + inter) + (2 * a * h if shape.rms_norm and not liger else 0)
     mask = 1 if a < 4 else a
     full = attn + mlp + masks - frozen + (a + mask) * shape.lora_inputs
     if not tiled_mlp:
@@ -510,6 +534,11 @@ def layer_activation_bytes_per_token(
     # tiled: of the MLP only TiledMLP's saved input (a h) stays; its frozen-input savings and adapters' inputs go
     mlp_lora = mlp_inside - a * inter - a * h + (a + mask) * shape.lora_mlp_inputs  # a h: the frozen gate/up input
     return full - mlp_lora
+
+
+def liger_kernels_apply(shape: ModelShape) -> bool:
+    """Liger's layer kernels replace this shape's layers: RMSNorm and a SwiGLU MLP (Llama, Mistral, Qwen, ...)."""
+    return shape.rms_norm and shape.gated_mlp
 
 
 def tiled_mlp_shards(hidden: int, rank_length: int) -> int:
@@ -529,6 +558,7 @@ def activation_bytes(
     sequence_parallel: int = 1,
     tiled_mlp: bool = False,
     activation_offloading: bool = False,
+    liger: bool = False,
 ) -> int:
     """Activations kept for the backward pass on one GPU: every layer's, or with full recomputation every layer's
     input plus one layer rebuilt at a time; plus the final norm and, with SDPA, the shared padding mask.
@@ -544,8 +574,9 @@ def activation_bytes(
     tokens = micro_batch * rank_length
     # a micro-batch of one sample has no padding, and transformers then runs SDPA causal without building a mask
     masked = attention == "sdpa" and n == 1 and micro_batch > 1
-    per_layer = layer_activation_bytes_per_token(shape, precision, attention, tiled_mlp, masked)
-    head = 4 * shape.hidden + 2 * a * shape.hidden  # final norm and the LM head's input
+    per_layer = layer_activation_bytes_per_token(shape, precision, attention, tiled_mlp, masked, liger)
+    final_norm = a * shape.hidden + 4 if liger and liger_kernels_apply(shape) else 4 * shape.hidden + a * shape.hidden
+    head = final_norm + a * shape.hidden  # the final norm and the LM head's input
     mask = micro_batch * seq * seq if masked else 0
     if gradient_checkpointing:
         inputs = min(shape.layers, OFFLOAD_STASH) if activation_offloading else shape.layers
@@ -825,12 +856,15 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         sequence_parallel=job.sequence_parallel,
         tiled_mlp=setting.tiled_mlp,
         activation_offloading=setting.activation_offloading,
+        liger=job.liger,
     )
     loss = loss_buffer_bytes(shape, setting.micro_batch, job.rank_length, job.precision)
     buckets = zero_buffer_bytes(setting.zero_stage, job.zero_config.get(setting.zero_stage, {}), shape, job.precision)
-    fp32_grads, flat_copy = optimizer_step_bytes(shape, setting.zero_stage, setting.offload, job.world, job.precision)
-    training = states - fp32_grads + acts + loss  # the micro-batches' forward and backward
-    step = states + flat_copy  # the optimizer step, after the activations and loss buffers are freed
+    absent, added = optimizer_step_bytes(
+        shape, setting.zero_stage, setting.offload, job.world, job.precision, job.zero_config.get(setting.zero_stage)
+    )
+    training = states - absent + acts + loss  # the micro-batches' forward and backward
+    step = states + added  # the optimizer step, after the activations and loss buffers are freed
     peak = max(training, step)
     phase = peak - (states + acts + loss)
     allocated = peak + buckets

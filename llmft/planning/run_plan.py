@@ -16,7 +16,15 @@ from llmft.errors import LlmftError
 from llmft.planning import comm, memory
 from llmft.planning.batch import BatchError, BatchPlan, plan_batch
 from llmft.planning.ds_config import DSConfigError, load_config, offload_mode, offloads, template_path, zero_stage_of
-from llmft.planning.hardware import GPU, gpu_by_name, local_gpu, local_host_memory, node_type_by_name
+from llmft.planning.hardware import (
+    GPU,
+    choose_liger,
+    gpu_by_name,
+    liger_model_types,
+    local_gpu,
+    local_host_memory,
+    node_type_by_name,
+)
 from llmft.planning.memory import GIB, MemoryPlanError, plan_with_savers
 from llmft.planning.model_shape import cap_max_length, load_model_config, model_shape
 from llmft.planning.sequence_parallel import Layout, SequenceParallelError, plan_layout
@@ -222,6 +230,7 @@ def memory_job(
     sequence_parallel: int = 1,
     tiled_mlp: bool | None = False,
     activation_offloading: bool | None = False,
+    liger: bool = False,
 ):
     """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given);
     nccl_profile: slurm/run_llm.slurm's NCCL_PROFILE, which decides the network a fabric node reaches.
@@ -287,7 +296,17 @@ def memory_job(
         activation_offloads=((False, True) if hardware.gpu is not None else (False,))
         if activation_offloading is None
         else (activation_offloading,),
+        liger=liger,
     )
+
+
+def planned_liger(requested: bool | None, gpu: GPU | None, model_type: str) -> bool:
+    """Whether the planned run uses Liger's kernels, which keep fewer activations: as asked (llmft train refuses
+    what cannot run), else as llmft train decides (llmft.planning.hardware.choose_liger) with this machine's
+    liger-kernel; a plan made where it is not installed counts the kernels only when asked."""
+    if requested is not None:
+        return requested
+    return choose_liger(None, gpu, model_type, liger_model_types() if gpu is not None else None)[0]
 
 
 def auto_choice(
@@ -314,6 +333,7 @@ def auto_choice(
     sequence_parallel: int = 1,
     tiled_mlp: bool | None = None,
     activation_offloading: bool | None = None,
+    use_liger_kernel: bool | None = None,
 ):
     """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
     computes the same answer: run_llm.slurm exports the smallest node's allocation as LLMFT_HOST_RAM_GB).
@@ -347,6 +367,7 @@ def auto_choice(
             sequence_parallel=sequence_parallel,
             tiled_mlp=tiled_mlp,
             activation_offloading=activation_offloading,
+            liger=planned_liger(use_liger_kernel, hardware.gpu, config.model_type),
         )
         if keep_zero_stage is not None:
             job = dataclasses.replace(job, zero_stages=(keep_zero_stage,))
