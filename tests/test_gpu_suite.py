@@ -102,6 +102,7 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
         "packed-micro16",
         "8b-lora",
         "8b-lora-no-ckpt",
+        "8b-lora-fast",
         "prebuild",
         "startup",
     ]
@@ -113,6 +114,8 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
     [no_ckpt] = [s for s in real if s.name == "8b-lora-no-ckpt"]  # the same tokens a step, without recomputation
     assert (no_ckpt.micro_batch * no_ckpt.grad_accum, no_ckpt.max_length) == (8, 4096)
     assert checkpointing(no_ckpt.flags) == "false" and no_ckpt.flags[: len(lora.flags) - 1] == lora.flags[:-1]
+    [fast] = [s for s in real if s.name == "8b-lora-fast"]  # that run again, compiled
+    assert fast.flags == [*no_ckpt.flags, "--torch_compile", "true"] and fast.micro_batch == no_ckpt.micro_batch
     assert SHAPES["llama-3.2-1b"]["vocab_size"] == SHAPES["llama-3.1-8b"]["vocab_size"] == 128256
     assert [s.pair for s in real if s.who == "plain"] == ["default", "packed"]
     # the planner is asked about the run as it trains: TRL's default gradient checkpointing unless a flag says not
