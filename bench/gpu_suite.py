@@ -353,13 +353,22 @@ def measured(s: Setting, out: Path) -> dict:
     return row
 
 
+def reserved_peak(stdout: str) -> float | None:
+    """Rank 0's torch.cuda.max_memory_reserved from llmft's end-of-run line (llmft.training.host_memory): what the
+    allocator held beyond the allocated peak is what the planner's 10% fragmentation allowance must cover."""
+    import re
+
+    found = re.search(r"GPU memory peak: rank 0 [\d.]+ GiB allocated, ([\d.]+) GiB reserved", stdout)
+    return float(found.group(1)) if found else None
+
+
 def table(rows: list[dict], head: str) -> str:
     """The markdown table of the rows so far, each plain row and lever beside the llmft row it is compared with."""
     by_name = {r["name"]: r for r in rows}
     lines = [
         head,
         "",
-        "| run | tokens/s | MFU | peak GiB (allocated) | plan GiB (allocated) | vs | ratio | start-up s | wall s |",
+        "| run | tokens/s | MFU | peak GiB (allocated / reserved) | plan GiB (allocated) | vs | ratio | start-up s | wall s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -378,6 +387,8 @@ def table(rows: list[dict], head: str) -> str:
             )
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
         peak = f"{r['peak_gpu_memory_gib']:.1f}" if r.get("peak_gpu_memory_gib") is not None else "n/a"
+        if r.get("reserved_gib") is not None:
+            peak += f" / {r['reserved_gib']:.1f}"
         plan = f"{r['plan_gib']:.1f}" if r.get("plan_gib") is not None else "n/a"
         startup = sum((r.get("startup_seconds") or {}).values())
         lines.append(
@@ -476,6 +487,7 @@ def main() -> int:
                 summary = out / ("plain_summary.json" if s.who == "plain" else "run_summary.json")
                 (kept / "summaries" / f"{s.name}.json").write_bytes(summary.read_bytes())
                 row.update(measured(s, out))
+                row["reserved_gib"] = reserved_peak(r.stdout)
                 row["plan_gib"] = plan_estimate(s, model)
             free_disk(out, a.out / "models", {later.model for later in chosen[i + 1 :]})
         rows.append(row)

@@ -153,3 +153,15 @@ def test_a_failed_run_is_recorded_by_its_error_not_torchruns_banner(tmp_path):
     )
     assert exit_failure(full) == "exit 2: llmft prebuild: error: x"
     assert plain_failure(Run("p", 1.0, "", tmp_path), tmp_path) == "exit 0 without its --summary"
+
+
+def test_the_reserved_peak_is_read_from_the_line_llmft_prints_at_the_end_of_a_gpu_run():
+    """The planner's 10% fragmentation allowance is checked against what the allocator reserved: the suite reads it
+    from the line llmft.training.host_memory prints (its own formatting, so a change there fails here)."""
+    from gpu_suite import reserved_peak
+
+    from llmft.training.host_memory import _gib
+
+    line = f"llmft: GPU memory peak: rank 0 {_gib(25.4 * 2**30)} allocated, {_gib(27.93 * 2**30)} reserved"
+    assert reserved_peak(f"step 12\n{line}\nllmft: host memory peak: ...") == 27.93
+    assert reserved_peak("a CPU run prints no GPU line") is None
