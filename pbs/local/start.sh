@@ -322,9 +322,27 @@ EOF
 done
 
 # The head: pbs_init.d creates PBS_HOME and the datastore (pbs_habitat), then starts comm, scheduler and server
-# (which starts the datastore).
-PBS_CONF_FILE=$conf "$prefix/libexec/pbs_init.d" start >"$state/log/head-start.log" 2>&1 \
-  || { tail -n 20 "$state/log/head-start.log" >&2; die "the PBS head did not start; see $state/log/head-start.log and $state/head/*_logs"; }
+# (which starts the datastore). OpenPBS's pbs_db_utility runs createdb as soon as the new datastore's postmaster has a
+# pid, not once it accepts connections: on a loaded machine createdb can meet "the database system is starting up"
+# and the head fails (a CI run of 2026-11-28). pbs_db_utility stops that datastore itself; the head is then started
+# again from an empty PBS_HOME, for that failure only, up to 3 times.
+for attempt in 1 2 3; do
+  if PBS_CONF_FILE=$conf "$prefix/libexec/pbs_init.d" start >"$state/log/head-start.log" 2>&1; then
+    break
+  fi
+  if (( attempt == 3 )) || ! grep -qF "the database system is starting up" "$state/log/head-start.log"; then
+    tail -n 20 "$state/log/head-start.log" >&2
+    die "the PBS head did not start; see $state/log/head-start.log and $state/head/*_logs"
+  fi
+  echo "pbs/local/start.sh: the new datastore was not ready for OpenPBS's createdb; starting the head again ($((attempt + 1)) of 3)" >&2
+  mv -f "$state/log/head-start.log" "$state/log/head-start.$attempt.log"
+  for _ in $(seq 1 150); do  # the stopped datastore's postmaster gone, before its PBS_HOME is made again
+    pgrep -f -- "$state/head/datastore" >/dev/null || break
+    sleep 0.1
+  done
+  pgrep -f -- "$state/head/datastore" >/dev/null && die "the datastore of the failed head start is still running: pbs/local/stop.sh $state"
+  rm -rf "$state/head"
+done
 
 record() {  # record NAME PIDFILE: the daemon's pid, once the first line of its pid file names a live process called NAME
   local pid _
