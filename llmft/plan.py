@@ -52,6 +52,7 @@ from llmft.planning.run_plan import (
     planned_liger,
     resolve_hardware,
 )
+from llmft.planning.speed_defaults import choose_recomputation
 from llmft.planning.world import CpuSplit, World, cpu_split, discover_cpus, discover_world
 
 # ---- the memory plan (--model): llmft.planning.memory on a model shape and the hardware --------------------------------------
@@ -534,34 +535,45 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
         config, use_peft=args.use_peft, lora_r=args.lora_r or 16, lora_target_modules=args.lora_target_modules
     )
     b = plan.batch
-    try:
-        job = memory_job(
-            shape,
-            hardware,
-            plan.world,
-            max_length=max_length,
-            precision=precision,
-            global_batch=b.global_batch,
-            micro_batch=b.micro_batch,
-            grad_accum=b.grad_accum,
-            gradient_checkpointing=bool(args.gradient_checkpointing),  # llmft train's default: off
-            zero_stage=None if args.deepspeed else plan.zero_stage,
-            offload=None if args.deepspeed else plan.offload_mode,
-            deepspeed=args.deepspeed,
-            load_in_4bit=args.load_in_4bit,
-            attention=args.attn_implementation or "sdpa",
-            save_consolidated=args.save_consolidated,
-            async_save=args.async_save,
-            nccl_profile=args.nccl_profile,
-            sequence_parallel=plan.sequence_parallel,
-            tiled_mlp=bool(args.tiled_mlp),
-            activation_offloading=bool(args.activation_offloading),
-            liger=planned_liger(args.use_liger_kernel, hardware.gpu, config.model_type),
-        )
-        mplan = plan_memory(job)
-    except MemoryPlanError as e:
-        raise PlanError(str(e)) from None
-    [est] = [c for c in mplan.candidates if c.setting.micro_batch == b.micro_batch] or mplan.candidates[:1]
+
+    def planned(gradient_checkpointing: bool):
+        try:
+            job = memory_job(
+                shape,
+                hardware,
+                plan.world,
+                max_length=max_length,
+                precision=precision,
+                global_batch=b.global_batch,
+                micro_batch=b.micro_batch,
+                grad_accum=b.grad_accum,
+                gradient_checkpointing=gradient_checkpointing,
+                zero_stage=None if args.deepspeed else plan.zero_stage,
+                offload=None if args.deepspeed else plan.offload_mode,
+                deepspeed=args.deepspeed,
+                load_in_4bit=args.load_in_4bit,
+                attention=args.attn_implementation or "sdpa",
+                save_consolidated=args.save_consolidated,
+                async_save=args.async_save,
+                nccl_profile=args.nccl_profile,
+                sequence_parallel=plan.sequence_parallel,
+                tiled_mlp=bool(args.tiled_mlp),
+                activation_offloading=bool(args.activation_offloading),
+                liger=planned_liger(args.use_liger_kernel, hardware.gpu, config.model_type),
+            )
+            mplan = plan_memory(job)
+        except MemoryPlanError as e:
+            raise PlanError(str(e)) from None
+        [est] = [c for c in mplan.candidates if c.setting.micro_batch == b.micro_batch] or mplan.candidates[:1]
+        return est, mplan
+
+    est, mplan = planned(False)
+    # not given: what llmft train decides (off where it fits without recomputation on a GPU, else TRL's on)
+    recompute, _ = choose_recomputation(
+        args.gradient_checkpointing, hardware.gpu, est.fits, est.gpu_total / 2**30, mplan.job.device_gib
+    )
+    if recompute:
+        est, mplan = planned(True)
     d = est.as_dict()
     where = hardware.describe(plan.world.nnodes, plan.world.procs_per_node)
     device = "GPU" if hardware.gpu is not None else "per process"

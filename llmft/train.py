@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import re
 import socket
@@ -58,7 +59,8 @@ from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
 from llmft.planning.op_prebuild import deepspeed_arch_list
 from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quantization
-from llmft.planning.run_plan import RunPlan, auto_choice, make_plan
+from llmft.planning.run_plan import PlanError, RunPlan, auto_choice, make_plan, run_estimate
+from llmft.planning.speed_defaults import choose_recomputation, choose_torch_compile
 from llmft.planning.world import LaunchEnvError, discover_world, launch_problem, log, rank0
 from llmft.training import (
     build_locks,
@@ -73,6 +75,7 @@ from llmft.training import (
     metrics,
     packing,
     process_group_timeout,
+    profile_step,
     rerun,
     run_identity,
     tiled_mlp,
@@ -87,7 +90,7 @@ from llmft.training.deepspeed_env import (
     skip_deepspeed_shm_op,
     use_proc_cpuinfo_for_deepspeed,
 )
-from llmft.training.flags import TrainParser, check_flags, parse_train_flags
+from llmft.training.flags import TrainParser, check_flags, check_profile_step, parse_train_flags
 from llmft.training.metrics import log_perplexity
 from llmft.training.model_files import (
     ModelFiles,
@@ -110,6 +113,15 @@ class RunSettings:
     training: object  # trl.SFTConfig
     model: object  # trl.ModelConfig
     llmft: LlmftArguments
+    # flags not given, which llmft then decides by the measurements (llmft.planning.speed_defaults):
+    # "gradient_checkpointing", "torch_compile"
+    llmft_decides: frozenset = frozenset()
+
+    @classmethod
+    def from_flags(cls, script, training, model, llmft) -> RunSettings:
+        """The parsed flags, with the speed flags that were not given (TrainParser records which) left to llmft."""
+        given = getattr(training, "llmft_speed_flags_given", {})
+        return cls(script, training, model, llmft, frozenset(flag for flag, was in given.items() if not was))
 
     def with_training(self, **changes) -> RunSettings:
         training = self.training
@@ -145,7 +157,7 @@ class ResumeDecision:
 def main(script_args, training_args, model_args, llmft_args) -> int:
     """`llmft train` after its flags are parsed: the one-line error of any LlmftError, exit code 2."""
     try:
-        return train(RunSettings(script_args, training_args, model_args, llmft_args))
+        return train(RunSettings.from_flags(script_args, training_args, model_args, llmft_args))
     except LlmftError as e:
         return report_error("train", e)
 
@@ -168,6 +180,7 @@ def train(run: RunSettings) -> int:
     run, attention = choose_model_settings(run, decided, files.config)
     with clock.phase("data"):
         prepared = prepare_data(run, decided, files)
+    run = choose_compile_default(run, decided, resume, files.config, len(prepared.train))
     resolved = write_deepspeed_config(run, decided, resume, files.config)
     with clock.phase("import"):
         prepare_process()
@@ -192,6 +205,7 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
             "--dataset_name (or --dataset_mixture) is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)"
         )
     check_flags(script, training, model, cuda=cuda)
+    check_profile_step(extra.profile_step, training.max_steps)
     precision = train_precision(training, extra, gpu)
     grad_accum = training.gradient_accumulation_steps if training.gradient_accumulation_steps != 1 else None
     micro, zero_stage, offload, auto_line = training.per_device_train_batch_size, extra.zero_stage, extra.offload, ""
@@ -219,6 +233,8 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
         auto=auto_line,
         sequence_parallel=extra.sequence_parallel,
     )
+    if not extra.auto:  # --auto chose recomputation with the rest of the setting
+        run = choose_recomputation_default(run, plan, gpu)
     if extra.save_consolidated and (plan.zero_stage != 3 or model.use_peft):
         raise TrainError(
             "--save_consolidated gathers a ZeRO-3 model at the end; "
@@ -246,6 +262,87 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
     data_options = DataOptions.from_args(script, run.training, extra)
     check_options(data_options, training.eval_strategy, training.dataset_kwargs)
     return run, Decisions(cuda, gpu, precision, plan, template, quantization, data_options)
+
+
+def planned_estimate(run: RunSettings, plan: RunPlan, gpu, gradient_checkpointing: bool):
+    """The planner's estimate for this run's own setting on this machine's GPU and RAM
+    (llmft.planning.run_plan.run_estimate), and the GPU's usable GiB."""
+    training, model = run.training, run.model
+    return run_estimate(
+        model.model_name_or_path,
+        plan,
+        gpu,
+        gradient_checkpointing=gradient_checkpointing,
+        max_length=training.max_length or 1024,
+        use_peft=model.use_peft,
+        lora_r=model.lora_r,
+        lora_target_modules=model.lora_target_modules,
+        load_in_4bit=model.load_in_4bit,
+        attention=model.attn_implementation,
+        deepspeed=training.deepspeed,
+        tiled_mlp=bool(run.llmft.tiled_mlp),
+        activation_offloading=bool(training.activation_offloading),
+        use_liger_kernel=True
+        if training.liger_kernel_config and training.use_liger_kernel is None
+        else training.use_liger_kernel,
+        trust_remote_code=training.trust_remote_code,
+    )
+
+
+def choose_recomputation_default(run: RunSettings, plan: RunPlan, gpu) -> RunSettings:
+    """Gradient checkpointing when --gradient_checkpointing is not given: off on a GPU where the planner says this
+    run fits without it (llmft.planning.speed_defaults.choose_recomputation), said in one line."""
+    requested = None if "gradient_checkpointing" in run.llmft_decides else bool(run.training.gradient_checkpointing)
+    fits = needs = has = None
+    if requested is None and gpu is not None:
+        try:
+            est, has = planned_estimate(run, plan, gpu, gradient_checkpointing=False)
+            fits, needs = est.fits, est.gpu_total / 2**30
+        except PlanError as e:
+            log(f"gradient checkpointing: no memory plan for this run ({e}); keeping TRL's default")
+    on, why = choose_recomputation(requested, gpu, fits, needs, has)
+    if why:
+        log(why)
+    return run.with_training(gradient_checkpointing=on) if on != bool(run.training.gradient_checkpointing) else run
+
+
+def choose_compile_default(run: RunSettings, decided: Decisions, resume, model_config, rows: int) -> RunSettings:
+    """torch.compile when --torch_compile is not given: on where it was measured and this run is planned to train
+    long enough to repay its compile (llmft.planning.speed_defaults.choose_torch_compile), said in one line."""
+    training, plan = run.training, decided.plan
+    requested = None if "torch_compile" in run.llmft_decides else bool(training.torch_compile)
+
+    def planned_train_s() -> float | None:
+        b = plan.batch
+        steps = (
+            training.max_steps
+            if training.max_steps > 0
+            else math.ceil(training.num_train_epochs * rows / b.global_batch)
+        )
+        done = re.fullmatch(r"checkpoint-(\d+)", resume.checkpoint.name) if resume.checkpoint else None
+        steps -= int(done.group(1)) if done else 0
+        try:
+            est, _ = planned_estimate(run, plan, decided.gpu, bool(training.gradient_checkpointing))
+        except PlanError:
+            return None
+        if not est.tokens_per_s:
+            return None
+        return max(steps, 0) * b.global_batch * (training.max_length or 1024) / est.tokens_per_s
+
+    layers = getattr(model_config, "num_hidden_layers", None) or getattr(model_config, "n_layer", None) or 1
+    on, why = choose_torch_compile(
+        requested,
+        decided.gpu,
+        packing=bool(training.packing),
+        zero_stage=plan.zero_stage,
+        use_peft=bool(run.model.use_peft),
+        sequence_parallel=run.llmft.sequence_parallel,
+        layers=layers,
+        planned_train_s=planned_train_s,
+    )
+    if why:
+        log(why)
+    return run.with_training(torch_compile=on) if on != bool(training.torch_compile) else run
 
 
 def choose_automatically(run: RunSettings, precision: str, grad_accum: int | None):
@@ -669,6 +766,8 @@ def build_trainer(
     log_perplexity(trainer)
     guard_wandb(trainer, log)
     meter = metrics.attach(trainer, clock, decided.gpu)  # step line, W&B metrics, run_summary.json
+    if run.llmft.profile_step is not None:
+        trainer.add_callback(profile_step.callback(run.llmft.profile_step, args.output_dir, meter))
     save_estimate = estimated_save_s(
         *job_deadline.parameter_counts(trainer.model), decided.plan.zero_stage, decided.precision
     )

@@ -216,7 +216,13 @@ def test_check_memory_checks_a_sequence_parallel_setting(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert "llmft plan: memory: ZeRO-2, micro-batch 1 x accumulation 8, gradient checkpointing on fits" in out
+    # not given: llmft train's own choice, recomputation off only where the run fits without it (here it does not)
     rc = plan_command.main(parse([str(a) for a in [*common, "--sequence_parallel", 2]]))
+    out, err = capsys.readouterr()
+    assert rc == 0 and "memory: ZeRO-2, micro-batch 1 x accumulation 2, gradient checkpointing on fits" in out, err
+    rc = plan_command.main(
+        parse([str(a) for a in [*common, "--sequence_parallel", 2, "--gradient_checkpointing", "false"]])
+    )
     _, err = capsys.readouterr()
     assert rc == 2 and "llmft plan: error: memory: ZeRO-2, micro-batch 1 x accumulation 2" in err
 

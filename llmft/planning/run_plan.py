@@ -309,6 +309,63 @@ def planned_liger(requested: bool | None, gpu: GPU | None, model_type: str) -> b
     return choose_liger(None, gpu, model_type, liger_model_types() if gpu is not None else None)[0]
 
 
+def run_estimate(
+    model: str,
+    plan: RunPlan,
+    gpu: GPU | None,
+    *,
+    gradient_checkpointing: bool,
+    max_length: int,
+    use_peft: bool,
+    lora_r: int,
+    lora_target_modules,
+    load_in_4bit: bool,
+    attention: str | None,
+    deepspeed: str | None,
+    tiled_mlp: bool,
+    activation_offloading: bool,
+    use_liger_kernel: bool | None,
+    trust_remote_code: bool = False,
+) -> tuple[memory.Estimate, float | None]:
+    """The planner's estimate for a run whose setting is chosen (the plan's stage, offload, micro-batch and
+    accumulation) on this machine's RAM and `gpu` (the process's own, llmft.planning.hardware.local_gpu), with or
+    without recomputation; and the GPU's usable GiB (None on CPU). llmft train's defaults ask it
+    (llmft.planning.speed_defaults); PlanError when no estimate can be made."""
+    hardware = resolve_hardware()
+    if gpu != hardware.gpu:  # the GPU the caller decides for (tests drive an L4, A100, H100 and T4 from a CPU)
+        hardware = dataclasses.replace(hardware, gpu=gpu, gpu_memory_gib=gpu.memory_gib if gpu else None)
+    try:
+        config = load_model_config(model, trust_remote_code)
+        max_length, _ = cap_max_length(config, max_length)
+        shape = model_shape(config, use_peft=use_peft, lora_r=lora_r, lora_target_modules=lora_target_modules)
+        b = plan.batch
+        job = memory_job(
+            shape,
+            hardware,
+            plan.world,
+            max_length=max_length,
+            precision=plan.precision,
+            global_batch=b.global_batch,
+            micro_batch=b.micro_batch,
+            grad_accum=b.grad_accum,
+            gradient_checkpointing=gradient_checkpointing,
+            zero_stage=None if deepspeed else plan.zero_stage,
+            offload=None if deepspeed else plan.offload_mode,
+            deepspeed=deepspeed,
+            load_in_4bit=load_in_4bit,
+            attention=attention or "sdpa",
+            sequence_parallel=plan.sequence_parallel,
+            tiled_mlp=tiled_mlp,
+            activation_offloading=activation_offloading,
+            liger=planned_liger(use_liger_kernel, hardware.gpu, config.model_type),
+        )
+        mplan = memory.plan_memory(job)
+    except MemoryPlanError as e:
+        raise PlanError(str(e)) from None
+    [est] = [c for c in mplan.candidates if c.setting.micro_batch == b.micro_batch] or mplan.candidates[:1]
+    return est, job.device_gib
+
+
 def auto_choice(
     model: str,
     world: World,

@@ -100,6 +100,14 @@ class LlmftArguments:
             "--auto turns it on when the planner says so."
         },
     )
+    profile_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "Profile optimizer step N with torch.profiler: the 10 kernels (CPU: operators) that took the most "
+            "time, written to OUTPUT_DIR/profile_step_N.txt and printed; the rates in run_summary.json leave that "
+            "step and those before it out (llmft.training.profile_step)."
+        },
+    )
     # --bf16/--fp16 as the user gave them (None: not given), recorded by llmft.training.flags.TrainParser; not flags themselves.
     bf16_flag: bool | None = field(default=None, init=False, repr=False)
     fp16_flag: bool | None = field(default=None, init=False, repr=False)

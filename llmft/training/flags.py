@@ -154,8 +154,8 @@ POLICY: dict[str, tuple[str, str]] = {
     **_table(
         PASSED,
         "max_steps lr_scheduler_type lr_scheduler_kwargs warmup_steps average_tokens_across_devices "
-        "label_smoothing_factor tf32 activation_checkpointing activation_checkpointing_kwargs "
-        "gradient_checkpointing gradient_checkpointing_kwargs torch_compile torch_compile_backend "
+        "label_smoothing_factor tf32 activation_checkpointing_kwargs "
+        "gradient_checkpointing_kwargs torch_compile_backend "
         "torch_compile_mode use_cache neftune_noise_alpha "
         "torch_empty_cache_steps",
         "the Trainer's training loop and model set-up",
@@ -257,6 +257,17 @@ POLICY: dict[str, tuple[str, str]] = {
         "periodic checkpoints written in the background (llmft.training.checkpoint_async_save); refused with a "
         "DeepSpeed config that chose its own checkpoint writer",
     ),
+    **_table(
+        USED,
+        "gradient_checkpointing activation_checkpointing torch_compile",
+        "passed to the Trainer as given; not given, llmft decides them by the GPU measurements "
+        "(llmft.planning.speed_defaults): recomputation off where the planner says the run fits without it, "
+        "torch.compile on where it was measured and the run is planned long enough to repay its compile",
+    ),
+    "profile_step": (
+        CHECKED,
+        "torch.profiler over that optimizer step (llmft.training.profile_step); refused below 1 or past --max_steps",
+    ),
     "tiled_mlp": (
         USED,
         "DeepSpeed's TiledMLP on every gated MLP (llmft.training.tiled_mlp); refused for a model without one",
@@ -348,6 +359,18 @@ def check_flags(script_args, training_args, model_args, *, cuda: bool) -> None:
         )
 
 
+def check_profile_step(profile_step: int | None, max_steps: int) -> None:
+    """--profile_step N: a step that runs, with steps after it for the rates (run_summary.json leaves N out)."""
+    if profile_step is None:
+        return
+    if profile_step < 1 or 0 < max_steps <= profile_step:
+        last = f" to {max_steps - 1}" if max_steps > 1 else ""
+        raise FlagError(
+            f"--profile_step {profile_step}: give a step from 1{last}, before the run's last: the rates in "
+            "run_summary.json are taken over the steps after it"
+        )
+
+
 class TrainParser(TrlParser):
     """TRL's parser for `llmft train`, with differences that keep parsing from deciding what llmft decides.
 
@@ -370,6 +393,10 @@ class TrainParser(TrlParser):
         # None: not given (SFTConfig's default False cannot tell "not given" from "false"); llmft decides padding_free
         # and Liger itself when not given (llmft.packing.choose_padding_free, llmft.planning.hardware.choose_liger)
         self.set_defaults(fp16=None, padding_free=None, use_liger_kernel=None)
+        # None: not given; llmft then decides recomputation and torch.compile by the measurements
+        # (llmft.planning.speed_defaults), and hands SFTConfig TRL's defaults (on, off) until it has
+        self.set_defaults(gradient_checkpointing=None, torch_compile=None)
+        self.speed_flags_given = {"gradient_checkpointing": True, "torch_compile": True}
         self.precision_flags: dict[str, bool | None] = {"bf16": None, "fp16": None}
         # None: not given; llmft then sizes the collective timeout from the run (llmft.training.process_group_timeout)
         if any("--ddp_timeout" in a.option_strings for a in self._actions):
@@ -378,6 +405,13 @@ class TrainParser(TrlParser):
 
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)
+        if hasattr(ns, "gradient_checkpointing") and hasattr(ns, "torch_compile"):
+            given = ns.gradient_checkpointing is not None or getattr(ns, "activation_checkpointing", None) is not None
+            self.speed_flags_given = {"gradient_checkpointing": given, "torch_compile": ns.torch_compile is not None}
+            if not given:
+                ns.gradient_checkpointing = True  # TRL's SFTConfig default
+            if ns.torch_compile is None:
+                ns.torch_compile = False
         if getattr(ns, "activation_checkpointing", False) is None and hasattr(ns, "gradient_checkpointing"):
             # transformers 5 renamed it: the value (TRL's default, --gradient_checkpointing or the YAML key) goes to the
             # new name, so TrainingArguments does not warn "`gradient_checkpointing` is deprecated" on every rank
@@ -411,6 +445,7 @@ class TrainParser(TrlParser):
         for obj in out:
             if hasattr(obj, "output_dir") and hasattr(obj, "save_total_limit"):  # SFTConfig: read by check_flags
                 obj.llmft_output_dir_given = self.output_dir_given
+                obj.llmft_speed_flags_given = dict(self.speed_flags_given)
             if hasattr(obj, "bf16_flag"):
                 obj.bf16_flag, obj.fp16_flag = self.precision_flags["bf16"], self.precision_flags["fp16"]
                 obj.ddp_timeout_given = self.ddp_timeout_given

@@ -273,6 +273,7 @@ class Meter:
         self.first: tuple | None = None  # (time, counts, data_seconds) where the steady state starts: the end of
         # the first step, or the first logging step after the last one at which any rank was compiling (torch.compile)
         self.steady_from = 1  # the step `first` was taken at
+        self.steady_why = ""  # why it is not 1: torch.compile compiling, or a profiled step (--profile_step)
         self.graphs = 0  # compiled_graphs() at the end of the first step, then at each logging step
         self.any_compiled = False  # whether any rank compiled in the last reduced interval
         self.last: tuple | None = None  # the same at the last logging step
@@ -312,6 +313,12 @@ class Meter:
 
     def snapshot(self) -> tuple:
         return (time.time(), self.counts.clone(), self.data_seconds, dict(self.outside))
+
+    def steady_after_this_step(self) -> None:
+        """Start the rates after the step that just ended (every rank calls it at the same step): --profile_step's
+        profiler overhead is in it."""
+        self.first, self.steady_from = self.snapshot(), self.steps
+        self.steady_why = f"step {self.steps} was profiled"
 
     def reduce(self, snapshots: list[tuple], compiled: bool = False) -> list[dict]:
         """Over all ranks: summed token counts and the highest data wait, memory and RSS (and whether any rank
@@ -457,6 +464,7 @@ def _callback_class():
             m.last, m.graphs = now, graphs
             if m.any_compiled and m.steps > 1:  # torch.compile was at work on some rank: the steady state starts here
                 m.first, m.steady_from = now, m.steps
+                m.steady_why = f"torch.compile compiled until step {m.steps}"
             rates = m.rates(before, after)
             kept = {k: round(v, 6) for k, v in rates.items() if v is not None}
             logs.update(kept)  # save/eval_seconds too (W&B)
@@ -476,8 +484,7 @@ def _callback_class():
             m.totals = {"start": start, "first": first, "end": end}
             if m.steady_from > 1 and m.steps > m.steady_from and state.is_world_process_zero:
                 print(
-                    f"llmft: run_summary.json rates are over steps {m.steady_from + 1}-{m.steps} (torch.compile "
-                    f"compiled until step {m.steady_from})",
+                    f"llmft: run_summary.json rates are over steps {m.steady_from + 1}-{m.steps} ({m.steady_why})",
                     flush=True,
                 )
 
