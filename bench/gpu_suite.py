@@ -1,46 +1,56 @@
-"""The GPU measurement in one prepared run (issue 31): the numbers that matter most first, each kept as soon as it exists.
+"""The GPU measurement in one prepared run (issues 31 and 45): the numbers that matter most first, each kept as soon as
+it exists.
 
-    python bench/gpu_suite.py --out runs/gpu_suite               # on the GPU machine: about 9 minutes (--budget_s)
+    python bench/gpu_suite.py --out runs/gpu_suite               # on the GPU machine (--budget_s, --call_s)
     python bench/gpu_suite.py --dry_run --out /tmp/gpu_suite     # the same code path on CPU, tiny model (a test runs it)
+    python bench/gpu_suite.py --predict                          # the planner's long-context answer, H100 and H200
 
 In order of priority, each a real `llmft train` (one process, this machine's GPU) or the plain TRL + DeepSpeed script
 (bench/plain_trl_sft.py, with the DeepSpeed config llmft wrote for the same setting, so the ZeRO stage, batch numbers
 and optimizer are the same), on the same model, data, batch numbers and steps:
 
-1. default:  llmft's default path (padding-free where a varlen kernel runs) vs plain TRL, padded;
-2. packed:   llmft --packing vs plain TRL packing=True;
-3. levers:   on the packed run (Liger's kernels on by default where installed): no recomputation, Liger off,
-             all levers at once (no recomputation and torch.compile), micro-batch 16 against 8;
-4. 8b-lora:  a Llama-3.1-8B-shaped model, LoRA r=16 on every linear layer, sequence 4096, packed, gradient
-             checkpointing: tokens/s per GPU and peak memory against `llmft plan`'s estimate; then without
-             recomputation at micro-batch 1 (the same 8 sequences an optimizer step), then that with torch.compile;
-5. startup:  llmft's install step (`llmft prebuild`: DeepSpeed reinstalled from source with FusedAdam and CPUAdam
-             built in), timed, then a default run whose op cache is empty (a fresh node after that install step):
-             its start-up phases, against the 67 s (40 of them building FusedAdam) measured on an H100 before. The
-             first run of the suite (default) is the job before the install step: it compiles FusedAdam itself.
+1. long context (issue 45): a Llama-3.1-8B shape, one sequence of about 32k, 64k and 128k tokens a step, LoRA with
+             the tiled MLP, activation offload and recomputation; then a doubling search (the planner's longest length
+             first, then one step at each doubling until a run fails, the jobs' memory check refuses a length, or its
+             step would not end within --call_s); then full fine-tuning under ZeRO-3 with CPU offload where the host
+             RAM holds it. Each row keeps the GPU and host peaks beside the planner's;
+2. MFU:      the packed 1B run, and all its levers at once (`packed-fast`: Liger, no recomputation, torch.compile),
+             profiled (--profile_step: the top 10 kernels by GPU time, printed when MFU is short of 45%);
+3. 8b-lora:  a Llama-3.1-8B-shaped model, LoRA r=16 on every linear layer, sequence 4096, packed: with recomputation
+             at micro-batch 2, without it at micro-batch 1 and 2, and compiled (profiled);
+4. startup:  llmft's install step (`llmft prebuild`: DeepSpeed reinstalled from source with FusedAdam and CPUAdam
+             built in), timed, then a default run whose op cache is empty (a fresh node after that install step);
+5. issue 31: llmft's default path (its own defaults, nothing pinned) vs plain TRL, padded; packed vs plain TRL
+             packing=True; each lever alone (no recomputation, Liger off, micro-batch 16 against 8).
 
-The 1-4 model is Llama-3.2-1B's shape (1.24B parameters, vocabulary 128,256, tied embeddings), built from its config
+Every row but `default` pins TRL's defaults (recomputation on, no compile) unless its flags say otherwise: llmft
+decides both itself where they are not given (llmft.planning.speed_defaults), which would change what a lever row
+measures. A row the planner says does not fit this GPU and host is recorded as not run (the doubling search runs
+them to find out).
+
+The 1B model is Llama-3.2-1B's shape (1.24B parameters, vocabulary 128,256, tied embeddings), built from its config
 with random bf16 weights. The data is GSM8K's training split (7,473 problems, bench/data/gsm8k_train.jsonl.gz: the
 file openai/grade-school-math publishes under the MIT licence, the same records as the hub's openai/gsm8k `main`
-train split) as prompt/completion records. Its tokenizer is a byte-level BPE trained on that text (at most 32,000
-tokens; the text has merges for 23,424) with Llama 3's pre-tokenizer split (words, numbers in groups of up to 3
-digits), because Llama 3's own tokenizer comes from the hub, which the GPU machine cannot reach: a problem is 156
-tokens on average and 458 at most (1.58 tokens a word, the calculator annotations included), a real tokenizer's
-counts, not exactly Llama 3's.
+train split) as prompt/completion records; the long rows join its problems into text records of the row's length.
+Its tokenizer is a byte-level BPE trained on that text (at most 32,000 tokens; the text has merges for 23,424) with
+Llama 3's pre-tokenizer split (words, numbers in groups of up to 3 digits), because Llama 3's own tokenizer comes from
+the hub, which the GPU machine cannot reach: a problem is 156 tokens on average and 458 at most (1.58 tokens a word,
+the calculator annotations included), a real tokenizer's counts, not exactly Llama 3's.
 Sequence 2048, micro-batch 8 x accumulation 4 (the 2026-11-24 measurement's numbers), --steps optimizer steps.
 
-Each run prints and appends to OUT/results.jsonl: non-padding tokens/s, MFU, peak allocated GPU memory, and
-`llmft plan`'s estimate for the same setting; rates leave out the first optimizer step (warm-up: llmft's
+Each run prints and appends to OUT/results.jsonl: non-padding tokens/s, MFU, peak allocated GPU memory, peak host
+RSS, and the planner's estimate for the same setting; rates leave out the first optimizer step (warm-up: llmft's
 run_summary.json does; the plain script's --summary measures the same window). OUT/table.md is rewritten after each
 run, ratios side by side. A run past --budget_s is not started; one that fails is recorded with its error and the
 suite goes on. On a machine without CUDA only --dry_run runs (a tiny Llama, the first 200 problems and a 512-token
-BPE, sequence 256, 3 steps; Liger absent
-on CPU is a row that says so, and the start-up run uses the warm op cache: a cold build is a minute of CPU).
+BPE, sequence 256, 3 steps, long rows of 512 to 8192 tokens without activation offload, which needs a GPU; Liger
+absent on CPU is a row that says so, and the start-up run uses the warm op cache: a cold build is a minute of CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -90,7 +100,7 @@ class Setting:
     """One row: who trains (llmft or plain), on what, with which flags."""
 
     name: str
-    who: str  # "llmft" | "plain" | "prebuild" (the install step, timed)
+    who: str  # "llmft" | "plain" | "prebuild" (the install step, timed) | "search" (the long-context doubling search)
     model: str  # a SHAPES key
     max_length: int
     micro_batch: int
@@ -100,30 +110,82 @@ class Setting:
     env: dict = field(default_factory=dict)
     requires: str | None = None  # a module the setting needs (liger_kernel)
     pair: str | None = None  # the llmft row a plain row is compared with
+    zero_stage: int = 2
+    offload: bool = False  # --offload (ZeRO-3: the optimizer and the parameters)
+    data: str = "gsm8k"  # "gsm8k": the problems as prompt/completion; "long": records of about max_length tokens
+    steps: int | None = None  # optimizer steps (None: --steps)
+    pinned: bool = (
+        True  # TRL's recomputation (on) and no torch.compile unless the flags say: the levers measure against it
+    )
+    profile: bool = False  # --profile_step on a step after the compile: where the step's time goes
+    gated: bool = True  # not run where the planner says it does not fit (the doubling search runs to find out)
+
+
+LONG_LENGTHS = (32768, 65536, 131072)  # issue 45's fixed long-context rows; the doubling search goes on from the last
+LONG_LENGTHS_DRY = (512, 1024, 2048)
+DRY_DOUBLINGS = 2  # the dry run's search stops after this many lengths (a CPU run is not a GPU's memory limit)
+MFU_GOAL = 0.45
+LOAD_S = 90  # an 8B run's start: loading 16 GB of weights and DeepSpeed's set-up (bench/README.md: 38-77 s measured)
+
+
+def long_name(length: int) -> str:
+    return f"long-{length // 1024}k" if length % 1024 == 0 else f"long-{length}"
+
+
+def long_settings(dry: bool) -> list[Setting]:
+    """Issue 45's long-context rows: a Llama-3.1-8B shape on one GPU, LoRA with the tiled MLP and activation offload
+    (ALST's recipe less its tiled loss, which Liger's fused linear cross-entropy stands in for), one sequence a step;
+    then the doubling search; then full fine-tuning under ZeRO-3 with CPU offload where the host RAM allows it. A step
+    at 128k takes about a minute on an H100 (the planner's estimate), so these rows train 2 steps up to 64k and 1 beyond
+    (that row's rate includes the warm-up)."""
+    big = "tiny-llama" if dry else "llama-3.1-8b"
+    lora = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
+    savers = ["--tiled_mlp", "true", "--gradient_checkpointing", "true"]
+    if not dry:  # refused without a GPU: CPU processes hold their activations in host memory already
+        savers += ["--activation_offloading", "true"]
+    lengths = LONG_LENGTHS_DRY if dry else LONG_LENGTHS
+    rows = [
+        Setting(long_name(n), "llmft", big, n, 1, 1, flags=[*lora, *savers], data="long", steps=2 if i < 2 else 1)
+        for i, n in enumerate(lengths)
+    ]
+    rows.append(Setting("long-doubling", "search", big, 2 * lengths[-1], 1, 1, flags=[*lora, *savers], data="long"))
+    rows.append(
+        Setting(
+            "long-full-z3-offload",
+            "llmft",
+            big,
+            lengths[0],
+            1,
+            1,
+            flags=savers,
+            zero_stage=3,
+            offload=not dry,  # CPU processes have nothing to offload to: the dry run trains ZeRO-3 alone
+            data="long",
+            steps=2,
+        )
+    )
+    return rows
 
 
 def settings(dry: bool) -> list[Setting]:
-    """The suite's runs in order of priority (--dry_run: the same list on the tiny model and small numbers)."""
+    """The suite's runs in order of priority (--dry_run: the same list on the tiny model and small numbers): issue
+    45's long context, its MFU combination, 8B LoRA and the fresh node; then issue 31's comparisons with plain TRL."""
     small = "tiny-llama" if dry else "llama-3.2-1b"
     big = "tiny-llama" if dry else "llama-3.1-8b"
     seq, big_seq = (256, 512) if dry else (2048, 4096)
     mb, acc = (2, 2) if dry else (8, 4)
     lora = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
 
-    def lever(name: str, *flags: str, requires: str | None = None) -> Setting:
-        return Setting(name, "llmft", small, seq, mb, acc, True, list(flags), requires=requires, pair="packed")
+    def lever(name: str, *flags: str, requires: str | None = None, profile: bool = False) -> Setting:
+        return Setting(
+            name, "llmft", small, seq, mb, acc, True, list(flags), requires=requires, pair="packed", profile=profile
+        )
 
     return [
-        Setting("default", "llmft", small, seq, mb, acc),
-        Setting("default-plain", "plain", small, seq, mb, acc, pair="default"),
+        *long_settings(dry),
         Setting("packed", "llmft", small, seq, mb, acc, packing=True),
-        Setting("packed-plain", "plain", small, seq, mb, acc, packing=True, pair="packed"),
-        # the MFU levers, each a variant of the packed run:
-        lever("packed-no-ckpt", "--gradient_checkpointing", "false"),  # TRL's default recomputes every layer
-        # Liger is on by default where it runs (llmft.planning.hardware.choose_liger): its gain
-        lever("packed-no-liger", "--use_liger_kernel", "false", requires="liger_kernel"),
-        lever("packed-fast", "--gradient_checkpointing", "false", "--torch_compile", "true"),  # all at once
-        Setting("packed-micro16", "llmft", small, seq, 2 * mb, acc // 2, True, pair="packed"),
+        # all the levers at once (Liger on by default where it runs): the 45% MFU candidate, profiled after its compile
+        lever("packed-fast", "--gradient_checkpointing", "false", "--torch_compile", "true", profile=True),
         Setting("8b-lora", "llmft", big, big_seq, 1 if dry else 2, acc, True, [*lora, "--gradient_checkpointing"]),
         Setting(  # no recomputation: `llmft plan` puts micro-batch 1 at 56 GiB on an H100, micro-batch 2 over 80
             "8b-lora-no-ckpt",
@@ -146,9 +208,28 @@ def settings(dry: bool) -> list[Setting]:
             True,
             [*lora, "--gradient_checkpointing", "false", "--torch_compile", "true"],
             pair="8b-lora-no-ckpt",
+            profile=True,
+        ),
+        Setting(  # twice the micro-batch: fewer, larger launches (fits an H200, not an H100: the planner decides)
+            "8b-lora-no-ckpt-micro2",
+            "llmft",
+            big,
+            big_seq,
+            2 if not dry else 1,
+            acc,
+            True,
+            [*lora, "--gradient_checkpointing", "false"],
+            pair="8b-lora-no-ckpt",
         ),
         Setting("prebuild", "prebuild", small, seq, mb, acc),  # llmft's install step: `llmft prebuild`
         Setting("startup", "llmft", small, seq, mb, acc, env={"cold_op_cache": "1"}),
+        # issue 31's comparisons: llmft's default path (its own defaults: nothing pinned) and packing against plain TRL
+        Setting("default", "llmft", small, seq, mb, acc, pinned=False),
+        Setting("default-plain", "plain", small, seq, mb, acc, pair="default"),
+        Setting("packed-plain", "plain", small, seq, mb, acc, packing=True, pair="packed"),
+        lever("packed-no-ckpt", "--gradient_checkpointing", "false"),  # each lever alone
+        lever("packed-no-liger", "--use_liger_kernel", "false", requires="liger_kernel"),
+        Setting("packed-micro16", "llmft", small, seq, 2 * mb, acc // 2, True, pair="packed"),
     ]
 
 
@@ -163,7 +244,7 @@ def build_model(root: Path, name: str, tokenizer, device: str) -> Path:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     config = LlamaConfig(
         **SHAPES[name],
-        max_position_embeddings=8192,
+        max_position_embeddings=2**21,  # the long-context rows' doubling search; no buffer grows with it
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -223,7 +304,36 @@ def gsm8k_tokenizer(data: Path, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
+def long_records(path: Path, tokenizer, length: int, n: int) -> Path:
+    """n text records of about `length` tokens each (99% of it, so that none is truncated), GSM8K's problems one after
+    another, from the start again when they run out: one sequence as long as the row trains."""
+    import gzip
+
+    from llmft.data.synthetic import write_jsonl
+
+    with gzip.open(GSM8K, "rt", encoding="utf-8") as f:
+        texts = [f"Question: {p['question']}\nAnswer: {p['answer']}\n\n" for p in map(json.loads, f)]
+    counts = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    target, i, rows = int(length * 0.99) - 8, 0, []
+    for _ in range(n):
+        parts, total = [], 0
+        while total + counts[i % len(texts)] <= target:
+            parts.append(texts[i % len(texts)])
+            total += counts[i % len(texts)]
+            i += 1
+        rows.append({"text": "".join(parts)})
+    return write_jsonl(rows, path)
+
+
 def llmft_command(s: Setting, model: Path, data: Path, out: Path, steps: int) -> list[str]:
+    pinned = []
+    if s.pinned:  # TRL's defaults, given: llmft's own (llmft.planning.speed_defaults) would change what a row measures
+        if "--gradient_checkpointing" not in s.flags:
+            pinned += ["--gradient_checkpointing", "true"]
+        if "--torch_compile" not in s.flags:
+            pinned += ["--torch_compile", "false"]
+    if s.profile:  # a step after the first (compiling) one, with steps after it for the rates
+        pinned += ["--profile_step", str(profile_step(steps))]
     return [
         PYTHON,
         "-m",
@@ -243,7 +353,8 @@ def llmft_command(s: Setting, model: Path, data: Path, out: Path, steps: int) ->
         "--max_steps",
         str(steps),
         "--zero_stage",
-        "2",
+        str(s.zero_stage),
+        *(["--offload"] if s.offload else []),
         "--save_strategy",
         "no",
         "--logging_steps",
@@ -256,7 +367,14 @@ def llmft_command(s: Setting, model: Path, data: Path, out: Path, steps: int) ->
         "true",
         *(["--packing", "true"] if s.packing else []),
         *s.flags,
+        *pinned,
     ]
+
+
+def profile_step(steps: int) -> int:
+    """The step --profile_step profiles: the third (torch.compile compiles in the first, and the rates need steps
+    after it), or the last but one of a shorter run."""
+    return max(1, min(3, steps - 1))
 
 
 def plain_command(s: Setting, model: Path, data: Path, out: Path, steps: int, ds_config: Path) -> list[str]:
@@ -291,43 +409,124 @@ def plain_command(s: Setting, model: Path, data: Path, out: Path, steps: int, ds
     ]
 
 
-def plan_estimate(s: Setting, model: Path) -> float | None:
-    """`llmft plan`'s per-GPU allocated estimate for the setting (GiB): model states + activations + loss buffers
-    + phase (the peak is the larger of the backward and ZeRO-2's optimizer step, not the sum)."""
-    import subprocess
+def planned(s: Setting, model: Path, length: int | None = None, hardware=None) -> dict:
+    """The planner's answer for a setting on this machine's GPU and host RAM, in this process (the long rows and the
+    doubling search ask it at many lengths): the allocated estimate (model states + activations + loss buffers +
+    phase, as plan_estimate), the per-GPU total with overhead, host RAM, the step time, whether it fits and why not."""
+    from llmft.planning import memory
+    from llmft.planning.ds_config import load_config, offload_mode, template_path
+    from llmft.planning.run_plan import memory_job, planned_liger, resolve_hardware
+    from llmft.planning.world import World
 
-    cmd = [PYTHON, "-m", "llmft.plan", "--model", str(model), "--nproc_per_node", "1", "--nnodes", "1"]
-    cmd += [
-        "--zero_stage",
-        "2",
-        "--per_device_train_batch_size",
-        str(s.micro_batch),
-        "--max_length",
-        str(s.max_length),
+    hardware = hardware or resolve_hardware()
+    config, shape = _shape(str(model), "--use_peft" in s.flags)
+    job = memory_job(
+        shape,
+        hardware,
+        World(1, 1, "arguments"),
+        max_length=length or s.max_length,
+        precision="bf16" if hardware.gpu is not None else "fp32",
+        global_batch=s.micro_batch * s.grad_accum,
+        micro_batch=s.micro_batch,
+        grad_accum=s.grad_accum,
+        gradient_checkpointing=checkpointing(s.flags) == "true",
+        zero_stage=s.zero_stage,
+        offload=offload_mode(load_config(template_path(s.zero_stage, s.offload))),
+        tiled_mlp=flag_value(s.flags, "--tiled_mlp") == "true",
+        activation_offloading=flag_value(s.flags, "--activation_offloading") == "true",
+        liger=planned_liger(_bool_flag(s.flags, "--use_liger_kernel"), hardware.gpu, config.model_type),
+    )
+    est = memory.plan_memory(job).candidates[0]
+    gib = 2**30
+    return {
+        "plan_gib": (est.model_states + est.activations + est.loss_buffers + est.phase) / gib,
+        "plan_total_gib": est.gpu_total / gib,
+        "plan_host_gib": est.host["peak"] / gib,
+        "plan_step_s": None if est.time is None else est.time.step_s,
+        "plan_fits": est.fits,
+        "plan_why": est.why,
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(model: str, lora: bool):
+    """The config and the planner's shape of a model (built on the meta device once: the searches ask many lengths)."""
+    from llmft.planning.model_shape import load_model_config, model_shape
+
+    config = load_model_config(model)
+    return config, model_shape(config, use_peft=lora, lora_r=16, lora_target_modules=["all-linear"] if lora else None)
+
+
+def planned_longest(s: Setting, model: Path, unit: int, hardware=None) -> tuple[int, str]:
+    """The longest length, in multiples of `unit` tokens, that the planner says fits this GPU and host (bisection
+    over lengths up to the model's 2M positions), and what limits the next unit up."""
+    lo, hi = 0, 2**21 // unit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if planned(s, model, mid * unit, hardware)["plan_fits"]:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 2**21 // unit:
+        return lo * unit, "no limit below the model's 2,097,152 positions"
+    return lo * unit, planned(s, model, (lo + 1) * unit, hardware)["plan_why"]
+
+
+PREDICT_GPUS = ("H100-80GB", "H200")
+PREDICT_HOST_GIB = 128  # the lent GPU machines' host RAM
+
+
+def predictions(root: Path) -> str:
+    """The planner's answer for the long-context rows on an H100 80GB and an H200, each with the lent machine's 128 GiB
+    of host RAM, without a GPU: what bench/README.md records as predictions for the GPU run to check."""
+    from transformers import LlamaConfig
+
+    from llmft.planning.run_plan import resolve_hardware
+
+    model = root / "llama-3.1-8b-config"
+    LlamaConfig(**SHAPES["llama-3.1-8b"], max_position_embeddings=2**21).save_pretrained(model)
+    rows = [s for s in long_settings(dry=False) if s.who != "search"]
+    search = next(s for s in long_settings(dry=False) if s.who == "search")
+    lines = [
+        "| GPU (128 GiB host) | row | tokens | plan GiB (allocated / total) | plan host GiB | plan step s | fits |",
+        "|---|---|---|---|---|---|---|",
     ]
-    cmd += ["--global_batch_size", str(s.micro_batch * s.grad_accum), "--json"]
-    cmd += ["--gradient_checkpointing", checkpointing(s.flags)]
-    if "--use_peft" in s.flags:
-        cmd += ["--use_peft", "--lora_target_modules", "all-linear"]
-    if "--use_liger_kernel" in s.flags:  # else the plan counts Liger's kernels as llmft train turns them on
-        cmd += ["--use_liger_kernel", s.flags[s.flags.index("--use_liger_kernel") + 1]]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    try:
-        row = json.loads(proc.stdout)["recommended"]
-        return row["model_states_gib"] + row["activations_gib"] + row["loss_buffers_gib"] + row["phase_gib"]
-    except (ValueError, KeyError, TypeError):
-        print(f"gpu_suite: no plan estimate for {s.name}: {(proc.stderr or proc.stdout).strip()[-300:]}", flush=True)
+    for gpu in PREDICT_GPUS:
+        hardware = resolve_hardware(gpu, None, None, PREDICT_HOST_GIB)
+        lengths = [(s, s.max_length) for s in rows if s.zero_stage == 2]
+        lengths += [(search, search.max_length * 2**k) for k in range(4)]
+        lengths += [(s, s.max_length) for s in rows if s.zero_stage == 3]
+        for s, n in lengths:
+            p = planned(s, model, n, hardware)
+            name = s.name if s.who != "search" else f"doubling: {long_name(n)}"
+            step = "n/a" if p["plan_step_s"] is None else f"{p['plan_step_s']:.0f}"
+            lines.append(
+                f"| {gpu} | {name} | {n:,} | {p['plan_gib']:.1f} / {p['plan_total_gib']:.1f} | {p['plan_host_gib']:.1f} "
+                f"| {step} | {'yes' if p['plan_fits'] else 'no: ' + p['plan_why']} |"
+            )
+        longest, beyond = planned_longest(search, model, 1024, hardware)
+        lines.append(f"| {gpu} | the planner's longest (LoRA) | {longest:,} | | | | next 1,024 up: {beyond} |")
+    return "\n".join(lines) + "\n"
+
+
+def _bool_flag(flags: list[str], name: str) -> bool | None:
+    value = flag_value(flags, name)
+    return None if value is None else value == "true"
+
+
+def flag_value(flags: list[str], name: str) -> str | None:
+    """The value a flag is given in a row's flags, the last time it is given ("true" for a flag standing alone), None
+    when absent."""
+    if name not in flags:
         return None
+    i = len(flags) - 1 - flags[::-1].index(name)
+    return flags[i + 1].lower() if i + 1 < len(flags) and not flags[i + 1].startswith("--") else "true"
 
 
 def checkpointing(flags: list[str]) -> str:
-    """The run's gradient checkpointing, as `llmft plan` takes it: on (TRL's SFTConfig default, which llmft train
-    keeps) unless the flags turn it off."""
-    if "--gradient_checkpointing" in flags:
-        i = flags.index("--gradient_checkpointing")
-        value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else "true"
-        return "false" if value.lower() == "false" else "true"
-    return "true"
+    """The run's gradient checkpointing, as `llmft plan` takes it: on (TRL's SFTConfig default, which the suite pins
+    on its rows) unless the flags turn it off."""
+    return "false" if flag_value(flags, "--gradient_checkpointing") == "false" else "true"
 
 
 def free_disk(out: Path, models: Path, needed: set[str]) -> None:
@@ -362,8 +561,18 @@ def reserved_peak(stdout: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def host_peak(stdout: str) -> float | None:
+    """Rank 0's peak resident host memory (GiB), from llmft's end-of-run line (llmft.training.host_memory): the
+    long-context rows set it beside the planner's host RAM (activation offload keeps every layer's input there)."""
+    import re
+
+    found = re.search(r"host memory peak: rank 0 ([\d.]+) GiB", stdout)
+    return float(found.group(1)) if found else None
+
+
 def table(rows: list[dict], head: str) -> str:
-    """The markdown table of the rows so far, each plain row and lever beside the llmft row it is compared with."""
+    """The markdown tables of the rows so far: each plain row and lever beside the llmft row it is compared with;
+    the long-context rows with host RAM and the planner's answer beside what happened; the profiled steps."""
     by_name = {r["name"]: r for r in rows}
     lines = [
         head,
@@ -372,6 +581,8 @@ def table(rows: list[dict], head: str) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.get("long"):
+            continue
         if r.get("error") or r["who"] == "prebuild":
             said = r.get("error") or (r["said"][-1] if r["said"] else "")
             lines.append(f"| {r['name']} | {said} | | | | | | | {r.get('wall', 0):.0f} |")
@@ -385,17 +596,232 @@ def table(rows: list[dict], head: str) -> str:
                 if r["who"] == "plain"
                 else f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x"
             )
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
-        peak = f"{r['peak_gpu_memory_gib']:.1f}" if r.get("peak_gpu_memory_gib") is not None else "n/a"
-        if r.get("reserved_gib") is not None:
-            peak += f" / {r['reserved_gib']:.1f}"
-        plan = f"{r['plan_gib']:.1f}" if r.get("plan_gib") is not None else "n/a"
         startup = sum((r.get("startup_seconds") or {}).values())
         lines.append(
-            f"| {r['name']} | {r['tokens_per_second']:.0f} | {mfu} | {peak} | {plan} | {r.get('pair') or ''} | {ratio} "
-            f"| {startup:.0f} | {r['wall']:.0f} |"
+            f"| {r['name']} | {r['tokens_per_second']:.0f} | {_pct(r.get('mfu'))} | {_peak(r)} | {_num(r.get('plan_gib'))} "
+            f"| {r.get('pair') or ''} | {ratio} | {startup:.0f} | {r['wall']:.0f} |"
         )
+    long_rows = [r for r in rows if r.get("long")]
+    if long_rows:
+        lines += [
+            "",
+            "Long context (one sequence a step): the planner's answer beside what happened",
+            "",
+            "| run | tokens | tokens/s | MFU | GPU peak GiB (allocated / reserved) | plan GiB (allocated / total) "
+            "| host peak GiB | plan host GiB | plan fits | trained | as planned | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in long_rows:
+            if "planned_longest" in r:
+                lines.append(
+                    f"| {r['name']} | the planner's longest: {r['planned_longest']:,} ({r['beyond']}) "
+                    "| | | | | | | | | | |"
+                )
+                continue
+            trained = "error" not in r
+            said = "yes" if trained else r["error"]
+            plan = f"{_num(r.get('plan_gib'))} / {_num(r.get('plan_total_gib'))}"
+            as_planned = "" if r.get("plan_fits") is None or r.get("skipped") else str(r["plan_fits"] == trained)
+            lines.append(
+                f"| {r['name']} | {r['length']:,} | {_num(r.get('tokens_per_second'), 0)} | {_pct(r.get('mfu'))} "
+                f"| {_peak(r)} | {plan} | {_num(r.get('host_gib'))} | {_num(r.get('plan_host_gib'))} "
+                f"| {r.get('plan_fits')} | {said} | {as_planned} | {r.get('wall', 0):.0f} |"
+            )
+    for r in rows:
+        if r.get("profile"):
+            mfu = r.get("mfu")
+            short = mfu is not None and mfu < MFU_GOAL
+            lines += ["", f"Where {r['name']}'s step went" + (f" ({_pct(mfu)} MFU, short of 45%):" if short else ":")]
+            lines += ["", "```", r["profile"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def _num(value, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _peak(r: dict) -> str:
+    peak = _num(r.get("peak_gpu_memory_gib"))
+    return peak + (f" / {r['reserved_gib']:.1f}" if r.get("reserved_gib") is not None else "")
+
+
+@dataclass
+class Suite:
+    """What every run of one suite shares: where things go, the tokenizer and data, the clock and budget."""
+
+    out: Path
+    kept: Path
+    data: Path
+    tokenizer: object
+    device: str
+    steps: int
+    budget_s: float
+    dry: bool
+    call_s: float = (
+        600.0  # the device call's own limit: a doubling-search run that would not end by then is not started
+    )
+    start: float = field(default_factory=time.perf_counter)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def row_data(self, s: Setting, steps: int) -> Path:
+        if s.data != "long":
+            return self.data
+        path = self.out / f"long-{s.max_length}x{steps}.jsonl"
+        return path if path.is_file() else long_records(path, self.tokenizer, s.max_length, steps)
+
+
+def run_setting(suite: Suite, s: Setting, later_models: set[str]) -> dict:
+    """One row: run the setting (or say why not) and read what it measured."""
+    row = {"name": s.name, "who": s.who, "pair": s.pair}
+    if s.data == "long":
+        row.update(long=True, length=s.max_length)
+    if suite.elapsed() > suite.budget_s:
+        row["error"] = f"not run: past --budget_s {suite.budget_s:.0f}"
+        return row
+    if s.requires and not _importable(s.requires):
+        row["error"] = f"not run: {s.requires} is not installed here"
+        return row
+    model = build_model(suite.out, s.model, suite.tokenizer, suite.device)
+    steps = s.steps or suite.steps
+    if s.who == "llmft":
+        row.update(planned(s, model))
+        if s.gated and not row["plan_fits"]:
+            row.update(error=f"not run: the planner says it does not fit ({row['plan_why']})", skipped=True)
+            return row
+    out = suite.out / "runs" / s.name
+    env = dict(s.env)
+    if env.pop("cold_op_cache", None) and not suite.dry:
+        env["TORCH_EXTENSIONS_DIR"] = str(out.parent / "empty-op-cache")  # a fresh node's
+    if s.who == "prebuild":
+        cmd = [PYTHON, "-m", "llmft.prebuild"]
+    elif s.who == "plain":
+        ds_config = suite.out / "runs" / s.pair / "ds_config.json"  # what llmft resolved for the same setting
+        env.update(plain_arch_list(os.environ))
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(llmft_op_cache()))  # the FusedAdam llmft's run built
+        cmd = plain_command(s, model, suite.data, out, steps, ds_config)
+    else:
+        cmd = llmft_command(s, model, suite.row_data(s, steps), out, steps)
+    out.mkdir(parents=True, exist_ok=True)  # benchlib.run empties it first
+    left = suite.budget_s - suite.elapsed()
+    r = run(
+        s.name,
+        cmd,
+        out,
+        check=False,
+        timeout=max(PREBUILD_S if s.who == "prebuild" else 60.0, left + 120),
+        log=suite.kept / "log.txt",
+        **env,
+    )
+    row["wall"] = r.wall
+    failure = {"llmft": r.failure, "plain": lambda: plain_failure(r, out), "prebuild": lambda: exit_failure(r)}[
+        s.who
+    ]()
+    if failure:
+        row["error"] = f"failed ({failure})"
+        row["host_gib"] = host_peak(r.stdout)
+    elif s.who == "prebuild":
+        row["said"] = [line for line in r.stdout.splitlines() if line.startswith("llmft prebuild:")]
+    else:
+        summary = out / ("plain_summary.json" if s.who == "plain" else "run_summary.json")
+        (suite.kept / "summaries" / f"{s.name}.json").write_bytes(summary.read_bytes())
+        row.update(measured(s, out))
+        row["reserved_gib"] = reserved_peak(r.stdout)
+        row["host_gib"] = host_peak(r.stdout)
+        if s.who == "plain" or not s.pinned:  # as it ran: llmft's own recomputation choice on an unpinned row
+            chose_off = "gradient checkpointing off (auto" in r.stdout
+            row.update(
+                planned(s, model) if not chose_off else planned(_with(s, "--gradient_checkpointing", "false"), model)
+            )
+        profile = out / f"profile_step_{profile_step(steps)}.txt"
+        if s.profile and profile.is_file():
+            row["profile"] = profile.read_text()
+            (suite.kept / "summaries" / f"{s.name}.profile.txt").write_text(row["profile"])
+    free_disk(out, suite.out / "models", later_models)  # before the next run: the 8B rows' disk
+    return row
+
+
+def _with(s: Setting, flag: str, value: str) -> Setting:
+    """The setting with one more flag (the last one given wins, as in argparse and flag_value)."""
+    from dataclasses import replace
+
+    return replace(s, flags=[*s.flags, flag, value])
+
+
+def doubling_search(suite: Suite, s: Setting, record) -> None:
+    """From twice the last fixed length: one step at each doubling until a run fails, the time budget is spent (or
+    the planner's step time would overrun it), or, in the dry run, DRY_DOUBLINGS lengths; each row keeps the planner's
+    answer beside what happened. First, the planner's own longest length (1,024-token resolution) is recorded."""
+    from dataclasses import replace
+
+    model = build_model(suite.out, s.model, suite.tokenizer, suite.device)
+    longest, beyond = planned_longest(replace(s, who="llmft"), model, 1024)
+    record(
+        {"name": "long-planned-longest", "who": "search", "long": True, "planned_longest": longest, "beyond": beyond}
+    )
+    length, tried = s.max_length, 0
+    while not (suite.dry and tried >= DRY_DOUBLINGS):
+        step = replace(s, name=long_name(length), who="llmft", max_length=length, steps=1, gated=False)
+        plan = planned(step, model)
+        if not plan["plan_fits"]:  # what a user's job gets: its memory check refuses it before any GPU time
+            record({"name": step.name, "who": "llmft", "long": True, "length": length, **plan, **refusal(step, model)})
+            return
+        left = suite.call_s - suite.elapsed() - LOAD_S
+        if suite.elapsed() > suite.budget_s or (plan["plan_step_s"] is not None and plan["plan_step_s"] > left):
+            why = (
+                f"past --budget_s {suite.budget_s:.0f}"
+                if suite.elapsed() > suite.budget_s
+                else f"its step, {plan['plan_step_s']:.0f} s by the planner, would not end within --call_s"
+            )
+            record(
+                {
+                    "name": step.name,
+                    "who": "llmft",
+                    "long": True,
+                    "length": length,
+                    **plan,
+                    "skipped": True,
+                    "error": f"not run: {why}",
+                }
+            )
+            return
+        row = run_setting(suite, step, {s.model})
+        record(row)
+        tried += 1
+        if "error" in row:
+            return
+        length *= 2
+
+
+def refusal(s: Setting, model: Path) -> dict:
+    """The job scripts' memory check (`llmft plan --check_memory`, what run_llm.slurm and run_llm.pbs run before
+    training) for a setting: {"error": its one line} when it refuses, {"checked": its line} when it passes."""
+    import subprocess
+
+    cmd = [PYTHON, "-m", "llmft.plan", "--model", str(model), "--check_memory", "--nproc_per_node", "1"]
+    cmd += [
+        "--per_device_train_batch_size",
+        str(s.micro_batch),
+        "--global_batch_size",
+        str(s.micro_batch * s.grad_accum),
+    ]
+    cmd += ["--zero_stage", str(s.zero_stage), "--max_length", str(s.max_length)]
+    cmd += ["--gradient_checkpointing", checkpointing(s.flags)]
+    for flag in ("--tiled_mlp", "--activation_offloading"):
+        if flag_value(s.flags, flag) is not None:
+            cmd += [flag, flag_value(s.flags, flag)]
+    if s.offload:
+        cmd += ["--offload"]
+    if "--use_peft" in s.flags:
+        cmd += ["--use_peft", "--lora_target_modules", "all-linear"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [f"exit {proc.returncode}"]
+    return {"error": f"refused: {last[0]}"} if proc.returncode else {"checked": last[0]}
 
 
 def main() -> int:
@@ -412,7 +838,23 @@ def main() -> int:
     p.add_argument("--budget_s", type=float, default=540, help="start no run past this many seconds")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 12; dry run 3)")
     p.add_argument("--only", nargs="+", default=None, help="run only these settings (names from the table)")
+    p.add_argument(
+        "--call_s",
+        type=float,
+        default=600,
+        help="the device call's limit: the long-context doubling search starts no length whose step (by the planner) "
+        "would end past it",
+    )
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="print the planner's answer for the long-context rows on an H100 80GB and an H200 (no GPU needed)",
+    )
     a = p.parse_args()
+    if a.predict:
+        a.out.mkdir(parents=True, exist_ok=True)
+        print(predictions(a.out), end="")
+        return 0
     unknown = sorted(set(a.only or ()) - {s.name for s in settings(a.dry_run)})
     if unknown:
         p.error(f"--only {' '.join(unknown)}: no such setting; known: {' '.join(s.name for s in settings(a.dry_run))}")
@@ -425,76 +867,43 @@ def main() -> int:
     if device == "cpu" and not a.dry_run:
         print("bench/gpu_suite.py: needs CUDA (run it on a GPU machine), or --dry_run for the CPU check")
         return 2
-    start = time.perf_counter()
-    steps = a.steps or (3 if a.dry_run else 12)
     a.out.mkdir(parents=True, exist_ok=True)
     kept = a.results or a.out
     (kept / "summaries").mkdir(parents=True, exist_ok=True)
     data = gsm8k(a.out / "gsm8k_train.jsonl", 200 if a.dry_run else None)
     tokenizer = gsm8k_tokenizer(data, 512 if a.dry_run else 32000)
+    steps = a.steps or (3 if a.dry_run else 12)
+    suite = Suite(a.out, kept, data, tokenizer, device, steps, a.budget_s, a.dry_run, a.call_s)
     head = (
-        f"{environment()}\n{'DRY RUN (CPU, tiny Llama): ' if a.dry_run else ''}one process, ZeRO-2, {steps} "
-        f"optimizer steps a run (rates from step 2 on), GSM8K train ({len(data.read_text().splitlines()):,} problems, "
-        f"{len(tokenizer):,}-token BPE trained on them)"
+        f"{environment()}\n{'DRY RUN (CPU, tiny Llama): ' if a.dry_run else ''}one process, ZeRO-2 unless a row says "
+        f"otherwise, {steps} optimizer steps a run (rates from step 2 on), GSM8K train "
+        f"({len(data.read_text().splitlines()):,} problems, {len(tokenizer):,}-token BPE trained on them)"
     )
     print(head, flush=True)
     results, rows = kept / "results.jsonl", []
     results.write_text("")
-    chosen = [s for s in settings(a.dry_run) if not a.only or s.name in a.only]
-    for i, s in enumerate(chosen):
-        row = {"name": s.name, "who": s.who, "pair": s.pair}
-        elapsed = time.perf_counter() - start
-        if elapsed > a.budget_s:
-            row["error"] = f"not run: past --budget_s {a.budget_s:.0f}"
-        elif s.requires and not _importable(s.requires):
-            row["error"] = f"not run: {s.requires} is not installed here"
-        else:
-            model = build_model(a.out, s.model, tokenizer, device)
-            out = a.out / "runs" / s.name
-            env = dict(s.env)
-            if env.pop("cold_op_cache", None) and not a.dry_run:
-                env["TORCH_EXTENSIONS_DIR"] = str(out.parent / "empty-op-cache")  # a fresh node's
-            if s.who == "prebuild":
-                cmd = [PYTHON, "-m", "llmft.prebuild"]
-            elif s.who == "plain":
-                ds_config = a.out / "runs" / s.pair / "ds_config.json"  # what llmft resolved for the same setting
-                env.update(plain_arch_list(os.environ))
-                env.setdefault("TORCH_EXTENSIONS_DIR", str(llmft_op_cache()))  # the FusedAdam llmft's run built
-                cmd = plain_command(s, model, data, out, steps, ds_config)
-            else:
-                cmd = llmft_command(s, model, data, out, steps)
-            out.mkdir(parents=True, exist_ok=True)  # benchlib.run empties it first
-            r = run(
-                s.name,
-                cmd,
-                out,
-                check=False,
-                timeout=max(PREBUILD_S if s.who == "prebuild" else 60.0, a.budget_s - elapsed + 120),
-                log=kept / "log.txt",
-                **env,
-            )
-            row["wall"] = r.wall
-            failure = {
-                "llmft": r.failure,
-                "plain": lambda: plain_failure(r, out),
-                "prebuild": lambda: exit_failure(r),
-            }[s.who]()
-            if failure:
-                row["error"] = f"failed ({failure})"
-            elif s.who == "prebuild":
-                row["said"] = [line for line in r.stdout.splitlines() if line.startswith("llmft prebuild:")]
-            else:
-                summary = out / ("plain_summary.json" if s.who == "plain" else "run_summary.json")
-                (kept / "summaries" / f"{s.name}.json").write_bytes(summary.read_bytes())
-                row.update(measured(s, out))
-                row["reserved_gib"] = reserved_peak(r.stdout)
-                row["plan_gib"] = plan_estimate(s, model)
-            free_disk(out, a.out / "models", {later.model for later in chosen[i + 1 :]})
+
+    def record(row: dict) -> None:
         rows.append(row)
         with open(results, "a") as f:
             f.write(json.dumps(row) + "\n")
         (kept / "table.md").write_text(table(rows, head))
-        print(table(rows, head).splitlines()[-1], flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+
+    chosen = [s for s in settings(a.dry_run) if not a.only or s.name in a.only]
+    for i, s in enumerate(chosen):
+        later = {after.model for after in chosen[i + 1 :]}
+        if s.who != "search":
+            record(run_setting(suite, s, later))
+        elif suite.elapsed() > suite.budget_s:
+            past = f"not run: past --budget_s {suite.budget_s:.0f}"
+            record(
+                {"name": s.name, "who": "search", "long": True, "length": s.max_length, "error": past, "skipped": True}
+            )
+        else:
+            doubling_search(suite, s, record)
+        # every run's weights and checkpoints, and each model no later row trains, whether this row ran or not
+        free_disk(suite.out / "runs", suite.out / "models", later)
     print("\n" + table(rows, head))
     print(f"before: a fresh H100 node's first job started in {STARTUP_BEFORE_S} s (40 s of it building FusedAdam)")
     return 0

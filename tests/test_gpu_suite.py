@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from conftest import PYTHON, REPO, run
 
@@ -14,11 +15,23 @@ def rows_of(out) -> list[dict]:
     return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
-# One setting of each kind the GPU run has, in the suite's order: llmft and the plain script on both paths, a lever
-# that needs a GPU extra, the 8B-LoRA command (PEFT flags, its own model) with a lever's flags, the install step. The
-# other levers differ from these only in flags, which test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority
-# checks; each run costs the 2-core CI about 40 s.
-DRY_RUN_ROWS = ["default", "default-plain", "packed", "packed-plain", "packed-no-liger", "8b-lora-no-ckpt", "prebuild"]
+# One setting of each kind the GPU run has, in the suite's order: a long-context row (LoRA on the 8B model's key, with
+# the tiled MLP), the doubling search, full fine-tuning under ZeRO-3, the packed run and its compiled, profiled lever,
+# the install step, llmft's defaults beside the plain script, a lever that needs a GPU extra. The other rows differ from
+# these only in flags and numbers, which test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority checks; each
+# run costs the 2-core CI about 40 s (the compiled one about 2 minutes).
+DRY_RUN_ROWS = [
+    "long-1k",
+    "long-doubling",
+    "long-full-z3-offload",
+    "packed",
+    "packed-fast",
+    "prebuild",
+    "default",
+    "default-plain",
+    "packed-no-liger",
+]
+DRY_SEARCH = ["long-planned-longest", "long-4k", "long-8k"]  # what long-doubling records: the planner, then 2 runs
 
 
 def test_the_dry_run_measures_one_setting_of_each_kind_llmft_beside_plain_trl(tmp_path):
@@ -34,7 +47,15 @@ def test_the_dry_run_measures_one_setting_of_each_kind_llmft_beside_plain_trl(tm
     assert not (kept / "models").exists()
     assert (work / "models").is_dir() and not any((work / "models").iterdir())  # each removed after its last run
     rows = rows_of(kept)
-    assert [r["name"] for r in rows] == [s.name for s in settings(dry=True) if s.name in DRY_RUN_ROWS] == DRY_RUN_ROWS
+    assert [s.name for s in settings(dry=True) if s.name in DRY_RUN_ROWS] == DRY_RUN_ROWS
+    i = DRY_RUN_ROWS.index("long-doubling")
+    assert [r["name"] for r in rows] == DRY_RUN_ROWS[:i] + DRY_SEARCH + DRY_RUN_ROWS[i + 1 :]
+    search, rows = rows[i : i + 3], rows[:i] + rows[i + 3 :]
+    assert search[0]["planned_longest"] == 2**21  # a tiny Llama on this machine: no limit below its positions
+    for r in search[1:] + [rows[0]]:  # the long rows: one sequence a step, host RAM beside the planner's
+        assert "error" not in r and r["long"] and r["tokens_per_second"] > 0, r
+        assert r["plan_fits"] is True and r["host_gib"] > 0 and r["plan_host_gib"] > 0, r
+    assert [r["length"] for r in search[1:]] == [4096, 8192]  # doubling from the last fixed length, 2048
     for r in rows:
         if r["name"] == "packed-no-liger" and "error" in r:  # Liger is a GPU extra
             assert r["error"] == "not run: liger_kernel is not installed here"
@@ -46,11 +67,16 @@ def test_the_dry_run_measures_one_setting_of_each_kind_llmft_beside_plain_trl(tm
         assert r["tokens_per_second"] > 0 and r["wall"] > 0, r
         assert r["mfu"] is None and r["peak_gpu_memory_gib"] is None  # no GPU: said as n/a, never made up
     assert all(r["startup_seconds"] for r in rows if r["who"] == "llmft" and "error" not in r)
-    measured = {r["name"] for r in rows if "error" not in r and r["who"] != "prebuild"}
-    assert {p.stem for p in (kept / "summaries").iterdir()} == measured  # each run's whole summary, as it came
+    measured = {r["name"] for r in rows + search[1:] if "error" not in r and r["who"] != "prebuild"}
+    kept_files = {p.name for p in (kept / "summaries").iterdir()}  # each run's whole summary, as it came
+    assert kept_files == {f"{name}.json" for name in measured} | {"packed-fast.profile.txt"}
     text = (kept / "table.md").read_text()
     assert "DRY RUN (CPU, tiny Llama)" in text and "GSM8K train (200 problems, 512-token BPE" in text
-    assert text.count("(llmft / plain)") == 2  # the default and the packed pair
+    assert text.count("(llmft / plain)") == 1  # the default pair
+    assert "Long context (one sequence a step)" in text and "the planner's longest: 2,097,152" in text
+    fast = next(r for r in rows if r["name"] == "packed-fast")  # profiled after its compile: where the step went
+    assert fast["profile"].startswith("llmft --profile_step 1:") and "Where packed-fast's step went" in text
+    assert (kept / "summaries" / "packed-fast.profile.txt").read_text() == fast["profile"]
     # the plain script trained with the DeepSpeed config llmft resolved for the same setting
     plain_log = (kept / "log.txt").read_text()
     assert str(work / "runs" / "default" / "ds_config.json") in plain_log
@@ -88,24 +114,37 @@ def test_without_cuda_the_real_run_refuses_and_says_how_to_check_on_cpu(tmp_path
 def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
     """What the lent minutes go to first: the default path against plain TRL, then packed, the MFU levers, 8B LoRA
     at sequence 4096, llmft's install step (prebuild) and the start-up after it on an empty op cache; the 1B runs at sequence 2048, micro-batch 8 x 4."""
-    from gpu_suite import SHAPES, checkpointing, plain_arch_list, settings
+    from gpu_suite import SHAPES, checkpointing, llmft_command, plain_arch_list, settings
 
     real = settings(dry=False)
     assert [s.name for s in real] == [
-        "default",
+        "long-32k",  # issue 45 (1): long context first
+        "long-64k",
+        "long-128k",
+        "long-doubling",
+        "long-full-z3-offload",
+        "packed",  # (2): the MFU combination against the packed run
+        "packed-fast",
+        "8b-lora",  # (3): 8B LoRA at 4096
+        "8b-lora-no-ckpt",
+        "8b-lora-fast",
+        "8b-lora-no-ckpt-micro2",
+        "prebuild",  # (4): a fresh node
+        "startup",
+        "default",  # issue 31's comparisons with plain TRL, and each lever alone
         "default-plain",
-        "packed",
         "packed-plain",
         "packed-no-ckpt",
         "packed-no-liger",
-        "packed-fast",
         "packed-micro16",
-        "8b-lora",
-        "8b-lora-no-ckpt",
-        "8b-lora-fast",
-        "prebuild",
-        "startup",
     ]
+    long = [s for s in real if s.name.startswith("long-")]
+    assert {s.model for s in long} == {"llama-3.1-8b"} and {s.micro_batch * s.grad_accum for s in long} == {1}
+    assert [s.max_length for s in long] == [32768, 65536, 131072, 262144, 32768]
+    for s in long[:4]:  # LoRA with ALST's savers (its tiled loss: Liger's fused linear cross-entropy)
+        assert s.data == "long" and "--use_peft" in s.flags
+        assert [s.flags[s.flags.index(f) + 1] for f in ("--tiled_mlp", "--activation_offloading")] == ["true"] * 2
+    assert (long[4].zero_stage, long[4].offload, "--use_peft" in long[4].flags) == (3, True, False)
     one_b = [s for s in real if s.model == "llama-3.2-1b"]
     assert {(s.max_length, s.micro_batch * s.grad_accum) for s in one_b} == {(2048, 32)}
     assert {s.micro_batch for s in one_b} == {8, 16}
@@ -119,12 +158,20 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
     assert SHAPES["llama-3.2-1b"]["vocab_size"] == SHAPES["llama-3.1-8b"]["vocab_size"] == 128256
     assert [s.pair for s in real if s.who == "plain"] == ["default", "packed"]
     # the planner is asked about the run as it trains: TRL's default gradient checkpointing unless a flag says not
-
     assert [checkpointing(s.flags) for s in real if s.name in ("default", "packed-no-ckpt", "8b-lora")] == [
         "true",
-        "false",
         "true",
+        "false",
     ]
+    # the levers measure against TRL's defaults, given: llmft's own (recomputation off where it fits, compile on a long
+    # run) would change what a row measures; the default row runs llmft's defaults as a user gets them
+    by_name = {s.name: s for s in real}
+    cmd = llmft_command(by_name["packed"], Path("m"), Path("d"), Path("o"), 12)
+    assert cmd[-4:] == ["--gradient_checkpointing", "true", "--torch_compile", "false"]
+    cmd = llmft_command(by_name["packed-fast"], Path("m"), Path("d"), Path("o"), 12)
+    assert cmd[-6:] == ["--gradient_checkpointing", "false", "--torch_compile", "true", "--profile_step", "3"]
+    cmd = llmft_command(by_name["default"], Path("m"), Path("d"), Path("o"), 12)
+    assert "--gradient_checkpointing" not in cmd and "--torch_compile" not in cmd
     # the GPU image's TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed's builder cannot read, is fixed for the plain script
     assert plain_arch_list({"TORCH_CUDA_ARCH_LIST": "9.0a"}) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
     assert plain_arch_list({"TORCH_CUDA_ARCH_LIST": "9.0"}) == {} and plain_arch_list({}) == {}
@@ -165,3 +212,17 @@ def test_the_reserved_peak_is_read_from_the_line_llmft_prints_at_the_end_of_a_gp
     line = f"llmft: GPU memory peak: rank 0 {_gib(25.4 * 2**30)} allocated, {_gib(27.93 * 2**30)} reserved"
     assert reserved_peak(f"step 12\n{line}\nllmft: host memory peak: ...") == 27.93
     assert reserved_peak("a CPU run prints no GPU line") is None
+
+
+def test_the_long_context_predictions_in_bench_readme_are_the_planners(tmp_path):
+    """bench/README.md's predictions for the GPU run to check (an H100 80GB and an H200, 128 GiB of host RAM) are what
+    `python bench/gpu_suite.py --predict` prints today: a planner change that moves them fails here until the README
+    says the new numbers."""
+    from gpu_suite import predictions
+
+    table = predictions(tmp_path)
+    assert table in (REPO / "bench" / "README.md").read_text()
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert {r[0].strip("| ") for r in rows} == {"H100-80GB", "H200"}
+    longest = [r for r in rows if "longest" in r[1]]  # both stop on host RAM at 128 GiB, as the README says
+    assert [r[2] for r in longest] == ["262,144"] * 2 and all("host RAM" in r[-1] for r in longest)
