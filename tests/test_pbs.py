@@ -301,8 +301,9 @@ def test_in_a_container_enroot_creates_once_per_node_and_every_step_starts_in_it
     ], calls
     starts = [c for c in calls if " enroot start " in c]
     model, data_dir = inputs["model"], inputs["dir"]
-    # read-write, no --nv (no GPUs here), every path the run uses mounted at its own path: the submit directory (which
-    # holds CHECKPOINT_DIR, HF_HOME and LLMFT_CACHE here), and DATASET's directory (which holds the local MODEL)
+    # read-write, no GPU variables (no GPUs here), every path the run uses mounted at its own path: the submit
+    # directory (which holds CHECKPOINT_DIR, HF_HOME and LLMFT_CACHE here), and DATASET's directory (which holds the
+    # local MODEL)
     assert model.parent == data_dir
     mounts = f"--rw --mount {d}:{d} --mount {data_dir}:{data_dir} --env "
     for c in starts:

@@ -186,15 +186,34 @@ def container_name(job_id: str) -> str:
     return "llmft-" + safe_name(job_id.split(".")[0])
 
 
+# enroot takes GPUs through the container's environment, not an option (`enroot start` has no --nv: it exits 1 with
+# its usage): its hook 98-nvidia.sh mounts the devices NVIDIA_VISIBLE_DEVICES names, with the driver's libraries for
+# NVIDIA_DRIVER_CAPABILITIES, through nvidia-container-cli (libnvidia-container-tools on the GPU nodes).
+CONTAINER_GPU_ENV = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
+
+
 def enroot_start(enroot: str, name: str, mounts: Sequence[str], gpus: bool, env_names: Sequence[str]) -> list[str]:
     """The prefix that runs a command in the job's container: read-write (DeepSpeed and Triton write their caches),
-    with the GPUs (--nv) where the nodes have them, the run's paths mounted, and llmft's variables passed."""
-    cmd = [enroot, "start", "--rw", *(["--nv"] if gpus else [])]
+    the run's paths mounted, llmft's variables passed, and on GPU nodes the two variables enroot's nvidia hook reads
+    (their values are each node's own: container_gpu_env)."""
+    cmd = [enroot, "start", "--rw"]
     for m in mounts:
         cmd += ["--mount", m]
-    for name_ in env_names:
+    for name_ in [*env_names, *(CONTAINER_GPU_ENV if gpus else ())]:
         cmd += ["--env", name_]
     return [*cmd, name]
+
+
+def container_gpu_env(command: Sequence[str], env: dict) -> dict:
+    """What a node's `enroot start` passes for its GPUs: this node's GPUs of the job (the CUDA_VISIBLE_DEVICES PBS's
+    cgroups hook sets, else every GPU the node lets the job open) and compute,utility (CUDA and nvidia-smi), each
+    unless the site set it; nothing for a command that passes no GPUs."""
+    if "NVIDIA_VISIBLE_DEVICES" not in command:
+        return {}
+    return {
+        "NVIDIA_VISIBLE_DEVICES": env.get("NVIDIA_VISIBLE_DEVICES") or env.get("CUDA_VISIBLE_DEVICES") or "all",
+        "NVIDIA_DRIVER_CAPABILITIES": env.get("NVIDIA_DRIVER_CAPABILITIES") or "compute,utility",
+    }
 
 
 # ---- what this job is -------------------------------------------------------------------------------
@@ -730,6 +749,7 @@ def node_main(argv: list[str]) -> int:
                 print(f"enroot create --name {name} {image} failed (exit {created.returncode}): {last[0]}")
                 return 2
     command = rest[1:] if rest[:1] == ["--"] else rest
+    env.update(container_gpu_env(command, env))
     node = env.get("PBS_NODENUM", "0")
     host = env.get("LLMFT_NODE_NAME") or socket.gethostname().split(".")[0]
     if out_file is not None:
