@@ -14,6 +14,7 @@ greedy tokens the checks compare). The checks then load it in a fresh process (l
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -188,6 +189,7 @@ def run(args) -> int:
     if args.check is not None:
         return check(args.check)
     record = export_checkpoint(args, shard_bytes)
+    gc.collect()  # the model is freed before the checks' process loads the export: the two never hold it together
     model_card.write_card(Path(args.out), record, repo=args.push_to_hub)
     say(f"exported {record['source']} to {args.out}")
     code = check(Path(args.out))

@@ -382,3 +382,23 @@ def test_push_uploads_the_directory_through_huggingface_hub(exported, tmp_path):
     assert not hub.repos["my-org/again"]["private"]
     assert hub.repos["my-org/again"]["files"] == {p.name: p.read_bytes() for p in again.iterdir()}
     assert 'from_pretrained("my-org/again"' in (again / "README.md").read_text()
+
+
+def test_the_jobs_export_step_exports_the_finished_run_with_its_checks(full_run, tmp_path):
+    """EXPORT=DIR on either scheduler: after a finished run, `llmft export RUN --out DIR` (relative to the submit
+    directory) runs as one step; its exit code is the job's. Without EXPORT nothing runs."""
+    from llmft.launch import job, knobs
+
+    submit = tmp_path / "submit"
+    submit.mkdir()
+    said = []
+    k = knobs.resolve({}, ["EXPORT=exported/final"], cwd=submit)
+    command = job.export_command(k, PYTHON, full_run, submit)
+    assert command == [PYTHON, "-m", "llmft.export", str(full_run), "--out", str(submit / "exported" / "final")]
+    assert job.export_after_training(command, [], said.append) == 0
+    assert said[-1] == f"exported to {submit / 'exported' / 'final'}"
+    assert json.loads((submit / "exported" / "final" / "llmft_export.json").read_text())["step"] == 40
+    assert job.export_after_training(command, [], said.append) == 2  # the directory is taken now: export's exit code
+    assert said[-1] == "error: llmft export exited 2; the run itself is complete"
+    assert job.export_command(knobs.resolve({}, [], cwd=submit), PYTHON, full_run, submit) is None
+    assert job.export_after_training(None, [], said.append) == 0

@@ -142,6 +142,7 @@ def write_config(model, out: Path, dtype, tied: bool) -> None:
     """config.json saying what the weights are: their dtype, and whether the LM head is the input embedding; with the
     KV cache on (training turns `use_cache` off under gradient checkpointing, and transformers' generate reads it)."""
     config = model.config
+    config.architectures = [type(model).__name__]  # as save_pretrained does: servers pick the model class from it
     config.dtype = dtype
     config.tie_word_embeddings = tied
     if getattr(config, "use_cache", None) is False:
