@@ -25,7 +25,9 @@ from llmft.checkpoint.export import (
     check_complete,
     check_out_dir,
     parse_shard_size,
+    quantized_merge_problem,
     read_record,
+    read_run_record,
     template_stops,
     write_adapter_dir,
     write_model_dir,
@@ -128,6 +130,9 @@ def export_checkpoint(args, shard_bytes: int) -> dict:
         raise CheckpointError(
             f"--lora {args.lora} but {tag_dir.parent} is a full fine-tune (no adapter_config.json): drop --lora"
         )
+    problem = quantized_merge_problem(read_run_record(tag_dir), lora) if source.adapter_dir is not None else None
+    if problem:
+        raise CheckpointError(problem)
     dtype = getattr(torch, DTYPES[args.dtype])
     is_lora = source.adapter_dir is not None
     loaded = load(tag_dir, args.model_name, "cpu", torch.float32 if is_lora else dtype, trust=args.trust_checkpoint)

@@ -59,6 +59,14 @@ class Workspace:
         return str(run)
 
 
+def qlora_run(w: Workspace) -> str:
+    """A LoRA run trained on a 4-bit base (llmft_run.json records the quantization)."""
+    run = Path(w.run_dir())
+    (run / "llmft_run.json").write_text('{"quantization": "4bit"}\n')
+    (run / "checkpoint-4" / "adapter_config.json").write_text(f'{{"base_model_name_or_path": "{w.model}"}}\n')
+    return str(run)
+
+
 @dataclass
 class Case:
     command: str
@@ -471,6 +479,12 @@ CASES = [
         "shard_size_unparsed",
         lambda w: [w.run_dir(), "--out", str(w.out), "--max_shard_size", "5 gigs"],
         "--max_shard_size '5 gigs' is not a size: give a number with a unit, such as 5GB",
+    ),
+    Case(
+        "export",
+        "qlora_merge",
+        lambda w: [qlora_run(w), "--out", str(w.out)],
+        "the run trained its adapter against a 4bit base (QLoRA)",
     ),
     Case(
         "export",

@@ -402,3 +402,18 @@ def test_the_jobs_export_step_exports_the_finished_run_with_its_checks(full_run,
     assert said[-1] == "error: llmft export exited 2; the run itself is complete"
     assert job.export_command(knobs.resolve({}, [], cwd=submit), PYTHON, full_run, submit) is None
     assert job.export_after_training(None, [], said.append) == 0
+
+
+def test_a_qlora_run_exports_its_adapter_and_refuses_a_merge_into_weights_it_was_not_trained_on():
+    from llmft.checkpoint.export import quantized_merge_problem
+
+    problem = quantized_merge_problem({"quantization": "4bit", "lora": {"r": 8}}, "merged")
+    assert (
+        problem.startswith("the run trained its adapter against a 4bit base (QLoRA)") and "--lora adapter" in problem
+    )
+    assert quantized_merge_problem({"quantization": "4bit"}, "both") == problem
+    assert quantized_merge_problem({"quantization": "4bit"}, "adapter") is None
+    assert (
+        quantized_merge_problem({"quantization": None}, "merged") is None
+        and quantized_merge_problem({}, "merged") is None
+    )
