@@ -299,6 +299,36 @@ def test_end_of_turn_and_stop_decisions(tiny_model):
     assert template_stops(tokenizer, tokenizer.eos_token_id) == (None, tokenizer.eos_token_id)
 
 
+LLAMA3 = (
+    "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+GEMMA = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "specials,template,expected",
+    [
+        (["<|im_start|>", "<|im_end|>"], CHATML, "<|im_end|>"),
+        (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], LLAMA3, "<|eot_id|>"),
+        (["<start_of_turn>", "<end_of_turn>"], GEMMA, "<end_of_turn>"),
+    ],
+)
+def test_the_end_of_turn_token_is_read_from_the_template(specials, template, expected):
+    from llmft.checkpoint.export import template_stops
+    from llmft.data.synthetic import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = template
+    eot_id = tokenizer.convert_tokens_to_ids(expected)
+    assert template_stops(tokenizer, tokenizer.eos_token_id) == (expected, [tokenizer.eos_token_id, eot_id])
+
+
 def test_the_launch_record_hides_access_tokens():
     from llmft.training.run_identity import launch_record, redact_secrets
 
