@@ -15,6 +15,8 @@ greedy tokens the checks compare). The checks then load it in a fresh process (l
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -116,7 +118,7 @@ def check_arguments(args) -> int:
     return parse_shard_size(args.max_shard_size)
 
 
-def export_checkpoint(args, shard_bytes: int) -> dict:
+def export_checkpoint(args, shard_bytes: int, out: Path) -> dict:
     """Load the checkpoint as `llmft infer` does, write DIR, record the greedy tokens; returns the record."""
     import torch
 
@@ -137,7 +139,7 @@ def export_checkpoint(args, shard_bytes: int) -> dict:
     is_lora = source.adapter_dir is not None
     loaded = load(tag_dir, args.model_name, "cpu", torch.float32 if is_lora else dtype, trust=args.trust_checkpoint)
     say(f"loaded {tag_dir} (ZeRO-{loaded.ckpt.stage}, {loaded.ckpt.world_size} ranks) in {loaded.seconds:.1f}s")
-    out, tokenizer = Path(args.out), loaded.tokenizer
+    tokenizer = loaded.tokenizer
     directories, written = {}, {}
     if is_lora and lora in ("adapter", "both"):
         adapter_dir = out / ADAPTER_SUBDIR if lora == "both" else out
@@ -189,14 +191,25 @@ def check(directory: Path) -> int:
     return 1 if problems else 0
 
 
+def staging_dir(out: Path) -> Path:
+    """Where the export is written before it becomes DIR: beside it, on the same filesystem, hidden."""
+    return out.parent / f".{out.name}.llmft-export-{os.getpid()}"
+
+
 def run(args) -> int:
     shard_bytes = check_arguments(args)
     if args.check is not None:
         return check(args.check)
-    record = export_checkpoint(args, shard_bytes)
-    gc.collect()  # the model is freed before the checks' process loads the export: the two never hold it together
-    model_card.write_card(Path(args.out), record, repo=args.push_to_hub)
-    say(f"exported {record['source']} to {args.out}")
+    out = Path(args.out)
+    staging = staging_dir(out)
+    try:
+        record = export_checkpoint(args, shard_bytes, staging)
+        gc.collect()  # the model is freed before the checks' process loads the export: the two never hold it together
+        model_card.write_card(staging, record, repo=args.push_to_hub, name=out.name)
+        os.replace(staging, out)  # DIR appears whole or not at all (an empty DIR is replaced)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # a failed export leaves nothing behind, and DIR as it was
+    say(f"exported {record['source']} to {out}")
     code = check(Path(args.out))
     if code == 0 and args.push_to_hub:
         url = publish.push_folder(Path(args.out), args.push_to_hub, args.private, say=say)

@@ -379,6 +379,21 @@ def test_bad_input_is_one_line_and_exit_2(full_run, tmp_path, capsys, argv, expe
     assert (tmp_path / "nonempty" / "keep.txt").read_text() == "mine" and not (tmp_path / "new").exists()
 
 
+def test_an_export_that_fails_half_way_leaves_no_directory(full_run, tmp_path, capsys, monkeypatch):
+    """The export is written beside DIR and renamed into place at the end: a failure leaves neither."""
+    from llmft.checkpoint import export as library
+    from llmft.checkpoint.run_dir import CheckpointError
+    from llmft.export import main, make_parser
+
+    def fail(*args, **kwargs):
+        raise CheckpointError("the disk filled up (a stand-in)")
+
+    monkeypatch.setattr(library, "write_generation_config", fail)  # after the weights were written
+    assert main(make_parser().parse_args([str(full_run), "--out", str(tmp_path / "x")])) == 2
+    assert "the disk filled up" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_infer_export_names_the_new_command(full_run, capsys):
     from llmft.infer import main, make_parser
 

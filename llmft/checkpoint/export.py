@@ -174,7 +174,8 @@ def write_generation_config(model, tokenizer, source_dir: Path | None, out: Path
         gen = GenerationConfig.from_pretrained(source_dir)
     else:
         gen = GenerationConfig.from_model_config(model.config)
-    eot, gen.eos_token_id = template_stops(tokenizer, gen.eos_token_id or tokenizer.eos_token_id)
+    eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id  # id 0 is an EOS too
+    eot, gen.eos_token_id = template_stops(tokenizer, eos)
     if gen.pad_token_id is None and tokenizer.pad_token_id is not None:
         gen.pad_token_id = tokenizer.pad_token_id
     gen.save_pretrained(out)

@@ -133,12 +133,12 @@ def card_data(facts: dict, record: dict):
     return data
 
 
-def gather(out: Path, record: dict) -> dict:
+def gather(name: str, record: dict) -> dict:
     """Everything the card says, read from the run directory beside the exported checkpoint."""
     run_dir = run_dir_of(record["source"])
     summary = _json(run_dir / "run_summary.json")
     return {
-        "name": out.resolve().name,
+        "name": name,
         "run_dir": run_dir,
         "run": _json(run_dir / "llmft_run.json"),
         "data": _json(run_dir / "llmft_data.json"),
@@ -233,11 +233,11 @@ def usage_section(facts: dict, record: dict, repo: str) -> str:
     )
 
 
-def render(out: Path, record: dict, repo: str | None = None):
+def render(name: str, record: dict, repo: str | None = None):
     """The whole card as a huggingface_hub ModelCard."""
     from huggingface_hub import ModelCard
 
-    facts = gather(out, record)
+    facts = gather(name, record)
     data = card_data(facts, record)
     licence = (
         ""
@@ -266,8 +266,9 @@ def render(out: Path, record: dict, repo: str | None = None):
     return ModelCard(body)
 
 
-def write_card(out: Path, record: dict, repo: str | None = None) -> Path:
-    card = render(Path(out), record, repo)
+def write_card(out: Path, record: dict, repo: str | None = None, name: str | None = None) -> Path:
+    """README.md in `out`; `name` is the model's (the directory it ends up in), by default out's own name."""
+    card = render(name or Path(out).resolve().name, record, repo)
     path = Path(out) / "README.md"
     card.save(path)
     return path
