@@ -95,16 +95,18 @@ def make_parser(subparsers=None):
 def check_arguments(args) -> int:
     """Every argument decided before anything loads; returns the shard size in bytes."""
     if args.check is not None:
-        given = [
-            f
-            for f, v in (
-                ("a checkpoint", args.checkpoint),
-                ("--out", args.out),
-                ("--lora", args.lora),
-                ("--push_to_hub", args.push_to_hub),
-            )
-            if v
-        ]
+        exporting = (
+            ("a checkpoint", args.checkpoint),
+            ("--out", args.out),
+            ("--model_name", args.model_name),
+            ("--dtype", args.dtype != "bfloat16"),
+            ("--max_shard_size", args.max_shard_size != "5GB"),
+            ("--lora", args.lora),
+            ("--push_to_hub", args.push_to_hub),
+            ("--private", args.private),
+            ("--trust_checkpoint", args.trust_checkpoint),
+        )
+        given = [flag for flag, value in exporting if value]
         if given:
             raise CheckpointError(f"--check DIR runs the checks alone: drop {given[0]}, or export without --check")
         return 0

@@ -357,6 +357,7 @@ def test_the_launch_record_hides_access_tokens():
         (["{incomplete}", "--out", "{new}"], "has no llmft_complete.json: it was interrupted while saving"),
         (["{run}", "--out", "{new}", "--private"], "--private applies to --push_to_hub"),
         (["--check", "{new}"], "has no readable llmft_export.json"),
+        (["--check", "{new}", "--dtype", "float32"], "--check DIR runs the checks alone: drop --dtype"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(full_run, tmp_path, capsys, argv, expected):
