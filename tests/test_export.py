@@ -463,3 +463,18 @@ def test_a_qlora_run_exports_its_adapter_and_refuses_a_merge_into_weights_it_was
         quantized_merge_problem({"quantization": None}, "merged") is None
         and quantized_merge_problem({}, "merged") is None
     )
+
+
+def test_a_failed_check_pushes_nothing(full_run, tmp_path, capsys, monkeypatch):
+    from hub_standin import HubStandin
+
+    from llmft.checkpoint import export_checks
+    from llmft.export import main, make_parser
+
+    monkeypatch.setattr(export_checks, "run_checks", lambda directory, record: ["a stand-in problem"])
+    with HubStandin(lifetime_s=120) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        argv = [str(full_run), "--out", str(tmp_path / "x"), "--push_to_hub", "my-org/never"]
+        assert main(make_parser().parse_args(argv)) == 1
+    assert "llmft export: check failed: a stand-in problem" in capsys.readouterr().err
+    assert hub.requests == [] and (tmp_path / "x" / "config.json").is_file()
