@@ -4,7 +4,8 @@
     python3 inference/inference.py my_gpt2_checkpoint/global_step65110 --prompt "Hello" --model_name gpt2 \\
         --device cuda:0 --max_new_tokens 50
 
-A thin layer over `llmft.infer` (same options: `--prompt_file`, `--json`, `--export DIR`, `--merge`, ...;
+A thin layer over `llmft.infer` (same options: `--prompt_file`, `--json`, `--merge`, ...; a model to serve is
+`llmft export CHECKPOINT --out DIR`;
 see `python3 inference/inference.py --help`). No DeepSpeed engine or process group is started.
 """
 

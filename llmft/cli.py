@@ -4,6 +4,8 @@
     llmft plan --global_batch_size 32 --per_device_train_batch_size 2 --nnodes 2 --nproc_per_node 4
     llmft prepare --model_name_or_path gpt2 --dataset_name data.jsonl --max_length 1024 --packing
     llmft infer runs/x/checkpoint-100/global_step100 --prompt "Hello"
+    llmft export runs/x --out exported/x [--push_to_hub my-org/my-model]
+    llmft push exported/x my-org/my-model
     llmft eval runs/x --tasks gsm8k,minerva_math
     llmft report runs/x runs/y
     llmft prebuild
@@ -25,7 +27,9 @@ COMMANDS = {
     "train": ("llmft.train", "fine-tune with TRL's SFTTrainer on DeepSpeed ZeRO"),
     "prepare": ("llmft.prepare", "tokenise (and pack) the data once into the shared cache; takes llmft train's flags"),
     "plan": ("llmft.plan", "print the run plan (world, batch math, ZeRO config) without loading a model"),
-    "infer": ("llmft.infer", "generate text from a ZeRO checkpoint, or export it as a Hugging Face model"),
+    "infer": ("llmft.infer", "generate text from a ZeRO checkpoint"),
+    "export": ("llmft.export", "write a checkpoint as a served model: safetensors, configs, tokenizer, card, checks"),
+    "push": ("llmft.push", "upload an exported directory to the Hugging Face Hub (from a login node)"),
     "eval": (
         "llmft.eval",
         "standard benchmarks (lm-evaluation-harness: gsm8k, minerva_math, mmlu, ...) on checkpoints",

@@ -358,7 +358,7 @@ def gpu_fit(shape, dtype: str, max_length: int, gpu, visible_gpus: int) -> None:
     if visible_gpus > 1 and required <= visible_gpus * gpu.memory_gib:
         fix = (
             f"llmft eval runs the model on one GPU (the harness spreads only a model it loads itself over GPUs): export "
-            f"it (llmft infer CHECKPOINT --export DIR) and run lm_eval --model hf --model_args "
+            f"it (llmft export CHECKPOINT --out DIR) and run lm_eval --model hf --model_args "
             f"pretrained=DIR,parallelize=True,dtype={dtype} on these {visible_gpus} GPUs, or use a GPU with "
             f"{required} GiB or more"
         )

@@ -1,4 +1,4 @@
-"""Generate from (or export) a DeepSpeed ZeRO checkpoint without DeepSpeed: no process group, no engine.
+"""Generate from a DeepSpeed ZeRO checkpoint without DeepSpeed: no process group, no engine.
 
 The weights are read straight from the shards (see `llmft.checkpoint.zero`): exact fp32 master
 weights for ZeRO stages 0-3, any number of ranks, with or without CPU offload, and peak memory close
@@ -21,8 +21,8 @@ Usage:
     # LoRA runs: base model + adapter; --merge folds the adapter in
     python -m llmft.infer runs/lora/checkpoint-4 --merge --prompt "Hi"
 
-    # a standard Hugging Face model directory (safetensors + config + tokenizer), fp32 unless --dtype
-    python -m llmft.infer CKPT --export exported/ [--dtype bfloat16]
+A model to serve (safetensors, configs, tokenizer, model card) is `llmft export` (llmft/export.py); `--export` here
+names that command.
 
 `llmft infer ...` takes the same arguments.
 """
@@ -33,7 +33,7 @@ import json
 import sys
 from pathlib import Path
 
-from llmft.checkpoint.loader import DTYPES, Loaded, generate, load, pick_device, pick_dtype, resolve_checkpoint
+from llmft.checkpoint.loader import DTYPES, generate, load, pick_device, pick_dtype, resolve_checkpoint
 from llmft.checkpoint.zero import CheckpointError
 from llmft.command import command_parser, report_error
 from llmft.data.loading import DataError, check_utf8
@@ -100,15 +100,6 @@ def render(tokenizer, prompt, chat: bool) -> str:
     return prompt
 
 
-def export(loaded: Loaded, out_dir: Path) -> Path:
-    """A standard Hugging Face directory: safetensors + config + tokenizer (+ the adapter alone for unmerged LoRA)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    loaded.model.save_pretrained(out_dir)
-    loaded.tokenizer.save_pretrained(out_dir)
-    return out_dir
-
-
 # --------------------------------------------------------------------------------------------------
 # CLI
 
@@ -116,7 +107,7 @@ def export(loaded: Loaded, out_dir: Path) -> Path:
 def make_parser(subparsers=None):
 
     parser = command_parser(
-        subparsers, "infer", "Generate from, or export, a DeepSpeed ZeRO checkpoint (stages 0-3) without DeepSpeed."
+        subparsers, "infer", "Generate from a DeepSpeed ZeRO checkpoint (stages 0-3) without DeepSpeed."
     )
     parser.epilog = (
         "Example: python -m llmft.infer runs/demo/run/checkpoint-40/global_step40 --prompt 'What is 2 plus 3?'"
@@ -143,16 +134,14 @@ def make_parser(subparsers=None):
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--device", default=None, help="cuda:0 when available, else cpu")
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on GPU, fp32 on CPU and for --export"
-    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--json", action="store_true", help="print one JSON document with all generations")
     parser.add_argument(
         "--export",
         type=Path,
         default=None,
         metavar="DIR",
-        help="write a Hugging Face model directory (safetensors, config, tokenizer)",
+        help="moved to its own command: llmft export CHECKPOINT --out DIR",
     )
     parser.add_argument("--merge", action="store_true", help="LoRA: fold the adapter into the base weights")
     parser.add_argument(
@@ -166,21 +155,20 @@ def make_parser(subparsers=None):
 
 def run(args) -> dict:
     """Everything main does, returning the JSON-able result; raises CheckpointError on bad input."""
+    if args.export is not None:
+        raise CheckpointError(
+            f"--export moved to its own command: llmft export {' '.join(args.checkpoint)} --out {args.export}"
+        )
     if args.max_new_tokens < 1:
         raise CheckpointError("--max_new_tokens must be at least 1")
     prompts = read_prompts(args.prompt, args.prompt_file)
-    if not prompts and args.export is None:
-        raise CheckpointError("nothing to do: give --prompt, --prompt_file or --export DIR")
-    if args.export is not None and args.export.exists() and (not args.export.is_dir() or any(args.export.iterdir())):
-        what = "a file" if not args.export.is_dir() else "a directory that is not empty"
-        raise CheckpointError(
-            f"--export {args.export} is {what}: give a new or empty directory (nothing is overwritten)"
-        )
+    if not prompts:
+        raise CheckpointError("nothing to do: give --prompt or --prompt_file")
     tag_dir, note = resolve_checkpoint(args.checkpoint)
     if note:
         print(f"llmft infer: {note}", file=sys.stderr)
     device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device, exporting=args.export is not None)
+    dtype = pick_dtype(args.dtype, device, exporting=False)
     loaded = load(tag_dir, args.model_name, device, dtype, merge=args.merge, trust=args.trust_checkpoint)
     ck = loaded.ckpt
     print(
@@ -198,10 +186,6 @@ def run(args) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
         "generations": [],
     }
-    if args.export is not None:
-        out = export(loaded, args.export)
-        result["export"] = str(out)
-        print(f"llmft infer: exported to {out}", file=sys.stderr)
     if prompts:
         texts = [render(loaded.tokenizer, p, args.chat) for p in prompts]
         stream = not args.json and len(texts) == 1

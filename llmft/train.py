@@ -239,7 +239,7 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
         raise TrainError(
             "--save_consolidated gathers a ZeRO-3 model at the end; "
             + (
-                "a LoRA run saves its adapter (llmft infer --merge --export DIR writes a merged model)"
+                "a LoRA run saves its adapter (llmft export RUN --out DIR writes a merged model)"
                 if model.use_peft
                 else f"under ZeRO-{plan.zero_stage} the final model is written whole already"
             )
@@ -654,6 +654,7 @@ def write_deepspeed_config(run: RunSettings, decided: Decisions, resume: ResumeD
             )
     if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
         run_identity.record_run(training.output_dir, resume.identity)
+        run_identity.record_launch(training.output_dir, run_identity.launch_record(sys.argv[1:], dict(os.environ)))
         log(f"DeepSpeed config written to {ds_config.write_resolved(resolved, Path(training.output_dir))}")
     return resolved
 

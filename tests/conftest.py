@@ -35,6 +35,7 @@ LONGEST_FILES = (
     "test_train.py",
     "test_gpu_suite.py",
     "test_infer.py",
+    "test_export.py",
     "test_elastic.py",
     "test_sequence_parallel.py",
     "test_long_context.py",

@@ -59,6 +59,14 @@ class Workspace:
         return str(run)
 
 
+def qlora_run(w: Workspace) -> str:
+    """A LoRA run trained on a 4-bit base (llmft_run.json records the quantization)."""
+    run = Path(w.run_dir())
+    (run / "llmft_run.json").write_text('{"quantization": "4bit"}\n')
+    (run / "checkpoint-4" / "adapter_config.json").write_text(f'{{"base_model_name_or_path": "{w.model}"}}\n')
+    return str(run)
+
+
 @dataclass
 class Case:
     command: str
@@ -428,7 +436,7 @@ CASES = [
         "infer",
         "nothing_to_do",
         lambda w: [w.run_dir()],
-        "nothing to do: give --prompt, --prompt_file or --export DIR",
+        "nothing to do: give --prompt or --prompt_file",
     ),
     Case(
         "infer",
@@ -438,9 +446,51 @@ CASES = [
     ),
     Case(
         "infer",
-        "export_onto_a_file",
+        "export_moved",
         lambda w: [w.run_dir(), "--export", w.file("model.safetensors", "x")],
-        "--export " + "{inputs}/model.safetensors is a file: give a new or empty directory",
+        "--export moved to its own command: llmft export {inputs}/run --out {inputs}/model.safetensors",
+    ),
+    Case(
+        "export",
+        "out_onto_a_file",
+        lambda w: [w.run_dir(), "--out", w.file("model.safetensors", "x")],
+        "--out {inputs}/model.safetensors is a file: give a new or empty directory",
+    ),
+    Case(
+        "export",
+        "out_not_empty",
+        lambda w: [w.run_dir(), "--out", w.dir("exported")] if w.file("exported/a.txt", "mine") else [],
+        "--out {inputs}/exported is a directory that is not empty: give a new or empty directory",
+    ),
+    Case(
+        "export",
+        "all_checkpoints_half_written",
+        lambda w: [w.run_dir(complete=False), "--out", str(w.out)],
+        "holds no complete checkpoint",
+    ),
+    Case(
+        "export",
+        "lora_on_a_full_fine_tune",
+        lambda w: [w.run_dir(), "--model_name", str(w.model), "--out", str(w.out), "--lora", "adapter"],
+        "--lora adapter but {inputs}/run/checkpoint-4 is a full fine-tune (no adapter_config.json): drop --lora",
+    ),
+    Case(
+        "export",
+        "shard_size_unparsed",
+        lambda w: [w.run_dir(), "--out", str(w.out), "--max_shard_size", "5 gigs"],
+        "--max_shard_size '5 gigs' is not a size: give a number with a unit, such as 5GB",
+    ),
+    Case(
+        "export",
+        "qlora_merge",
+        lambda w: [qlora_run(w), "--out", str(w.out)],
+        "the run trained its adapter against a 4bit base (QLoRA)",
+    ),
+    Case(
+        "export",
+        "hub_name_not_org_name",
+        lambda w: [w.run_dir(), "--out", str(w.out), "--push_to_hub", "my-model"],
+        "--push_to_hub 'my-model' is not ORG/NAME",
     ),
     Case(
         "infer",
@@ -836,6 +886,12 @@ def run_infer(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
     return _in_process(lambda: main(make_parser().parse_args(args)))
 
 
+def run_export(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
+    from llmft.export import main, make_parser
+
+    return _in_process(lambda: main(make_parser().parse_args(args)))
+
+
 def run_eval(w: Workspace, args: list[str], env: dict) -> tuple[int, str]:
     from llmft.eval import main, make_parser
 
@@ -880,6 +936,7 @@ class Runner:
 RUNNERS = {
     "train": Runner(run_train, "llmft train", True),
     "infer": Runner(run_infer, "llmft infer", True),
+    "export": Runner(run_export, "llmft export", True),
     "eval": Runner(run_eval, "llmft eval", True),
     "plan": Runner(run_plan, "llmft plan", True),
     "report": Runner(run_report, "llmft report", True),

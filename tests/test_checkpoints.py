@@ -84,7 +84,7 @@ def test_a_run_resumed_at_its_last_step_trains_nothing(tmp_path):
     with pytest.raises(
         CheckpointError,
         match=r"checkpoint-8 already reached --max_steps 8, but the run's final save "
-        r"did not finish: write its model with `llmft infer .*checkpoint-8 --export DIR`",
+        r"did not finish: write its model with `llmft export .*checkpoint-8 --out DIR`",
     ):
         nothing_left_to_train(tmp_path, last, 8)
     mark_done(tmp_path, 8)

@@ -303,7 +303,7 @@ def test_stage_changes_go_through_the_conversion_or_are_refused_with_the_way_out
         with pytest.raises(
             CheckpointError,
             match=rf"written with ZeRO stage {saved}, this run uses stage {now}: .*; resume with "
-            rf"--zero_stage {saved}, or export the weights \(python -m llmft.infer .*checkpoint-10 --export DIR\)",
+            rf"--zero_stage {saved}, or export the weights \(llmft export .*checkpoint-10 --out DIR --dtype float32\)",
         ):
             elastic.plan_resume(ckpt, 2, now, BatchPlan(2, 2, 2), True)
 
@@ -430,6 +430,6 @@ def test_llmft_train_refuses_an_unsupported_stage_change_before_any_model_loads(
     assert errors == [
         f"llmft train: error: {ckpt} was written with ZeRO stage 3, this run uses stage 2: DeepSpeed's ZeRO-3 and ZeRO-1/2 loaders "
         f"do not read each other's universal checkpoints; resume with --zero_stage 3, "
-        f"or export the weights (python -m llmft.infer {ckpt} --export DIR) and start a new run from DIR"
+        f"or export the weights (llmft export {ckpt} --out DIR --dtype float32) and start a new run from DIR"
     ]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10"]  # nothing written, nothing converted

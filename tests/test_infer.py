@@ -1,5 +1,5 @@
 """`python -m llmft.infer` on checkpoints written by real `llmft train` runs (torchrun, 2 processes, DeepSpeed on
-CPU): ZeRO 0, 1, 2, 3 with CPU offload, and LoRA; exactness against DeepSpeed, generation, export, the
+CPU): ZeRO 0, 1, 2, 3 with CPU offload, and LoRA; exactness against DeepSpeed, generation, the
 `inference/` entry point and the `llmft infer` subcommand."""
 
 from __future__ import annotations
@@ -210,32 +210,9 @@ def test_resolves_run_dir_checkpoint_dir_and_skips_incomplete(trained, tmp_path,
     assert "skipping" in capsys.readouterr().err
 
 
-def test_export_loads_with_from_pretrained(trained, tmp_path, capsys):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = trained("z3_offload")
-    ref = deepspeed_reference(out / "checkpoint-4")
-    _main(capsys, tag(out), "--export", tmp_path / "fp32")
-    assert (tmp_path / "fp32" / "model.safetensors").is_file()
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "fp32")
-    sd = model.state_dict()
-    assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], v) for k, v in ref.items())
-    assert tokenizer(PROMPT).input_ids
-
-    _main(capsys, tag(out), "--export", tmp_path / "bf16", "--dtype", "bfloat16")
-    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
-    assert all(
-        v.dtype == torch.bfloat16 and torch.equal(v, ref[k].to(torch.bfloat16)) for k, v in bf16.state_dict().items()
-    )
-
-
-def test_lora_adapter_merge_and_export(trained, tmp_path, capsys):
+def test_lora_adapter_and_merge(trained, capsys):
     import torch
     from peft import PeftModel
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from llmft.checkpoint.loader import load
 
@@ -255,14 +232,6 @@ def test_lora_adapter_merge_and_export(trained, tmp_path, capsys):
     g1 = _main(capsys, out, "--prompt", PROMPT, "--max_new_tokens", "8")
     g2 = _main(capsys, out, "--prompt", PROMPT, "--max_new_tokens", "8", "--merge")
     assert g1["generations"] == g2["generations"]
-
-    _main(capsys, out, "--merge", "--export", tmp_path / "merged")
-    full = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    assert all(torch.equal(full.state_dict()[k], v) for k, v in merged.state_dict().items())
-    _main(capsys, out, "--export", tmp_path / "adapter")
-    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert (tmp_path / "adapter" / "adapter_config.json").is_file() and adapter
-    assert all(torch.equal(v, ref[k.replace(".weight", ".default.weight")]) for k, v in adapter.items())
 
 
 def test_inference_entry_point_and_llmft_subcommand(trained, tiny_model, capsys):

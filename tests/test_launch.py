@@ -62,6 +62,8 @@ BAD_KNOBS = [
     (["DATASET=/nonexistent/data.jsonl"], "DATASET=/nonexistent/data.jsonl: no such file or directory (looked in "),
     (["MODEL=./models/mine"], "MODEL=./models/mine: no such directory (looked in "),
     (["SEQUENCE_PARALLEL=0"], "SEQUENCE_PARALLEL=0 is not a positive integer (default 1)"),
+    (["EXPORT=pyproject.toml"], "EXPORT=pyproject.toml is a file: give a new or empty directory"),
+    (["EXPORT=docs"], "EXPORT=docs is a directory that is not empty: give a new or empty directory"),
 ]
 
 

@@ -15,7 +15,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmft"
 # Lower layers never import higher ones. Commands import the library and llmft.command, never one another;
 # llmft.cli reaches them by name (importlib), so `llmft plan` never imports train's dependencies.
 LAYERS = {"errors": 0, "planning": 1, "data": 2, "checkpoint": 3, "training": 4, "command": 5, "launch": 5}
-COMMANDS = {"train", "prepare", "plan", "infer", "eval", "report", "tiny", "demo", "tracking", "prebuild"}
+COMMANDS = {
+    "train",
+    "prepare",
+    "plan",
+    "infer",
+    "eval",
+    "report",
+    "tiny",
+    "demo",
+    "tracking",
+    "prebuild",
+    "export",
+    "push",
+}
 TOP = {"cli": 7}
 
 

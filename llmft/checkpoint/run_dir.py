@@ -304,7 +304,7 @@ def nothing_left_to_train(
         return None
     raise CheckpointError(
         f"{resume} already reached {limit}, but the run's final save did not finish: "
-        f"write its model with `llmft infer {resume} --export DIR`, or raise --max_steps to train further"
+        f"write its model with `llmft export {resume} --out DIR`, or raise --max_steps to train further"
     )
 
 

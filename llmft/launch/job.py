@@ -11,6 +11,7 @@ import hashlib
 import re
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -68,6 +69,9 @@ def container_mounts(k: Knobs, paths: Sequence[Path]) -> list[str]:
 
 def run_paths(k: Knobs, submit_dir: Path, run_dir: Path, node_env: Mapping[str, str]) -> list[Path]:
     paths = [submit_dir, run_dir, Path(node_env["HF_HOME"]), Path(node_env["LLMFT_CACHE"])]
+    out = export_directory(k, submit_dir)
+    if out is not None and out.parent.is_dir():  # EXPORT's parent, where the export job step writes
+        paths.append(out.parent.resolve())
     for value in (k["MODEL"], k["DATASET"], k["MIXTURE"]):
         path = (submit_dir / value) if value else None
         if path is not None and path.is_dir():
@@ -75,6 +79,31 @@ def run_paths(k: Knobs, submit_dir: Path, run_dir: Path, node_env: Mapping[str, 
         elif path is not None and path.is_file():
             paths.append(path.resolve().parent)
     return paths
+
+
+def export_directory(k: Knobs, submit_dir: Path) -> Path | None:
+    """EXPORT as an absolute path (a relative one is under the submit directory); None when unset."""
+    if not k["EXPORT"]:
+        return None
+    path = Path(k["EXPORT"])
+    return path if path.is_absolute() else submit_dir / path
+
+
+def export_command(k: Knobs, python: str, run_dir: Path, submit_dir: Path) -> list[str] | None:
+    """`llmft export RUN --out EXPORT` (its checks included), run once the training has finished; None without EXPORT."""
+    out = export_directory(k, submit_dir)
+    return None if out is None else [python, "-m", "llmft.export", str(run_dir), "--out", str(out)]
+
+
+def export_after_training(command: list[str] | None, prefix: Sequence[str], say: Callable[[str], None]) -> int:
+    """EXPORT: the finished run's final checkpoint exported (llmft export, its checks included) as one step where the
+    job runs llmft's own steps (`prefix`: srun or the container); the job's exit code is the export's."""
+    if command is None:
+        return 0
+    say(f"exporting the final checkpoint: llmft export {command[-3]} --out {command[-1]}")
+    rc = subprocess.run([*prefix, *command]).returncode
+    say(f"exported to {command[-1]}" if rc == 0 else f"error: llmft export exited {rc}; the run itself is complete")
+    return rc
 
 
 def newest_complete_step(run_dir: Path) -> int:

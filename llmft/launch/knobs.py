@@ -66,6 +66,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("EXTRA_ARGS", "", "more `llmft train` flags, split on spaces"),
     Knob("DRY_RUN", "0", "1: print the plan and the launch command, run nothing"),
     Knob("PREPARE", "0", "1: tokenise the data with `llmft prepare` before the nodes start"),
+    Knob(
+        "EXPORT",
+        "",
+        "after the training finishes, `llmft export` its final checkpoint into this new or empty directory (relative "
+        "to the submit directory), with the export's checks",
+    ),
     Knob("NUMA_BINDING", "auto", "torchrun --numa-binding: auto | off | node | socket | exclusive | core-complex"),
     Knob(
         "SWEEP",
@@ -218,6 +224,16 @@ def resolve(env: Mapping[str, str], args: Sequence[str] = (), cwd: Path | None =
     return Knobs(values, defaulted, extra, mounts)
 
 
+def check_export(value: str, cwd: Path) -> None:
+    """EXPORT names a new or empty directory: checked before the training, not found out after it."""
+    if not value:
+        return
+    path = Path(value) if Path(value).is_absolute() else cwd / value
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        what = "a file" if not path.is_dir() else "a directory that is not empty"
+        raise KnobError(f"EXPORT={value} is {what}: give a new or empty directory (an export never overwrites)")
+
+
 def check(v: dict[str, str], cwd: Path) -> None:
     """The checks of slurm/run_llm.slurm, in its order and words."""
     if not positive_number(v["EPOCHS"]):
@@ -246,6 +262,7 @@ def check(v: dict[str, str], cwd: Path) -> None:
         )
     for name in BOOLEANS:
         as_bool(name, v[name])
+    check_export(v["EXPORT"], cwd)
     if v["DS_CONFIG"]:
         if v["ZERO_STAGE"]:
             raise KnobError(

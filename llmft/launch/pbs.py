@@ -40,6 +40,8 @@ from llmft.launch.job import (
     Stop,
     claim_run_dir,
     container_mounts,
+    export_after_training,
+    export_command,
     given,
     launch_line,
     newest_complete_step,
@@ -388,6 +390,8 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     )
     if outcome.go_on:
         go_on(k, env, job, job_id, run_dir, node_env, outcome.failure_restarts)
+    if outcome.rc == 0 and not outcome.go_on and (run_dir / "llmft_done.json").is_file():
+        return export_after_training(export_command(k, python, run_dir, submit_dir), inside, say)
     return outcome.rc
 
 

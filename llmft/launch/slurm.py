@@ -51,6 +51,8 @@ process, the global batch following the processes). The job's first lines name e
   WANDB_MODE=                     online | offline | disabled; empty: offline when the node cannot reach W&B
   PREPARE=0                       1: tokenise the data with `llmft prepare` on the batch host before srun
                                   (cached in LLMFT_CACHE, default <submit dir>/.llmft-cache; reused by every run)
+  EXPORT=                         after the training finishes, `llmft export` its final checkpoint into this new or
+                                  empty directory (relative to the submit dir), as a job step with the export's checks
   CONTAINER_IMAGE=                run inside this image with pyxis (srun --container-image ...)
                                   The container is named llmft-<job id> (pyxis --container-name), so each node
                                   creates it once per job and every srun of the job reuses it
@@ -133,6 +135,8 @@ from llmft.launch.job import (
     Stop,
     claim_run_dir,
     container_mounts,
+    export_after_training,
+    export_command,
     given,
     launch_line,
     newest_complete_step,
@@ -740,6 +744,8 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         write_job_end(a.files["job-end"], a.job_id)
         rc = train_on_every_node(srun_args, node_step, torchrun, a.files["job-end"], a.job_id)
         done = after_training(a, rc)
+        if done == 0 and (run_dir / "llmft_done.json").is_file():
+            done = export_after_training(export_command(k, a.python, run_dir, submit_dir), runner, say)
         return done if done is not None else after_failure(k, env, a, rc, start_step, failures, runner)
     finally:
         if report_to == "wandb":

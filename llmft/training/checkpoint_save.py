@@ -10,12 +10,12 @@ just to keep the adapter. `trainer_class()` is TRL's SFTTrainer with `save_model
 - LoRA: gathers only the trainable (adapter) parameters and writes the adapter, checkpoint or final;
 - the final model: the 16-bit model gathered on rank 0 when `save_consolidated` is set (`--save_consolidated`;
   `llmft plan` states the host RAM it needs), else config and tokenizer beside the last checkpoint's shards
-  (`llmft infer RUN` reads them; `llmft infer RUN --export DIR` writes a Hugging Face model); a run that saved no
+  (`llmft infer RUN` reads them; `llmft export RUN --out DIR` writes a model to serve); a run that saved no
   checkpoint at its last step gets the shards in the output directory, as HF's fallback does.
 
 ZeRO-0/1/2: a checkpoint holds the weights once. HF's `_save_checkpoint` writes `model.safetensors` (save_model)
 beside the engine's `mp_rank_00_model_states.pt`, which holds the same 16-bit module weights (and the optimizer
-shards the fp32 masters): resume (DeepSpeed's load_checkpoint), `llmft infer` and `--export` (llmft.checkpoint.zero)
+shards the fp32 masters): resume (DeepSpeed's load_checkpoint), `llmft infer` and `llmft export` (llmft.checkpoint.zero)
 read only the engine's files, so a checkpoint gets config, tokenizer and training arguments without the safetensors
 copy (GPT-2 124M, ZeRO-2, fp32 on CPU: 2,643 -> 1,991 MB per checkpoint, bench/bench_checkpoint_size.py). A LoRA run keeps its small
 `adapter_model.safetensors`; the final model in --output_dir is written whole, as HF does.
@@ -99,5 +99,5 @@ def final_model_note(output_dir: str, step: int, zero_stage: int, lora: bool, sa
     ckpt = os.path.join(output_dir, f"checkpoint-{step}")
     return (
         f"weights are the ZeRO-3 shards in {ckpt if os.path.isdir(ckpt) else output_dir} "
-        f"(llmft infer {output_dir}; --export DIR writes a Hugging Face model; --save_consolidated gathers one at the end)"
+        f"(llmft infer {output_dir}; llmft export {output_dir} --out DIR writes a model to serve; --save_consolidated gathers one at the end)"
     )

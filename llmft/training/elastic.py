@@ -136,7 +136,7 @@ def plan_resume(ckpt: Path, world: int, stage: int, batch: BatchPlan, global_bat
     if why:
         raise CheckpointError(
             f"{ckpt} was written with ZeRO stage {saved_stage}, this run uses stage {stage}: {why}; resume with "
-            f"--zero_stage {saved_stage}, or export the weights (python -m llmft.infer {ckpt} --export DIR) and start a new run from DIR"
+            f"--zero_stage {saved_stage}, or export the weights (llmft export {ckpt} --out DIR --dtype float32) and start a new run from DIR"
         )
     kept = kept_global_batch(ckpt, batch.global_batch, global_batch_given)
     if kept != batch.global_batch:

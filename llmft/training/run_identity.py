@@ -157,3 +157,66 @@ def record_run(output_dir: str | Path, identity: dict) -> Path:
     tmp.write_text(json.dumps(identity, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+LAUNCH_RECORD = "llmft_launch.json"  # how the run was started: for the model card `llmft export` writes
+_VERSIONED = ("torch", "transformers", "trl", "deepspeed", "peft", "accelerate", "datasets", "llmft")
+
+
+def _is_secret_flag(name: str) -> bool:
+    """--hub_token, --push_to_hub_token, --token: an access token (--eos_token and --pad_token name tokens, not secrets)."""
+    name = name.lower()
+    return name == "--token" or ("hub" in name and "token" in name)
+
+
+def redact_secrets(argv: list[str]) -> list[str]:
+    """The flags with any access token's value hidden (`--hub_token X`, `--hub_token=X`): the command goes into a
+    model card."""
+    out, hide_next = [], False
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if hide_next:
+            out.append("<redacted>")
+            hide_next = False
+        elif arg.startswith("--") and _is_secret_flag(name) and "=" in arg:
+            out.append(name + "=<redacted>")
+        else:
+            out.append(arg)
+            hide_next = arg.startswith("--") and _is_secret_flag(name)
+    return out
+
+
+def launch_record(argv: list[str], env: dict) -> dict:
+    """The exact command, where it ran (nodes, processes per node, scheduler and job) and the package versions.
+
+    The command is `llmft train` with this process's flags (under torchrun every rank has the same ones); the
+    environment is only read for its numbers and the scheduler's job id, never stored whole (it may hold tokens)."""
+    import shlex
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    scheduler = "slurm" if env.get("SLURM_JOB_ID") else "pbs" if env.get("PBS_JOBID") else None
+    return {
+        "command": shlex.join(["llmft", "train", *redact_secrets(argv)]),
+        "world_size": world,
+        "nnodes": max(1, world // max(1, local)),
+        "nproc_per_node": local,
+        "scheduler": scheduler,
+        "job_id": env.get("SLURM_JOB_ID") or env.get("PBS_JOBID") or None,
+        "versions": {name: version(name) for name in _VERSIONED},
+    }
+
+
+def record_launch(output_dir: str | Path, record: dict) -> Path:
+    path = Path(output_dir) / LAUNCH_RECORD
+    tmp = path.with_name(f".{LAUNCH_RECORD}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
