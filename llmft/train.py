@@ -662,6 +662,7 @@ def build_trainer(
             callbacks=[publish, stop, rerun.callback(log)],
         )
     install_tiled_mlp(run, trainer.model, files.config)
+    ulysses.install_epoch_adapter(trainer)  # Ulysses' loader reseeded each epoch (llmft.training.ulysses)
     if files.source:  # saved configs and adapters name the model, not its node-local copy
         restore_source_name(trainer.model, files.weights, files.source)
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))

@@ -212,3 +212,64 @@ def test_a_sequence_parallel_run_resumes_from_its_checkpoint_and_infer_and_eval_
     [result] = (dest / "eval").glob(f"results-step{TOTAL}-*.json")
     assert json.loads(result.read_text())["llmft"]["checkpoint"].endswith(f"checkpoint-{TOTAL}/global_step{TOTAL}")
     assert f"llmft eval: gsm8k (2-shot, n=2) step {TOTAL}: exact_match,strict-match " in proc.stderr
+
+
+PROBE = str(Path(__file__).resolve().parent / "train_probe.py")
+SAMPLES, PER_EPOCH, STOPPED_AT = 12, 6, 9  # global batch 2: 6 steps an epoch; step 9 is half-way through epoch 2
+
+
+def trained(probe_dir: Path) -> list[tuple[int, tuple]]:
+    """(step, sample) for each sample rank 0 trained, in order; a sample is named by its first 8 token ids."""
+    lines = [json.loads(line) for line in (probe_dir / "trained.jsonl").read_text().splitlines()]
+    return [(line["step"], tuple(row)) for line in lines for row in line["rows"]]
+
+
+def test_a_two_epoch_sequence_parallel_run_reshuffles_each_epoch_and_resumes_mid_epoch_in_the_same_order(
+    llama, tmp_path
+):
+    """2 epochs of 12 samples (global batch 2, one micro-batch a step): the 2-rank --sequence_parallel 2 run trains
+    every sample once an epoch (DeepSpeed's adapter alone trained 11 steps of 12: epoch 2 lost one), in the order a
+    1-rank run without sequence parallelism trains them, epoch 2 in
+    another order than epoch 1 (the Trainer's per-epoch reshuffle). The same run stopped at step 9 (epoch 2, an odd
+    number of micro-batches in: the skip ends inside a gathered batch) and resumed trains steps 10-12 on the
+    samples, and with the losses, of the uninterrupted run."""
+    from llmft.data.synthetic import as_format, make_examples, write_jsonl
+
+    examples = [{**e, "prompt": f"Item {i:02d}: {e['prompt']}"} for i, e in enumerate(make_examples(SAMPLES))]
+    data = write_jsonl(as_format(examples, "prompt_completion"), tmp_path / "train.jsonl")
+
+    def epochs(out: Path, nproc: int, *extra: str):
+        launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
+        return run(
+            launcher
+            + [PROBE, "--model_name_or_path", str(llama), "--dataset_name", str(data), "--output_dir", str(out)]
+            + ["--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", "2"]
+            + ["--num_train_epochs", "2", "--global_batch_size", "2", "--per_device_train_batch_size", "2"]
+            + ["--max_length", "64", *extra],
+            check=True,
+            timeout=600,
+            LLMFT_PROBE_DIR=str(out / "probe"),
+            LLMFT_PROBE_MOMENTS="0",
+            LLMFT_PROBE_TRAINED="1",
+        ).stdout
+
+    epochs(tmp_path / "one", 1, "--save_strategy", "no")
+    two = epochs(tmp_path / "two", 2, "--sequence_parallel", "2", "--save_steps", "3", "--save_total_limit", "0")
+    reference, sp = trained(tmp_path / "one" / "probe"), trained(tmp_path / "two" / "probe")
+    assert len(reference) == len(sp) == 2 * SAMPLES, (reference, sp)
+    first, second = [s for _, s in sp[:SAMPLES]], [s for _, s in sp[SAMPLES:]]
+    assert len(set(first)) == len(set(second)) == SAMPLES and set(first) == set(second)  # each sample once an epoch
+    assert first != second  # reshuffled
+    assert sp == reference  # the order a run without sequence parallelism trains them in
+    dest = tmp_path / "resumed"
+    dest.mkdir()
+    shutil.copytree(tmp_path / "two" / f"checkpoint-{STOPPED_AT}", dest / f"checkpoint-{STOPPED_AT}")
+    shutil.copy2(tmp_path / "two" / RUN_RECORD, dest / RUN_RECORD)
+    resumed = epochs(dest, 2, "--sequence_parallel", "2", "--save_steps", "3", "--save_total_limit", "0")
+    assert f"llmft: resuming from {dest.resolve()}/checkpoint-{STOPPED_AT}\n" in resumed, resumed
+    rest = [(step, sample) for step, sample in sp if step >= STOPPED_AT]
+    assert trained(dest / "probe") == rest, (trained(dest / "probe"), rest)
+    after, before = logged(resumed), logged(two)[STOPPED_AT:]
+    assert len(after) == len(before) == 2 * PER_EPOCH - STOPPED_AT
+    for (loss1, norm1), (loss2, norm2) in zip(before, after):
+        assert (loss2, norm2) == pytest.approx((loss1, norm1), rel=0.02), (before, after)
