@@ -431,6 +431,8 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
         getattr(model_config, "num_attention_heads", None),
         getattr(model_config, "num_key_value_heads", None),
     )
+    # the gradient correction, decided here so a config it cannot correct is refused before the model loads
+    sequence_parallel.gradient_scale(decided.plan.zero_stage, sp, ds_config.reduce_scatter(decided.ds_template))
     requested_padding_free = training.padding_free
     if sp > 1 and requested_padding_free is None and attention not in sequence_parallel.BOUNDARY_AWARE:
         requested_padding_free = False  # llmft's own choice never mixes samples under Ulysses
@@ -649,7 +651,9 @@ def build_trainer(
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
         trainer_class = ulysses.mixin_class(
             checkpoint_save.trainer_class(run.llmft.save_consolidated),
-            sequence_parallel.gradient_scale(decided.plan.zero_stage, decided.plan.sequence_parallel),
+            sequence_parallel.gradient_scale(
+                decided.plan.zero_stage, decided.plan.sequence_parallel, ds_config.reduce_scatter(decided.ds_template)
+            ),
         )
         trainer = trainer_class(
             model=files.weights,

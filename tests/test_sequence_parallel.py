@@ -84,10 +84,38 @@ def test_what_is_allowed():
 def test_the_gradient_correction_follows_the_zero_stage():
     assert [sp.gradient_scale(stage, 4) for stage in (0, 1, 2, 3)] == [0.25, 0.25, 0.25, 1.0]
     assert sp.gradient_scale(2, 1) == 1.0
+    assert sp.gradient_scale(2, 4, reduce_scatter=False) == 0.25  # ZeRO-1/2 sum over the group either way
+    with pytest.raises(sp.SequenceParallelError, match="^--sequence_parallel under ZeRO-3 with reduce_scatter: false"):
+        sp.gradient_scale(3, 4, reduce_scatter=False)
+    assert sp.gradient_scale(3, 1, reduce_scatter=False) == 1.0
     x = torch.tensor(3.0, requires_grad=True)
     loss = scale_gradient(x * x, 0.5)
     loss.backward()
     assert loss.item() == 9.0 and x.grad.item() == 3.0  # the value logged is the loss; its gradient is halved
+
+
+def test_zero_3_without_reduce_scatter_is_refused_in_one_line_before_the_model_loads(llama, tiny_data, tmp_path):
+    """ZeRO-3 with reduce_scatter: false sums some buckets over the sequence group and averages others (DeepSpeed's
+    stage3.py; its grad norm was 1.49x the 1-rank run's on this model): `llmft train --nproc_per_node 2` refuses it in
+    one line, exit code 2, before any DeepSpeed engine starts."""
+    config = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero3.json").read_text())
+    config["zero_optimization"]["reduce_scatter"] = False
+    (tmp_path / "z3.json").write_text(json.dumps(config))
+    proc = run(
+        [PYTHON, "-m", "llmft.cli", "train", "--nproc_per_node", "2", "--model_name_or_path", str(llama)]
+        + ["--dataset_name", str(tiny_data), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+        + ["--deepspeed", str(tmp_path / "z3.json"), "--sequence_parallel", "2", "--max_length", "64"]
+        + ["--global_batch_size", "4", "--per_device_train_batch_size", "2", "--max_steps", "1"],
+        timeout=300,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines[-1] == (
+        "llmft train: error: --sequence_parallel under ZeRO-3 with reduce_scatter: false in the DeepSpeed config "
+        "would scale some gradients N times too large (DeepSpeed sums small buckets over the sequence group and "
+        "averages large parameters): remove reduce_scatter: false from the config, or use --zero_stage 2"
+    ), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "DeepSpeed config written" not in proc.stdout
 
 
 @pytest.fixture(scope="module")
