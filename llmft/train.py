@@ -25,7 +25,7 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
 ```
 
 Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
-(llmft/training/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
+(llmft/training/flag_policy.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
 `--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and column mapping. Weights
 load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise. A rerun with the same `--output_dir` resumes from
 the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.training.elastic);

@@ -81,12 +81,12 @@ def test_an_unknown_or_misspelt_knob_is_named_with_the_fix():
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "unknown knob 'EPOCH' in 'EPOCH=3'; did you mean EPOCHS?" in proc.stderr
     assert "known knobs: EPOCHS CHECKPOINT_DIR DATA_PERCENTAGE" in proc.stderr
-    slurm = run_script(
-        "EPOCH=3"
-    )  # the same knobs, in the same order (Slurm's message has no "did you mean", as before)
-    assert proc.stderr.rstrip("\n").endswith(knobs.known_knobs()) and slurm.stderr.rstrip("\n").endswith(
-        knobs.known_knobs()
+    slurm = run_script("EPOCH=3")  # the same line, "did you mean" included
+    assert proc.stderr.rstrip("\n").endswith(knobs.known_knobs())
+    assert slurm.returncode == 2 and slurm.stderr.removeprefix("run_llm.slurm: ") == proc.stderr.removeprefix(
+        "run_llm.pbs: "
     )
+    assert "; known knobs: EPOCHS" in run_pbs_script("HF_TOKEN=x").stderr  # nothing close: the list alone
     assert "cannot read argument '--epochs'" in run_pbs_script("--epochs", "3").stderr
     # qsub -v NAME=... also carries variables a job needs (HF_TOKEN, NCCL_DEBUG); a misspelt knob is refused
     with pytest.raises(knobs.KnobError, match="unknown knob 'GLOBAL_BACTH' in 'qsub -v'; did you mean GLOBAL_BATCH"):
@@ -268,7 +268,14 @@ def test_a_sweep_is_every_combination_in_array_order_each_with_its_own_directory
         ("output_dir=a,b", "--output_dir is set by the job from its knobs and cannot vary within one sweep"),
         ("learning_rate=1e-5,,3e-5", "holds an empty value or one with '/'"),
         ("model_name_or_path=../x,y", "holds an empty value or one with '/'"),  # a value names a directory
-        ("lr=1,2 lr=3,4", "lr is given twice"),
+        ("lora_r=1,2 lora_r=3,4", "lora_r is given twice"),
+        ("lerning_rate=1e-5,2e-5", "--lerning_rate is not a flag of llmft train; did you mean learning_rate?"),
+        ("lora_alpa=8,16", "--lora_alpa is not a flag of llmft train; did you mean lora_alpha?"),
+        ("zzz=1,2", "--zzz is not a flag of llmft train; llmft train --help lists its flags"),
+        (
+            "dataset_streaming=true,false",
+            "llmft train refuses --dataset_streaming other than its default: llmft reads",
+        ),
         ("Learning-Rate=1,2", "is not FLAG=VALUE,VALUE,..."),
     ],
 )

@@ -465,7 +465,8 @@ BAD = [
     ),
     (
         ["{script}", "--export=ALL,EPOCHS=1,EPOCH=3"],
-        "run_llm.slurm: error: unknown knob 'EPOCH' in '--export=ALL,EPOCHS=1,EPOCH=3'; known knobs: EPOCHS CHECKPOINT_DIR",
+        "run_llm.slurm: error: unknown knob 'EPOCH' in '--export=ALL,EPOCHS=1,EPOCH=3'; did you mean EPOCHS? known "
+        "knobs: EPOCHS CHECKPOINT_DIR",
     ),
     (
         ["{script}", "--export=ALL,ZERO_STAGE=7"],

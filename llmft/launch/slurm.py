@@ -142,7 +142,15 @@ from llmft.launch.job import (
     safe_name,
     train_arguments,
 )
-from llmft.launch.knobs import NAMES, Knobs, default_dataset_warning, defaults_line, model_is_local, resolve
+from llmft.launch.knobs import (
+    NAMES,
+    Knobs,
+    default_dataset_warning,
+    defaults_line,
+    model_is_local,
+    resolve,
+    unknown_knob_message,
+)
 
 ME = "run_llm.slurm"
 HELP = __doc__
@@ -201,9 +209,9 @@ def knob_item(item: str, source: str, into: dict[str, str]) -> None:
         if item in NAMES:
             return  # --export=ALL,NAME: the variable as it is
         not_a_name(item, source)
-        raise SlurmJobError(f"unknown knob '{item}' in '{source}'; {known()}")
+        raise SlurmJobError(unknown_knob_message(item, source))
     if key not in NAMES:
-        raise SlurmJobError(f"unknown knob '{key}' in '{source}'; {known()}")
+        raise SlurmJobError(unknown_knob_message(key, source))
     into[key] = value
 
 
