@@ -208,6 +208,43 @@ def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_pat
     assert "--auto" in train and train[train.index("--sequence_parallel") + 1] == "2"
 
 
+def test_nccl_profile_and_the_flight_recorder_reach_every_pbs_node_as_every_slurm_rank(tmp_path, capsys):
+    """NCCL_PROFILE on PBS: the profile's variables (yours win) and the flight recorder's are in the environment each
+    node's torchrun runs with (llmft.launch.job.network_variables, the Slurm job's too), each said; aws-efa is refused
+    on a node without EFA, and the allocation probe checks each node's plugin, on both schedulers."""
+    k = knobs.resolve({}, ["NCCL_PROFILE=gcp-g2"])
+    files = {n: tmp_path / f".llmft-{n}-7" for n in ("stop", "requeue", "job-end", "nodes")}
+    env = {"HOME": str(tmp_path), "PATH": "/bin", "NCCL_SOCKET_IFNAME": "ens4"}
+    node_env = pbs.node_environment(k, env, tmp_path, tmp_path, files, "7.head", sys.executable)
+    assert node_env["NCCL_NET"] == "Socket" and node_env["NCCL_IB_DISABLE"] == "1"
+    assert node_env["NCCL_SOCKET_IFNAME"] == "ens4"  # yours wins
+    assert node_env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl_trace/7.head_rank_"
+    pairs = job.network_variables("gcp-g2", tmp_path, "7.head", env)
+    assert pairs and all(node_env[name] == value for name, value in pairs)
+    out = capsys.readouterr().out
+    assert "run_llm.pbs: nccl NCCL_NET=Socket\n" in out and "run_llm.pbs: nccl NCCL_SOCKET_IFNAME=ens4\n" in out
+    plain = pbs.node_environment(knobs.resolve({}, []), env, tmp_path, tmp_path, files, "7.head", sys.executable)
+    assert "NCCL_NET" not in plain and plain["TORCH_FR_BUFFER_SIZE"] == "2000"  # no profile: NCCL's defaults
+    assert job.fabric_probe("aws-efa") == ["--fabric", "aws-efa"] and job.fabric_probe("gcp-g2") == []
+    with pytest.raises(job.JobError, match=r"^NCCL_PROFILE=aws-efa, but node \S+ has no EFA device"):
+        job.fabric_check("aws-efa", {"LLMFT_SYSFS_ROOT": str(tmp_path)})
+    job.fabric_check("gcp-g2", {"LLMFT_SYSFS_ROOT": str(tmp_path)})
+
+
+def test_prepare_runs_llmft_prepare_with_the_trainings_flags_and_stops_the_launch_when_it_fails(tmp_path, capsys):
+    """PREPARE=1 on either scheduler (llmft.launch.job.prepare_data): `llmft prepare` with llmft train's flags, in
+    the node's environment, started by the command that starts llmft's Python there; a failure stops the launch."""
+    said = []
+    record = tmp_path / "argv"
+    runner = [sys.executable, "-c", "import sys, os; open(sys.argv[1], 'w').write(repr(sys.argv[2:]) + os.environ['LLMFT_CACHE']); sys.exit(int(os.environ['RC']))", str(record)]  # fmt: skip
+    env = {**os.environ, "LLMFT_CACHE": str(tmp_path / "cache"), "RC": "0"}
+    assert job.prepare_data(runner, ["--dataset_name", "d.jsonl"], said.append, env)
+    assert record.read_text() == "['-m', 'llmft.prepare', '--dataset_name', 'd.jsonl']" + str(tmp_path / "cache")
+    assert said == [f"preparing the data (llmft prepare, cache {tmp_path / 'cache'})"]
+    assert not job.prepare_data(runner, ["--dataset_name", "d.jsonl"], said.append, {**env, "RC": "2"})
+    assert said[-1] == "not launching: llmft prepare failed (exit 2)"
+
+
 def test_both_schedulers_forward_the_memory_flags_of_extra_args_to_the_plans_memory_check(tmp_path):
     """The Slurm and the PBS job build `llmft plan`'s flags with one function (llmft.launch.job.plan_arguments): the
     llmft train flags in EXTRA_ARGS that change a setting's memory reach the memory check in the three forms a user

@@ -321,11 +321,14 @@ def test_in_a_container_enroot_creates_once_per_node_and_every_step_starts_in_it
         ("EPOCHS=abc", "run_llm.pbs: error: EPOCHS=abc is not a positive number (default 3)"),
         ("EPOCH=3", "run_llm.pbs: error: unknown knob 'EPOCH' in 'qsub -v'; did you mean EPOCHS?"),
         ("VENV=/nonexistent", "run_llm.pbs: error: VENV=/nonexistent is not a virtual environment"),
+        # no EFA device under LLMFT_SYSFS_ROOT: refused on the job's first node before anything else, as on Slurm
+        ("NCCL_PROFILE=aws-efa,LLMFT_SYSFS_ROOT=/nonexistent", "run_llm.pbs: error: NCCL_PROFILE=aws-efa, but node "),
     ],
 )
 def test_bad_knobs_end_the_job_with_one_line_and_exit_2(pbs_cluster, tmp_path, variables, message):
     d = pbs_cluster.job_dir(tmp_path)
-    venv = "" if variables.startswith("VENV=") else f"VENV={sys.prefix},"
+    # PYTHONPATH: this checkout's launcher, whichever checkout the venv's editable install names
+    venv = "" if variables.startswith("VENV=") else f"VENV={sys.prefix},PYTHONPATH={REPO},"
     job = pbs_cluster.qsub(
         [
             "-l",
@@ -346,3 +349,27 @@ def test_bad_knobs_end_the_job_with_one_line_and_exit_2(pbs_cluster, tmp_path, v
     ours = [line for line in text.splitlines() if line.startswith("run_llm.pbs")]
     assert len(ours) == 1 and ours[0].startswith(message), text
     assert "Traceback" not in text
+
+
+def test_nccl_profile_and_prepare_take_effect_on_pbs(pbs_cluster, inputs, tmp_path):
+    """NCCL_PROFILE=gcp-g2 and PREPARE=1 in a real PBS job: the profile's variables are in the environment every node
+    runs with (the job's env file) and said; llmft prepare runs on the first node before any torchrun, and its
+    failure (data it cannot read) stops the launch, exit 2."""
+    d = pbs_cluster.job_dir(tmp_path)
+    (d / "bad.jsonl").write_text('{"foo": "bar"}\n')
+    own(d)
+    variables = f"{common(inputs, d)},DATASET={d / 'bad.jsonl'},PYTHONPATH={REPO},NCCL_PROFILE=gcp-g2,PREPARE=1"
+    variables += f",CHECKPOINT_DIR={d / 'ckpt'},MAX_STEPS=1,GLOBAL_BATCH=2,MICRO_BATCH=2"
+    args = ["-l", "select=1:ncpus=1", "-l", "walltime=00:10:00", "-o", str(d / "out"), "-v", variables, str(SCRIPT)]
+    job = pbs_cluster.qsub(args, cwd=d)
+    info = pbs_cluster.wait(job)
+    text = pbs_cluster.wait_for("the job's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 2, text
+    assert "run_llm.pbs: nccl NCCL_NET=Socket\n" in text and "run_llm.pbs: nccl NCCL_IB_DISABLE=1\n" in text, text
+    [env_file] = (d / "ckpt").glob(".llmft-env-*.json")
+    node_env = json.loads(env_file.read_text())
+    assert node_env["NCCL_NET"] == "Socket" and node_env["NCCL_SOCKET_IFNAME"] == "^lo,docker", node_env
+    assert f"run_llm.pbs: preparing the data (llmft prepare, cache {d / 'cache'})\n" in text, text
+    assert "llmft prepare: error: dataset has columns foo but llmft needs" in text, text
+    assert "run_llm.pbs: not launching: llmft prepare failed (exit 2)\n" in text, text
+    assert "torch.distributed.run" not in text.split("preparing the data", 1)[1] and "): torchrun" not in text, text
