@@ -394,6 +394,44 @@ def test_a_continuation_is_the_same_job_after_this_one_with_its_variables_as_dat
     assert loaded["EPOCHS"] == "2" and loaded["EXTRA_ARGS"] == "$(touch pwned), --a"  # data, read back as it was
 
 
+def test_a_continuation_keeps_the_account_project_group_and_every_resource_the_job_was_submitted_with(tmp_path):
+    """-A, -P, -W group_list and every -l of the submission (Submit_arguments, values as PBS holds them) go to the
+    continuation; a chunk resource the select statement carries (PBS made it part of the select) is left to it."""
+    job = {
+        "Job_Name": "sft",
+        "Account_Name": "acct42",
+        "project": "proj42",
+        "group_list": "ml",
+        "Resource_List": {"select": "1:ncpus=8:mem=10gb", "place": "free", "walltime": "01:00:00", "cput": "02:00:00",
+                          "ncpus": 8, "mem": "10gb", "nodect": 1, "software": "abaqus"},
+        "Submit_arguments": "-A acct42 -l select=1:ncpus=8:mem=10gb -l walltime=1:00:00,cput=2:00:00 -lsoftware=abaqus "
+                            "-l mem=10gb -N sft job.pbs",
+    }  # fmt: skip
+    cmd = continuation.qsub_command(job, "12.head", tmp_path / "job.pbs", tmp_path / "c.json", 1)
+    assert cmd == [
+        "qsub", "-W", "depend=afterany:12.head", "-N", "sft",
+        "-l", "select=1:ncpus=8:mem=10gb", "-l", "place=free", "-l", "walltime=01:00:00", "-l", "cput=02:00:00",
+        "-l", "software=abaqus", "-A", "acct42", "-P", "proj42", "-W", "group_list=ml", "-r", "y",
+        "-v", f"LLMFT_CONTINUE={tmp_path / 'c.json'}", str(tmp_path / "job.pbs"),
+    ]  # fmt: skip
+    assert "-P" not in continuation.qsub_command({"project": "_pbs_project_default"}, "1.h", tmp_path, tmp_path, 1)
+    assert continuation.user_resources("-l 'a=1,b=2' -lc=3 -l") == {"a": "1", "b": "2", "c": "3"}
+    assert continuation.user_resources("-l 'unclosed") == {}
+
+
+def test_a_continuation_keeps_the_launchers_python_when_venv_is_not_given(tmp_path):
+    """After `qsub -V` pbs/run_llm.pbs runs the launcher in the submitting shell's venv (VIRTUAL_ENV); the continuation
+    has no -V, so VENV is the launcher's own sys.prefix; the knob wins; outside a venv, none (python3, as before)."""
+    assert sys.prefix != sys.base_prefix  # the tests run in a venv
+    assert pbs.python_venv(knobs.resolve({}, [])) == sys.prefix
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    assert pbs.python_venv(knobs.resolve({}, [f"VENV={tmp_path}"])) == str(tmp_path)
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from llmft.launch import knobs, pbs; print(repr(pbs.python_venv(knobs.resolve({{}}, []))))"
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    assert subprocess.run([str(base), "-I", "-S", "-c", code], capture_output=True, text=True).stdout == "''\n"
+
+
 def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_signal(tmp_path, monkeypatch, capsys):
     """Done; a stop for the walltime or SIGUSR1 goes on in a continuation; SIGTERM near the walltime too, far from it
     (qrerun, qdel) PBS decides; a failure goes on only after progress and up to MAX_RESTARTS, naming each node."""

@@ -578,6 +578,14 @@ def after_training(
     return Outcome(rc)
 
 
+def python_venv(k: Knobs) -> str:
+    """The continuation's VENV: the knob, else the virtual environment this launcher runs in (pbs/run_llm.pbs chose
+    it from VIRTUAL_ENV, as after `qsub -V`, which a continuation does not have), else none (python3)."""
+    if k["VENV"]:
+        return str(Path(k["VENV"]).absolute())
+    return sys.prefix if sys.prefix != sys.base_prefix else ""
+
+
 def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None:
     """Submit the continuation (llmft.launch.continuation): this job again, after it ends, from the same run."""
     values = continuation.variables(job, env, run_dir, k.extra_args, node_env)
@@ -587,8 +595,7 @@ def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None
     values["LLMFT_CONTINUATIONS"] = str(attempt)
     variables_file = run_dir / f".llmft-continue-{attempt}.json"
     continuation.write_variables(variables_file, values)
-    venv = str(Path(k["VENV"]).absolute()) if k["VENV"] else ""
-    cmd = continuation.qsub_command(job, job_id, run_dir / ".llmft-job.pbs", variables_file, attempt, venv)
+    cmd = continuation.qsub_command(job, job_id, run_dir / ".llmft-job.pbs", variables_file, attempt, python_venv(k))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=env.get("PBS_O_WORKDIR") or None)
     if proc.returncode != 0:
         say(
