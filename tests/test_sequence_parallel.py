@@ -243,7 +243,7 @@ def test_a_sequence_parallel_run_resumes_from_its_checkpoint_and_infer_and_eval_
 
 
 PROBE = str(Path(__file__).resolve().parent / "train_probe.py")
-SAMPLES, PER_EPOCH, STOPPED_AT = 12, 6, 9  # global batch 2: 6 steps an epoch; step 9 is half-way through epoch 2
+SAMPLES, PER_EPOCH, STOPPED_AT = 8, 4, 5  # global batch 2: 4 steps an epoch; step 5 is one step into epoch 2
 
 
 def trained(probe_dir: Path) -> list[tuple[int, tuple]]:
@@ -255,12 +255,12 @@ def trained(probe_dir: Path) -> list[tuple[int, tuple]]:
 def test_a_two_epoch_sequence_parallel_run_reshuffles_each_epoch_and_resumes_mid_epoch_in_the_same_order(
     llama, tmp_path
 ):
-    """2 epochs of 12 samples (global batch 2, one micro-batch a step): the 2-rank --sequence_parallel 2 run trains
-    every sample once an epoch (DeepSpeed's adapter alone trained 11 steps of 12: epoch 2 lost one), in the order a
-    1-rank run without sequence parallelism trains them, epoch 2 in
-    another order than epoch 1 (the Trainer's per-epoch reshuffle). The same run stopped at step 9 (epoch 2, an odd
-    number of micro-batches in: the skip ends inside a gathered batch) and resumed trains steps 10-12 on the
-    samples, and with the losses, of the uninterrupted run."""
+    """2 epochs of 8 samples (global batch 2, one micro-batch a step): the 2-rank --sequence_parallel 2 run trains
+    every sample once an epoch (DeepSpeed's adapter alone trained 7 steps of 8: epoch 2 lost one), in the order a
+    1-rank run without sequence parallelism trains them, epoch 2 in another order than epoch 1 (the Trainer's
+    per-epoch reshuffle). The same run stopped at step 5 (epoch 2, an odd number of micro-batches in: the skip ends
+    inside a gathered batch) and resumed trains steps 6-8 on the samples, and with the losses, of the uninterrupted
+    run."""
     from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
     examples = [{**e, "prompt": f"Item {i:02d}: {e['prompt']}"} for i, e in enumerate(make_examples(SAMPLES))]
@@ -282,7 +282,7 @@ def test_a_two_epoch_sequence_parallel_run_reshuffles_each_epoch_and_resumes_mid
         ).stdout
 
     epochs(tmp_path / "one", 1, "--save_strategy", "no")
-    two = epochs(tmp_path / "two", 2, "--sequence_parallel", "2", "--save_steps", "3", "--save_total_limit", "0")
+    two = epochs(tmp_path / "two", 2, "--sequence_parallel", "2", "--save_steps", str(STOPPED_AT))
     reference, sp = trained(tmp_path / "one" / "probe"), trained(tmp_path / "two" / "probe")
     assert len(reference) == len(sp) == 2 * SAMPLES, (reference, sp)
     first, second = [s for _, s in sp[:SAMPLES]], [s for _, s in sp[SAMPLES:]]
@@ -293,7 +293,7 @@ def test_a_two_epoch_sequence_parallel_run_reshuffles_each_epoch_and_resumes_mid
     dest.mkdir()
     shutil.copytree(tmp_path / "two" / f"checkpoint-{STOPPED_AT}", dest / f"checkpoint-{STOPPED_AT}")
     shutil.copy2(tmp_path / "two" / RUN_RECORD, dest / RUN_RECORD)
-    resumed = epochs(dest, 2, "--sequence_parallel", "2", "--save_steps", "3", "--save_total_limit", "0")
+    resumed = epochs(dest, 2, "--sequence_parallel", "2", "--save_steps", str(STOPPED_AT))
     assert f"llmft: resuming from {dest.resolve()}/checkpoint-{STOPPED_AT}\n" in resumed, resumed
     rest = [(step, sample) for step, sample in sp if step >= STOPPED_AT]
     assert trained(dest / "probe") == rest, (trained(dest / "probe"), rest)
