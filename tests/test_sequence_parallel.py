@@ -242,7 +242,8 @@ def test_a_sequence_parallel_run_resumes_from_its_checkpoint_and_infer_and_eval_
     assert f"llmft eval: gsm8k (2-shot, n=2) step {TOTAL}: exact_match,strict-match " in proc.stderr
 
 
-PROBE = str(Path(__file__).resolve().parent / "train_probe.py")
+TESTS = Path(__file__).resolve().parent
+PROBE = str(TESTS / "train_probe.py")
 SAMPLES, PER_EPOCH, STOPPED_AT = 8, 4, 5  # global batch 2: 4 steps an epoch; step 5 is one step into epoch 2
 
 
@@ -252,52 +253,71 @@ def trained(probe_dir: Path) -> list[tuple[int, tuple]]:
     return [(line["step"], tuple(row)) for line in lines for row in line["rows"]]
 
 
-def test_a_two_epoch_sequence_parallel_run_reshuffles_each_epoch_and_resumes_mid_epoch_in_the_same_order(
+def test_a_two_epoch_sequence_parallel_run_stopped_in_epoch_2_resumes_each_sample_once_an_epoch_in_order(
     llama, tmp_path
 ):
-    """2 epochs of 8 samples (global batch 2, one micro-batch a step): the 2-rank --sequence_parallel 2 run trains
-    every sample once an epoch (DeepSpeed's adapter alone trained 7 steps of 8: epoch 2 lost one), in the order a
-    1-rank run without sequence parallelism trains them, epoch 2 in another order than epoch 1 (the Trainer's
-    per-epoch reshuffle). The same run stopped at step 5 (epoch 2, an odd number of micro-batches in: the skip ends
-    inside a gathered batch) and resumed trains steps 6-8 on the samples, and with the losses, of the uninterrupted
-    run."""
+    """2 epochs of 8 samples (global batch 2, one micro-batch a step). An uninterrupted 2-rank --sequence_parallel 2
+    run trains every sample once an epoch, epoch 2 in another order than epoch 1 (the Trainer's per-epoch reshuffle),
+    in the order a 1-rank run without sequence parallelism trains them, all 8 steps (DeepSpeed's adapter alone trained
+    7: epoch 2 lost a step). The same run stopped at step 5, one step into epoch 2 (every rank held there until the
+    stop file appears: LLMFT_TEST_HOLD_AT_STEP), saves checkpoint-5 and, run again, resumes from it (the skip ends
+    inside a gathered batch): together the two train the uninterrupted run's samples in its order, with its losses
+    (within 2%; DeepSpeed's adapter alone resumed in epoch 1's order)."""
+    import subprocess
+    import time
+
+    from conftest import subprocess_env
+
     from llmft.data.synthetic import as_format, make_examples, write_jsonl
 
     examples = [{**e, "prompt": f"Item {i:02d}: {e['prompt']}"} for i, e in enumerate(make_examples(SAMPLES))]
     data = write_jsonl(as_format(examples, "prompt_completion"), tmp_path / "train.jsonl")
 
-    def epochs(out: Path, nproc: int, *extra: str):
+    def command(out: Path, nproc: int, *extra: str) -> list[str]:
         launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
-        return run(
+        return (
             launcher
             + [PROBE, "--model_name_or_path", str(llama), "--dataset_name", str(data), "--output_dir", str(out)]
             + ["--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", "2"]
             + ["--num_train_epochs", "2", "--global_batch_size", "2", "--per_device_train_batch_size", "2"]
-            + ["--max_length", "64", *extra],
-            check=True,
-            timeout=600,
-            LLMFT_PROBE_DIR=str(out / "probe"),
-            LLMFT_PROBE_MOMENTS="0",
-            LLMFT_PROBE_TRAINED="1",
-        ).stdout
+            + ["--max_length", "64", *extra]
+        )
 
-    epochs(tmp_path / "one", 1, "--save_strategy", "no")
-    two = epochs(tmp_path / "two", 2, "--sequence_parallel", "2", "--save_steps", str(STOPPED_AT))
-    reference, sp = trained(tmp_path / "one" / "probe"), trained(tmp_path / "two" / "probe")
-    assert len(reference) == len(sp) == 2 * SAMPLES, (reference, sp)
-    first, second = [s for _, s in sp[:SAMPLES]], [s for _, s in sp[SAMPLES:]]
+    probe = {"LLMFT_PROBE_MOMENTS": "0", "LLMFT_PROBE_TRAINED": "1"}
+    run(command(tmp_path / "one", 1, "--save_strategy", "no"), check=True, timeout=600, **probe,
+        LLMFT_PROBE_DIR=str(tmp_path / "one" / "probe"))  # fmt: skip
+    reference = trained(tmp_path / "one" / "probe")
+    whole = tmp_path / "whole"
+    uninterrupted = run(command(whole, 2, "--sequence_parallel", "2", "--save_strategy", "no"), check=True,
+                        timeout=600, **probe, LLMFT_PROBE_DIR=str(whole / "probe")).stdout  # fmt: skip
+    sp_order = trained(whole / "probe")
+    assert len(reference) == len(sp_order) == 2 * SAMPLES, (reference, sp_order)
+    first, second = [s for _, s in sp_order[:SAMPLES]], [s for _, s in sp_order[SAMPLES:]]
     assert len(set(first)) == len(set(second)) == SAMPLES and set(first) == set(second)  # each sample once an epoch
     assert first != second  # reshuffled
-    assert sp == reference  # the order a run without sequence parallelism trains them in
-    dest = tmp_path / "resumed"
-    dest.mkdir()
-    shutil.copytree(tmp_path / "two" / f"checkpoint-{STOPPED_AT}", dest / f"checkpoint-{STOPPED_AT}")
-    shutil.copy2(tmp_path / "two" / RUN_RECORD, dest / RUN_RECORD)
-    resumed = epochs(dest, 2, "--sequence_parallel", "2", "--save_steps", str(STOPPED_AT))
-    assert f"llmft: resuming from {dest.resolve()}/checkpoint-{STOPPED_AT}\n" in resumed, resumed
-    rest = [(step, sample) for step, sample in sp if step >= STOPPED_AT]
-    assert trained(dest / "probe") == rest, (trained(dest / "probe"), rest)
-    after, before = logged(resumed), logged(two)[STOPPED_AT:]
-    assert len(after) == len(before) == 2 * PER_EPOCH - STOPPED_AT
-    for (loss1, norm1), (loss2, norm2) in zip(before, after):
-        assert (loss2, norm2) == pytest.approx((loss1, norm1), rel=0.02), (before, after)
+    assert sp_order == reference  # the order a run without sequence parallelism trains them in, step by step
+    out, stop = tmp_path / "sp", tmp_path / "stop"
+    sp = command(out, 2, "--sequence_parallel", "2", "--save_strategy", "no", "--stop_file", str(stop))
+    env = subprocess_env(**probe, LLMFT_PROBE_DIR=str(out / "probe"), LLMFT_TEST_HOLD_AT_STEP=str(STOPPED_AT))
+    trained_file = out / "probe" / "trained.jsonl"
+    with open(tmp_path / "stopped.log", "w") as log:
+        proc = subprocess.Popen(sp, cwd=TESTS.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
+        until = time.monotonic() + 600  # a hang guard: the ranks wait at step 5 for the stop however slow the machine
+        while proc.poll() is None and time.monotonic() < until:
+            if trained_file.exists() and f'"step": {STOPPED_AT - 1},' in trained_file.read_text():
+                stop.touch()  # rank 0 is training step 5: every vote before it is past, and the ranks hold at its end
+                break
+            time.sleep(0.5)
+        rc = proc.wait(timeout=600)
+    assert rc == 0 and stop.exists(), (tmp_path / "stopped.log").read_text()[-5000:]
+    stopped = (tmp_path / "stopped.log").read_text()
+    assert f"stop requested; saved checkpoint-{STOPPED_AT}" in stopped, stopped[-5000:]
+    stop.unlink()
+    resumed = run(sp, check=True, timeout=600, **probe, LLMFT_PROBE_DIR=str(out / "probe")).stdout
+    assert f"llmft: resuming from {out.resolve()}/checkpoint-{STOPPED_AT}\n" in resumed, resumed
+    both = trained(out / "probe")  # the stopped run's samples, then the resumed run's
+    assert both == sp_order, (both, sp_order)
+    losses, expected = logged(stopped) + logged(resumed), logged(uninterrupted)
+    assert len(losses) == len(expected) == 2 * PER_EPOCH, (losses, expected)
+    for (loss1, norm1), (loss2, norm2) in zip(expected, losses):
+        assert (loss2, norm2) == pytest.approx((loss1, norm1), rel=0.02), (expected, losses)
