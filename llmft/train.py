@@ -25,7 +25,7 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
 ```
 
 Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
-(llmft/training/flags.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
+(llmft/training/flag_policy.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
 `--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and column mapping. Weights
 load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise. A rerun with the same `--output_dir` resumes from
 the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.training.elastic);
@@ -528,6 +528,8 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
         getattr(model_config, "num_attention_heads", None),
         getattr(model_config, "num_key_value_heads", None),
     )
+    # the gradient correction, decided here so a config it cannot correct is refused before the model loads
+    sequence_parallel.gradient_scale(decided.plan.zero_stage, sp, ds_config.reduce_scatter(decided.ds_template))
     requested_padding_free = training.padding_free
     if sp > 1 and requested_padding_free is None and attention not in sequence_parallel.BOUNDARY_AWARE:
         requested_padding_free = False  # llmft's own choice never mixes samples under Ulysses
@@ -747,7 +749,9 @@ def build_trainer(
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
         trainer_class = ulysses.mixin_class(
             checkpoint_save.trainer_class(run.llmft.save_consolidated),
-            sequence_parallel.gradient_scale(decided.plan.zero_stage, decided.plan.sequence_parallel),
+            sequence_parallel.gradient_scale(
+                decided.plan.zero_stage, decided.plan.sequence_parallel, ds_config.reduce_scatter(decided.ds_template)
+            ),
         )
         trainer = trainer_class(
             model=files.weights,
@@ -760,6 +764,7 @@ def build_trainer(
             callbacks=[publish, stop, rerun.callback(log)],
         )
     install_tiled_mlp(run, trainer.model, files.config)
+    ulysses.install_epoch_adapter(trainer)  # Ulysses' loader reseeded each epoch (llmft.training.ulysses)
     if files.source:  # saved configs and adapters name the model, not its node-local copy
         restore_source_name(trainer.model, files.weights, files.source)
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))

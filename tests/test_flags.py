@@ -1,6 +1,6 @@
 """No flag accepted and silently ignored: every `llmft train` flag takes effect or stops the run with the reason.
 
-The table in llmft/training/flags.py names each field of ScriptArguments, SFTConfig, ModelConfig and LlmftArguments;
+The table in llmft/training/flag_policy.py names each field of ScriptArguments, SFTConfig, ModelConfig and LlmftArguments;
 these tests hold the code to it (a new field from a TRL/transformers upgrade fails the first test).
 """
 
@@ -9,10 +9,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from llmft.training.flags import CHECKED, EVAL, PASSED, POLICY, REFUSED, USED, FlagError, check_flags
+from llmft.training.flag_policy import CHECKED, EVAL, PASSED, POLICY, REFUSED, USED
+from llmft.training.flags import FlagError, check_flags
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _parse(tmp_path, *argv):
@@ -43,10 +48,27 @@ def test_every_flag_llmft_train_accepts_has_a_decision():
         if f.init
     }
     assert sorted(fields - set(POLICY)) == [], (
-        "new flags: decide in llmft/training/flags.py POLICY what llmft does with them"
+        "new flags: decide in llmft/training/flag_policy.py POLICY what llmft does with them"
     )
     assert sorted(set(POLICY) - fields) == [], "POLICY names flags that no longer exist"
     assert {kind for kind, _ in POLICY.values()} == {USED, PASSED, CHECKED, REFUSED, EVAL}
+
+
+def test_the_table_the_launchers_check_sweeps_against_is_llmft_trains_parser():
+    """llmft.launch.sweep checks a SWEEP's flags against POLICY (importable with the standard library alone): every
+    long flag of llmft train's own parser is in it, but --help and the valueless --no_X of a flag X that is."""
+    import sys
+
+    from llmft.train import make_parser
+
+    names = {
+        s[2:] for a in make_parser()._actions for s in a.option_strings if s.startswith("--") and "-" not in s[2:]
+    }
+    extra = {n for n in names - set(POLICY) if n != "help" and not (n.startswith("no_") and n[3:] in POLICY)}
+    assert extra == set() and set(POLICY) <= names
+    # the launchers with the standard library alone (-S: no site-packages), as a batch host's python3 runs them
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import llmft.launch.slurm, llmft.launch.pbs"
+    subprocess.run([sys.executable, "-I", "-S", "-c", code], check=True, timeout=60)
 
 
 # One value other than the default for each refused flag (set on the parsed arguments: some are not CLI-shaped).

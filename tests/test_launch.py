@@ -83,12 +83,12 @@ def test_an_unknown_or_misspelt_knob_is_named_with_the_fix():
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "unknown knob 'EPOCH' in 'EPOCH=3'; did you mean EPOCHS?" in proc.stderr
     assert "known knobs: EPOCHS CHECKPOINT_DIR DATA_PERCENTAGE" in proc.stderr
-    slurm = run_script(
-        "EPOCH=3"
-    )  # the same knobs, in the same order (Slurm's message has no "did you mean", as before)
-    assert proc.stderr.rstrip("\n").endswith(knobs.known_knobs()) and slurm.stderr.rstrip("\n").endswith(
-        knobs.known_knobs()
+    slurm = run_script("EPOCH=3")  # the same line, "did you mean" included
+    assert proc.stderr.rstrip("\n").endswith(knobs.known_knobs())
+    assert slurm.returncode == 2 and slurm.stderr.removeprefix("run_llm.slurm: ") == proc.stderr.removeprefix(
+        "run_llm.pbs: "
     )
+    assert "; known knobs: EPOCHS" in run_pbs_script("HF_TOKEN=x").stderr  # nothing close: the list alone
     assert "cannot read argument '--epochs'" in run_pbs_script("--epochs", "3").stderr
     # qsub -v NAME=... also carries variables a job needs (HF_TOKEN, NCCL_DEBUG); a misspelt knob is refused
     with pytest.raises(knobs.KnobError, match="unknown knob 'GLOBAL_BACTH' in 'qsub -v'; did you mean GLOBAL_BATCH"):
@@ -210,6 +210,43 @@ def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_pat
     assert "--auto" in train and train[train.index("--sequence_parallel") + 1] == "2"
 
 
+def test_nccl_profile_and_the_flight_recorder_reach_every_pbs_node_as_every_slurm_rank(tmp_path, capsys):
+    """NCCL_PROFILE on PBS: the profile's variables (yours win) and the flight recorder's are in the environment each
+    node's torchrun runs with (llmft.launch.job.network_variables, the Slurm job's too), each said; aws-efa is refused
+    on a node without EFA, and the allocation probe checks each node's plugin, on both schedulers."""
+    k = knobs.resolve({}, ["NCCL_PROFILE=gcp-g2"])
+    files = {n: tmp_path / f".llmft-{n}-7" for n in ("stop", "requeue", "job-end", "nodes")}
+    env = {"HOME": str(tmp_path), "PATH": "/bin", "NCCL_SOCKET_IFNAME": "ens4"}
+    node_env = pbs.node_environment(k, env, tmp_path, tmp_path, files, "7.head", sys.executable)
+    assert node_env["NCCL_NET"] == "Socket" and node_env["NCCL_IB_DISABLE"] == "1"
+    assert node_env["NCCL_SOCKET_IFNAME"] == "ens4"  # yours wins
+    assert node_env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl_trace/7.head_rank_"
+    pairs = job.network_variables("gcp-g2", tmp_path, "7.head", env)
+    assert pairs and all(node_env[name] == value for name, value in pairs)
+    out = capsys.readouterr().out
+    assert "run_llm.pbs: nccl NCCL_NET=Socket\n" in out and "run_llm.pbs: nccl NCCL_SOCKET_IFNAME=ens4\n" in out
+    plain = pbs.node_environment(knobs.resolve({}, []), env, tmp_path, tmp_path, files, "7.head", sys.executable)
+    assert "NCCL_NET" not in plain and plain["TORCH_FR_BUFFER_SIZE"] == "2000"  # no profile: NCCL's defaults
+    assert job.fabric_probe("aws-efa") == ["--fabric", "aws-efa"] and job.fabric_probe("gcp-g2") == []
+    with pytest.raises(job.JobError, match=r"^NCCL_PROFILE=aws-efa, but node \S+ has no EFA device"):
+        job.fabric_check("aws-efa", {"LLMFT_SYSFS_ROOT": str(tmp_path)})
+    job.fabric_check("gcp-g2", {"LLMFT_SYSFS_ROOT": str(tmp_path)})
+
+
+def test_prepare_runs_llmft_prepare_with_the_trainings_flags_and_stops_the_launch_when_it_fails(tmp_path, capsys):
+    """PREPARE=1 on either scheduler (llmft.launch.job.prepare_data): `llmft prepare` with llmft train's flags, in
+    the node's environment, started by the command that starts llmft's Python there; a failure stops the launch."""
+    said = []
+    record = tmp_path / "argv"
+    runner = [sys.executable, "-c", "import sys, os; open(sys.argv[1], 'w').write(repr(sys.argv[2:]) + os.environ['LLMFT_CACHE']); sys.exit(int(os.environ['RC']))", str(record)]  # fmt: skip
+    env = {**os.environ, "LLMFT_CACHE": str(tmp_path / "cache"), "RC": "0"}
+    assert job.prepare_data(runner, ["--dataset_name", "d.jsonl"], said.append, env)
+    assert record.read_text() == "['-m', 'llmft.prepare', '--dataset_name', 'd.jsonl']" + str(tmp_path / "cache")
+    assert said == [f"preparing the data (llmft prepare, cache {tmp_path / 'cache'})"]
+    assert not job.prepare_data(runner, ["--dataset_name", "d.jsonl"], said.append, {**env, "RC": "2"})
+    assert said[-1] == "not launching: llmft prepare failed (exit 2)"
+
+
 def test_both_schedulers_forward_the_memory_flags_of_extra_args_to_the_plans_memory_check(tmp_path):
     """The Slurm and the PBS job build `llmft plan`'s flags with one function (llmft.launch.job.plan_arguments): the
     llmft train flags in EXTRA_ARGS that change a setting's memory reach the memory check in the three forms a user
@@ -270,7 +307,14 @@ def test_a_sweep_is_every_combination_in_array_order_each_with_its_own_directory
         ("output_dir=a,b", "--output_dir is set by the job from its knobs and cannot vary within one sweep"),
         ("learning_rate=1e-5,,3e-5", "holds an empty value or one with '/'"),
         ("model_name_or_path=../x,y", "holds an empty value or one with '/'"),  # a value names a directory
-        ("lr=1,2 lr=3,4", "lr is given twice"),
+        ("lora_r=1,2 lora_r=3,4", "lora_r is given twice"),
+        ("lerning_rate=1e-5,2e-5", "--lerning_rate is not a flag of llmft train; did you mean learning_rate?"),
+        ("lora_alpa=8,16", "--lora_alpa is not a flag of llmft train; did you mean lora_alpha?"),
+        ("zzz=1,2", "--zzz is not a flag of llmft train; llmft train --help lists its flags"),
+        (
+            "dataset_streaming=true,false",
+            "llmft train refuses --dataset_streaming other than its default: llmft reads",
+        ),
         ("Learning-Rate=1,2", "is not FLAG=VALUE,VALUE,..."),
     ],
 )
@@ -350,6 +394,44 @@ def test_a_continuation_is_the_same_job_after_this_one_with_its_variables_as_dat
     continuation.write_variables(tmp_path / "c.json", {**values, "EXTRA_ARGS": "$(touch pwned), --a"})
     loaded = continuation.load({"LLMFT_CONTINUE": str(tmp_path / "c.json"), "EPOCHS": "9"})
     assert loaded["EPOCHS"] == "2" and loaded["EXTRA_ARGS"] == "$(touch pwned), --a"  # data, read back as it was
+
+
+def test_a_continuation_keeps_the_account_project_group_and_every_resource_the_job_was_submitted_with(tmp_path):
+    """-A, -P, -W group_list and every -l of the submission (Submit_arguments, values as PBS holds them) go to the
+    continuation; a chunk resource the select statement carries (PBS made it part of the select) is left to it."""
+    job = {
+        "Job_Name": "sft",
+        "Account_Name": "acct42",
+        "project": "proj42",
+        "group_list": "ml",
+        "Resource_List": {"select": "1:ncpus=8:mem=10gb", "place": "free", "walltime": "01:00:00", "cput": "02:00:00",
+                          "ncpus": 8, "mem": "10gb", "nodect": 1, "software": "abaqus"},
+        "Submit_arguments": "-A acct42 -l select=1:ncpus=8:mem=10gb -l walltime=1:00:00,cput=2:00:00 -lsoftware=abaqus "
+                            "-l mem=10gb -N sft job.pbs",
+    }  # fmt: skip
+    cmd = continuation.qsub_command(job, "12.head", tmp_path / "job.pbs", tmp_path / "c.json", 1)
+    assert cmd == [
+        "qsub", "-W", "depend=afterany:12.head", "-N", "sft",
+        "-l", "select=1:ncpus=8:mem=10gb", "-l", "place=free", "-l", "walltime=01:00:00", "-l", "cput=02:00:00",
+        "-l", "software=abaqus", "-A", "acct42", "-P", "proj42", "-W", "group_list=ml", "-r", "y",
+        "-v", f"LLMFT_CONTINUE={tmp_path / 'c.json'}", str(tmp_path / "job.pbs"),
+    ]  # fmt: skip
+    assert "-P" not in continuation.qsub_command({"project": "_pbs_project_default"}, "1.h", tmp_path, tmp_path, 1)
+    assert continuation.user_resources("-l 'a=1,b=2' -lc=3 -l") == {"a": "1", "b": "2", "c": "3"}
+    assert continuation.user_resources("-l 'unclosed") == {}
+
+
+def test_a_continuation_keeps_the_launchers_python_when_venv_is_not_given(tmp_path):
+    """After `qsub -V` pbs/run_llm.pbs runs the launcher in the submitting shell's venv (VIRTUAL_ENV); the continuation
+    has no -V, so VENV is the launcher's own sys.prefix; the knob wins; outside a venv, none (python3, as before)."""
+    assert sys.prefix != sys.base_prefix  # the tests run in a venv
+    assert pbs.python_venv(knobs.resolve({}, [])) == sys.prefix
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    assert pbs.python_venv(knobs.resolve({}, [f"VENV={tmp_path}"])) == str(tmp_path)
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from llmft.launch import knobs, pbs; print(repr(pbs.python_venv(knobs.resolve({{}}, []))))"
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    assert subprocess.run([str(base), "-I", "-S", "-c", code], capture_output=True, text=True).stdout == "''\n"
 
 
 def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_signal(tmp_path, monkeypatch, capsys):

@@ -22,7 +22,10 @@ def test_arguments_are_read_in_order_and_the_first_bad_one_is_named():
     assert given == {"EPOCHS": "2", "LORA": "1"} and world == ["--nodes=2"] and not wants_help
     assert slurm.read_arguments(["EPOCHS=1", "--help", "EPOCH=3"], False)[2]  # help before a later bad argument
     cases = [
-        (["--export=ALL,EPOCH=3"], "unknown knob 'EPOCH' in '--export=ALL,EPOCH=3'; known knobs: EPOCHS "),
+        (
+            ["--export=ALL,EPOCH=3"],
+            "unknown knob 'EPOCH' in '--export=ALL,EPOCH=3'; did you mean EPOCHS? known knobs: EPOCHS ",
+        ),
         (["--export=ALL,HF_TOKEN"], "unknown knob 'HF_TOKEN' in '--export=ALL,HF_TOKEN'; known knobs: "),
         (
             ["--export=ALL,CONTAINER_MOUNTS=/a:/a,/b:/b"],

@@ -82,11 +82,13 @@ def inputs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory) -> 
     return {"model": d / "model", "data": d / "train.jsonl", "image": d / "image.sqsh", "dir": d}
 
 
-def common(inputs, d: Path) -> str:
-    """The -v items every training job here gets: offline, the inputs, the job's own caches, llmft's venv."""
+def common(inputs, d: Path, pythonpath: str = str(REPO)) -> str:
+    """The -v items every training job here gets: offline, the inputs, the job's own caches, llmft's venv, and
+    PYTHONPATH with this checkout first (its launcher and llmft, whichever checkout the venv's editable install names;
+    the ranks get it too, as the job's own variable)."""
     return (
         f"MODEL={inputs['model']},DATASET={inputs['data']},VENV={sys.prefix},HF_HUB_OFFLINE=1,"
-        f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'}"
+        f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'},PYTHONPATH={pythonpath}"
     )
 
 
@@ -98,10 +100,11 @@ def jobs(pbs_cluster: PbsCluster, inputs, tmp_path_factory):
     pbs_cluster.cmd([str(pbs_cluster.bin / "qmgr"), "-c", "set queue workq kill_delay = 60"])
     out = {}
 
-    def submit(name: str, resources: list[str], variables: str) -> None:
+    def submit(name: str, resources: list[str], variables: str, pythonpath: str = str(REPO)) -> None:
         d = pbs_cluster.job_dir(tmp_path_factory.mktemp(name))
         output = d / ("out.^array_index^" if "-J" in resources else "out")  # an array: one file per element
-        args = [*resources, "-o", str(output), "-v", f"{common(inputs, d)},{variables.format(d=d)}", str(SCRIPT)]
+        given = f"{common(inputs, d, pythonpath)},{variables.format(d=d)}"
+        args = [*resources, "-o", str(output), "-v", given, str(SCRIPT)]
         out[name] = (pbs_cluster.qsub(args, cwd=d), d)
 
     two_nodes = ["-l", "select=2:ncpus=1", "-l", "place=scatter", "-l", "walltime=00:30:00"]
@@ -148,8 +151,9 @@ def jobs(pbs_cluster: PbsCluster, inputs, tmp_path_factory):
         "killed",
         two_nodes,
         f"MAX_STEPS={TOTAL},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,CHECKPOINT_DIR={{d}}/ckpt,"
-        f"EXTRA_ARGS=--logging_steps 1,PYTHONPATH={REPO / 'tests' / 'kill_hook'},LLMFT_TEST_KILL_NODE=pbs-n1,"
+        "EXTRA_ARGS=--logging_steps 1,LLMFT_TEST_KILL_NODE=pbs-n1,"
         "LLMFT_TEST_KILL_AFTER={d}/ckpt/checkpoint-2/llmft_complete.json,LLMFT_TEST_KILL_RECORD={d}/failed_rank",
+        pythonpath=f"{REPO}:{REPO / 'tests' / 'kill_hook'}",
     )
     # A sweep: one variant per element, each on one node.
     submit(
@@ -322,11 +326,14 @@ def test_in_a_container_enroot_creates_once_per_node_and_every_step_starts_in_it
         ("EPOCHS=abc", "run_llm.pbs: error: EPOCHS=abc is not a positive number (default 3)"),
         ("EPOCH=3", "run_llm.pbs: error: unknown knob 'EPOCH' in 'qsub -v'; did you mean EPOCHS?"),
         ("VENV=/nonexistent", "run_llm.pbs: error: VENV=/nonexistent is not a virtual environment"),
+        # no EFA device under LLMFT_SYSFS_ROOT: refused on the job's first node before anything else, as on Slurm
+        ("NCCL_PROFILE=aws-efa,LLMFT_SYSFS_ROOT=/nonexistent", "run_llm.pbs: error: NCCL_PROFILE=aws-efa, but node "),
     ],
 )
 def test_bad_knobs_end_the_job_with_one_line_and_exit_2(pbs_cluster, tmp_path, variables, message):
     d = pbs_cluster.job_dir(tmp_path)
-    venv = "" if variables.startswith("VENV=") else f"VENV={sys.prefix},"
+    # PYTHONPATH: this checkout's launcher, whichever checkout the venv's editable install names
+    venv = "" if variables.startswith("VENV=") else f"VENV={sys.prefix},PYTHONPATH={REPO},"
     job = pbs_cluster.qsub(
         [
             "-l",
@@ -347,3 +354,62 @@ def test_bad_knobs_end_the_job_with_one_line_and_exit_2(pbs_cluster, tmp_path, v
     ours = [line for line in text.splitlines() if line.startswith("run_llm.pbs")]
     assert len(ours) == 1 and ours[0].startswith(message), text
     assert "Traceback" not in text
+
+
+def test_nccl_profile_and_prepare_take_effect_on_pbs(pbs_cluster, inputs, tmp_path):
+    """NCCL_PROFILE=gcp-g2 and PREPARE=1 in a real PBS job: the profile's variables are in the environment every node
+    runs with (the job's env file) and said; llmft prepare runs on the first node before any torchrun, and its
+    failure (data it cannot read) stops the launch, exit 2."""
+    d = pbs_cluster.job_dir(tmp_path)
+    (d / "bad.jsonl").write_text('{"foo": "bar"}\n')
+    own(d)
+    variables = f"{common(inputs, d)},DATASET={d / 'bad.jsonl'},NCCL_PROFILE=gcp-g2,PREPARE=1"
+    variables += f",CHECKPOINT_DIR={d / 'ckpt'},MAX_STEPS=1,GLOBAL_BATCH=2,MICRO_BATCH=2"
+    args = ["-l", "select=1:ncpus=1", "-l", "walltime=00:10:00", "-o", str(d / "out"), "-v", variables, str(SCRIPT)]
+    job = pbs_cluster.qsub(args, cwd=d)
+    info = pbs_cluster.wait(job)
+    text = pbs_cluster.wait_for("the job's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 2, text
+    assert "run_llm.pbs: nccl NCCL_NET=Socket\n" in text and "run_llm.pbs: nccl NCCL_IB_DISABLE=1\n" in text, text
+    [env_file] = (d / "ckpt").glob(".llmft-env-*.json")
+    node_env = json.loads(env_file.read_text())
+    assert node_env["NCCL_NET"] == "Socket" and node_env["NCCL_SOCKET_IFNAME"] == "^lo,docker", node_env
+    assert f"run_llm.pbs: preparing the data (llmft prepare, cache {d / 'cache'})\n" in text, text
+    assert "llmft prepare: error: dataset has columns foo but llmft needs" in text, text
+    assert "run_llm.pbs: not launching: llmft prepare failed (exit 2)\n" in text, text
+    assert "torch.distributed.run" not in text.split("preparing the data", 1)[1] and "): torchrun" not in text, text
+
+
+def test_a_continuation_keeps_the_account_project_group_resources_and_python_of_the_job(pbs_cluster, tmp_path):
+    """A held job submitted with -A, -P, -W group_list and a -l resource beside select and walltime: the continuation
+    llmft builds from its `qstat -f` (llmft.launch.continuation.qsub_command, VENV from llmft.launch.pbs.python_venv
+    as go_on passes them), submitted to the real server, has each of them in its own `qstat -f`."""
+    from llmft.launch import continuation, knobs, pbs
+
+    d = pbs_cluster.job_dir(tmp_path)
+    script = d / "job.sh"
+    script.write_text("#!/bin/bash\ntrue\n")
+    script.chmod(0o755)
+    own(d)
+    first = pbs_cluster.qsub(
+        ["-h", "-A", "acct42", "-P", "proj42", "-W", f"group_list={JOB_USER}", "-l", "select=1:ncpus=1"]
+        + ["-l", "walltime=00:05:00", "-l", "cput=00:10:00", "-N", "cont", "-o", str(d / "out"), str(script)],
+        cwd=d,
+    )
+    try:
+        job = pbs_cluster.job(first)
+        cmd = continuation.qsub_command(job, first, script, d / "c.json", 1, pbs.python_venv(knobs.resolve({}, [])))
+        assert cmd[0] == "qsub"
+        second = pbs_cluster.qsub(cmd[1:], cwd=d)
+        try:
+            cont = pbs_cluster.job(second)
+            assert (cont["Account_Name"], cont["project"], cont["group_list"]) == ("acct42", "proj42", JOB_USER), cont
+            resources = cont["Resource_List"]
+            assert resources["cput"] == "00:10:00" and resources["walltime"] == "00:05:00", resources
+            assert resources["select"] == "1:ncpus=1", resources
+            assert cont["Variable_List"]["VENV"] == sys.prefix, cont["Variable_List"]
+            assert f"depend=afterany:{first}" in cont["Submit_arguments"], cont
+        finally:
+            pbs_cluster.qdel(second)
+    finally:
+        pbs_cluster.qdel(first)

@@ -84,10 +84,38 @@ def test_what_is_allowed():
 def test_the_gradient_correction_follows_the_zero_stage():
     assert [sp.gradient_scale(stage, 4) for stage in (0, 1, 2, 3)] == [0.25, 0.25, 0.25, 1.0]
     assert sp.gradient_scale(2, 1) == 1.0
+    assert sp.gradient_scale(2, 4, reduce_scatter=False) == 0.25  # ZeRO-1/2 sum over the group either way
+    with pytest.raises(sp.SequenceParallelError, match="^--sequence_parallel under ZeRO-3 with reduce_scatter: false"):
+        sp.gradient_scale(3, 4, reduce_scatter=False)
+    assert sp.gradient_scale(3, 1, reduce_scatter=False) == 1.0
     x = torch.tensor(3.0, requires_grad=True)
     loss = scale_gradient(x * x, 0.5)
     loss.backward()
     assert loss.item() == 9.0 and x.grad.item() == 3.0  # the value logged is the loss; its gradient is halved
+
+
+def test_zero_3_without_reduce_scatter_is_refused_in_one_line_before_the_model_loads(llama, tiny_data, tmp_path):
+    """ZeRO-3 with reduce_scatter: false sums some buckets over the sequence group and averages others (DeepSpeed's
+    stage3.py; its grad norm was 1.49x the 1-rank run's on this model): `llmft train --nproc_per_node 2` refuses it in
+    one line, exit code 2, before any DeepSpeed engine starts."""
+    config = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero3.json").read_text())
+    config["zero_optimization"]["reduce_scatter"] = False
+    (tmp_path / "z3.json").write_text(json.dumps(config))
+    proc = run(
+        [PYTHON, "-m", "llmft.cli", "train", "--nproc_per_node", "2", "--model_name_or_path", str(llama)]
+        + ["--dataset_name", str(tiny_data), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+        + ["--deepspeed", str(tmp_path / "z3.json"), "--sequence_parallel", "2", "--max_length", "64"]
+        + ["--global_batch_size", "4", "--per_device_train_batch_size", "2", "--max_steps", "1"],
+        timeout=300,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines[-1] == (
+        "llmft train: error: --sequence_parallel under ZeRO-3 with reduce_scatter: false in the DeepSpeed config "
+        "would scale some gradients N times too large (DeepSpeed sums small buckets over the sequence group and "
+        "averages large parameters): remove reduce_scatter: false from the config, or use --zero_stage 2"
+    ), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "DeepSpeed config written" not in proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +240,84 @@ def test_a_sequence_parallel_run_resumes_from_its_checkpoint_and_infer_and_eval_
     [result] = (dest / "eval").glob(f"results-step{TOTAL}-*.json")
     assert json.loads(result.read_text())["llmft"]["checkpoint"].endswith(f"checkpoint-{TOTAL}/global_step{TOTAL}")
     assert f"llmft eval: gsm8k (2-shot, n=2) step {TOTAL}: exact_match,strict-match " in proc.stderr
+
+
+TESTS = Path(__file__).resolve().parent
+PROBE = str(TESTS / "train_probe.py")
+SAMPLES, PER_EPOCH, STOPPED_AT = 8, 4, 5  # global batch 2: 4 steps an epoch; step 5 is one step into epoch 2
+
+
+def trained(probe_dir: Path) -> list[tuple[int, tuple]]:
+    """(step, sample) for each sample rank 0 trained, in order; a sample is named by its first 8 token ids."""
+    lines = [json.loads(line) for line in (probe_dir / "trained.jsonl").read_text().splitlines()]
+    return [(line["step"], tuple(row)) for line in lines for row in line["rows"]]
+
+
+def test_a_two_epoch_sequence_parallel_run_stopped_in_epoch_2_resumes_each_sample_once_an_epoch_in_order(
+    llama, tmp_path
+):
+    """2 epochs of 8 samples (global batch 2, one micro-batch a step). An uninterrupted 2-rank --sequence_parallel 2
+    run trains every sample once an epoch, epoch 2 in another order than epoch 1 (the Trainer's per-epoch reshuffle),
+    in the order a 1-rank run without sequence parallelism trains them, all 8 steps (DeepSpeed's adapter alone trained
+    7: epoch 2 lost a step). The same run stopped at step 5, one step into epoch 2 (every rank held there until the
+    stop file appears: LLMFT_TEST_HOLD_AT_STEP), saves checkpoint-5 and, run again, resumes from it (the skip ends
+    inside a gathered batch): together the two train the uninterrupted run's samples in its order, with its losses
+    (within 2%; DeepSpeed's adapter alone resumed in epoch 1's order)."""
+    import subprocess
+    import time
+
+    from conftest import subprocess_env
+
+    from llmft.data.synthetic import as_format, make_examples, write_jsonl
+
+    examples = [{**e, "prompt": f"Item {i:02d}: {e['prompt']}"} for i, e in enumerate(make_examples(SAMPLES))]
+    data = write_jsonl(as_format(examples, "prompt_completion"), tmp_path / "train.jsonl")
+
+    def command(out: Path, nproc: int, *extra: str) -> list[str]:
+        launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
+        return (
+            launcher
+            + [PROBE, "--model_name_or_path", str(llama), "--dataset_name", str(data), "--output_dir", str(out)]
+            + ["--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true", "--zero_stage", "2"]
+            + ["--num_train_epochs", "2", "--global_batch_size", "2", "--per_device_train_batch_size", "2"]
+            + ["--max_length", "64", *extra]
+        )
+
+    probe = {"LLMFT_PROBE_MOMENTS": "0", "LLMFT_PROBE_TRAINED": "1"}
+    run(command(tmp_path / "one", 1, "--save_strategy", "no"), check=True, timeout=600, **probe,
+        LLMFT_PROBE_DIR=str(tmp_path / "one" / "probe"))  # fmt: skip
+    reference = trained(tmp_path / "one" / "probe")
+    whole = tmp_path / "whole"
+    uninterrupted = run(command(whole, 2, "--sequence_parallel", "2", "--save_strategy", "no"), check=True,
+                        timeout=600, **probe, LLMFT_PROBE_DIR=str(whole / "probe")).stdout  # fmt: skip
+    sp_order = trained(whole / "probe")
+    assert len(reference) == len(sp_order) == 2 * SAMPLES, (reference, sp_order)
+    first, second = [s for _, s in sp_order[:SAMPLES]], [s for _, s in sp_order[SAMPLES:]]
+    assert len(set(first)) == len(set(second)) == SAMPLES and set(first) == set(second)  # each sample once an epoch
+    assert first != second  # reshuffled
+    assert sp_order == reference  # the order a run without sequence parallelism trains them in, step by step
+    out, stop = tmp_path / "sp", tmp_path / "stop"
+    sp = command(out, 2, "--sequence_parallel", "2", "--save_strategy", "no", "--stop_file", str(stop))
+    env = subprocess_env(**probe, LLMFT_PROBE_DIR=str(out / "probe"), LLMFT_TEST_HOLD_AT_STEP=str(STOPPED_AT))
+    trained_file = out / "probe" / "trained.jsonl"
+    with open(tmp_path / "stopped.log", "w") as log:
+        proc = subprocess.Popen(sp, cwd=TESTS.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
+        until = time.monotonic() + 600  # a hang guard: the ranks wait at step 5 for the stop however slow the machine
+        while proc.poll() is None and time.monotonic() < until:
+            if trained_file.exists() and f'"step": {STOPPED_AT - 1},' in trained_file.read_text():
+                stop.touch()  # rank 0 is training step 5: every vote before it is past, and the ranks hold at its end
+                break
+            time.sleep(0.5)
+        rc = proc.wait(timeout=600)
+    assert rc == 0 and stop.exists(), (tmp_path / "stopped.log").read_text()[-5000:]
+    stopped = (tmp_path / "stopped.log").read_text()
+    assert f"stop requested; saved checkpoint-{STOPPED_AT}" in stopped, stopped[-5000:]
+    stop.unlink()
+    resumed = run(sp, check=True, timeout=600, **probe, LLMFT_PROBE_DIR=str(out / "probe")).stdout
+    assert f"llmft: resuming from {out.resolve()}/checkpoint-{STOPPED_AT}\n" in resumed, resumed
+    both = trained(out / "probe")  # the stopped run's samples, then the resumed run's
+    assert both == sp_order, (both, sp_order)
+    losses, expected = logged(stopped) + logged(resumed), logged(uninterrupted)
+    assert len(losses) == len(expected) == 2 * PER_EPOCH, (losses, expected)
+    for (loss1, norm1), (loss2, norm2) in zip(expected, losses):
+        assert (loss2, norm2) == pytest.approx((loss1, norm1), rel=0.02), (expected, losses)

@@ -465,7 +465,8 @@ BAD = [
     ),
     (
         ["{script}", "--export=ALL,EPOCHS=1,EPOCH=3"],
-        "run_llm.slurm: error: unknown knob 'EPOCH' in '--export=ALL,EPOCHS=1,EPOCH=3'; known knobs: EPOCHS CHECKPOINT_DIR",
+        "run_llm.slurm: error: unknown knob 'EPOCH' in '--export=ALL,EPOCHS=1,EPOCH=3'; did you mean EPOCHS? known "
+        "knobs: EPOCHS CHECKPOINT_DIR",
     ),
     (
         ["{script}", "--export=ALL,ZERO_STAGE=7"],
@@ -545,6 +546,26 @@ def test_bad_knobs_fail_in_the_jobs_first_lines_with_one_clear_message(cluster, 
                 r"with sbatch --mem=\d+G \(or --mem=0 for the whole node\)\n",
                 text,
             ), text
+
+
+def test_prepare_runs_llmft_prepare_before_srun_and_its_failure_stops_the_launch(cluster, tiny_model, tmp_path):
+    """PREPARE=1 (llmft.launch.job.prepare_data, shared with the PBS job): llmft prepare with the training's flags runs
+    on the batch host after the plan; data it cannot read stops the job there, exit 2, before any training step."""
+    (tmp_path / "bad.jsonl").write_text('{"foo": "bar"}\n')
+    job = cluster.sbatch(
+        [
+            str(SCRIPT),
+            f"--export=ALL,MODEL={tiny_model},DATASET=bad.jsonl,PREPARE=1,MAX_STEPS=1,GLOBAL_BATCH=2,MICRO_BATCH=1",
+        ],
+        cwd=tmp_path,
+    )
+    info = cluster.wait(job, timeout=SHORT_JOB_S)
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{text}"
+    assert "run_llm.slurm: preparing the data (llmft prepare, cache " in text, text
+    assert "llmft prepare: error: dataset has columns foo but llmft needs" in text, text
+    assert "run_llm.slurm: not launching: llmft prepare failed (exit 2)\n" in text, text
+    assert "rendezvous c10d" not in text and "launch: srun" not in text, text
 
 
 # ---- resources: change #SBATCH --gpus-per-node only ---------------------------------------------

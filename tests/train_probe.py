@@ -13,6 +13,9 @@ $LLMFT_PROBE_LISTING=1: listing-at-save-N.json, what --output_dir held when chec
   before it was published complete: {"checkpoint-K": true if complete else false}.
 $LLMFT_PROBE_SYNCS=1 counts the host reads of tensors inside each optimizer step's micro-batches, by call site
 (tests/sync_counter.py), and writes syncs.json: {"micro_batches": n, "sites": {site: count}}.
+$LLMFT_PROBE_TRAINED=1: trained.jsonl, one line per micro-batch rank 0 trains: {"step": global step before it,
+  "rows": the first 8 token ids of each row rank 0 holds} (under --sequence_parallel, rank 0's shard is each row's
+  first part: the sample's identity); a resumed run appends to the same file.
 $LLMFT_PROBE_COMMS=1 (with a DeepSpeed config whose comms_logger is enabled): comms.json, the collectives DeepSpeed
 logged in optimizer steps 2 and 3: {op: {message bytes: count}}.
 """
@@ -69,6 +72,17 @@ class ProbedTrainer(trl.SFTTrainer):
     def __init__(self, *args, callbacks=None, **kwargs):
         probe = [] if os.environ.get("LLMFT_PROBE_MOMENTS") == "0" else [Probe(Path(os.environ["LLMFT_PROBE_DIR"]))]
         super().__init__(*args, callbacks=[*(callbacks or []), *probe], **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if os.environ.get("LLMFT_PROBE_TRAINED") and self.args.process_index == 0:
+            import json
+
+            out = Path(os.environ["LLMFT_PROBE_DIR"])
+            out.mkdir(parents=True, exist_ok=True)
+            rows = [row[:8].tolist() for row in inputs["input_ids"]]
+            with open(out / "trained.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.state.global_step, "rows": rows}) + "\n")
+        return super().training_step(model, inputs, num_items_in_batch)
 
 
 def _zero_lora_b_after_save(original):

@@ -6,7 +6,10 @@ which starts once this one has ended and resumes from the newest complete checkp
 default) still lets PBS itself rerun the job after a node failure, and an operator's `qrerun` works as on any job.
 
 The continuation is the same job: the same script (copied into the run directory when the job starts), resources
-(select, place, walltime), name, queue and output options, and the same variables, which travel in a JSON file in
+(select, place, walltime, and every other `-l` resource the job was submitted with, read from `qstat -f`'s
+Submit_arguments), account (`-A`), project (`-P`), group list (`-W group_list`), name, queue and output options,
+its Python (VENV: the knob, else the virtual environment the launcher itself runs in, so a `qsub -V` submission's
+continuation does not fall back to python3), and the same variables, which travel in a JSON file in
 the run directory (`qsub -v` cannot carry values with commas safely) and are read back as data, never as shell.
 It trains in the same run directory (a sweep element: its variant's, with the variant's flags), and logs to the
 same W&B run.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -56,15 +60,20 @@ def qsub_command(
     job: Mapping, job_id: str, script: Path, variables_file: Path, attempt: int, venv: str = ""
 ) -> list[str]:
     """`qsub` for the continuation, as an argument list (no shell): after this job ends (afterany), with its
-    resources, name, queue and output options. An output file the user named gets `.<attempt>` so the logs of
-    the earlier jobs are kept; PBS's default name carries the new job's id anyway."""
-    resources = job.get("Resource_List", {})
+    resources (kept_resources), account, project, group list, name, queue and output options. An output file the
+    user named gets `.<attempt>` so the logs of the earlier jobs are kept; PBS's default name carries the new job's id
+    anyway."""
     cmd = ["qsub", "-W", f"depend=afterany:{job_id}", "-N", str(job.get("Job_Name", "llmft"))]
     if job.get("queue"):
         cmd += ["-q", str(job["queue"])]
-    for key in ("select", "place", "walltime"):
-        if resources.get(key):
-            cmd += ["-l", f"{key}={resources[key]}"]
+    for key, value in kept_resources(job):
+        cmd += ["-l", f"{key}={value}"]
+    if job.get("Account_Name"):
+        cmd += ["-A", str(job["Account_Name"])]
+    if job.get("project") and job["project"] != DEFAULT_PROJECT:
+        cmd += ["-P", str(job["project"])]
+    if job.get("group_list"):
+        cmd += ["-W", f"group_list={job['group_list']}"]
     cmd += ["-r", "y" if str(job.get("Rerunable", "True")).lower() in ("true", "y") else "n"]
     if job.get("Join_Path") and job["Join_Path"] != "n":
         cmd += ["-j", str(job["Join_Path"])]
@@ -79,6 +88,46 @@ def qsub_command(
     passed = f"{CONTINUE_ENV}={variables_file}" + (f",VENV={venv}" if venv and "," not in venv else "")
     cmd += ["-v", passed, str(script)]
     return cmd
+
+
+DEFAULT_PROJECT = "_pbs_project_default"  # what qstat -f names a job submitted without -P
+
+
+def user_resources(submit_arguments: str) -> dict[str, str]:
+    """The `-l` resources in a job's Submit_arguments (qstat -f), as given: `-l a=1,b=2`, `-la=1`; read as data."""
+    try:
+        words = shlex.split(submit_arguments)
+    except ValueError:
+        return {}
+    out: dict[str, str] = {}
+    for i, word in enumerate(words):
+        if word == "-l" and i + 1 < len(words):
+            given = words[i + 1]
+        elif word.startswith("-l") and len(word) > 2:
+            given = word[2:]
+        else:
+            continue
+        for item in given.split(","):
+            key, sep, value = item.partition("=")
+            if sep and key:
+                out[key] = value
+    return out
+
+
+def kept_resources(job: Mapping) -> list[tuple[str, str]]:
+    """The resources the continuation asks for: select, place and walltime as the job has them (its #PBS lines
+    included), then every other `-l` resource it was submitted with, as PBS holds it (Resource_List). A chunk resource
+    the select statement carries already (ncpus, mem, ...), and `nodes` beside a select, are left to the select: PBS
+    turned them into it, and refuses both."""
+    resources = job.get("Resource_List", {})
+    kept = [(key, str(resources[key])) for key in ("select", "place", "walltime") if resources.get(key)]
+    select = str(resources.get("select", ""))
+    in_select = set(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=", select)) | ({"nodes"} if select else set())
+    for key, value in user_resources(str(job.get("Submit_arguments", ""))).items():
+        if key in ("select", "place", "walltime") or key in in_select:
+            continue
+        kept.append((key, str(resources.get(key, value))))
+    return kept
 
 
 def write_variables(path: Path, values: Mapping[str, str]) -> None:

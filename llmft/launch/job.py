@@ -1,5 +1,6 @@
 """What a job does on any scheduler: its run directory's name and state, the `llmft plan` and `llmft train`
-arguments its knobs make, the plan's launch line, and its container's mounts.
+arguments its knobs make, the plan's launch line, its container's mounts, its network (NCCL_PROFILE) and its data
+preparation (PREPARE).
 
 llmft.launch.slurm and llmft.launch.pbs are the two schedulers' jobs over this module; what differs between them
 (reading the allocation, starting one launcher per node, stopping and continuing) stays in each.
@@ -8,6 +9,7 @@ llmft.launch.slurm and llmft.launch.pbs are the two schedulers' jobs over this m
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import signal
 import socket
@@ -213,6 +215,108 @@ def launch_line(plan_out: str) -> dict[str, str]:
                 )
             return pairs
     raise JobError("llmft plan printed no 'llmft launch:' line")
+
+
+# NCCL network profiles (NCCL_* you set yourself win).
+NCCL_PROFILES: dict[str, tuple[tuple[str, str], ...]] = {
+    # G2 (L4) VMs: no GPUDirect-TCPX; NCCL over plain TCP sockets on gVNIC
+    "gcp-g2": (
+        ("NCCL_NET", "Socket"),
+        ("NCCL_IB_DISABLE", "1"),
+        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
+        ("NCCL_NSOCKS_PERTHREAD", "4"),
+        ("NCCL_SOCKET_NTHREADS", "2"),
+    ),
+    # EFA through libfabric and the aws-ofi-nccl plugin (installed with the EFA driver / DLAMI); every node is checked
+    # for the plugin before launch, and NCCL_NET names it so NCCL never falls back to sockets
+    "aws-efa": (
+        ("NCCL_NET_PLUGIN", "ofi"),
+        ("NCCL_NET", "AWS Libfabric"),
+        ("FI_PROVIDER", "efa"),
+        ("FI_EFA_USE_DEVICE_RDMA", "1"),
+        ("FI_EFA_FORK_SAFE", "1"),
+        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
+    ),
+    # a3-highgpu-8g (8 x H100): GPUDirect-TCPX over its 4 data NICs, with Google's NCCL plugin and the
+    # receive-datapath-manager (RxDM) on each node (checked before launch); values from Google's A3 guide
+    "gcp-tcpx": (
+        ("NCCL_NET", "GPUDirectTCPX_v7"),
+        ("NCCL_SOCKET_IFNAME", "eth0"),
+        ("NCCL_GPUDIRECTTCPX_CTRL_DEV", "eth0"),
+        ("NCCL_GPUDIRECTTCPX_SOCKET_IFNAME", "eth1,eth2,eth3,eth4"),
+        ("NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX", "/run/tcpx"),
+        ("NCCL_CROSS_NIC", "0"),
+        ("NCCL_ALGO", "Ring"),
+        ("NCCL_PROTO", "Simple"),
+        ("NCCL_NSOCKS_PERTHREAD", "4"),
+        ("NCCL_SOCKET_NTHREADS", "1"),
+        ("NCCL_NET_GDR_LEVEL", "PIX"),
+        ("NCCL_P2P_PXN_LEVEL", "0"),
+        ("NCCL_DYNAMIC_CHUNK_SIZE", "524288"),
+        ("NCCL_P2P_NET_CHUNKSIZE", "524288"),
+        ("NCCL_P2P_PCI_CHUNKSIZE", "524288"),
+        ("NCCL_P2P_NVL_CHUNKSIZE", "1048576"),
+        ("NCCL_BUFFSIZE", "4194304"),
+        ("NCCL_GPUDIRECTTCPX_PROGRAM_FLOW_STEERING_WAIT_MICROS", "500000"),
+    ),
+    # InfiniBand (Mellanox/NVIDIA HCAs), GPUDirect RDMA where the topology allows
+    "ib": (
+        ("NCCL_IB_DISABLE", "0"),
+        ("NCCL_IB_HCA", "mlx5"),
+        ("NCCL_NET_GDR_LEVEL", "PHB"),
+        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
+    ),
+}
+
+
+def network_variables(profile: str, run_dir: Path, job_id: str, existing: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Every rank's network variables: the NCCL profile's, then NCCL's flight recorder (torch reads these): each rank
+    keeps its last 2000 collectives and, when one times out (llmft.planning.collective_timeout sizes it), dumps them to
+    CHECKPOINT_DIR/nccl_trace/<job>_rank_<N> for `python -m torch.distributed.flight_recorder.fr_trace`. A variable
+    already set in `existing` (yours) keeps its value."""
+    pairs = NCCL_PROFILES.get(profile, ())
+    pairs += (
+        ("TORCH_FR_BUFFER_SIZE", "2000"),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+        ("TORCH_FR_DUMP_TEMP_FILE", f"{run_dir}/nccl_trace/{job_id}_rank_"),
+    )
+    return [(name, existing.get(name) or value) for name, value in pairs]
+
+
+def has_efa(sysfs: str) -> bool:
+    """An Elastic Fabric Adapter on this node: an RDMA device bound to the efa driver (LLMFT_SYSFS_ROOT: tests)."""
+    root = Path(sysfs) / "class" / "infiniband"
+    return any(Path(os.path.realpath(d / "device" / "driver")).name == "efa" for d in sorted(root.glob("*")))
+
+
+def fabric_check(profile: str, env: Mapping[str, str]) -> None:
+    """NCCL_PROFILE=aws-efa on a node without EFA, refused on the job's first node before anything else runs."""
+    sysfs = env.get("LLMFT_SYSFS_ROOT") or "/sys"
+    if profile == "aws-efa" and not has_efa(sysfs):
+        raise JobError(
+            f"NCCL_PROFILE=aws-efa, but node {socket.gethostname().split('.')[0]} has no EFA device (no RDMA device "
+            f"with the efa driver in {sysfs}/class/infiniband); only some instance types have EFA (p4d, p5, ...; not "
+            "g6): leave NCCL_PROFILE empty there"
+        )
+
+
+def fabric_probe(profile: str) -> list[str]:
+    """The allocation probe's arguments that check every node has the profile's NCCL plugin (llmft plan refuses a
+    node without it, naming it)."""
+    return ["--fabric", profile] if profile in ("aws-efa", "gcp-tcpx") else []
+
+
+def prepare_data(
+    runner: Sequence[str], train: Sequence[str], say: Callable[[str], None], env: Mapping[str, str] | None = None
+) -> bool:
+    """PREPARE=1: the data tokenised once (llmft prepare with the training's flags, into LLMFT_CACHE) before the GPUs
+    start. `runner` is the command that starts llmft's Python on this node (in the container where there is one)."""
+    cache = (env or os.environ).get("LLMFT_CACHE", "")
+    say(f"preparing the data (llmft prepare, cache {cache})")
+    rc = subprocess.run([*runner, "-m", "llmft.prepare", *train], env=None if env is None else dict(env)).returncode
+    if rc != 0:
+        say(f"not launching: llmft prepare failed (exit {rc})")
+    return rc == 0
 
 
 class Stop:

@@ -120,8 +120,8 @@ def known_knobs() -> str:
 
 def unknown_knob_message(name: str, source: str) -> str:
     close = difflib.get_close_matches(name, NAMES, n=1, cutoff=0.8)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    return f"unknown knob '{name}' in '{source}'{hint} {known_knobs()}"
+    hint = f" did you mean {close[0]}?" if close else ""
+    return f"unknown knob '{name}' in '{source}';{hint} {known_knobs()}"
 
 
 def from_arguments(args: Sequence[str]) -> dict[str, str]:

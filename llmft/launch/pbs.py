@@ -42,11 +42,15 @@ from llmft.launch.job import (
     container_mounts,
     export_after_training,
     export_command,
+    fabric_check,
+    fabric_probe,
     given,
     launch_line,
+    network_variables,
     newest_complete_step,
     plan_arguments,
     port_taken,
+    prepare_data,
     run_key,
     run_paths,
     safe_name,
@@ -305,6 +309,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     submit_dir = Path(env.get("PBS_O_WORKDIR") or Path.cwd())
     job = qstat_job(job_id)
     unknown_in_variable_list(list(job.get("Variable_List", {})), "qsub -v")
+    fabric_check(k["NCCL_PROFILE"], env)
     select = str(job.get("Resource_List", {}).get("select", "1:ncpus=1"))
     hosts = job_hosts(env)
     run_dir = run_directory(k, env, submit_dir, job_id)
@@ -320,20 +325,15 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     run_count = int(job.get("run_count", 1) or 1)
     say_start(k, env, job_id, run_count, submit_dir, run_dir, python)
 
-    node_env = job_environment(k, env, run_dir, submit_dir, files)
-    if node_env["LLMFT_REPORT_TO"] == "wandb":
-        node_env.update(wandb_environment(python, run_dir, {**os.environ, **node_env}))
-        say(
-            f"W&B run {node_env.get('WANDB_NAME', '')} (id {node_env.get('WANDB_RUN_ID', '')}, group "
-            f"{node_env.get('WANDB_RUN_GROUP', '')}) in project {k['WANDB_PROJECT']}, mode {node_env.get('WANDB_MODE', '')}"
-        )
+    node_env = node_environment(k, env, run_dir, submit_dir, files, job_id, python)
     env_file = run_dir / f".llmft-env-{job_id}.json"
     gpus = per_node(select, "ngpus", 0)
     node_env["LLMFT_NODE_GPUS"] = str(gpus)
     node_env.update(select_memory(select))
     env_file.write_text(json.dumps(node_env))
     inside, create = container_prefix(k, env, job_id, run_paths(k, submit_dir, run_dir, node_env), node_env, gpus)
-    probe_nodes(hosts, env_file, files["nodes"], [*create, "--", *inside, python, "-m", "llmft.planning.allocation"])
+    allocation = [python, "-m", "llmft.planning.allocation", *fabric_probe(k["NCCL_PROFILE"])]
+    probe_nodes(hosts, env_file, files["nodes"], [*create, "--", *inside, *allocation])
     plan = subprocess.run(
         [*inside, python, "-m", "llmft.plan", *plan_arguments(k, run_dir, files["nodes"], len(hosts), gpus)],
         capture_output=True,
@@ -361,11 +361,15 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     kill_delay = queue_kill_delay(str(job.get("queue", "workq")))
     node_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout(kill_delay)))
     env_file.write_text(json.dumps(node_env))
-    torchrun = torchrun_command(k, python, run_dir, launch, hosts, job_id, node_env)
+    train = train_flags(k, run_dir, launch, node_env)
+    torchrun = torchrun_command(k, python, launch, hosts, job_id, node_env, train)
     say(
         f"kill chain: PBS sends SIGKILL {kill_delay:g} s after SIGTERM (kill_delay); torchrun waits "
         f"{node_env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s for its ranks"
     )
+    if k.flag("PREPARE") and not k.flag("DRY_RUN"):
+        if not prepare_data([*inside, python], train, say, {**os.environ, **node_env}):
+            return 2
     if k.flag("DRY_RUN"):
         say("DRY_RUN=1: not launching")
         return 0
@@ -486,15 +490,20 @@ def probe_nodes(hosts, env_file: Path, nodes_file: Path, command: list[str]) -> 
     nodes_file.write_text("".join(lines))
 
 
-def torchrun_command(k, python, run_dir, launch, hosts, job_id, node_env) -> list[str]:
-    """The torchrun every node runs, said with the world it makes."""
+def train_flags(k, run_dir, launch, node_env) -> list[str]:
+    """llmft train's flags: the knobs', the plan's CPU split unless EXTRA_ARGS sets the same flag (yours wins), then
+    EXTRA_ARGS and a sweep variant's."""
     train = train_arguments(k, run_dir, node_env.get("LLMFT_REPORT_TO", "none"))
     for flag in ("dataloader_num_workers", "dataset_num_proc"):
         if not given(k.extra_args, f"--{flag}"):
             train += [f"--{flag}", launch[flag]]
     if k["SAVE_TOTAL_LIMIT"] != "0" and not given(k.extra_args, "--save_total_limit"):
         train += ["--save_total_limit", k["SAVE_TOTAL_LIMIT"]]
-    train += k.extra_args
+    return train + k.extra_args
+
+
+def torchrun_command(k, python, launch, hosts, job_id, node_env, train: list[str]) -> list[str]:
+    """The torchrun every node runs, said with the world it makes."""
     rdzv_host = hosts[0][0]
     try:
         rdzv_host = socket.gethostbyname(rdzv_host)
@@ -592,6 +601,14 @@ def after_training(
     return Outcome(rc)
 
 
+def python_venv(k: Knobs) -> str:
+    """The continuation's VENV: the knob, else the virtual environment this launcher runs in (pbs/run_llm.pbs chose
+    it from VIRTUAL_ENV, as after `qsub -V`, which a continuation does not have), else none (python3)."""
+    if k["VENV"]:
+        return str(Path(k["VENV"]).absolute())
+    return sys.prefix if sys.prefix != sys.base_prefix else ""
+
+
 def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None:
     """Submit the continuation (llmft.launch.continuation): this job again, after it ends, from the same run."""
     values = continuation.variables(job, env, run_dir, k.extra_args, node_env)
@@ -601,8 +618,7 @@ def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None
     values["LLMFT_CONTINUATIONS"] = str(attempt)
     variables_file = run_dir / f".llmft-continue-{attempt}.json"
     continuation.write_variables(variables_file, values)
-    venv = str(Path(k["VENV"]).absolute()) if k["VENV"] else ""
-    cmd = continuation.qsub_command(job, job_id, run_dir / ".llmft-job.pbs", variables_file, attempt, venv)
+    cmd = continuation.qsub_command(job, job_id, run_dir / ".llmft-job.pbs", variables_file, attempt, python_venv(k))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=env.get("PBS_O_WORKDIR") or None)
     if proc.returncode != 0:
         say(
@@ -611,6 +627,22 @@ def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None
         )
         return
     say(f"continuation submitted: job {proc.stdout.strip()} starts after {job_id} ends, from {run_dir}")
+
+
+def node_environment(k, env, run_dir, submit_dir, files, job_id, python) -> dict[str, str]:
+    """What every node runs with: the job's variables, the network's (NCCL_PROFILE and the flight recorder,
+    llmft.launch.job.network_variables, each said) and W&B's."""
+    node_env = job_environment(k, env, run_dir, submit_dir, files)
+    for name, value in network_variables(k["NCCL_PROFILE"], run_dir, job_id, {**env, **node_env}):
+        node_env[name] = value
+        say(f"nccl {name}={value}")
+    if node_env["LLMFT_REPORT_TO"] == "wandb":
+        node_env.update(wandb_environment(python, run_dir, {**os.environ, **node_env}))
+        say(
+            f"W&B run {node_env.get('WANDB_NAME', '')} (id {node_env.get('WANDB_RUN_ID', '')}, group "
+            f"{node_env.get('WANDB_RUN_GROUP', '')}) in project {k['WANDB_PROJECT']}, mode {node_env.get('WANDB_MODE', '')}"
+        )
+    return node_env
 
 
 def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:

@@ -137,16 +137,28 @@ from llmft.launch.job import (
     container_mounts,
     export_after_training,
     export_command,
+    fabric_check,
+    fabric_probe,
     given,
     launch_line,
+    network_variables,
     newest_complete_step,
     plan_arguments,
+    prepare_data,
     run_key,
     run_paths,
     safe_name,
     train_arguments,
 )
-from llmft.launch.knobs import NAMES, Knobs, default_dataset_warning, defaults_line, model_is_local, resolve
+from llmft.launch.knobs import (
+    NAMES,
+    Knobs,
+    default_dataset_warning,
+    defaults_line,
+    model_is_local,
+    resolve,
+    unknown_knob_message,
+)
 
 ME = "run_llm.slurm"
 HELP = __doc__
@@ -205,9 +217,9 @@ def knob_item(item: str, source: str, into: dict[str, str]) -> None:
         if item in NAMES:
             return  # --export=ALL,NAME: the variable as it is
         not_a_name(item, source)
-        raise SlurmJobError(f"unknown knob '{item}' in '{source}'; {known()}")
+        raise SlurmJobError(unknown_knob_message(item, source))
     if key not in NAMES:
-        raise SlurmJobError(f"unknown knob '{key}' in '{source}'; {known()}")
+        raise SlurmJobError(unknown_knob_message(key, source))
     into[key] = value
 
 
@@ -397,12 +409,6 @@ def run(cmd: Sequence[str], timeout: float | None = None) -> subprocess.Complete
         return None
 
 
-def has_efa(sysfs: str) -> bool:
-    """An Elastic Fabric Adapter on this node: an RDMA device bound to the efa driver (LLMFT_SYSFS_ROOT: tests)."""
-    root = Path(sysfs) / "class" / "infiniband"
-    return any(Path(os.path.realpath(d / "device" / "driver")).name == "efa" for d in sorted(root.glob("*")))
-
-
 def host_checks(k: Knobs, env: Mapping[str, str]) -> None:
     """What the batch host checks before it touches the run directory."""
     if env.get("SLURM_EXPORT_ENV"):  # sbatch's own --export=... drops what follows a comma inside a value
@@ -416,13 +422,7 @@ def host_checks(k: Knobs, env: Mapping[str, str]) -> None:
                 f"CONTAINER_IMAGE={k['CONTAINER_IMAGE']} needs the pyxis SPANK plugin, and this cluster's srun has no "
                 "--container-image"
             )
-    sysfs = env.get("LLMFT_SYSFS_ROOT") or "/sys"
-    if k["NCCL_PROFILE"] == "aws-efa" and not has_efa(sysfs):
-        raise SlurmJobError(
-            f"NCCL_PROFILE=aws-efa, but node {socket.gethostname().split('.')[0]} has no EFA device (no RDMA device "
-            f"with the efa driver in {sysfs}/class/infiniband); only some instance types have EFA (p4d, p5, ...; not "
-            "g6): leave NCCL_PROFILE empty there"
-        )
+    fabric_check(k["NCCL_PROFILE"], env)
 
 
 def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> tuple[Path, list[str]]:
@@ -499,73 +499,12 @@ def rendezvous(first: str, job_id: str) -> tuple[str, int]:
     )
 
 
-# NCCL network profiles (NCCL_* you set yourself win).
-NCCL_PROFILES: dict[str, tuple[tuple[str, str], ...]] = {
-    # G2 (L4) VMs: no GPUDirect-TCPX; NCCL over plain TCP sockets on gVNIC
-    "gcp-g2": (
-        ("NCCL_NET", "Socket"),
-        ("NCCL_IB_DISABLE", "1"),
-        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
-        ("NCCL_NSOCKS_PERTHREAD", "4"),
-        ("NCCL_SOCKET_NTHREADS", "2"),
-    ),
-    # EFA through libfabric and the aws-ofi-nccl plugin (installed with the EFA driver / DLAMI); every node is checked
-    # for the plugin before launch, and NCCL_NET names it so NCCL never falls back to sockets
-    "aws-efa": (
-        ("NCCL_NET_PLUGIN", "ofi"),
-        ("NCCL_NET", "AWS Libfabric"),
-        ("FI_PROVIDER", "efa"),
-        ("FI_EFA_USE_DEVICE_RDMA", "1"),
-        ("FI_EFA_FORK_SAFE", "1"),
-        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
-    ),
-    # a3-highgpu-8g (8 x H100): GPUDirect-TCPX over its 4 data NICs, with Google's NCCL plugin and the
-    # receive-datapath-manager (RxDM) on each node (checked before launch); values from Google's A3 guide
-    "gcp-tcpx": (
-        ("NCCL_NET", "GPUDirectTCPX_v7"),
-        ("NCCL_SOCKET_IFNAME", "eth0"),
-        ("NCCL_GPUDIRECTTCPX_CTRL_DEV", "eth0"),
-        ("NCCL_GPUDIRECTTCPX_SOCKET_IFNAME", "eth1,eth2,eth3,eth4"),
-        ("NCCL_GPUDIRECTTCPX_UNIX_CLIENT_PREFIX", "/run/tcpx"),
-        ("NCCL_CROSS_NIC", "0"),
-        ("NCCL_ALGO", "Ring"),
-        ("NCCL_PROTO", "Simple"),
-        ("NCCL_NSOCKS_PERTHREAD", "4"),
-        ("NCCL_SOCKET_NTHREADS", "1"),
-        ("NCCL_NET_GDR_LEVEL", "PIX"),
-        ("NCCL_P2P_PXN_LEVEL", "0"),
-        ("NCCL_DYNAMIC_CHUNK_SIZE", "524288"),
-        ("NCCL_P2P_NET_CHUNKSIZE", "524288"),
-        ("NCCL_P2P_PCI_CHUNKSIZE", "524288"),
-        ("NCCL_P2P_NVL_CHUNKSIZE", "1048576"),
-        ("NCCL_BUFFSIZE", "4194304"),
-        ("NCCL_GPUDIRECTTCPX_PROGRAM_FLOW_STEERING_WAIT_MICROS", "500000"),
-    ),
-    # InfiniBand (Mellanox/NVIDIA HCAs), GPUDirect RDMA where the topology allows
-    "ib": (
-        ("NCCL_IB_DISABLE", "0"),
-        ("NCCL_IB_HCA", "mlx5"),
-        ("NCCL_NET_GDR_LEVEL", "PHB"),
-        ("NCCL_SOCKET_IFNAME", "^lo,docker"),
-    ),
-}
-
-
 def network_environment(profile: str, run_dir: Path, job_id: str) -> None:
-    """The NCCL profile's variables, then NCCL's flight recorder (torch reads these): each rank keeps its last 2000
-    collectives and, when one times out (llmft.planning.collective_timeout sizes it), dumps them to
-    CHECKPOINT_DIR/nccl_trace/<job>_rank_<N> for `python -m torch.distributed.flight_recorder.fr_trace`. Each is set
-    unless already set, and said."""
-    pairs = NCCL_PROFILES.get(profile, ())
-    pairs += (
-        ("TORCH_FR_BUFFER_SIZE", "2000"),
-        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
-        ("TORCH_FR_DUMP_TEMP_FILE", f"{run_dir}/nccl_trace/{job_id}_rank_"),
-    )
-    for name, value in pairs:
-        if not os.environ.get(name):
-            os.environ[name] = value
-        say(f"nccl {name}={os.environ[name]}")
+    """The NCCL profile's variables and the flight recorder's (llmft.launch.job.network_variables) in this job's
+    environment, which srun passes to every node; each said."""
+    for name, value in network_variables(profile, run_dir, job_id, os.environ):
+        os.environ[name] = value
+        say(f"nccl {name}={value}")
 
 
 def container_arguments(k: Knobs, submit_dir: Path, run_dir: Path, job_id: str) -> list[str]:
@@ -719,7 +658,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         return 2
     launch, kill_out = planned
     train, srun_args = launch_arguments(k, env, a, launch, report_to, sweep_flags, container)
-    if k.flag("PREPARE") and not k.flag("DRY_RUN") and not prepare(a, runner, train):
+    if k.flag("PREPARE") and not k.flag("DRY_RUN") and not prepare_data([*runner, a.python], train, say):
         return 2
     if report_to == "wandb":
         wandb_run(k, a, runner)
@@ -833,7 +772,7 @@ def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], run
     kill chain, before anything expensive runs: (the plan's launch line, the kill chain's lines), or None when the
     plan refused the job (it said why)."""
     nodes_file = a.run_dir / f".llmft-nodes-{a.job_id}"
-    probe = ["--fabric", k["NCCL_PROFILE"]] if k["NCCL_PROFILE"] in ("aws-efa", "gcp-tcpx") else []
+    probe = fabric_probe(k["NCCL_PROFILE"])
     # --mem=0: all the job's memory on the node; --whole: all its CPUs there, as training gets (the NUMA check)
     with open(nodes_file, "w") as out:
         probe_rc = subprocess.run(
@@ -902,15 +841,6 @@ def launch_arguments(k, env, a: Attempt, launch, report_to, sweep_flags, contain
         f"{launch['cpus_per_node']}; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     )
     return train, srun_args
-
-
-def prepare(a: Attempt, runner: list[str], train: list[str]) -> bool:
-    """PREPARE=1: the data tokenised once (llmft prepare, in LLMFT_CACHE) before the GPUs start."""
-    say(f"preparing the data (llmft prepare, cache {os.environ['LLMFT_CACHE']})")
-    rc = subprocess.run([*runner, a.python, "-m", "llmft.prepare", *train]).returncode
-    if rc != 0:
-        say(f"not launching: llmft prepare failed (exit {rc})")
-    return rc == 0
 
 
 def wandb_run(k: Knobs, a: Attempt, runner: list[str]) -> None:

@@ -9,12 +9,17 @@ Submitted as an array of as many elements as variants: `qsub -J 1-3 ... pbs/run_
 its flags after EXTRA_ARGS (so a swept flag wins over the same flag there). The sweep directory holds
 llmft_sweep.json, which `llmft report <sweep directory>` reads to compare the variants.
 
+Each flag must be one of `llmft train`'s (llmft.training.flag_policy.POLICY, the table tests/test_flags.py holds to
+llmft train's own parser; standard library only, so the dry run and the job check it with any python3): a misspelt
+one is refused, with "did you mean", in the dry run and in every element before anything trains.
+
 A value cannot hold a comma inside `--export=...` or `-v ...` (the schedulers split there): quote the whole
 value (`qsub -v "SWEEP='learning_rate=1e-5,3e-5'"`), or pass SWEEP=... as an argument after the script.
 """
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import re
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
+from llmft.training.flag_policy import POLICY, REFUSED
 
 SWEEP_FILE = "llmft_sweep.json"
 # Flags the job sets from its knobs and run directory: a variant changing one would train somewhere else, or
@@ -57,6 +63,7 @@ def parse(text: str) -> list[Variant]:
         flag = flag.removeprefix("--")
         if not sep or not _FLAG.fullmatch(flag):
             raise SweepError(f"SWEEP={text}: '{part}' is not FLAG=VALUE,VALUE,...; {EXAMPLE}")
+        check_flag(text, flag)
         if flag in SET_BY_THE_JOB:
             raise SweepError(
                 f"SWEEP={text}: --{flag} is set by the job from its knobs and cannot vary within one sweep; submit a "
@@ -76,6 +83,17 @@ def parse(text: str) -> list[Variant]:
     if len(combos) < 2:
         raise SweepError(f"SWEEP={text} has one variant: that is one run; drop SWEEP and give the flag in EXTRA_ARGS")
     return [Variant(i, "_".join(f"{f}-{v}" for f, v in combo), tuple(combo)) for i, combo in enumerate(combos, 1)]
+
+
+def check_flag(text: str, flag: str) -> None:
+    """A swept flag `llmft train` does not take, or refuses, would fail every element after its wait in the queue."""
+    if flag not in POLICY:
+        close = difflib.get_close_matches(flag, sorted(POLICY), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "llmft train --help lists its flags"
+        raise SweepError(f"SWEEP={text}: --{flag} is not a flag of llmft train; {hint}")
+    kind, why = POLICY[flag]
+    if kind == REFUSED:
+        raise SweepError(f"SWEEP={text}: llmft train refuses --{flag} other than its default: {why}")
 
 
 def element(variants: list[Variant], index: str | None, first: str | None, last: str | None, submit: str) -> Variant:

@@ -88,6 +88,11 @@ def zero_stage_of(config: dict[str, Any]) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
 
 
+def reduce_scatter(config: dict[str, Any]) -> bool:
+    """Whether ZeRO reduces gradients with a reduce-scatter (DeepSpeed's default, true)."""
+    return config.get("zero_optimization", {}).get("reduce_scatter", True) is not False
+
+
 def offloads(config: dict[str, Any]) -> bool:
     zero = config.get("zero_optimization", {})
     return any(

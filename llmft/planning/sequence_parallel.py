@@ -16,7 +16,8 @@ module holds the decisions, as pure functions:
   the gathered loss of the whole sequence, and DeepSpeed then sums, not averages, over the sequence group).
   Measured on CPU with plain SGD (2 ranks, N=2, one data-parallel group, against 1 rank on the same samples): the
   grad norm was 2.0x and the second step's loss differed; ZeRO-3 matched (tests/test_sequence_parallel.py).
-  DeepSpeed issue #5248 reports the same factor. `gradient_scale` says what llmft multiplies the loss's gradient by.
+  DeepSpeed issue #5248 reports the same factor. `gradient_scale` says what llmft multiplies the loss's gradient by,
+  and refuses ZeRO-3 with `reduce_scatter: false`, whose buckets mix both behaviours.
 """
 
 from __future__ import annotations
@@ -130,10 +131,21 @@ def pad_to_multiple_of(sequence_parallel: int, given: int | None, cuda: bool, ma
     return -(-max_length // n) * n
 
 
-def gradient_scale(zero_stage: int, sequence_parallel: int) -> float:
+def gradient_scale(zero_stage: int, sequence_parallel: int, reduce_scatter: bool = True) -> float:
     """What the loss's gradient is multiplied by so a sequence-parallel step equals the same step without it: 1/N
     under ZeRO 0-2 (DeepSpeed sums their gradients over the sequence group), 1 under ZeRO-3 (it averages). Measured,
-    see the module docstring."""
-    if sequence_parallel == 1 or zero_stage == 3:
+    see the module docstring. ZeRO-3 with `reduce_scatter: false` is refused: DeepSpeed 0.19.8 (stage3.py) then
+    all-reduces each bucket that fits `reduce_bucket_size` in its contiguous buffer divided by world / N, as ZeRO-1/2
+    do (summed over the sequence group), but still reduce-scatters, averaged, a parameter larger than the bucket, so
+    no one scale is right: on CPU (2 ranks, N=2, the tiny Llama) its grad norm was 1.49x the 1-rank run's."""
+    if sequence_parallel == 1:
+        return 1.0
+    if zero_stage == 3 and not reduce_scatter:
+        raise SequenceParallelError(
+            "--sequence_parallel under ZeRO-3 with reduce_scatter: false in the DeepSpeed config would scale some "
+            "gradients N times too large (DeepSpeed sums small buckets over the sequence group and averages large "
+            "parameters): remove reduce_scatter: false from the config, or use --zero_stage 2"
+        )
+    if zero_stage == 3:
         return 1.0
     return 1.0 / sequence_parallel

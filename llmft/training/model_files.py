@@ -80,7 +80,7 @@ def model_init_kwargs(
 
 
 def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cuda: bool, max_length, resume):
-    """The SFTConfig the Trainer runs with: the user's, with what llmft decided (flags.POLICY names each field)."""
+    """The SFTConfig the Trainer runs with: the user's, with what llmft decided (flag_policy.POLICY names each field)."""
     return dataclasses.replace(
         training_args,
         deepspeed=resolved_ds_config,
