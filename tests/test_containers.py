@@ -79,3 +79,33 @@ def test_gpu_jobs_pass_their_gpus_through_the_containers_environment():
     assert pbs.container_gpu_env(command, {})["NVIDIA_VISIBLE_DEVICES"] == "all"
     site = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility,video"}
     assert pbs.container_gpu_env(command, site) == site
+
+
+def test_a_slurm_gpu_jobs_pyxis_steps_carry_the_variables_enroots_hook_reads(tmp_path, monkeypatch, capsys):
+    """pyxis hands each step's environment to enroot, whose nvidia hook mounts GPUs only when NVIDIA_VISIBLE_DEVICES is
+    set (its capabilities default to utility: no CUDA): a GPU job sets all and compute,utility unless already set
+    (an image that sets neither still gets its GPUs); a CPU job sets neither (the hook would need nvidia-container-cli).
+    """
+    from llmft.launch import knobs, slurm
+
+    for name in ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "SLURM_GPUS_ON_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    image = tmp_path / "image.sqsh"
+    image.write_bytes(b"")
+    k = knobs.resolve({"CONTAINER_IMAGE": str(image), "CHECKPOINT_DIR": str(tmp_path / "ckpt")}, cwd=tmp_path)
+
+    args = slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7")
+    assert f"--container-image={image}" in args and "NVIDIA_VISIBLE_DEVICES" not in slurm.os.environ
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
+    slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7")
+    assert slurm.os.environ["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert slurm.os.environ["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert (
+        "container GPUs: NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility"
+        in capsys.readouterr().out
+    )
+    monkeypatch.setenv("NVIDIA_DRIVER_CAPABILITIES", "compute,utility,video")  # the user's own wins
+    slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7")
+    assert slurm.os.environ["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility,video"

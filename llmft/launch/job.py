@@ -52,6 +52,21 @@ def port_taken(host: str, port: int) -> bool:
         return False
 
 
+# enroot mounts GPUs only where its hook 98-nvidia.sh finds NVIDIA_VISIBLE_DEVICES (the job's environment first, else
+# the image's), with the driver libraries NVIDIA_DRIVER_CAPABILITIES names (the hook's default is utility alone, no CUDA).
+CONTAINER_GPU_VARIABLES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
+
+
+def container_gpu_variables(env: Mapping[str, str], devices: str) -> dict[str, str]:
+    """What a GPU job's container step needs for enroot to mount its GPUs, whatever the image sets: `devices` (PBS: this
+    node's GPUs of the job; Slurm: all, since pyxis passes Slurm's CUDA_VISIBLE_DEVICES in and the job's device cgroup
+    bounds what opens) and compute,utility (CUDA and nvidia-smi); a value the site or user set wins."""
+    return {
+        "NVIDIA_VISIBLE_DEVICES": env.get("NVIDIA_VISIBLE_DEVICES") or devices,
+        "NVIDIA_DRIVER_CAPABILITIES": env.get("NVIDIA_DRIVER_CAPABILITIES") or "compute,utility",
+    }
+
+
 def container_mounts(k: Knobs, paths: Sequence[Path]) -> list[str]:
     """SRC:DST mounts at the same paths: CONTAINER_MOUNTS first, then each path the run reads or writes that none of
     them covers (the submit dir, CHECKPOINT_DIR, HF_HOME, LLMFT_CACHE, a local MODEL, DATASET or MIXTURE)."""

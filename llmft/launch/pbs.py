@@ -36,9 +36,11 @@ from pathlib import Path
 from llmft.errors import LlmftError
 from llmft.launch import continuation, sweep
 from llmft.launch.job import (
+    CONTAINER_GPU_VARIABLES,
     JobError,
     Stop,
     claim_run_dir,
+    container_gpu_variables,
     container_mounts,
     export_after_training,
     export_command,
@@ -192,20 +194,15 @@ def container_name(job_id: str) -> str:
     return "llmft-" + safe_name(job_id.split(".")[0])
 
 
-# enroot takes GPUs through the container's environment, not an option (`enroot start` has no --nv: it exits 1 with
-# its usage): its hook 98-nvidia.sh mounts the devices NVIDIA_VISIBLE_DEVICES names, with the driver's libraries for
-# NVIDIA_DRIVER_CAPABILITIES, through nvidia-container-cli (libnvidia-container-tools on the GPU nodes).
-CONTAINER_GPU_ENV = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
-
-
 def enroot_start(enroot: str, name: str, mounts: Sequence[str], gpus: bool, env_names: Sequence[str]) -> list[str]:
     """The prefix that runs a command in the job's container: read-write (DeepSpeed and Triton write their caches),
     the run's paths mounted, llmft's variables passed, and on GPU nodes the two variables enroot's nvidia hook reads
-    (their values are each node's own: container_gpu_env)."""
+    (their values are each node's own: container_gpu_env). enroot takes GPUs through the container's environment, not
+    an option: `enroot start` has no --nv, and exits 1 with its usage on it."""
     cmd = [enroot, "start", "--rw"]
     for m in mounts:
         cmd += ["--mount", m]
-    for name_ in [*env_names, *(CONTAINER_GPU_ENV if gpus else ())]:
+    for name_ in [*env_names, *(CONTAINER_GPU_VARIABLES if gpus else ())]:
         cmd += ["--env", name_]
     return [*cmd, name]
 
@@ -216,10 +213,8 @@ def container_gpu_env(command: Sequence[str], env: dict) -> dict:
     unless the site set it; nothing for a command that passes no GPUs."""
     if "NVIDIA_VISIBLE_DEVICES" not in command:
         return {}
-    return {
-        "NVIDIA_VISIBLE_DEVICES": env.get("NVIDIA_VISIBLE_DEVICES") or env.get("CUDA_VISIBLE_DEVICES") or "all",
-        "NVIDIA_DRIVER_CAPABILITIES": env.get("NVIDIA_DRIVER_CAPABILITIES") or "compute,utility",
-    }
+    # CUDA_VISIBLE_DEVICES stays outside (CONTAINER_ENV_PREFIXES): inside, the mounted GPUs are numbered from 0
+    return container_gpu_variables(env, env.get("CUDA_VISIBLE_DEVICES") or "all")
 
 
 # ---- what this job is -------------------------------------------------------------------------------

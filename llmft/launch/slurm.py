@@ -134,6 +134,7 @@ from llmft.launch.job import (
     JobError,
     Stop,
     claim_run_dir,
+    container_gpu_variables,
     container_mounts,
     export_after_training,
     export_command,
@@ -520,6 +521,14 @@ def container_arguments(k: Knobs, submit_dir: Path, run_dir: Path, job_id: str) 
             raise SlurmJobError(
                 f"the container mount '{m}' holds a comma, which pyxis cannot take; use a path without one"
             )
+    if int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) > 0:  # pyxis hands the step's environment to enroot
+        gpus = container_gpu_variables(os.environ, "all")
+        os.environ.update(gpus)
+        say(
+            "container GPUs: "
+            + " ".join(f"{name}={value}" for name, value in gpus.items())
+            + " (enroot's nvidia hook)"
+        )
     return [
         f"--container-image={k['CONTAINER_IMAGE']}",
         f"--container-name=llmft-{job_id}",
