@@ -455,7 +455,9 @@ NF4 = {"quant_type": "nf4", "double_quant": True, "blocksize": 64, "dtype": "bfl
 
 def test_a_qlora_merge_needs_the_runs_recorded_4bit_settings_and_the_adapter_alone_needs_none():
     from llmft.checkpoint.qlora_merge import merge_settings_problem
-    from llmft.planning.qlora import recorded_settings
+    from llmft.planning.hardware import GPUS
+    from llmft.planning.qlora import QuantRequest, choose_quantization, recorded_settings
+    from llmft.training.run_identity import differences
 
     qlora = {"quantization": "4bit", "quantization_settings": NF4}
     assert merge_settings_problem(qlora, "merged") is None and merge_settings_problem(qlora, "both") is None
@@ -471,13 +473,15 @@ def test_a_qlora_merge_needs_the_runs_recorded_4bit_settings_and_the_adapter_alo
         merge_settings_problem({"quantization": None}, "merged") is None
         and merge_settings_problem({}, "merged") is None
     )
-    decided = {
-        "load_in_4bit": True,
-        "bnb_4bit_quant_type": "fp4",
-        "bnb_4bit_use_double_quant": False,
-        "bnb_4bit_compute_dtype": "float16",
-        "model_dtype": "float16",
-    }
+    decided = choose_quantization(
+        QuantRequest(load_in_4bit=True, quant_type="fp4"),
+        gpu=GPUS["T4"],
+        zero_stage=2,
+        offload=False,
+        use_peft=True,
+        precision="fp16",
+        bitsandbytes="0.50.2",
+    )
     assert recorded_settings(decided) == {
         "quant_type": "fp4",
         "double_quant": False,
@@ -488,6 +492,24 @@ def test_a_qlora_merge_needs_the_runs_recorded_4bit_settings_and_the_adapter_alo
         recorded_settings({"load_in_8bit": True, "model_dtype": "bfloat16"}) is None
         and recorded_settings(None) is None
     )
+    fp4 = {**NF4, "quant_type": "fp4"}  # a rerun into the run's directory with other 4-bit settings is another run
+    assert differences({"quantization_settings": NF4}, {"quantization_settings": fp4}) == [
+        "QLoRA 4-bit settings: quant_type nf4 -> fp4"
+    ]
+
+
+def test_a_qlora_merge_without_bitsandbytes_is_one_line_naming_the_install_and_the_adapter(monkeypatch):
+    import sys
+
+    import torch
+
+    from llmft.checkpoint.qlora_merge import quantize_round_trip
+    from llmft.checkpoint.run_dir import CheckpointError
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # not installed: importing it raises ImportError
+    with pytest.raises(CheckpointError) as e:
+        quantize_round_trip(torch.ones(4, 64), NF4, transposed=False)
+    assert "needs bitsandbytes: pip install bitsandbytes" in str(e.value) and "--lora adapter" in str(e.value)
 
 
 def _round_trip(weight, settings):
