@@ -148,8 +148,12 @@ def export_checkpoint(args, shard_bytes: int, out: Path) -> dict:
         write_adapter_dir(loaded.model, tokenizer, adapter_dir)
         directories[ADAPTER_SUBDIR if lora == "both" else "."] = "adapter"
     model = loaded.model
+    dequantized = None
     if is_lora and lora in ("merged", "both"):
-        if run_record.get("quantization"):  # QLoRA: merged into the base as training held it, dequant(quant(W))
+        if run_record.get("quantization"):
+            dequantized = run_record[
+                "quantization_settings"
+            ]  # QLoRA: merged into the base as training held it, dequant(quant(W))
             count = qlora_merge.dequantize_base(model, run_record["quantization_settings"])
             say(
                 f"QLoRA: {count} base layers quantized as the run did ({run_record['quantization_settings']}) and dequantized"
@@ -172,6 +176,7 @@ def export_checkpoint(args, shard_bytes: int, out: Path) -> dict:
         "zero_stage": loaded.ckpt.stage,
         "dtype": DTYPES[args.dtype],
         "lora": lora if is_lora else None,
+        "dequantized_base": dequantized,  # QLoRA: merged into dequant(quant(W)), quantized with these settings
         "directories": directories,
         "end_of_turn": eot,
         "stop_ids": stop_ids,

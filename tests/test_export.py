@@ -547,6 +547,12 @@ def test_a_qlora_merge_folds_the_adapter_into_the_dequantized_base_it_was_traine
     out = tmp_path / "merged"
     stderr = export(run_dir, "--out", out, "--lora", "both", "--dtype", "float32").stderr
     assert "checks passed" in stderr and "8 base layers quantized as the run did" in stderr, stderr[-2000:]
+    assert json.loads((out / "llmft_export.json").read_text())["dequantized_base"] == settings
+    double = ", double quantization" if settings["double_quant"] else ""
+    assert (
+        f"| merge | the adapter merged into the base dequantized from {settings['quant_type']} 4-bit (block size 64"
+        f"{double}, from bfloat16)" in (out / "README.md").read_text()
+    )
     weights = _tensors(out)
     adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
