@@ -466,6 +466,14 @@ def test_a_qlora_merge_needs_the_runs_recorded_4bit_settings_and_the_adapter_alo
     assert "does not record how" in unrecorded and unrecorded.endswith(
         "--lora adapter (vLLM serves it on the base with --enable-lora)"
     )
+    for broken in (
+        {**NF4, "blocksize": None},
+        {**NF4, "dtype": "int8"},
+        {k: v for k, v in NF4.items() if k != "double_quant"},
+    ):
+        assert "does not record how" in merge_settings_problem(
+            {"quantization": "4bit", "quantization_settings": broken}, "merged"
+        )
     eight = merge_settings_problem({"quantization": "8bit"}, "both")
     assert "dequantizes 4-bit bases only" in eight and "--lora adapter" in eight
     assert merge_settings_problem({"quantization": "4bit"}, "adapter") is None

@@ -15,6 +15,17 @@ QUANT_TYPES = ("nf4", "fp4")
 ADAPTER_ONLY = "export the adapter with --lora adapter (vLLM serves it on the base with --enable-lora)"
 
 
+def well_formed(settings) -> bool:
+    """Settings the merge can repeat: a 4-bit type, double quantization on or off, a block size, a float dtype."""
+    return (
+        isinstance(settings, dict)
+        and settings.get("quant_type") in QUANT_TYPES
+        and isinstance(settings.get("double_quant"), bool)
+        and settings.get("blocksize") in (32, 64, 128, 256, 512, 1024, 2048, 4096)
+        and settings.get("dtype") in ("bfloat16", "float16", "float32")
+    )
+
+
 def merge_settings_problem(run_record: dict, lora: str) -> str | None:
     """Why a QLoRA run's merge is refused, or None (not QLoRA, the adapter alone, or a 4-bit run whose settings
     llmft_run.json records, which the merge repeats)."""
@@ -24,8 +35,7 @@ def merge_settings_problem(run_record: dict, lora: str) -> str | None:
     what = f"the run trained its adapter against a {quant} base (QLoRA), so the merge dequantizes that base first"
     if quant != "4bit":
         return f"{what}, and llmft dequantizes 4-bit bases only; {ADAPTER_ONLY}"
-    settings = run_record.get("quantization_settings")
-    if not isinstance(settings, dict) or settings.get("quant_type") not in QUANT_TYPES:
+    if not well_formed(run_record.get("quantization_settings")):
         return (
             f"{what}, and its llmft_run.json does not record how (the 4-bit type, double quantization, block size: "
             f"recorded by runs since llmft export merges QLoRA); {ADAPTER_ONLY}"
