@@ -20,14 +20,13 @@ import shutil
 import sys
 from pathlib import Path
 
-from llmft.checkpoint import export_checks, model_card, publish
+from llmft.checkpoint import export_checks, model_card, publish, qlora_merge
 from llmft.checkpoint.export import (
     ADAPTER_SUBDIR,
     LORA_MODES,
     check_complete,
     check_out_dir,
     parse_shard_size,
-    quantized_merge_problem,
     read_record,
     read_run_record,
     template_stops,
@@ -134,7 +133,8 @@ def export_checkpoint(args, shard_bytes: int, out: Path) -> dict:
         raise CheckpointError(
             f"--lora {args.lora} but {tag_dir.parent} is a full fine-tune (no adapter_config.json): drop --lora"
         )
-    problem = quantized_merge_problem(read_run_record(tag_dir), lora) if source.adapter_dir is not None else None
+    run_record = read_run_record(tag_dir)
+    problem = qlora_merge.merge_settings_problem(run_record, lora) if source.adapter_dir is not None else None
     if problem:
         raise CheckpointError(problem)
     dtype = getattr(torch, DTYPES[args.dtype])
@@ -148,7 +148,16 @@ def export_checkpoint(args, shard_bytes: int, out: Path) -> dict:
         write_adapter_dir(loaded.model, tokenizer, adapter_dir)
         directories[ADAPTER_SUBDIR if lora == "both" else "."] = "adapter"
     model = loaded.model
+    dequantized = None
     if is_lora and lora in ("merged", "both"):
+        if run_record.get("quantization"):
+            dequantized = run_record[
+                "quantization_settings"
+            ]  # QLoRA: merged into the base as training held it, dequant(quant(W))
+            count = qlora_merge.dequantize_base(model, run_record["quantization_settings"])
+            say(
+                f"QLoRA: {count} base layers quantized as the run did ({run_record['quantization_settings']}) and dequantized"
+            )
         model = model.merge_and_unload().to(dtype)  # merged in fp32, then stored in the export dtype
     if not is_lora or lora in ("merged", "both"):
         written = write_model_dir(model, tokenizer, out, dtype, shard_bytes, tag_dir.parent)
@@ -167,6 +176,7 @@ def export_checkpoint(args, shard_bytes: int, out: Path) -> dict:
         "zero_stage": loaded.ckpt.stage,
         "dtype": DTYPES[args.dtype],
         "lora": lora if is_lora else None,
+        "dequantized_base": dequantized,  # QLoRA: merged into dequant(quant(W)), quantized with these settings
         "directories": directories,
         "end_of_turn": eot,
         "stop_ids": stop_ids,

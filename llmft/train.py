@@ -58,7 +58,7 @@ from llmft.planning.hardware import choose_attention, choose_liger, flash_attn_i
 from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
 from llmft.planning.op_prebuild import deepspeed_arch_list
-from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quantization
+from llmft.planning.qlora import QuantRequest, bitsandbytes_version, choose_quantization, recorded_settings
 from llmft.planning.run_plan import PlanError, RunPlan, auto_choice, make_plan, run_estimate
 from llmft.planning.speed_defaults import choose_recomputation, choose_torch_compile
 from llmft.planning.world import LaunchEnvError, discover_world, launch_problem, log, rank0
@@ -418,6 +418,7 @@ def decide_resume(run: RunSettings, decided: Decisions) -> ResumeDecision:
         ),
     )
     identity["hyperparameters"] = rerun.hyperparameters(training)  # recorded, not compared: rerun.decide
+    identity["quantization_settings"] = recorded_settings(decided.quantization)  # what `llmft export` repeats
     identity["sequence_parallel"] = plan.sequence_parallel
     if checkpoint:
         saved_sp = (run_identity.read_record(training.output_dir) or {}).get("sequence_parallel", 1)

@@ -69,6 +69,23 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def plain_model(tmp_path_factory) -> Path:
+    """The tiny model with a tokenizer without a chat template: trained on prompt/completion text it keeps none, so
+    `llmft export`'s checks compare greedy tokens without asking an undertrained model to end a chat turn."""
+    from transformers import AutoTokenizer
+
+    from llmft.data.synthetic import make_model, make_tokenizer
+
+    out = tmp_path_factory.mktemp("plain") / "model"
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = None
+    make_model(tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template is None
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A small prompt/completion JSONL dataset generated in code."""
     from llmft.data.synthetic import as_format, make_examples, write_jsonl

@@ -484,7 +484,8 @@ CASES = [
         "export",
         "qlora_merge",
         lambda w: [qlora_run(w), "--out", str(w.out)],
-        "the run trained its adapter against a 4bit base (QLoRA)",
+        "the run trained its adapter against a 4bit base (QLoRA), so the merge dequantizes that base first, and "
+        "its llmft_run.json does not record how",
     ),
     Case(
         "export",

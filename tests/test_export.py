@@ -450,19 +450,140 @@ def test_the_jobs_export_step_exports_the_finished_run_with_its_checks(full_run,
     assert job.export_after_training(None, [], said.append) == 0
 
 
-def test_a_qlora_run_exports_its_adapter_and_refuses_a_merge_into_weights_it_was_not_trained_on():
-    from llmft.checkpoint.export import quantized_merge_problem
+NF4 = {"quant_type": "nf4", "double_quant": True, "blocksize": 64, "dtype": "bfloat16"}
 
-    problem = quantized_merge_problem({"quantization": "4bit", "lora": {"r": 8}}, "merged")
-    assert (
-        problem.startswith("the run trained its adapter against a 4bit base (QLoRA)") and "--lora adapter" in problem
+
+def test_a_qlora_merge_needs_the_runs_recorded_4bit_settings_and_the_adapter_alone_needs_none():
+    from llmft.checkpoint.qlora_merge import merge_settings_problem
+    from llmft.planning.hardware import GPUS
+    from llmft.planning.qlora import QuantRequest, choose_quantization, recorded_settings
+    from llmft.training.run_identity import differences
+
+    qlora = {"quantization": "4bit", "quantization_settings": NF4}
+    assert merge_settings_problem(qlora, "merged") is None and merge_settings_problem(qlora, "both") is None
+    unrecorded = merge_settings_problem({"quantization": "4bit", "lora": {"r": 8}}, "merged")
+    assert unrecorded.startswith("the run trained its adapter against a 4bit base (QLoRA)")
+    assert "does not record how" in unrecorded and unrecorded.endswith(
+        "--lora adapter (vLLM serves it on the base with --enable-lora)"
     )
-    assert quantized_merge_problem({"quantization": "4bit"}, "both") == problem
-    assert quantized_merge_problem({"quantization": "4bit"}, "adapter") is None
+    for broken in (
+        {**NF4, "blocksize": None},
+        {**NF4, "dtype": "int8"},
+        {k: v for k, v in NF4.items() if k != "double_quant"},
+    ):
+        assert "does not record how" in merge_settings_problem(
+            {"quantization": "4bit", "quantization_settings": broken}, "merged"
+        )
+    eight = merge_settings_problem({"quantization": "8bit"}, "both")
+    assert "dequantizes 4-bit bases only" in eight and "--lora adapter" in eight
+    assert merge_settings_problem({"quantization": "4bit"}, "adapter") is None
     assert (
-        quantized_merge_problem({"quantization": None}, "merged") is None
-        and quantized_merge_problem({}, "merged") is None
+        merge_settings_problem({"quantization": None}, "merged") is None
+        and merge_settings_problem({}, "merged") is None
     )
+    decided = choose_quantization(
+        QuantRequest(load_in_4bit=True, quant_type="fp4"),
+        gpu=GPUS["T4"],
+        zero_stage=2,
+        offload=False,
+        use_peft=True,
+        precision="fp16",
+        bitsandbytes="0.50.2",
+    )
+    assert recorded_settings(decided) == {
+        "quant_type": "fp4",
+        "double_quant": False,
+        "blocksize": 64,
+        "dtype": "float16",
+    }
+    assert (
+        recorded_settings({"load_in_8bit": True, "model_dtype": "bfloat16"}) is None
+        and recorded_settings(None) is None
+    )
+    fp4 = {**NF4, "quant_type": "fp4"}  # a rerun into the run's directory with other 4-bit settings is another run
+    assert differences({"quantization_settings": NF4}, {"quantization_settings": fp4}) == [
+        "QLoRA 4-bit settings: quant_type nf4 -> fp4"
+    ]
+
+
+def test_a_qlora_merge_without_bitsandbytes_is_one_line_naming_the_install_and_the_adapter(monkeypatch):
+    import sys
+
+    import torch
+
+    from llmft.checkpoint.qlora_merge import quantize_round_trip
+    from llmft.checkpoint.run_dir import CheckpointError
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # not installed: importing it raises ImportError
+    with pytest.raises(CheckpointError) as e:
+        quantize_round_trip(torch.ones(4, 64), NF4, transposed=False)
+    assert "needs bitsandbytes: pip install bitsandbytes" in str(e.value) and "--lora adapter" in str(e.value)
+
+
+def _round_trip(weight, settings):
+    """The test's own dequant(quant(W)) for a GPT-2 Conv1D weight: transposed to nn.Linear's layout, in the run's dtype."""
+    import torch
+    from bitsandbytes import functional as F
+
+    packed, state = F.quantize_4bit(
+        weight.to(getattr(torch, settings["dtype"])).T.contiguous(),
+        blocksize=settings["blocksize"],
+        quant_type=settings["quant_type"],
+        compress_statistics=settings["double_quant"],
+    )
+    return F.dequantize_4bit(packed, state).T.float()
+
+
+@pytest.mark.parametrize("settings", [NF4, {**NF4, "quant_type": "fp4", "double_quant": False}], ids=["nf4", "fp4"])
+def test_a_qlora_merge_folds_the_adapter_into_the_dequantized_base_it_was_trained_on(lora_run, tmp_path, settings):
+    """The merged weights are dequant(quant(W)) + scale * B @ A, not W + scale * B @ A, and the exported model's
+    greedy tokens are those of PEFT's model: the adapter on the dequantized base."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmft.checkpoint import export_checks
+    from llmft.checkpoint.loader import load
+
+    run_dir = tmp_path / "qlora"  # the LoRA run, recorded as a 4-bit one (QLoRA cannot train without CUDA)
+    shutil.copytree(lora_run, run_dir)
+    record = json.loads((run_dir / "llmft_run.json").read_text())
+    (run_dir / "llmft_run.json").write_text(
+        json.dumps({**record, "quantization": "4bit", "quantization_settings": settings})
+    )
+    out = tmp_path / "merged"
+    stderr = export(run_dir, "--out", out, "--lora", "both", "--dtype", "float32").stderr
+    assert "checks passed" in stderr and "8 base layers quantized as the run did" in stderr, stderr[-2000:]
+    assert json.loads((out / "llmft_export.json").read_text())["dequantized_base"] == settings
+    double = ", double quantization" if settings["double_quant"] else ""
+    assert (
+        f"| merge | the adapter merged into the base dequantized from {settings['quant_type']} 4-bit (block size 64"
+        f"{double}, from bfloat16)" in (out / "README.md").read_text()
+    )
+    weights = _tensors(out)
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    base = AutoModelForCausalLM.from_pretrained(adapter_config["base_model_name_or_path"], dtype=torch.float32)
+    original = {k: v.clone() for k, v in base.state_dict().items()}
+    plain = load(run_dir / "checkpoint-4" / "global_step4", merge=True).model.state_dict()  # W + scale * B @ A
+    scale = adapter_config["lora_alpha"] / adapter_config["r"]
+    quantized = [k for k in weights if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))]
+    assert len(quantized) == 8 and weights["transformer.wte.weight"].equal(original["transformer.wte.weight"])
+    for name in quantized:
+        dequantized = _round_trip(original[name], settings)
+        prefix = f"base_model.model.{name.removesuffix('.weight')}"
+        lora_a, lora_b = adapter.get(f"{prefix}.lora_A.weight"), adapter.get(f"{prefix}.lora_B.weight")
+        delta = 0 if lora_a is None else scale * (lora_b @ lora_a).T  # Conv1D stores W transposed (in, out)
+        assert torch.allclose(weights[name], dequantized + delta, rtol=0, atol=1e-6), name
+        assert not torch.allclose(weights[name], original[name] + delta, rtol=0, atol=1e-4), name
+        assert not torch.allclose(weights[name], plain[name], rtol=0, atol=1e-4), name
+        base.get_parameter(name).data.copy_(dequantized)
+    with_adapter = PeftModel.from_pretrained(base, out / "adapter").eval()  # unmerged: base + B @ A on the fly
+    export_record = json.loads((out / "llmft_export.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokens = export_checks.greedy_tokens(with_adapter, tokenizer, export_record["prompts"], export_record["stop_ids"])
+    assert tokens == export_record["tokens"]  # and the checks found the exported model's tokens equal to these
 
 
 def test_a_failed_check_pushes_nothing(full_run, tmp_path, capsys, monkeypatch):

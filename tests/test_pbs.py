@@ -320,6 +320,37 @@ def test_in_a_container_enroot_creates_once_per_node_and_every_step_starts_in_it
     assert json.loads((d / "ckpt" / "llmft_done.json").read_text())["global_step"] == 2
 
 
+def test_export_dir_exports_the_finished_run_in_the_job_with_its_checks(pbs_cluster, plain_model, tiny_data, tmp_path):
+    """qsub -v EXPORT=exported/final,...: after 4 steps on two nodes, `llmft export RUN --out DIR` runs as the job's
+    last step; DIR (relative to the job's directory) holds the served model and the job's output its checks."""
+    d = pbs_cluster.job_dir(tmp_path)
+    shutil.copytree(plain_model, d / "model")  # no chat template: the checks compare plain prompts' greedy tokens
+    shutil.copy(tiny_data, d / "train.jsonl")
+    own(d)
+    seed_the_job_users_op_cache()
+    variables = (
+        f"{common({'model': d / 'model', 'data': d / 'train.jsonl'}, d)},MAX_STEPS=4,GLOBAL_BATCH=4,MICRO_BATCH=2,"
+        f"CHECKPOINT_DIR={d / 'ckpt'},EXPORT=exported/final,PYTHONPATH={REPO}"  # this checkout's llmft in the job
+    )
+    resources = ["-l", "select=2:ncpus=1", "-l", "place=scatter", "-l", "walltime=00:30:00"]
+    job = pbs_cluster.qsub([*resources, "-o", str(d / "out"), "-v", variables, str(SCRIPT)], cwd=d)
+    info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    text = pbs_cluster.wait_for("the job's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 0, text
+    ckpt, out = d / "ckpt", d / "exported" / "final"
+    assert "quantization_settings" in json.loads((ckpt / "llmft_run.json").read_text())  # recorded by this checkout
+    assert f"exporting the final checkpoint: llmft export {ckpt} --out {out}" in text, text
+    assert f"llmft export: checks passed: {out} loads in a fresh process" in text, text
+    assert text.index("run_llm.pbs: training finished (exit 0)") < text.index("checks passed")
+    assert text.index("checks passed") < text.index(f"exported to {out}")
+    for name in ("config.json", "model.safetensors", "generation_config.json", "README.md", "tokenizer.json"):
+        assert (out / name).is_file(), sorted(p.name for p in out.iterdir())
+    record = json.loads((out / "llmft_export.json").read_text())
+    assert record["source"] == str(ckpt / "checkpoint-4" / "global_step4") and record["step"] == 4
+    assert all(not p["chat"] for p in record["prompts"]) and record["tokens"]  # no template: plain prompts alone
+    assert "llmft" in (out / "README.md").read_text()
+
+
 @pytest.mark.parametrize(
     "variables, message",
     [

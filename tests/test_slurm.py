@@ -884,6 +884,30 @@ def test_a_sweep_array_gives_each_element_its_variant_and_refuses_an_array_that_
     )
 
 
+def test_export_dir_exports_the_finished_run_in_the_job_with_its_checks(cluster, plain_model, tiny_data, tmp_path):
+    """EXPORT=DIR in a real job: after 4 steps on two nodes, `llmft export RUN --out DIR` runs as the job's last step;
+    DIR (relative to the submit directory) holds the served model and the job's log shows its checks passed."""
+    knobs = (
+        f"--export=ALL,MAX_STEPS=4,GLOBAL_BATCH=4,MICRO_BATCH=2,MODEL={plain_model},DATASET={tiny_data},"
+        f"CHECKPOINT_DIR={tmp_path / 'ckpt'},VENV={sys.prefix},EXPORT=exported/final"
+    )
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=tmp_path, PYTHONPATH=str(REPO))  # this checkout's llmft
+    info = cluster.wait(job, timeout=TRAINING_JOB_S)
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text}"
+    ckpt, out = tmp_path / "ckpt", tmp_path / "exported" / "final"
+    assert "quantization_settings" in json.loads((ckpt / "llmft_run.json").read_text())  # recorded by this checkout
+    assert f"exporting the final checkpoint: llmft export {ckpt} --out {out}" in text, text
+    assert f"llmft export: checks passed: {out} loads in a fresh process" in text, text
+    assert text.index("training complete at step 4") < text.index("checks passed") < text.index(f"exported to {out}")
+    for name in ("config.json", "model.safetensors", "generation_config.json", "README.md", "tokenizer.json"):
+        assert (out / name).is_file(), sorted(p.name for p in out.iterdir())
+    record = json.loads((out / "llmft_export.json").read_text())
+    assert record["source"] == str(ckpt / "checkpoint-4" / "global_step4") and record["step"] == 4
+    assert all(not p["chat"] for p in record["prompts"]) and record["tokens"]  # no template: plain prompts alone
+    assert "llmft" in (out / "README.md").read_text()
+
+
 def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

@@ -65,20 +65,6 @@ def check_complete(tag_dir: Path) -> None:
             )
 
 
-def quantized_merge_problem(run_record: dict, lora: str) -> str | None:
-    """Why a merge is refused for a QLoRA run, or None. Its adapter was trained against the 4-/8-bit base; folding it
-    into the original weights gives a model nobody trained. The right merge dequantizes the base first, which needs
-    bitsandbytes (not done here), so the adapter alone is what such a run exports."""
-    quant = run_record.get("quantization")
-    if not quant or lora not in ("merged", "both"):
-        return None
-    return (
-        f"the run trained its adapter against a {quant} base (QLoRA): a merge into the original weights is not the "
-        "model that was trained, and llmft does not dequantize the base first yet; export the adapter with --lora "
-        "adapter (vLLM serves it on the base with --enable-lora)"
-    )
-
-
 def first_special_token(text: str, specials: list[str]) -> str | None:
     """The special token that starts first in `text` (the longest where two start at the same place), or None."""
     found = [(text.find(s), -len(s), s) for s in specials if s and s in text]

@@ -156,6 +156,17 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def merge_line(dequantized: dict | None) -> str | None:
+    """A QLoRA merge's row: the adapter went into the base as training held it, not into the original weights."""
+    if not dequantized:
+        return None
+    double = ", double quantization" if dequantized.get("double_quant") else ""
+    return (
+        f"the adapter merged into the base dequantized from {dequantized['quant_type']} 4-bit (block size "
+        f"{dequantized['blocksize']}{double}, from {dequantized['dtype']}), the weights the adapter was trained on"
+    )
+
+
 def training_section(facts: dict, record: dict) -> str:
     run, data = facts["run"], facts["data"]
     lora = run.get("lora")
@@ -171,6 +182,7 @@ def training_section(facts: dict, record: dict) -> str:
     )
     rows = [
         ("method", method),
+        ("merge", merge_line(record.get("dequantized_base"))),
         ("base model", run.get("model")),
         ("data", run.get("dataset")),
         ("data format, loss on", f"{data.get('format')}, {data.get('loss_on')}" if data else None),

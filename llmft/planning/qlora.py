@@ -162,3 +162,20 @@ def choose_quantization(
     if storage:
         out["bnb_4bit_quant_storage"] = storage
     return out
+
+
+BNB_4BIT_BLOCKSIZE = 64  # bitsandbytes' Params4bit default, which transformers' 4-bit loading leaves as it is
+
+
+def recorded_settings(quantization: dict | None) -> dict | None:
+    """How the base was quantized, for llmft_run.json (`llmft export` quantizes the base the same way and dequantizes
+    it before merging): the 4-bit type, double quantization, block size, and the dtype the weights were cast to
+    before quantizing (transformers casts them to the model dtype first). None without 4-bit."""
+    if not quantization or not quantization.get("load_in_4bit"):
+        return None
+    return {
+        "quant_type": quantization["bnb_4bit_quant_type"],
+        "double_quant": bool(quantization["bnb_4bit_use_double_quant"]),
+        "blocksize": BNB_4BIT_BLOCKSIZE,
+        "dtype": quantization["model_dtype"],
+    }

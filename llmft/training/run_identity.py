@@ -28,6 +28,7 @@ LABELS = {
     "columns": "dataset columns",
     "lora": "LoRA settings",
     "quantization": "QLoRA quantization",
+    "quantization_settings": "QLoRA 4-bit settings",
     "max_length": "max_length",
     "packing": "packing",
     "global_batch": "global batch",
