@@ -10,6 +10,7 @@ DEMO_DIR ?= runs/demo
 TEST_DEPS := system-deps
 TEST_DEPS += .venv-pcluster/.installed
 TEST_DEPS += pbs-install
+TEST_DEPS += .bnb-site/.installed
 
 .PHONY: venv demo test test-setup test-other-pythons system-deps pbs-install check-python clean format
 
@@ -67,7 +68,15 @@ test-other-pythons: venv
 	bash tests/other_pythons.sh
 
 clean:
-	rm -rf $(VENV) .venv-py* runs
+	rm -rf $(VENV) .venv-py* .bnb-site runs
+
+# bitsandbytes for tests/test_export.py's QLoRA merge only (4-bit quantize/dequantize; its wheel carries a CPU build),
+# in a folder of its own that those tests put on the path: in .venv, every process that imports PEFT would import it
+# (2.4 s a process on the 2-core machine, and a warning line on stderr on a CPU without its optional kernels).
+BNB_VERSION ?= 0.50.2
+.bnb-site/.installed: $(VENV)/.installed
+	$(PIP) install -q --no-deps --target .bnb-site bitsandbytes==$(BNB_VERSION)
+	touch $@
 
 # aws-parallelcluster lives in its own virtual environment (its pins clash with the training
 # stack): tests/test_clusters.py validates blueprints/aws/config.yaml with its schema, and

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, run
+from conftest import PYTHON, REPO, run
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -520,6 +520,17 @@ def test_a_qlora_merge_without_bitsandbytes_is_one_line_naming_the_install_and_t
     assert "needs bitsandbytes: pip install bitsandbytes" in str(e.value) and "--lora adapter" in str(e.value)
 
 
+BNB_SITE = REPO / ".bnb-site"  # bitsandbytes, apart from .venv (the Makefile says why)
+
+
+@pytest.fixture
+def bitsandbytes_site(monkeypatch) -> Path:
+    """bitsandbytes on this process's path and the exporter's: `make test`'s set-up installs it into .bnb-site."""
+    assert (BNB_SITE / "bitsandbytes").is_dir(), f"{BNB_SITE}: no bitsandbytes there; run `make test-setup` first"
+    monkeypatch.syspath_prepend(str(BNB_SITE))
+    return BNB_SITE
+
+
 def _round_trip(weight, settings):
     """The test's own dequant(quant(W)) for a GPT-2 Conv1D weight: transposed to nn.Linear's layout, in the run's dtype."""
     import torch
@@ -535,7 +546,9 @@ def _round_trip(weight, settings):
 
 
 @pytest.mark.parametrize("settings", [NF4, {**NF4, "quant_type": "fp4", "double_quant": False}], ids=["nf4", "fp4"])
-def test_a_qlora_merge_folds_the_adapter_into_the_dequantized_base_it_was_trained_on(lora_run, tmp_path, settings):
+def test_a_qlora_merge_folds_the_adapter_into_the_dequantized_base_it_was_trained_on(
+    lora_run, tmp_path, settings, bitsandbytes_site
+):
     """The merged weights are dequant(quant(W)) + scale * B @ A, not W + scale * B @ A, and the exported model's
     greedy tokens are those of PEFT's model: the adapter on the dequantized base."""
     import torch
@@ -553,7 +566,8 @@ def test_a_qlora_merge_folds_the_adapter_into_the_dequantized_base_it_was_traine
         json.dumps({**record, "quantization": "4bit", "quantization_settings": settings})
     )
     out = tmp_path / "merged"
-    stderr = export(run_dir, "--out", out, "--lora", "both", "--dtype", "float32").stderr
+    merged = export(run_dir, "--out", out, "--lora", "both", "--dtype", "float32", PYTHONPATH=str(bitsandbytes_site))
+    stderr = merged.stderr
     assert "checks passed" in stderr and "8 base layers quantized as the run did" in stderr, stderr[-2000:]
     assert json.loads((out / "llmft_export.json").read_text())["dequantized_base"] == settings
     double = ", double quantization" if settings["double_quant"] else ""
