@@ -491,7 +491,7 @@ BAD = [
     # the limit and the flag, for the default ZERO_STAGE=2 as for auto.
     (
         ["--mem=300", "{script}", "--export=ALL,MODEL={model},GLOBAL_BATCH=4,MICRO_BATCH=2"],
-        "llmft plan: error: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing off does not fit on 2 x 1 CPU "
+        "llmft plan: error: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing on does not fit on 2 x 1 CPU "
         "process per node (no GPU), 0.3 GiB host RAM per node (the job's limit: SLURM_MEM_PER_NODE=300 MB): host RAM: needs ",
     ),
     (
@@ -711,7 +711,7 @@ def test_the_allocation_on_each_node_decides_memory_gpus_numa_and_the_fabric(clu
         "n2 8 GiB (SLURM_MEM_PER_CPU=2048 MB x 4 CPUs); planning with 8 GiB per node"
     ) in text
     assert (
-        "llmft plan: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing off fits (per process 2.47 GiB, "
+        "llmft plan: memory: ZeRO-2, micro-batch 2 x accumulation 1, gradient checkpointing on fits (per process 2.47 GiB, "
         "host 3.47 GiB per node) on 2 x 1 CPU process per node (no GPU), 8 GiB host RAM per node (the job's limit: node n1: "
         "SLURM_MEM_PER_CPU=2048 MB x 4 CPUs)"
     ) in text and "llmft launch: nnodes=2 nproc_per_node=1 cpus_per_node=4 " in text
