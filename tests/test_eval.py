@@ -199,12 +199,15 @@ def comparable(result_file: Path) -> dict:
 def test_zero_checkpoint_scores_equal_its_exported_model(stage, run_with_eval, zero3_run, tmp_path, no_network):
     """gsm8k from local files on a ZeRO-2 (run_with_eval) and a ZeRO-3 run, read from the shards in memory, gives
     exactly the prompts, responses and scores of the same weights exported as a Hugging Face model."""
+    import torch
+
+    from llmft.checkpoint.export import write_model_dir
     from llmft.checkpoint.loader import load, resolve_checkpoint
-    from llmft.infer import export
 
     out = run_with_eval[0] if stage == 2 else zero3_run
     tag, _ = resolve_checkpoint([str(out)])
-    exported = export(load(tag), tmp_path / "exported")
+    loaded, exported = load(tag), tmp_path / "exported"  # fp32 on CPU, written as `llmft export --dtype float32` does
+    write_model_dir(loaded.model, loaded.tokenizer, exported, torch.float32, 5 * 2**30, None)
     [zero] = ev.run(eval_args([out], tmp_path, output=tmp_path / "zero"))
     [hf] = ev.run(eval_args([exported], tmp_path, output=tmp_path / "hf"))
 
