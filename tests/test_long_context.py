@@ -56,7 +56,13 @@ def h100_node(shape, max_length, **kw) -> Job:
 
 
 def probe(nproc: int, *extra: str) -> dict[int, int]:
-    launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
+    import socket
+
+    with socket.socket() as s:  # a port of its own: another torchrun on the machine may hold torch's default 29500
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)]
+    launcher = launcher if nproc > 1 else [PYTHON]
     proc = run(launcher + ["tests/activation_probe.py", "--lengths", "512", "2048", *extra], check=True, timeout=300)
     [line] = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     result = json.loads(line)
