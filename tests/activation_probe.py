@@ -64,6 +64,11 @@ def main() -> None:
         import deepspeed
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+        from llmft.training.deepspeed_env import skip_deepspeed_shm_op
+
+        # as llmft train starts it: no JIT build of DeepSpeed's CPU shared-memory op, which training never uses (a
+        # build killed mid-way leaves torch's lock file, and every later start would wait on it)
+        skip_deepspeed_shm_op()
         deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm layer, which its Ulysses groups use
         rank = dist.get_rank()
 
