@@ -1,0 +1,131 @@
+"""The training methods `llmft train --method` runs, one entry each: everything that differs between SFT, DPO, KTO
+and reward modelling lives in METHODS, and every command reads it from here.
+
+`train`, `prepare`, `plan`, the job scripts (METHOD=) and `report` look a method up with `method(name)` and act on the
+entry's fields; no code outside this module asks which method it is running (`tests/test_methods.py` holds this:
+no `method ==` anywhere else). A fifth method is one new entry.
+
+The table is data, importable without torch or TRL (standard library only): the job launchers check METHOD= and a
+SWEEP's flags against it on a batch host's python3, and the planner counts a method's sequences without importing
+TRL. Classes are named as "module:attribute" strings and imported by the layer that runs them.
+
+Why these numbers (TRL 1.16, trl/trainer/*_trainer.py):
+- DPO and reward models concatenate chosen and rejected into one forward, so a pair is two sequences through the
+  policy; DPO's reference sees both again (forward only, no activations kept).
+- KTO runs each example and, unless its loss is "apo_zero_unpaired", a mismatched KL completion through the policy
+  and the reference: two sequences an example, each direction.
+- A reward model ends in a one-output score head (AutoModelForSequenceClassification, num_labels=1), not the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmft.errors import LlmftError
+
+
+class MethodError(LlmftError):
+    """An unknown method, or data or a flag that belongs to another method."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One training method: its TRL classes, its data, what the planner counts, the mixins, the report's plots."""
+
+    name: str
+    description: str
+    config_class: str  # "trl:SFTConfig": the dataclass llmft's parser reads this method's flags into
+    trainer_class: str  # "trl:SFTTrainer"
+    # record formats (llmft.data.formats) this method trains on; the first is what --dataset_format auto expects
+    formats: tuple[str, ...]
+    batch_unit: str  # what --global_batch_size counts: "examples" or "pairs"
+    prepared_by: str  # "llmft": the shared cache tokenises with the trainer's own preparation; "trl": the trainer does
+    sequences_per_example: int  # sequences one example puts through the policy's forward and backward
+    reference: bool  # a frozen reference model scores the same sequences (forward only)
+    loss_head: str  # "lm": the LM head over the vocabulary; "score": a one-output classification head
+    mixins: tuple[str, ...]  # llmft trainer mixins (llmft.training) that apply to this method's trainer
+    report_metrics: tuple[str, ...]  # the logged metrics `llmft report` plots, beside the loss
+    packing: str  # "packing": TRL packs rows; "padding_free": rows concatenated without padding; "": neither
+    # flags of this method's config that the shared TrainingArguments/llmft policy does not cover:
+    # name -> (kind, why), kinds as in llmft.training.flag_policy
+    flags: tuple[tuple[str, tuple[str, str]], ...] = ()
+
+    @property
+    def flag_policy(self) -> dict[str, tuple[str, str]]:
+        return dict(self.flags)
+
+
+_PREFERENCE_PLOTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+METHODS: dict[str, Method] = {
+    "sft": Method(
+        name="sft",
+        description="supervised fine-tuning on text, prompt/completion or conversations",
+        config_class="trl:SFTConfig",
+        trainer_class="trl:SFTTrainer",
+        formats=("text", "prompt_completion", "messages", "alpaca", "sharegpt"),
+        batch_unit="examples",
+        prepared_by="llmft",
+        sequences_per_example=1,
+        reference=False,
+        loss_head="lm",
+        mixins=("sync_free", "checkpoint_save", "ulysses"),
+        report_metrics=("mean_token_accuracy",),
+        packing="packing",
+    ),
+    "dpo": Method(
+        name="dpo",
+        description="direct preference optimisation on chosen/rejected pairs against a frozen reference",
+        config_class="trl:DPOConfig",
+        trainer_class="trl:DPOTrainer",
+        formats=("preference",),
+        batch_unit="pairs",
+        prepared_by="trl",
+        sequences_per_example=2,
+        reference=True,
+        loss_head="lm",
+        mixins=("checkpoint_save",),
+        report_metrics=_PREFERENCE_PLOTS,
+        packing="padding_free",
+    ),
+    "kto": Method(
+        name="kto",
+        description="Kahneman-Tversky optimisation on unpaired completions labelled desirable or not",
+        config_class="trl:KTOConfig",
+        trainer_class="trl:KTOTrainer",
+        formats=("unpaired_preference",),
+        batch_unit="examples",
+        prepared_by="trl",
+        sequences_per_example=2,
+        reference=True,
+        loss_head="lm",
+        mixins=("checkpoint_save",),
+        report_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "kl"),
+        packing="",
+    ),
+    "reward": Method(
+        name="reward",
+        description="a reward model: a one-output score head trained to rank chosen above rejected",
+        config_class="trl:RewardConfig",
+        trainer_class="trl:RewardTrainer",
+        formats=("preference",),
+        batch_unit="pairs",
+        prepared_by="trl",
+        sequences_per_example=2,
+        reference=False,
+        loss_head="score",
+        mixins=("checkpoint_save",),
+        report_metrics=("accuracy", "margin"),
+        packing="",
+    ),
+}
+
+DEFAULT = "sft"
+
+
+def method(name: str | None) -> Method:
+    """The entry for --method / METHOD=; None means the default (sft). An unknown name is one line naming the choices."""
+    key = DEFAULT if name in (None, "") else name
+    if key not in METHODS:
+        raise MethodError(f"--method {name!r} is not a training method; choose one of {', '.join(METHODS)}")
+    return METHODS[key]
