@@ -34,14 +34,15 @@ from llmft.data import cache, padding
 from llmft.data.cache import load_prepared_train
 from llmft.data.loading import DataError
 from llmft.errors import LlmftError
-from llmft.planning import comm, ds_config, memory, sequence_parallel
+from llmft.planning import comm, ds_config, memory, methods, sequence_parallel
 from llmft.planning.allocation import AllocationError, job_nodes, numa_binding, parse_node_lines
 from llmft.planning.batch import plan_batch
 from llmft.planning.conversion import plan_conversion
 from llmft.planning.ds_config import load_config, template_path
 from llmft.planning.hardware import AUTO_PRECISION, PRECISIONS, choose_precision
-from llmft.planning.memory import MemoryPlanError, plan_long_context, plan_memory
+from llmft.planning.memory import MemoryPlanError, plan_long_context
 from llmft.planning.model_shape import cap_max_length, load_model_config, model_positions, model_shape
+from llmft.planning.preference import mark_precomputed, plan_with_reference
 from llmft.planning.run_plan import (
     TRAIN_DEFAULTS,
     Hardware,
@@ -70,13 +71,17 @@ def network_assumption(network: comm.NodeNetwork) -> str:
     )
 
 
-def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None) -> list[str]:
+def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None, advice: str = "") -> list[str]:
     """The memory plan as printed: the model and hardware, the recommendation and why, the candidate table,
-    warnings, and the assumptions behind the numbers; `tried`: what each other sequence parallelism breaks."""
+    warnings, and the assumptions behind the numbers; `tried`: what each other sequence parallelism breaks;
+    `advice`: a preference method's reference line (llmft.planning.preference)."""
     job, shape = mplan.job, mplan.job.shape
     train = f"LoRA: {shape.trainable / 1e6:.1f}M trainable" if shape.lora else "full fine-tuning"
     if job.load_in_4bit:
         train += " on 4-bit weights"
+    entry = job.method_entry
+    if entry.name != methods.DEFAULT:
+        train += f", --method {entry.name} ({entry.sequences_per_example} sequences per {entry.batch_unit[:-1]})"
     batch = f"global batch {job.global_batch}" if job.global_batch else "no global batch given"
     out = [
         f"llmft plan: model {shape.name}: {shape.params / 1e9:.2f}B parameters, {train}; {job.precision}, "
@@ -84,6 +89,8 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
         f"llmft plan: hardware {hardware.describe(job.nnodes, job.nproc_per_node)}; world size {job.world}",
     ]
     out += sequence_lines(mplan, tried or [])
+    if advice:
+        out.append(advice)
     if mplan.recommended is not None:
         out.append(f"llmft plan: recommended {mplan.recommended.setting.describe()}")
         out.append(f"llmft plan: why: {mplan.reason}")
@@ -98,7 +105,7 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
         out.append(
             f"  {s.zero_stage:<5} {s.offload:<17} {s.micro_batch:>5} {s.grad_accum:>5} {'on' if s.gradient_checkpointing else 'off':<4}"
             f" {savers_column(s):<8} |"
-            f" {d['model_states_gib']:6.1f} {d['activations_gib']:6.1f} {d['loss_buffers_gib']:6.1f} {round(d['phase_gib'], 1) + 0.0:6.1f}"
+            f" {d['model_states_gib'] + d['reference_gib']:6.1f} {d['activations_gib']:6.1f} {d['loss_buffers_gib']:6.1f} {round(d['phase_gib'], 1) + 0.0:6.1f}"
             f" {d['overhead_gib']:6.1f} {d['gpu_total_gib']:6.1f} | {d['host_ram_gib_per_node']:9.1f} | {d['checkpoint_gib']:8.1f} {c.write_s:8.0f} |"
             f" {tps:>8} | {'yes' if c.fits else 'no: ' + c.why}"
         )
@@ -129,6 +136,8 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
             f"; CPU offload's copies over each GPU's PCIe link at {comm.host_link_gbytes_s(job.gpu.name):g} GB/s, "
             "not hidden (its CPU optimizer step is not modelled)"
         )
+    if job.reference_strategy != "none":
+        device += "; states include the reference's weights and its forward's transient (llmft.planning.memory)"
     if any(c.phase for c in mplan.candidates):
         device += (
             "; phase: ZeRO-1/2/3 make the fp32 gradient partition (in states) and a flat copy of the 16-bit one only "
@@ -223,7 +232,13 @@ def _table_rows(candidates):
 
 def memory_plan_json(mplan) -> dict:
     shape = mplan.job.shape
+    method = (
+        {"method": mplan.job.method, "reference": mplan.job.reference_strategy}
+        if mplan.job.method != methods.DEFAULT
+        else {}
+    )
     return {
+        **method,
         "params": shape.total,
         "trainable_params": shape.trainable,
         "sequence_parallel": mplan.job.sequence_parallel,
@@ -247,6 +262,8 @@ def submission_knobs(args, est, global_batch: int, sequence_parallel: int = 1) -
         knobs += [f"ZERO_STAGE={s.zero_stage}", f"OFFLOAD={0 if s.offload == 'none' else 1}"]
     if args.use_peft:
         knobs.append("LORA=1")
+    if args.method and args.method != methods.DEFAULT:
+        knobs.append(f"METHOD={args.method}")
     knobs += data_knobs(args)
     extra = [
         "--gradient_checkpointing",
@@ -260,6 +277,8 @@ def submission_knobs(args, est, global_batch: int, sequence_parallel: int = 1) -
         extra += ["--lora_r", str(args.lora_r)]
         if args.lora_target_modules:
             extra += ["--lora_target_modules", *args.lora_target_modules]
+    if args.precompute_ref_log_probs and not s.precompute_ref_log_probs:
+        extra += ["--precompute_ref_log_probs", "true"]
     if args.load_in_4bit:
         extra.append("--load_in_4bit")
     if args.save_consolidated:
@@ -484,15 +503,21 @@ def memory_main(args, world: World) -> tuple[int, World]:
         tiled_mlp=args.tiled_mlp,
         activation_offloading=args.activation_offloading,
         liger=planned_liger(args.use_liger_kernel, hardware.gpu, config.model_type),
+        method=args.method or methods.DEFAULT,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
     )
+    search = args.sequence_parallel is None and not args.auto
     try:
+        # a preference method's reference first (llmft.planning.preference), on the same search as the plan's
+        asked = job.reference is not None
+        job, _, advice = plan_with_reference(job, lambda j: plan_long_context(j, search).plan)
         # llmft train --auto keeps the N it is given; the plan otherwise finds the smallest that fits
-        long_context = plan_long_context(
-            job, search_sequence_parallel=args.sequence_parallel is None and not args.auto
-        )
+        long_context = plan_long_context(job, search_sequence_parallel=search)
     except MemoryPlanError as e:
         raise PlanError(str(e)) from None
     mplan, job = long_context.plan, long_context.plan.job
+    if advice.strategy == "precomputed" and not asked:
+        mplan = mark_precomputed(mplan)
     fit = data_fit_lines(args, positions) if args.dataset_name or args.dataset_mixture else []
     written = []
     if args.write and mplan.recommended is not None:
@@ -501,7 +526,7 @@ def memory_main(args, world: World) -> tuple[int, World]:
     if args.json:
         print(json.dumps({**memory_plan_json(mplan), **getattr(args, "extra_json", {})}, indent=2))
     else:
-        print("\n".join(format_memory_plan(mplan, hardware, long_context.tried) + fit))
+        print("\n".join(format_memory_plan(mplan, hardware, long_context.tried, advice.line) + fit))
         for path in written:
             print(f"llmft plan: wrote {path}")
         if written:
@@ -560,29 +585,35 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
                 tiled_mlp=bool(args.tiled_mlp),
                 activation_offloading=bool(args.activation_offloading),
                 liger=planned_liger(args.use_liger_kernel, hardware.gpu, config.model_type),
+                method=args.method or methods.DEFAULT,
+                precompute_ref_log_probs=args.precompute_ref_log_probs,
             )
-            mplan = plan_memory(job)
+            job, mplan, advice = plan_with_reference(job)
         except MemoryPlanError as e:
             raise PlanError(str(e)) from None
         [est] = [c for c in mplan.candidates if c.setting.micro_batch == b.micro_batch] or mplan.candidates[:1]
-        return est, mplan
+        return est, mplan, advice
 
-    est, mplan = planned(False)
+    est, mplan, advice = planned(False)
     # not given: what llmft train decides (off where it fits without recomputation on a GPU, else TRL's on)
     recompute, _ = choose_recomputation(
         args.gradient_checkpointing, hardware.gpu, est.fits, est.gpu_total / 2**30, mplan.job.device_gib
     )
     if recompute:
-        est, mplan = planned(True)
+        est, mplan, advice = planned(True)
     d = est.as_dict()
     where = hardware.describe(plan.world.nnodes, plan.world.procs_per_node)
     device = "GPU" if hardware.gpu is not None else "per process"
+    reference = [advice.line] if advice.line else []
     if est.fits:
-        return [
+        return reference + [
             f"llmft plan: memory: {est.setting.describe()} fits ({device} {d['gpu_total_gib']} GiB, host "
             f"{d['host_ram_gib_per_node']} GiB per node) on {where}"
         ], None
-    return [], f"memory: {est.setting.describe()} does not fit on {where}: {est.why}{hardware.allocation_hint(mplan)}"
+    return (
+        reference,
+        f"memory: {est.setting.describe()} does not fit on {where}: {est.why}{hardware.allocation_hint(mplan)}",
+    )
 
 
 def make_parser(subparsers=None):
@@ -684,6 +715,20 @@ def add_memory_plan_arguments(parser) -> None:
     mem.add_argument("--lora_r", type=int, default=None, help="LoRA rank (default: TRL's 16)")
     mem.add_argument("--lora_target_modules", nargs="+", default=None, help="default: PEFT's for the architecture")
     mem.add_argument("--load_in_4bit", action="store_true", help="QLoRA: frozen weights in 4-bit (needs --use_peft)")
+    mem.add_argument(
+        "--method",
+        default=None,
+        help=f"as llmft train's: {', '.join(methods.METHODS)} (default sft); a preference method's pairs and "
+        "reference are counted, and the plan recommends how to hold the reference",
+    )
+    mem.add_argument(
+        "--precompute_ref_log_probs",
+        default=False,
+        type=lambda v: _bool(v, "--precompute_ref_log_probs"),
+        nargs="?",
+        const=True,
+        help="as llmft train's: plan the reference precomputed (default: the plan chooses)",
+    )
     add_kernel_arguments(mem)
     mem.add_argument(
         "--save_total_limit",
@@ -828,6 +873,8 @@ MEMORY_ONLY = (
     "lora_r",
     "lora_target_modules",
     "load_in_4bit",
+    "method",
+    "precompute_ref_log_probs",
     "attn_implementation",
     "save_total_limit",
     "save_consolidated",
@@ -874,6 +921,7 @@ def main(args) -> int:
 
     try:
         check_submission_flags(args)
+        check_method(args)
         if args.check_model:
             if not args.model:
                 raise PlanError("--check_model needs --model (the model whose config to read)")
@@ -943,6 +991,17 @@ def main(args) -> int:
     except LlmftError as e:
         return report_error("plan", e, all_ranks=True)
     return 0
+
+
+def check_method(args) -> None:
+    """--method names a method of llmft.planning.methods (one line with the choices otherwise);
+    --precompute_ref_log_probs belongs to one with a reference."""
+    entry = methods.method(args.method)
+    if args.precompute_ref_log_probs and not entry.reference:
+        raise PlanError(
+            f"--precompute_ref_log_probs precomputes a reference model's log-probs; --method {entry.name} has none: "
+            "drop it, or plan --method dpo or kto"
+        )
 
 
 def check_submission_flags(args) -> None:

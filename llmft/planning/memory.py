@@ -67,6 +67,22 @@ tile of 4096 tokens x 32768 vocabulary columns, an fp32 gradient of the final hi
 when the LM head trains, an fp32 gradient of the whole LM head (4 V h, with its w-byte cast): 3 GiB for Llama-3's
 128k vocabulary at hidden 4096, whatever the batch.
 
+Preference tuning (`Job.method`, llmft.planning.methods; TRL 1.16's DPOTrainer._compute_loss): a pair's chosen and
+rejected run through the policy in one forward, so activations and the loss head's buffers are counted for
+micro-batch x the method's sequences_per_example sequences (2 for DPO, KTO and reward models), and tokens/s counts
+every one of them. The reference (`Job.reference_strategy`, `reference_weight_bytes`):
+    copy         a second, frozen copy of the weights (w P): TRL's prepare_deepspeed makes it a stage-0 replica under
+                 ZeRO-0/1/2 and a ZeRO-3 inference engine under ZeRO-3 (w P / N);
+    precomputed  --precompute_ref_log_probs: one reference pass before training writes the log-probs into the data,
+                 so nothing of the reference is held while training;
+    adapter      LoRA: the policy with its adapter disabled is the reference (no copy);
+plus, when it runs live (copy or adapter), its forward's transient (`reference_forward_bytes`): TRL runs it under
+no_grad after the policy's forward, while the policy's activations are held, so autograd keeps nothing and one layer's
+tensors for the pair's sequences, the fused LM head's tile and the per-token log-probs are live at a time. Its forward
+costs 2 P FLOPs per token more (`flops_per_token`'s reference_forward). A reward model's loss head is a one-output
+score head (`score_head_bytes`: the [tokens, 1] scores and the hidden states' gradient, no vocabulary tile); its
+model is counted with the LM head's weights (over by vocab x hidden where they are not tied to the embedding).
+
 Not all at once (`optimizer_step_bytes`): ZeRO-1/2/3 in 16-bit training make the fp32 gradient partition (4 T/N, one
 of the model states) and a flat copy of the 16-bit gradient partition (2 T/N) only in the optimizer step (ZeRO-3 one
 sub-group at a time), after the activations and loss buffers are freed. The peak is the larger of the two phases:
@@ -136,7 +152,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from llmft.errors import LlmftError
-from llmft.planning import comm
+from llmft.planning import comm, methods
 from llmft.planning.batch import BatchError, plan_batch
 from llmft.planning.collective_timeout import SAVE_FACTOR, collective_timeout
 from llmft.planning.final_save import FINAL_SAVE_FACTOR, FINAL_SAVE_MARGIN_S, final_save_lead
@@ -161,6 +177,7 @@ WRITE_MB_S = {"gcp": 100.0, "aws": 240.0, None: 100.0}  # Filestore BASIC_HDD 1 
 DEFAULT_MFU = 0.35
 CHECKPOINT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 HF_MAX_SHARD_BYTES = 50 * 10**9  # PreTrainedModel.save_pretrained(max_shard_size="50GB")
+REFERENCES = ("copy", "precomputed", "adapter")  # how a preference method's reference is held (Job.reference)
 
 
 class MemoryPlanError(LlmftError, ValueError):
@@ -226,12 +243,15 @@ class Setting:
     gradient_checkpointing: bool
     tiled_mlp: bool = False  # --tiled_mlp: DeepSpeed's TiledMLP (llmft.training.tiled_mlp)
     activation_offloading: bool = False  # --activation_offloading: TRL's, with gradient checkpointing (ALST's offload)
+    precompute_ref_log_probs: bool = False  # the planner chose to precompute the reference (llmft.planning.preference)
 
     def describe(self) -> str:
         off = "" if self.offload == "none" else f", offload {self.offload}"
         gc = "on" if self.gradient_checkpointing else "off"
-        extra = (", tiled MLP" if self.tiled_mlp else "") + (
-            ", activations offloaded to the host" if self.activation_offloading else ""
+        extra = (
+            (", tiled MLP" if self.tiled_mlp else "")
+            + (", activations offloaded to the host" if self.activation_offloading else "")
+            + (", reference log-probs precomputed" if self.precompute_ref_log_probs else "")
         )
         return (
             f"ZeRO-{self.zero_stage}{off}, micro-batch {self.micro_batch} x accumulation {self.grad_accum}, "
@@ -240,8 +260,10 @@ class Setting:
 
     def flags(self) -> list[str]:
         """The `llmft train` flags of the memory savers beyond ZeRO (tiling, offload)."""
-        return (["--tiled_mlp"] if self.tiled_mlp else []) + (
-            ["--activation_offloading", "true"] if self.activation_offloading else []
+        return (
+            (["--tiled_mlp"] if self.tiled_mlp else [])
+            + (["--activation_offloading", "true"] if self.activation_offloading else [])
+            + (["--precompute_ref_log_probs", "true"] if self.precompute_ref_log_probs else [])
         )
 
 
@@ -279,6 +301,27 @@ class Job:
     tiled_mlps: tuple[bool, ...] = (False,)  # --tiled_mlp off / on: which the candidates may use (off tried first)
     activation_offloads: tuple[bool, ...] = (False,)  # --activation_offloading off / on (GPUs, with recomputation)
     liger: bool = False  # Liger's RMSNorm/SwiGLU kernels run (llmft.planning.hardware.choose_liger): fewer activations
+    method: str = methods.DEFAULT  # llmft train --method: its sequences per example, reference and loss head
+    reference: str | None = None  # copy | precomputed | adapter (REFERENCES); None: the method's own default
+
+    @property
+    def method_entry(self) -> methods.Method:
+        return methods.method(self.method)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences one example (the global batch's unit) puts through the policy's forward and backward."""
+        return self.method_entry.sequences_per_example
+
+    @property
+    def reference_strategy(self) -> str:
+        """How the method's frozen reference is held: 'none' for a method without one; as given; else the adapter
+        disabled under LoRA (the base is the reference, TRL's default for a PEFT model) and a full copy otherwise."""
+        if not self.method_entry.reference:
+            return "none"
+        if self.reference is not None:
+            return self.reference
+        return "adapter" if self.shape.lora else "copy"
 
     @property
     def world(self) -> int:
@@ -323,10 +366,11 @@ class Estimate:
     phase: int = (
         0  # the peak less states + activations + loss buffers: they are not all live at once (`optimizer_step_bytes`)
     )
+    reference: int = 0  # a preference method's reference: its weights and its live forward's transient
 
     @property
     def gpu_total(self) -> int:
-        return self.model_states + self.activations + self.loss_buffers + self.phase + self.overhead
+        return self.model_states + self.activations + self.loss_buffers + self.reference + self.phase + self.overhead
 
     def as_dict(self) -> dict:
         s = self.setting
@@ -341,6 +385,7 @@ class Estimate:
             "model_states_gib": gib(self.model_states),
             "activations_gib": gib(self.activations),
             "loss_buffers_gib": gib(self.loss_buffers),
+            "reference_gib": gib(self.reference),
             "overhead_gib": gib(self.overhead),
             "phase_gib": gib(self.phase),
             "gpu_total_gib": gib(self.gpu_total),
@@ -632,6 +677,53 @@ def loss_buffer_bytes(shape: ModelShape, micro_batch: int, seq: int, precision: 
     return tile + grad_hidden + head_grad + per_token_stats
 
 
+def score_head_bytes(shape: ModelShape, micro_batch: int, seq: int, precision: str) -> int:
+    """A reward model's loss head (AutoModelForSequenceClassification, num_labels=1): the score head runs over every
+    token and the last one is pooled, so it keeps the [tokens, 1] scores and the final hidden states' gradient in the
+    training precision, and the head's own (fp32 + w) gradient; no vocabulary tile."""
+    a = element_bytes(precision)["w"]
+    tokens = micro_batch * seq
+    return tokens * (a + a * shape.hidden) + (4 + a) * shape.hidden
+
+
+def loss_head_bytes(job: Job, micro_batch: int) -> int:
+    """The method's loss head's buffers for a micro-batch of `micro_batch` examples: their sequences (chosen and
+    rejected in one forward for a pair) through the LM head's fused loss, or a reward model's score head."""
+    sequences = micro_batch * job.sequences
+    if job.method_entry.loss_head == "score":
+        return score_head_bytes(job.shape, sequences, job.rank_length, job.precision)
+    return loss_buffer_bytes(job.shape, sequences, job.rank_length, job.precision)
+
+
+def reference_weight_bytes(shape: ModelShape, strategy: str, zero_stage: int, world: int, precision: str) -> int:
+    """The reference's own weights per GPU (module docstring): a copy is replicated under ZeRO-0/1/2 (a stage-0
+    inference engine) and sharded over the world under ZeRO-3; precomputed log-probs and a disabled adapter hold
+    none."""
+    if strategy != "copy":
+        return 0
+    size = element_bytes(precision)["w"] * shape.params
+    return -(-size // world) if zero_stage == 3 else size
+
+
+def reference_forward_bytes(job: Job, setting: Setting) -> int:
+    """What the reference's live forward holds beside the policy's activations (TRL runs it after the policy's
+    forward, under no_grad and without recomputation): one decoder layer's tensors for the micro-batch's sequences,
+    a layer's input and output, the fused LM head's tile and the fp32 per-token log-probs; under ZeRO-3 a sharded
+    copy also gathers its largest layer. Nothing when the reference is precomputed or absent."""
+    strategy = job.reference_strategy
+    if strategy not in ("copy", "adapter"):
+        return 0
+    shape = job.shape
+    a = element_bytes(job.precision)["w"]
+    sequences = setting.micro_batch * job.sequences
+    tokens = sequences * job.rank_length
+    masked = job.attention == "sdpa" and job.sequence_parallel == 1 and sequences > 1
+    layer = layer_activation_bytes_per_token(shape, job.precision, job.attention, False, masked, job.liger)
+    tile = a * min(tokens, TRL_TOKEN_TILE) * min(shape.vocab, TRL_VOCAB_TILE)
+    gathered = a * shape.largest_layer_params if strategy == "copy" and setting.zero_stage == 3 else 0
+    return tokens * (layer + 2 * a * shape.hidden + 4) + tile + gathered
+
+
 def zero_buffer_bytes(zero_stage: int, zero_config: dict, shape: ModelShape, precision: str) -> int:
     """DeepSpeed's working buffers beyond the model states, from its zero_optimization section (elements x w):
     the reduce and all-gather buckets (reduce doubled with overlap_comm); under ZeRO-3 the prefetch bucket, and
@@ -724,7 +816,7 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     activations = 0
     if setting.activation_offloading:
         activations = n * offloaded_activation_bytes(
-            shape, setting.micro_batch, job.max_length, job.precision, job.sequence_parallel
+            shape, setting.micro_batch * job.sequences, job.max_length, job.precision, job.sequence_parallel
         )
     # Saving: each rank copies its largest optimizer tensor to the host for torch.save (already there if
     # offloaded, or on a CPU run); under ZeRO-0/1/2 rank 0 also serialises the final model.safetensors.
@@ -759,23 +851,40 @@ def host_ram(job: Job, setting: Setting, device_bytes: int) -> dict[str, int]:
     }
 
 
-def flops_per_token(shape: ModelShape, seq: int, gradient_checkpointing: bool, tiled_mlp: bool = False) -> float:
+def flops_per_token(
+    shape: ModelShape, seq: int, gradient_checkpointing: bool, tiled_mlp: bool = False, reference_forward: bool = False
+) -> float:
     """Model FLOPs per trained token (module docstring), recomputation included: with --tiled_mlp the MLPs' forward
-    runs once more in the backward (2 x their weights)."""
+    runs once more in the backward (2 x their weights); a live reference (a preference method's copy or disabled
+    adapter) runs one more forward of the base weights and their attention (2 P + 4 x layers x hidden x sequence)."""
     P = shape.total
     dense = (4 * P + 2 * shape.trainable) if shape.lora else 6 * P
     if gradient_checkpointing:
         dense += 2 * P
     if tiled_mlp:
         dense += 2 * shape.layers * (3 if shape.gated_mlp else 2) * shape.hidden * shape.intermediate
-    return dense + 12 * shape.layers * shape.hidden * seq
+    attention = 12 * shape.layers * shape.hidden * seq
+    if reference_forward:
+        dense += 2 * shape.params
+        attention += 4 * shape.layers * shape.hidden * seq
+    return dense + attention
 
 
-def backward_share(shape: ModelShape, seq: int, gradient_checkpointing: bool) -> float:
+def backward_share(
+    shape: ModelShape, seq: int, gradient_checkpointing: bool, reference_forward: bool = False
+) -> float:
     """The backward's share of a micro-batch's FLOPs (flops_per_token): everything but the forward (2 P, and a third
-    of the attention's 12 x layers x hidden x sequence); recomputation runs inside the backward."""
+    of the attention's 12 x layers x hidden x sequence) and a live reference's forward; recomputation runs inside the
+    backward."""
     forward = 2 * shape.total + 4 * shape.layers * shape.hidden * seq
-    return 1 - forward / flops_per_token(shape, seq, gradient_checkpointing)
+    if reference_forward:
+        forward += 2 * shape.params + 4 * shape.layers * shape.hidden * seq
+    return 1 - forward / flops_per_token(shape, seq, gradient_checkpointing, reference_forward=reference_forward)
+
+
+def live_reference(job: Job) -> bool:
+    """The reference runs a forward every micro-batch (a copy, or the policy with its adapter disabled)."""
+    return job.reference_strategy in ("copy", "adapter")
 
 
 def step_time(job: Job, setting: Setting, compute_s: float) -> comm.StepTime:
@@ -797,7 +906,7 @@ def step_time(job: Job, setting: Setting, compute_s: float) -> comm.StepTime:
     gathers = comm.gathers_per_micro_batch(shape.total)
     overlap = comm.Overlap(
         accumulation=setting.grad_accum,
-        backward_share=backward_share(shape, job.max_length, setting.gradient_checkpointing),
+        backward_share=backward_share(shape, job.max_length, setting.gradient_checkpointing, live_reference(job)),
         bucket_bytes=min(reduce_bucket_elements(setting.zero_stage, cfg, shape.hidden), shape.trainable) * w,
         overlap_comm=overlap_comm(setting.zero_stage, cfg),
         gathers=gathers,
@@ -835,7 +944,9 @@ def tokens_per_second(job: Job, setting: Setting) -> float | None:
         * job.gpu.peak_tflops
         * 1e12
         * job.world
-        / flops_per_token(job.shape, job.max_length, setting.gradient_checkpointing, setting.tiled_mlp)
+        / flops_per_token(
+            job.shape, job.max_length, setting.gradient_checkpointing, setting.tiled_mlp, live_reference(job)
+        )
     )
 
 
@@ -848,7 +959,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     states = model_states_bytes(shape, setting.zero_stage, setting.offload, job.world, job.precision, job.load_in_4bit)
     acts = activation_bytes(
         shape,
-        setting.micro_batch,
+        setting.micro_batch * job.sequences,
         job.max_length,
         setting.gradient_checkpointing,
         job.precision,
@@ -858,15 +969,17 @@ def estimate(job: Job, setting: Setting) -> Estimate:
         activation_offloading=setting.activation_offloading,
         liger=job.liger,
     )
-    loss = loss_buffer_bytes(shape, setting.micro_batch, job.rank_length, job.precision)
+    loss = loss_head_bytes(job, setting.micro_batch)
+    ref_weights = reference_weight_bytes(shape, job.reference_strategy, setting.zero_stage, job.world, job.precision)
+    reference = ref_weights + reference_forward_bytes(job, setting)
     buckets = zero_buffer_bytes(setting.zero_stage, job.zero_config.get(setting.zero_stage, {}), shape, job.precision)
     absent, added = optimizer_step_bytes(
         shape, setting.zero_stage, setting.offload, job.world, job.precision, job.zero_config.get(setting.zero_stage)
     )
-    training = states - absent + acts + loss  # the micro-batches' forward and backward
-    step = states + added  # the optimizer step, after the activations and loss buffers are freed
+    training = states - absent + acts + loss + reference  # the micro-batches' forward and backward
+    step = states + added + ref_weights  # the optimizer step, after the activations and loss buffers are freed
     peak = max(training, step)
-    phase = peak - (states + acts + loss)
+    phase = peak - (states + acts + loss + reference)
     allocated = peak + buckets
     overhead = buckets + int(FRAGMENTATION * allocated) + (int(CUDA_CONTEXT_GIB * GIB) if job.gpu is not None else 0)
     device = peak + overhead
@@ -888,7 +1001,7 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     sequence = sequence_parallel_bytes(job, setting)
     step_s, time = None, None
     if tps:
-        tokens = setting.micro_batch * setting.grad_accum * job.data_parallel * job.max_length
+        tokens = setting.micro_batch * job.sequences * setting.grad_accum * job.data_parallel * job.max_length
         time = step_time(job, setting, tokens / tps)
         if sequence and job.network is not None:
             bytes_s, _ = comm.ulysses_link(job.network, job.sequence_parallel, job.nproc_per_node)
@@ -917,7 +1030,23 @@ def estimate(job: Job, setting: Setting) -> Estimate:
     fits = not problems
     why = "; ".join(problems) if problems else "fits"
     return Estimate(
-        setting, states, acts, loss, overhead, host, ckpt, write_s, step_s, tps, fits, why, wire, time, sequence, phase
+        setting,
+        states,
+        acts,
+        loss,
+        overhead,
+        host,
+        ckpt,
+        write_s,
+        step_s,
+        tps,
+        fits,
+        why,
+        wire,
+        time,
+        sequence,
+        phase,
+        reference,
     )
 
 
@@ -1356,6 +1485,26 @@ def _check_job(job: Job) -> None:
     if job.attention not in ("sdpa", "flash_attention_2"):
         raise MemoryPlanError(f"unknown attention {job.attention!r}; use sdpa or flash_attention_2")
     element_bytes(job.precision)
+    _check_reference(job)
+
+
+def _check_reference(job: Job) -> None:
+    """The method is one llmft knows, and its reference a strategy it can run."""
+    try:
+        entry = job.method_entry
+    except methods.MethodError as e:
+        raise MemoryPlanError(str(e)) from None
+    if job.reference is None:
+        return
+    if not entry.reference:
+        raise MemoryPlanError(f"--method {entry.name} trains without a reference model: drop the reference strategy")
+    if job.reference not in REFERENCES:
+        raise MemoryPlanError(f"reference {job.reference!r} is unknown; use one of {', '.join(REFERENCES)}")
+    if job.reference == "adapter" and not job.shape.lora:
+        raise MemoryPlanError(
+            "the reference as the policy with its adapter disabled needs LoRA: add --use_peft, or use a copy or "
+            "--precompute_ref_log_probs"
+        )
 
 
 def estimated_save_s(params: int, trainable: int, zero_stage: int, precision: str) -> float:

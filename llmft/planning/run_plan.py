@@ -27,6 +27,7 @@ from llmft.planning.hardware import (
 )
 from llmft.planning.memory import GIB, MemoryPlanError, plan_with_savers
 from llmft.planning.model_shape import cap_max_length, load_model_config, model_shape
+from llmft.planning.preference import plan_with_reference
 from llmft.planning.sequence_parallel import Layout, SequenceParallelError, plan_layout
 from llmft.planning.world import LaunchEnvError, World, discover_world
 
@@ -231,8 +232,12 @@ def memory_job(
     tiled_mlp: bool | None = False,
     activation_offloading: bool | None = False,
     liger: bool = False,
+    method: str = "sft",
+    precompute_ref_log_probs: bool = False,
 ):
     """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given);
+    method: llmft train --method (what an example puts through the policy, its reference and loss head); with
+    precompute_ref_log_probs the reference is planned precomputed, else llmft.planning.preference chooses;
     nccl_profile: slurm/run_llm.slurm's NCCL_PROFILE, which decides the network a fabric node reaches.
     tiled_mlp, activation_offloading: None lets the planner switch them on when nothing fits without them
     (activation offloading only on GPUs: CPU processes hold activations in host memory already)."""
@@ -297,6 +302,8 @@ def memory_job(
         if activation_offloading is None
         else (activation_offloading,),
         liger=liger,
+        method=method,
+        reference="precomputed" if precompute_ref_log_probs else None,
     )
 
 
@@ -326,6 +333,8 @@ def run_estimate(
     activation_offloading: bool,
     use_liger_kernel: bool | None,
     trust_remote_code: bool = False,
+    method: str = "sft",
+    precompute_ref_log_probs: bool = False,
 ) -> tuple[memory.Estimate, float | None]:
     """The planner's estimate for a run whose setting is chosen (the plan's stage, offload, micro-batch and
     accumulation) on this machine's RAM and `gpu` (the process's own, llmft.planning.hardware.local_gpu), with or
@@ -358,8 +367,10 @@ def run_estimate(
             tiled_mlp=tiled_mlp,
             activation_offloading=activation_offloading,
             liger=planned_liger(use_liger_kernel, hardware.gpu, config.model_type),
+            method=method,
+            precompute_ref_log_probs=precompute_ref_log_probs,
         )
-        mplan = memory.plan_memory(job)
+        job, mplan, _ = plan_with_reference(job)
     except MemoryPlanError as e:
         raise PlanError(str(e)) from None
     [est] = [c for c in mplan.candidates if c.setting.micro_batch == b.micro_batch] or mplan.candidates[:1]
@@ -391,13 +402,16 @@ def auto_choice(
     tiled_mlp: bool | None = None,
     activation_offloading: bool | None = None,
     use_liger_kernel: bool | None = None,
+    method: str = "sft",
+    precompute_ref_log_probs: bool = False,
 ):
     """`llmft train --auto`: the memory planner's recommendation for this machine's GPUs and RAM (every rank
     computes the same answer: run_llm.slurm exports the smallest node's allocation as LLMFT_HOST_RAM_GB).
     keep_zero_stage: a resumed run's stage (its checkpoints load only under it); offload and batch stay free.
     tiled_mlp, activation_offloading: True when asked for; None lets the planner turn them on when the sequence
-    does not fit without them. Returns (Setting, one line saying what was chosen and why); PlanError when nothing
-    fits."""
+    does not fit without them. method, precompute_ref_log_probs: a preference method's reference is planned as
+    llmft.planning.preference chooses (the Setting's precompute_ref_log_probs says when it chose to precompute).
+    Returns (Setting, one line saying what was chosen and why); PlanError when nothing fits."""
 
     hardware = resolve_hardware()
     try:
@@ -425,10 +439,12 @@ def auto_choice(
             tiled_mlp=tiled_mlp,
             activation_offloading=activation_offloading,
             liger=planned_liger(use_liger_kernel, hardware.gpu, config.model_type),
+            method=method,
+            precompute_ref_log_probs=precompute_ref_log_probs,
         )
         if keep_zero_stage is not None:
             job = dataclasses.replace(job, zero_stages=(keep_zero_stage,))
-        mplan = plan_with_savers(job)
+        job, mplan, advice = plan_with_reference(job, plan_with_savers)
     except MemoryPlanError as e:
         raise PlanError(f"--auto: {e}") from None
     where = hardware.describe(world.nnodes, world.procs_per_node)
@@ -442,4 +458,6 @@ def auto_choice(
     )
     if keep_zero_stage is not None:
         line += f"; ZeRO-{keep_zero_stage} kept: the run being resumed was trained with it"
+    if advice.line:
+        line += "; " + advice.line.removeprefix("llmft plan: ")
     return est.setting, line
