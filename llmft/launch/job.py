@@ -37,6 +37,8 @@ def run_key(k: Knobs) -> str:
         fields.append(f"SWEEP={k['SWEEP']}")
     if k["SEQUENCE_PARALLEL"] != "1":
         fields.append(f"SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}")
+    if k["METHOD"] != "sft":  # an SFT run keeps the directory it had before METHOD existed
+        fields.append(f"METHOD={k['METHOD']}")
     return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
 
 
@@ -157,7 +159,12 @@ def train_arguments(k: Knobs, run_dir: Path, report_to: str) -> list[str]:
         args += ["--use_peft"]
     if k["SEQUENCE_PARALLEL"] != "1":
         args += ["--sequence_parallel", k["SEQUENCE_PARALLEL"]]
-    return args
+    return args + method_arguments(k)
+
+
+def method_arguments(k: Knobs) -> list[str]:
+    """--method for METHOD=, to llmft train and to llmft plan's memory check alike; SFT's arguments stay as they were."""
+    return [] if k["METHOD"] == "sft" else ["--method", k["METHOD"]]
 
 
 def plan_arguments(
@@ -185,14 +192,14 @@ def plan_arguments(
         args += ["--offload"]
     if k["SEQUENCE_PARALLEL"] != "1":
         args += ["--sequence_parallel", k["SEQUENCE_PARALLEL"]]
-    return args
+    return args + method_arguments(k)
 
 
 # The llmft train flags in EXTRA_ARGS that change the memory a setting needs :
 # flags with a value, switches, and switches that may take true/false after them.
 MEMORY_VALUE_FLAGS = ("--max_length", "--gradient_checkpointing", "--lora_r", "--attn_implementation")
 MEMORY_SWITCHES = ("--load_in_4bit", "--save_consolidated", "--async_save")
-MEMORY_BOOL_FLAGS = ("--tiled_mlp", "--activation_offloading", "--use_liger_kernel")
+MEMORY_BOOL_FLAGS = ("--tiled_mlp", "--activation_offloading", "--use_liger_kernel", "--precompute_ref_log_probs")
 BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from llmft.errors import LlmftError
 from llmft.launch import sweep
+from llmft.planning import methods
 
 
 class KnobError(LlmftError, ValueError):
@@ -78,6 +79,12 @@ KNOBS: tuple[Knob, ...] = (
         "",
         "train variants as a job array, each in <run dir>/<variant>: e.g. learning_rate=1e-5,3e-5,1e-4 (several "
         "flags: 'learning_rate=1e-5,3e-5 lora_r=8,16', every combination); submit with qsub -J 1-N / sbatch --array=1-N",
+    ),
+    Knob(
+        "METHOD",
+        "sft",
+        f"what llmft train --method trains: {', '.join(methods.METHODS)} (llmft.planning.methods); a SWEEP may vary "
+        "the method's own flags (METHOD=dpo SWEEP=beta=0.05,0.1,0.3)",
     ),
     Knob(
         "SEQUENCE_PARALLEL",
@@ -307,8 +314,12 @@ def check(v: dict[str, str], cwd: Path) -> None:
         venv = v["VENV"]
         if venv and not (cwd / venv / "bin" / "python").exists():
             raise KnobError(f"VENV={venv} is not a virtual environment (no {venv}/bin/python)")
+    if v["METHOD"] not in methods.METHODS:
+        raise KnobError(
+            f"METHOD={v['METHOD']} is not a training method; use {', '.join(methods.METHODS)} (default sft)"
+        )
     if v["SWEEP"]:
-        sweep.parse(v["SWEEP"])
+        sweep.parse(v["SWEEP"], v["METHOD"])
     if v["CONTAINER_MOUNTS"]:
         if not v["CONTAINER_IMAGE"]:
             raise KnobError(

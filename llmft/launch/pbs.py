@@ -271,7 +271,7 @@ def outside_pbs(k: Knobs, raw_dataset: str) -> int:
     if warning:
         say(warning)
     if k["SWEEP"]:
-        variants = sweep.parse(k["SWEEP"])
+        variants = sweep.parse(k["SWEEP"], k["METHOD"])
         for v in variants:
             say(f"sweep variant {v.index}: {v.describe()} -> {v.name}")
         say(f"submit the sweep as an array of {len(variants)}: qsub -J 1-{len(variants)} ... pbs/run_llm.pbs")
@@ -413,7 +413,7 @@ def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: st
         run_dir = Path(k["CHECKPOINT_DIR"])
         run_dir = run_dir if run_dir.is_absolute() else submit_dir / run_dir
     if k["SWEEP"]:
-        variants = sweep.parse(k["SWEEP"])
+        variants = sweep.parse(k["SWEEP"], k["METHOD"])
         variant = this_variant(variants, env)
         sweep.record(run_dir, k["SWEEP"], variants)
         say(f"sweep variant {variant.index} of {len(variants)}: {variant.describe()} in {run_dir}")

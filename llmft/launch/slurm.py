@@ -46,6 +46,9 @@ process, the global batch following the processes). The job's first lines name e
                                   or fabric failure), and only when it wrote a new complete checkpoint; an
                                   application error (out of memory, an exception) is not requeued (0: never)
   LORA=0                          1: train LoRA adapters (PEFT) instead of all weights
+  METHOD=sft                      llmft train --method: sft | dpo | kto | reward (llmft.planning.methods); the plan's
+                                  memory check counts the method's pairs and reference; a SWEEP may vary the
+                                  method's own flags (METHOD=dpo SWEEP=beta=0.05,0.1,0.3); see docs/preference.md
   WANDB_PROJECT=                  set to log to Weights & Biases (else --report_to none); the run is named
                                   <job-name>-<job-id>, and a requeued job continues it
   WANDB_MODE=                     online | offline | disabled; empty: offline when the node cannot reach W&B
@@ -282,7 +285,7 @@ def bash_quoted(arg: str) -> str:
 
 
 def sweep_lines(k: Knobs) -> list[sweep.Variant]:
-    variants = sweep.parse(k["SWEEP"])
+    variants = sweep.parse(k["SWEEP"], k["METHOD"])
     for v in variants:
         say(f"sweep variant {v.index}: {v.describe()} -> {v.name}")
     return variants
@@ -434,7 +437,7 @@ def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: st
         run_dir = submit_dir / "runs" / f"{safe_name(env.get('SLURM_JOB_NAME') or 'llmft')}-{run_key(k)}"
     flags: list[str] = []
     if k["SWEEP"]:
-        variants = sweep.parse(k["SWEEP"])
+        variants = sweep.parse(k["SWEEP"], k["METHOD"])
         index = env.get("SLURM_ARRAY_TASK_ID")
         v = sweep.element(
             variants,

@@ -10,8 +10,10 @@ its flags after EXTRA_ARGS (so a swept flag wins over the same flag there). The 
 llmft_sweep.json, which `llmft report <sweep directory>` reads to compare the variants.
 
 Each flag must be one of `llmft train`'s (llmft.training.flag_policy.POLICY, the table tests/test_flags.py holds to
-llmft train's own parser; standard library only, so the dry run and the job check it with any python3): a misspelt
-one is refused, with "did you mean", in the dry run and in every element before anything trains.
+llmft train's own parser; standard library only, so the dry run and the job check it with any python3) or one of the
+job's METHOD's own (its entry's flag rows in llmft.planning.methods: SWEEP="beta=0.05,0.1,0.3" with METHOD=dpo): a
+misspelt one is refused, with "did you mean", and one that belongs to another method names that method, in the dry
+run and in every element before anything trains.
 
 A value cannot hold a comma inside `--export=...` or `-v ...` (the schedulers split there): quote the whole
 value (`qsub -v "SWEEP='learning_rate=1e-5,3e-5'"`), or pass SWEEP=... as an argument after the script.
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
+from llmft.planning import methods
 from llmft.training.flag_policy import POLICY, REFUSED
 
 SWEEP_FILE = "llmft_sweep.json"
@@ -55,15 +58,16 @@ class Variant:
         return " ".join(f"{flag}={value}" for flag, value in self.values)
 
 
-def parse(text: str) -> list[Variant]:
-    """SWEEP's variants, in array order; a malformed SWEEP is refused naming the part and the form."""
+def parse(text: str, method: str | None = None) -> list[Variant]:
+    """SWEEP's variants, in array order; a malformed SWEEP is refused naming the part and the form. `method`: the
+    job's METHOD (None: sft), whose own flags may be swept."""
     axes = []
     for part in [p for p in re.split(r"[;\s]+", text.strip()) if p]:
         flag, sep, values = part.partition("=")
         flag = flag.removeprefix("--")
         if not sep or not _FLAG.fullmatch(flag):
             raise SweepError(f"SWEEP={text}: '{part}' is not FLAG=VALUE,VALUE,...; {EXAMPLE}")
-        check_flag(text, flag)
+        check_flag(text, flag, method)
         if flag in SET_BY_THE_JOB:
             raise SweepError(
                 f"SWEEP={text}: --{flag} is set by the job from its knobs and cannot vary within one sweep; submit a "
@@ -85,13 +89,25 @@ def parse(text: str) -> list[Variant]:
     return [Variant(i, "_".join(f"{f}-{v}" for f, v in combo), tuple(combo)) for i, combo in enumerate(combos, 1)]
 
 
-def check_flag(text: str, flag: str) -> None:
-    """A swept flag `llmft train` does not take, or refuses, would fail every element after its wait in the queue."""
-    if flag not in POLICY:
-        close = difflib.get_close_matches(flag, sorted(POLICY), n=1, cutoff=0.6)
+def check_flag(text: str, flag: str, method: str | None = None) -> None:
+    """A swept flag `llmft train --method METHOD` does not take, or refuses, would fail every element after its wait in
+    the queue: one of llmft train's (POLICY) or of the method's own rows is taken; another method's is named."""
+    try:
+        entry = methods.method(method)
+    except methods.MethodError:
+        raise SweepError(f"METHOD={method} is not a training method; use {', '.join(methods.METHODS)}") from None
+    own = entry.flag_policy
+    if flag not in POLICY and flag not in own:
+        others = [m.name for m in methods.METHODS.values() if flag in m.flag_policy]
+        if others:
+            raise SweepError(
+                f"SWEEP={text}: --{flag} is a flag of --method {' and '.join(others)}, not of {entry.name}; "
+                f"set METHOD={others[0]}, or sweep another flag"
+            )
+        close = difflib.get_close_matches(flag, sorted({*POLICY, *own}), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else "llmft train --help lists its flags"
         raise SweepError(f"SWEEP={text}: --{flag} is not a flag of llmft train; {hint}")
-    kind, why = POLICY[flag]
+    kind, why = own.get(flag) or POLICY[flag]
     if kind == REFUSED:
         raise SweepError(f"SWEEP={text}: llmft train refuses --{flag} other than its default: {why}")
 

@@ -55,6 +55,62 @@ class Method:
         return dict(self.flags)
 
 
+def _passed(rows: dict[str, str], shared: str = "") -> tuple[tuple[str, tuple[str, str]], ...]:
+    """A config's own fields (its dataclass's fields less TrainingArguments'), each handed unchanged to TRL's
+    trainer (kind "passed", llmft.training.flag_policy.PASSED). `shared`: fields SFTConfig also has, whose
+    llmft.training.flag_policy.POLICY row is SFT's; under this method TRL's config of this method reads them."""
+    out = {name: ("passed", why) for name, why in rows.items()}
+    for name in shared.split():
+        out[name] = ("passed", "also SFTConfig's (POLICY's row is SFT's); under this method TRL's {cls} reads it")
+    return tuple(sorted(out.items()))
+
+
+_COMMON_SHARED = (
+    "model_init_kwargs trust_remote_code dataset_num_proc max_length pad_to_multiple_of activation_offloading"
+)
+_REFERENCE_ROWS = {
+    "disable_dropout": "TRL disables dropout in the policy (and reference) models",
+    "precompute_ref_log_probs": "one reference pass before training; the log-probs join the training data",
+    "precompute_ref_batch_size": "the batch size of the precompute pass",
+    "beta": "the strength of the pull towards the reference (TRL's beta)",
+    "sync_ref_model": "TRL's TR-DPO: the reference is synced to the policy every ref_model_sync_steps",
+    "ref_model_mixup_alpha": "TR-DPO's mix of the policy into the reference at each sync",
+    "ref_model_sync_steps": "TR-DPO's steps between syncs",
+}
+_DPO_FLAGS = _passed(
+    {
+        **_REFERENCE_ROWS,
+        "loss_weights": "weights of the losses when several loss_type values are combined (TRL's MPO)",
+        "ld_alpha": "LD-DPO's weight on the verbose tail of the longer completion",
+        "f_divergence_type": "the f-divergence of the DPO loss (reverse KL by default)",
+        "f_alpha_divergence_coef": "the alpha of the alpha-divergence",
+        "label_smoothing": "the conservative/robust DPO label smoothing",
+        "use_weighting": "WPO's weighting of pairs by their probability",
+        "discopop_tau": "DiscoPOP's temperature (loss_type discopop)",
+    },
+    _COMMON_SHARED + " router_aux_loss_coef truncation_mode padding_free loss_type pad_token",
+)
+_KTO_FLAGS = _passed(
+    {
+        **_REFERENCE_ROWS,
+        "desirable_weight": "the weight of the desirable (label true) examples' losses",
+        "undesirable_weight": "the weight of the undesirable (label false) examples' losses",
+    },
+    _COMMON_SHARED + " router_aux_loss_coef loss_type",
+)
+_REWARD_FLAGS = _passed(
+    {
+        "disable_dropout": "TRL disables dropout in the reward model",
+        "center_rewards_coefficient": "the auxiliary loss that centres the rewards on zero",
+    },
+    _COMMON_SHARED + " chat_template_path eos_token pad_token",
+)
+
+
+def _named(flags, cls: str):
+    return tuple((name, (kind, why.replace("{cls}", cls))) for name, (kind, why) in flags)
+
+
 _PREFERENCE_PLOTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 METHODS: dict[str, Method] = {
@@ -87,6 +143,7 @@ METHODS: dict[str, Method] = {
         mixins=("checkpoint_save",),
         report_metrics=_PREFERENCE_PLOTS,
         packing="padding_free",
+        flags=_named(_DPO_FLAGS, "DPOConfig"),
     ),
     "kto": Method(
         name="kto",
@@ -102,6 +159,7 @@ METHODS: dict[str, Method] = {
         mixins=("checkpoint_save",),
         report_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "kl"),
         packing="",
+        flags=_named(_KTO_FLAGS, "KTOConfig"),
     ),
     "reward": Method(
         name="reward",
@@ -117,6 +175,7 @@ METHODS: dict[str, Method] = {
         mixins=("checkpoint_save",),
         report_metrics=("accuracy", "margin"),
         packing="",
+        flags=_named(_REWARD_FLAGS, "RewardConfig"),
     ),
 }
 
