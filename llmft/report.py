@@ -8,7 +8,9 @@ python -m llmft.report runs/x
 ```
 
 It reads what a run leaves in its output directory: the trainer state (log history: training and eval
-loss, learning rate, and per logging step tokens/s, MFU and GPU memory when the run logged them; a resume
+loss, learning rate, per logging step tokens/s, MFU and GPU memory when the run logged them, and a preference
+method's own metrics: rewards/chosen, rewards/rejected, rewards/accuracies and rewards/margins for DPO, compared
+across a sweep's variants, from llmft.planning.methods' report_metrics); a resume
 restores it from the checkpoint), `run_summary.json` (GPUs, throughput), `run_summaries.jsonl` (each attempt's
 time: a requeued or resumed run's whole time), `llmft_data.json` (the data), the DeepSpeed config, and `eval/summary.jsonl` from `llmft eval`
 (lm-evaluation-harness scores per task and checkpoint: a bar chart across runs and checkpoints). What a run
@@ -24,9 +26,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmft.checkpoint.run_dir import RUN_RECORD
 from llmft.command import command_parser, report_error
 from llmft.errors import LlmftError
 from llmft.launch.sweep import variant_dirs
+from llmft.planning import methods
 
 TOKENS_PER_SECOND_KEYS = ("tokens_per_second", "train_tokens_per_second_step", "tokens_per_sec")
 MFU_KEYS = ("mfu",)
@@ -57,6 +61,7 @@ class Run:
     done: dict | None = None
     world_size: int | None = None
     state_file: Path | None = None
+    method: str = methods.DEFAULT  # llmft train --method (`run_method`): which of its metrics the report plots
 
 
 def _json(path: Path) -> dict | None:
@@ -112,7 +117,22 @@ def read_run(path: Path, name: str) -> Run:
     marker = next((m for m in (_json(c / "llmft_complete.json") for c in reversed(ckpts)) if m), None)
     run.world_size = run.summary.get("world_size") or (marker or {}).get("world_size")
     run.benchmarks = read_benchmarks(path / "eval" / "summary.jsonl")
+    run.method = run_method(run.history, run.summary, _json(path / RUN_RECORD) or {})
     return run
+
+
+def run_method(history: list[dict], summary: dict, record: dict) -> str:
+    """The run's training method: as its run summary or record names it (llmft train --method), else the method
+    whose every report metric (llmft.planning.methods) its log history holds (rewards/accuracies is DPO's, kl
+    KTO's, accuracy and margin a reward model's); a run that logged none of them is SFT's."""
+    named = summary.get("method") or record.get("method")
+    if named in methods.METHODS:
+        return named
+    logged = {key for entry in history for key in entry}
+    for entry in methods.METHODS.values():
+        if entry.name != methods.DEFAULT and set(entry.report_metrics) <= logged:
+            return entry.name
+    return methods.DEFAULT
 
 
 def read_benchmarks(path: Path) -> list[dict]:
@@ -257,6 +277,39 @@ def plot_series(
     if drawn and log_y:
         ax.set_yscale("log")
     return _save(fig, ax, out_file) if drawn else _discard(fig)
+
+
+def method_metrics(runs: list[Run]) -> list[str]:
+    """The metrics the runs' methods plot beside the loss (llmft.planning.methods' report_metrics), in the table's
+    order, each once; SFT's runs add none (their report is as it was)."""
+    out: list[str] = []
+    for run in runs:
+        if run.method != methods.DEFAULT:
+            out += [m for m in methods.METHODS[run.method].report_metrics if m not in out]
+    return out
+
+
+def plot_method_metrics(runs: list[Run], out: Path) -> dict[str, Path | None]:
+    """One plot per method metric (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins for DPO), one
+    line per run: a sweep's variants compared on each."""
+    plots = {}
+    for metric in method_metrics(runs):
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", metric)
+        plots[metric] = plot_series(runs, (metric,), metric, metric, out / f"{name}.png")
+    return plots
+
+
+def method_table(runs: list[Run], metrics: list[str]) -> list[str]:
+    """The runs side by side on each method metric: its last logged value (a sweep's variants compared)."""
+    if not metrics:
+        return []
+    lines = ["", "## Preference metrics (last logged value)", ""]
+    lines += ["| run | method | " + " | ".join(metrics) + " |", "|---|---|" + "---|" * len(metrics)]
+    for run in runs:
+        last = [series(run.history, (m,))[1] for m in metrics]
+        cells = [_fmt(points[-1][1]) if points else "-" for points in last]
+        lines.append(f"| {run.name} | {run.method} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _discard(fig) -> None:
@@ -442,16 +495,18 @@ def markdown(runs: list[Run], plots: dict[str, Path | None], out: Path) -> str:
         "eval_metrics": "Eval perplexity across runs",
         "benchmarks": "Benchmarks across runs and checkpoints",
     }
+    metrics = method_metrics(runs)
+    titles.update({m: m for m in metrics})
     missing = []
     for key, title in titles.items():
         path = plots.get(key)
         if path is not None:
             lines += [f"### {title}", "", f"![{title}]({path.relative_to(out)})", ""]
         else:
-            missing.append(title.lower())
+            missing.append(title.lower() if key not in metrics else title)
     if missing:
         lines += [f"Not plotted (not in these runs' logs): {', '.join(missing)}.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + method_table(runs, metrics))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -525,6 +580,7 @@ def report(run_dirs: list[Path], out: Path) -> dict:
         "gpu_memory": plot_series(runs, MEMORY_KEYS, "GPU memory", "peak GPU memory (GiB)", out / "gpu_memory.png"),
         "eval_metrics": plot_eval_bars(runs, out) if len(runs) > 1 else None,
         "benchmarks": plot_benchmarks(runs, out),
+        **plot_method_metrics(runs, out),
     }
     summary = out / "report.md"
     summary.write_text(markdown(runs, plots, out) + "\n")
