@@ -119,6 +119,8 @@ class Setting:
     )
     profile: bool = False  # --profile_step on a step after the compile: where the step's time goes
     gated: bool = True  # not run where the planner says it does not fit (the doubling search runs to find out)
+    method: str = "sft"  # llmft train --method (issue 43's rows: dpo)
+    goal: float | None = None  # the least tokens/s ratio to its pair the issue asks for
 
 
 LONG_LENGTHS = (32768, 65536, 131072)  # issue 45's fixed long-context rows; the doubling search goes on from the last
@@ -165,6 +167,47 @@ def long_settings(dry: bool) -> list[Setting]:
         )
     )
     return rows
+
+
+def preference_settings(dry: bool) -> list[Setting]:
+    """Issue 43's rows: DPO of a Llama-3.1-8B shape with LoRA r=16 on every linear layer at sequence 2048, against
+    llmft's LoRA SFT in the same call on the same tokens a step (4 pairs of 2 sequences against 8 sequences, each
+    prompt + completion about 2048 tokens, GSM8K's problems); recomputation on in all three (TRL's default). With the
+    reference precomputed (its pass before training is not in the training window's rate) the goal is 0.9x SFT's
+    tokens/s, with the adapter disabled as a live reference (one more forward a micro-batch) 0.65x."""
+    big = "tiny-llama" if dry else "llama-3.1-8b"
+    seq, acc = (512, 2) if dry else (2048, 4)
+    lora = ["--use_peft", "--lora_r", "16", "--lora_alpha", "32", "--lora_target_modules", "all-linear"]
+    sft = Setting("dpo-sft-lora", "llmft", big, seq, 2, acc, flags=list(lora), data="preference-sft")
+    return [
+        sft,
+        Setting(
+            "dpo-precomputed",
+            "llmft",
+            big,
+            seq,
+            1,
+            acc,
+            flags=[*lora, "--precompute_ref_log_probs", "true"],
+            data="preference",
+            method="dpo",
+            pair=sft.name,
+            goal=0.9,
+        ),
+        Setting(
+            "dpo-live",
+            "llmft",
+            big,
+            seq,
+            1,
+            acc,
+            flags=list(lora),
+            data="preference",
+            method="dpo",
+            pair=sft.name,
+            goal=0.65,
+        ),
+    ]
 
 
 def settings(dry: bool) -> list[Setting]:
@@ -230,6 +273,7 @@ def settings(dry: bool) -> list[Setting]:
         lever("packed-no-ckpt", "--gradient_checkpointing", "false"),  # each lever alone
         lever("packed-no-liger", "--use_liger_kernel", "false", requires="liger_kernel"),
         Setting("packed-micro16", "llmft", small, seq, 2 * mb, acc // 2, True, pair="packed"),
+        *preference_settings(dry),  # issue 43: run them with --only dpo-sft-lora dpo-precomputed dpo-live
     ]
 
 
@@ -325,6 +369,44 @@ def long_records(path: Path, tokenizer, length: int, n: int) -> Path:
     return write_jsonl(rows, path)
 
 
+def preference_records(path: Path, tokenizer, length: int, n: int, sft: bool) -> Path:
+    """n preference records of about `length` tokens a side (99% of it): a prompt of GSM8K's worked problems to about
+    half of it, the chosen completion the next problems' answers to the rest, the rejected one answers from far
+    away in the split (a mismatched answer); `sft`: the same prompts and chosen completions as prompt/completion
+    records, for the SFT row beside them."""
+    import gzip
+
+    from llmft.data.synthetic import write_jsonl
+
+    with gzip.open(GSM8K, "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f]
+    texts = [f"Question: {p['question']}\nAnswer: {p['answer']}\n\n" for p in problems]
+    answers = [f" {p['answer']}\n\n" for p in problems]
+    text_counts = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    answer_counts = [len(ids) for ids in tokenizer(answers, add_special_tokens=False)["input_ids"]]
+    half = (int(length * 0.99) - 8) // 2
+
+    def take(pieces, counts, start):
+        out, total, i = [], 0, start
+        while total + counts[i % len(pieces)] <= half:
+            out.append(pieces[i % len(pieces)])
+            total += counts[i % len(pieces)]
+            i += 1
+        return "".join(out), i
+
+    rows, i = [], 0
+    for _ in range(n):
+        prompt, i = take(texts, text_counts, i)
+        chosen, i = take(answers, answer_counts, i)
+        rejected, _ = take(answers, answer_counts, i + len(problems) // 2)
+        rows.append(
+            {"prompt": prompt, "completion": chosen}
+            if sft
+            else {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        )
+    return write_jsonl(rows, path)
+
+
 def llmft_command(s: Setting, model: Path, data: Path, out: Path, steps: int) -> list[str]:
     pinned = []
     if s.pinned:  # TRL's defaults, given: llmft's own (llmft.planning.speed_defaults) would change what a row measures
@@ -366,6 +448,7 @@ def llmft_command(s: Setting, model: Path, data: Path, out: Path, steps: int) ->
         "--disable_tqdm",
         "true",
         *(["--packing", "true"] if s.packing else []),
+        *(["--method", s.method] if s.method != "sft" else []),
         *s.flags,
         *pinned,
     ]
@@ -435,11 +518,13 @@ def planned(s: Setting, model: Path, length: int | None = None, hardware=None) -
         tiled_mlp=flag_value(s.flags, "--tiled_mlp") == "true",
         activation_offloading=flag_value(s.flags, "--activation_offloading") == "true",
         liger=planned_liger(_bool_flag(s.flags, "--use_liger_kernel"), hardware.gpu, config.model_type),
+        method=s.method,
+        precompute_ref_log_probs=flag_value(s.flags, "--precompute_ref_log_probs") == "true",
     )
     est = memory.plan_memory(job).candidates[0]
     gib = 2**30
-    return {
-        "plan_gib": (est.model_states + est.activations + est.loss_buffers + est.phase) / gib,
+    return {  # a preference row's reference (its weights, its forward) counts as the other terms do
+        "plan_gib": (est.model_states + est.activations + est.loss_buffers + est.reference + est.phase) / gib,
         "plan_total_gib": est.gpu_total / gib,
         "plan_host_gib": est.host["peak"] / gib,
         "plan_step_s": None if est.time is None else est.time.step_s,
@@ -596,6 +681,8 @@ def table(rows: list[dict], head: str) -> str:
                 if r["who"] == "plain"
                 else f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x"
             )
+            if r.get("goal"):
+                ratio += f" (goal {r['goal']:.2f}x)"
         startup = sum((r.get("startup_seconds") or {}).values())
         lines.append(
             f"| {r['name']} | {r['tokens_per_second']:.0f} | {_pct(r.get('mfu'))} | {_peak(r)} | {_num(r.get('plan_gib'))} "
@@ -670,6 +757,11 @@ class Suite:
         return time.perf_counter() - self.start
 
     def row_data(self, s: Setting, steps: int) -> Path:
+        if s.data.startswith("preference"):  # the SFT row and the DPO rows train on the same prompts and sides
+            n = s.micro_batch * s.grad_accum * steps
+            path = self.out / f"{s.data}-{s.max_length}x{n}.jsonl"
+            sft = s.data == "preference-sft"
+            return path if path.is_file() else preference_records(path, self.tokenizer, s.max_length, n, sft)
         if s.data != "long":
             return self.data
         path = self.out / f"long-{s.max_length}x{steps}.jsonl"
@@ -679,6 +771,8 @@ class Suite:
 def run_setting(suite: Suite, s: Setting, later_models: set[str]) -> dict:
     """One row: run the setting (or say why not) and read what it measured."""
     row = {"name": s.name, "who": s.who, "pair": s.pair}
+    if s.method != "sft":
+        row.update(method=s.method, goal=s.goal)
     if s.data == "long":
         row.update(long=True, length=s.max_length)
     if suite.elapsed() > suite.budget_s:

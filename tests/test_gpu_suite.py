@@ -137,6 +137,9 @@ def test_the_gpu_run_is_the_issues_settings_in_its_order_of_priority():
         "packed-no-ckpt",
         "packed-no-liger",
         "packed-micro16",
+        "dpo-sft-lora",  # issue 43's DPO rows (tests/test_gpu_suite_preference.py), run with --only
+        "dpo-precomputed",
+        "dpo-live",
     ]
     long = [s for s in real if s.name.startswith("long-")]
     assert {s.model for s in long} == {"llama-3.1-8b"} and {s.micro_batch * s.grad_accum for s in long} == {1}
