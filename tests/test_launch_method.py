@@ -5,6 +5,7 @@ cluster: the scripts run with DRY_RUN=1 outside a job, and the launchers' argume
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -101,3 +102,34 @@ def test_a_methods_flag_rows_are_its_trl_configs_own_fields(name, config):
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     own = {f.name for f in dataclasses.fields(getattr(trl, config))} - base
     assert set(methods.method(name).flag_policy) == own
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "preference.md"
+KNOBS = "METHOD=dpo,MODEL=meta-llama/Llama-3.1-8B,DATASET=hh.jsonl,LORA=1,GLOBAL_BATCH=64,MICRO_BATCH=1"
+
+
+def test_the_preference_pages_job_commands_pass_both_scripts_dry_runs(tmp_path):
+    """docs/preference.md's sbatch and qsub lines, their knobs as written there, checked by each script as the job
+    would (DRY_RUN=1 outside a job, the page's hh.jsonl beside it), and its sweep's variants listed."""
+    import os
+    import subprocess
+
+    text = DOC.read_text()
+    assert f"sbatch slurm/run_llm.slurm --export=ALL,{KNOBS}\n" in text
+    assert f"qsub -v {KNOBS} pbs/run_llm.pbs\n" in text
+    assert "SWEEP=beta=0.05,0.1,0.3" in text and "SWEEP='beta=0.05,0.1,0.3'" in text
+    record = text.split("```json\n", 1)[1].split("\n```", 1)[0]
+    assert set(json.loads(record)) == {"chosen", "rejected"}
+    (tmp_path / "hh.jsonl").write_text(record + "\n")
+    repo = DOC.parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_")) and k not in knobs.NAMES}
+    env.update(DRY_RUN="1", VIRTUAL_ENV=VENV)
+
+    def script(*args):
+        return subprocess.run(["bash", *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+
+    slurm = script(str(repo / "slurm" / "run_llm.slurm"), f"--export=ALL,{KNOBS}", "SWEEP=beta=0.05,0.1,0.3")
+    assert slurm.returncode == 0 and "knobs are valid" in slurm.stdout, slurm.stderr
+    assert "sweep variant 3: beta=0.3 -> beta-0.3" in slurm.stdout
+    pbs = script(str(repo / "pbs" / "run_llm.pbs"), f"VENV={VENV}", *KNOBS.split(","))
+    assert pbs.returncode == 0 and "knobs are valid" in pbs.stdout, pbs.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 from published_shapes import llama_3_1_8b
@@ -227,3 +228,20 @@ def test_auto_choice_gives_the_plans_answer(llama_config, monkeypatch):
     j = Job(model_shape(llama_3_1_8b()), hardware.gpu, 1000, 1, 3, 2048, "bf16", global_batch=24, method="dpo")
     _, mplan, _ = plan_with_reference(dataclasses.replace(j, max_micro_batch=4), memory.plan_with_savers)
     assert mplan.recommended.setting == dpo
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--gpu", "L4", "--nproc_per_node", 8, "--global_batch_size", 64, "--use_peft"],
+        ["--gpu", "H100-80GB", "--nproc_per_node", 8, "--global_batch_size", 64],
+        ["--gpu", "H100-80GB", "--nproc_per_node", 3, "--global_batch_size", 24],
+        ["--gpu", "L4", "--nproc_per_node", 8, "--global_batch_size", 64],
+    ],
+)
+def test_the_reference_lines_in_docs_preference_are_the_planners(capsys, llama_config, argv):
+    argv = ["--model", llama_config, "--method", "dpo", "--host_ram_gb", 1000, "--max_length", 2048, *argv]
+    argv += ["--use_liger_kernel", "false"]  # as the page's lines were made: without liger-kernel installed
+    assert plan.main(plan.make_parser().parse_args([str(a) for a in argv])) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("llmft plan: reference (dpo)")]
+    assert f"\n{line}\n" in (Path(__file__).resolve().parents[1] / "docs" / "preference.md").read_text()
