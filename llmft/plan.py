@@ -715,20 +715,7 @@ def add_memory_plan_arguments(parser) -> None:
     mem.add_argument("--lora_r", type=int, default=None, help="LoRA rank (default: TRL's 16)")
     mem.add_argument("--lora_target_modules", nargs="+", default=None, help="default: PEFT's for the architecture")
     mem.add_argument("--load_in_4bit", action="store_true", help="QLoRA: frozen weights in 4-bit (needs --use_peft)")
-    mem.add_argument(
-        "--method",
-        default=None,
-        help=f"as llmft train's: {', '.join(methods.METHODS)} (default sft); a preference method's pairs and "
-        "reference are counted, and the plan recommends how to hold the reference",
-    )
-    mem.add_argument(
-        "--precompute_ref_log_probs",
-        default=False,
-        type=lambda v: _bool(v, "--precompute_ref_log_probs"),
-        nargs="?",
-        const=True,
-        help="as llmft train's: plan the reference precomputed (default: the plan chooses)",
-    )
+    add_method_arguments(mem)
     add_kernel_arguments(mem)
     mem.add_argument(
         "--save_total_limit",
@@ -782,6 +769,24 @@ def add_memory_plan_arguments(parser) -> None:
     mem.add_argument("--walltime", default=None, help="with --scheduler pbs: the job's walltime (HH:MM:SS; 04:00:00)")
     mem.add_argument("--trust_remote_code", action="store_true")
     add_run_data_arguments(parser)
+
+
+def add_method_arguments(mem) -> None:
+    """The training method (llmft.planning.methods) and how its reference is held (llmft.planning.preference)."""
+    mem.add_argument(
+        "--method",
+        default=None,
+        help=f"as llmft train's: {', '.join(methods.METHODS)} (default sft); a preference method's pairs and "
+        "reference are counted, and the plan recommends how to hold the reference",
+    )
+    mem.add_argument(
+        "--precompute_ref_log_probs",
+        default=False,
+        type=lambda v: _bool(v, "--precompute_ref_log_probs"),
+        nargs="?",
+        const=True,
+        help="as llmft train's: plan the reference precomputed (default: the plan chooses)",
+    )
 
 
 def add_kernel_arguments(mem) -> None:

@@ -236,8 +236,7 @@ def memory_job(
     precompute_ref_log_probs: bool = False,
 ):
     """The llmft.planning.memory Job for this model, hardware and run knobs (stage/offload restricted when given);
-    method: llmft train --method (what an example puts through the policy, its reference and loss head); with
-    precompute_ref_log_probs the reference is planned precomputed, else llmft.planning.preference chooses;
+    method: llmft train --method; the reference precomputed if asked, else llmft.planning.preference chooses;
     nccl_profile: slurm/run_llm.slurm's NCCL_PROFILE, which decides the network a fabric node reaches.
     tiled_mlp, activation_offloading: None lets the planner switch them on when nothing fits without them
     (activation offloading only on GPUs: CPU processes hold activations in host memory already)."""
