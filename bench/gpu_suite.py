@@ -119,7 +119,7 @@ class Setting:
     )
     profile: bool = False  # --profile_step on a step after the compile: where the step's time goes
     gated: bool = True  # not run where the planner says it does not fit (the doubling search runs to find out)
-    method: str = "sft"  # llmft train --method (issue 43's rows: dpo)
+    method: str | None = None  # llmft train --method (issue 43's rows: dpo); None: its default, sft
     goal: float | None = None  # the least tokens/s ratio to its pair the issue asks for
 
 
@@ -448,7 +448,7 @@ def llmft_command(s: Setting, model: Path, data: Path, out: Path, steps: int) ->
         "--disable_tqdm",
         "true",
         *(["--packing", "true"] if s.packing else []),
-        *(["--method", s.method] if s.method != "sft" else []),
+        *(["--method", s.method] if s.method else []),
         *s.flags,
         *pinned,
     ]
@@ -518,7 +518,7 @@ def planned(s: Setting, model: Path, length: int | None = None, hardware=None) -
         tiled_mlp=flag_value(s.flags, "--tiled_mlp") == "true",
         activation_offloading=flag_value(s.flags, "--activation_offloading") == "true",
         liger=planned_liger(_bool_flag(s.flags, "--use_liger_kernel"), hardware.gpu, config.model_type),
-        method=s.method,
+        method=s.method or "sft",
         precompute_ref_log_probs=flag_value(s.flags, "--precompute_ref_log_probs") == "true",
     )
     est = memory.plan_memory(job).candidates[0]
@@ -771,7 +771,7 @@ class Suite:
 def run_setting(suite: Suite, s: Setting, later_models: set[str]) -> dict:
     """One row: run the setting (or say why not) and read what it measured."""
     row = {"name": s.name, "who": s.who, "pair": s.pair}
-    if s.method != "sft":
+    if s.method:
         row.update(method=s.method, goal=s.goal)
     if s.data == "long":
         row.update(long=True, length=s.max_length)

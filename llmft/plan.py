@@ -80,7 +80,7 @@ def format_memory_plan(mplan, hardware: Hardware, tried: list[str] | None = None
     if job.load_in_4bit:
         train += " on 4-bit weights"
     entry = job.method_entry
-    if entry.name != methods.DEFAULT:
+    if not methods.is_default(entry.name):
         train += f", --method {entry.name} ({entry.sequences_per_example} sequences per {entry.batch_unit[:-1]})"
     batch = f"global batch {job.global_batch}" if job.global_batch else "no global batch given"
     out = [
@@ -234,7 +234,7 @@ def memory_plan_json(mplan) -> dict:
     shape = mplan.job.shape
     method = (
         {"method": mplan.job.method, "reference": mplan.job.reference_strategy}
-        if mplan.job.method != methods.DEFAULT
+        if not methods.is_default(mplan.job.method)
         else {}
     )
     return {
@@ -262,7 +262,7 @@ def submission_knobs(args, est, global_batch: int, sequence_parallel: int = 1) -
         knobs += [f"ZERO_STAGE={s.zero_stage}", f"OFFLOAD={0 if s.offload == 'none' else 1}"]
     if args.use_peft:
         knobs.append("LORA=1")
-    if args.method and args.method != methods.DEFAULT:
+    if not methods.is_default(args.method):
         knobs.append(f"METHOD={args.method}")
     knobs += data_knobs(args)
     extra = [

@@ -130,7 +130,7 @@ def run_method(history: list[dict], summary: dict, record: dict) -> str:
         return named
     logged = {key for entry in history for key in entry}
     for entry in methods.METHODS.values():
-        if entry.name != methods.DEFAULT and set(entry.report_metrics) <= logged:
+        if not methods.is_default(entry.name) and set(entry.report_metrics) <= logged:
             return entry.name
     return methods.DEFAULT
 
@@ -284,7 +284,7 @@ def method_metrics(runs: list[Run]) -> list[str]:
     order, each once; SFT's runs add none (their report is as it was)."""
     out: list[str] = []
     for run in runs:
-        if run.method != methods.DEFAULT:
+        if not methods.is_default(run.method):
             out += [m for m in methods.METHODS[run.method].report_metrics if m not in out]
     return out
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from llmft.errors import LlmftError
 from llmft.launch.knobs import Knobs
+from llmft.planning import methods
 
 
 class JobError(LlmftError, RuntimeError):
@@ -37,7 +38,7 @@ def run_key(k: Knobs) -> str:
         fields.append(f"SWEEP={k['SWEEP']}")
     if k["SEQUENCE_PARALLEL"] != "1":
         fields.append(f"SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}")
-    if k["METHOD"] != "sft":  # an SFT run keeps the directory it had before METHOD existed
+    if not methods.is_default(k["METHOD"]):  # an SFT run keeps the directory it had before METHOD existed
         fields.append(f"METHOD={k['METHOD']}")
     return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
 
@@ -164,7 +165,7 @@ def train_arguments(k: Knobs, run_dir: Path, report_to: str) -> list[str]:
 
 def method_arguments(k: Knobs) -> list[str]:
     """--method for METHOD=, to llmft train and to llmft plan's memory check alike; SFT's arguments stay as they were."""
-    return [] if k["METHOD"] == "sft" else ["--method", k["METHOD"]]
+    return [] if methods.is_default(k["METHOD"]) else ["--method", k["METHOD"]]
 
 
 def plan_arguments(

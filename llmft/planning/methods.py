@@ -188,3 +188,9 @@ def method(name: str | None) -> Method:
     if key not in METHODS:
         raise MethodError(f"--method {name!r} is not a training method; choose one of {', '.join(METHODS)}")
     return METHODS[key]
+
+
+def is_default(name: str | None) -> bool:
+    """The default method (sft), which every command runs as it did before --method: its run directories, arguments
+    and reports keep their names, so callers ask here rather than compare names themselves."""
+    return name in (None, "", DEFAULT)
