@@ -27,6 +27,7 @@ import re
 import shlex
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from llmft.command import command_parser, report_error
@@ -510,7 +511,8 @@ def memory_main(args, world: World) -> tuple[int, World]:
     try:
         # a preference method's reference first (llmft.planning.preference), on the same search as the plan's
         asked = job.reference is not None
-        job, _, advice = plan_with_reference(job, lambda j: plan_long_context(j, search).plan)
+        planned, _, advice = plan_with_reference(job, lambda j: plan_long_context(j, search).plan)
+        job = replace(job, reference=planned.reference)  # the search below starts where it would have
         # llmft train --auto keeps the N it is given; the plan otherwise finds the smallest that fits
         long_context = plan_long_context(job, search_sequence_parallel=search)
     except MemoryPlanError as e:
