@@ -20,7 +20,7 @@ from pathlib import Path
 
 from llmft.errors import LlmftError
 from llmft.launch.knobs import Knobs
-from llmft.planning import methods
+from llmft.planning.methods import run_key_name
 
 
 class JobError(LlmftError, RuntimeError):
@@ -38,9 +38,11 @@ def run_key(k: Knobs) -> str:
         fields.append(f"SWEEP={k['SWEEP']}")
     if k["SEQUENCE_PARALLEL"] != "1":
         fields.append(f"SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}")
-    if not methods.is_default(k["METHOD"]):  # an SFT run keeps the directory it had before METHOD existed
-        fields.append(f"METHOD={k['METHOD']}")
-    return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
+    method = run_key_name(k.values.get("METHOD"))  # "" for sft: an SFT run keeps its directory
+    if method:
+        fields.append(f"METHOD={method}")
+    digest = hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
+    return f"{method}-{digest}" if method else digest
 
 
 def safe_name(name: str) -> str:
@@ -165,7 +167,8 @@ def train_arguments(k: Knobs, run_dir: Path, report_to: str) -> list[str]:
 
 def method_arguments(k: Knobs) -> list[str]:
     """--method for METHOD=, to llmft train and to llmft plan's memory check alike; SFT's arguments stay as they were."""
-    return [] if methods.is_default(k["METHOD"]) else ["--method", k["METHOD"]]
+    name = run_key_name(k["METHOD"])  # "" for sft
+    return ["--method", name] if name else []
 
 
 def plan_arguments(

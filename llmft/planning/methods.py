@@ -49,66 +49,75 @@ class Method:
     # flags of this method's config that the shared TrainingArguments/llmft policy does not cover:
     # name -> (kind, why), kinds as in llmft.training.flag_policy
     flags: tuple[tuple[str, tuple[str, str]], ...] = ()
+    # the logged metric `llmft train` reports for held-out data (run_summary.json's "eval_<name>"); "" for none
+    held_out_metric: str = ""
+    # the task of the model TRL builds from the base: "causal_lm" (AutoModelForCausalLM) or "sequence_classification"
+    # (AutoModelForSequenceClassification, num_labels=1: the base must have a class for it)
+    model_task: str = "causal_lm"
+    # the training loss is the mean token negative log-likelihood, so exp(eval loss) is a perplexity (SFT's; DPO's
+    # loss is a preference loss, and a perplexity of it means nothing)
+    loss_is_nll: bool = False
 
     @property
     def flag_policy(self) -> dict[str, tuple[str, str]]:
         return dict(self.flags)
 
 
-def _passed(rows: dict[str, str], shared: str = "") -> tuple[tuple[str, tuple[str, str]], ...]:
-    """A config's own fields (its dataclass's fields less TrainingArguments'), each handed unchanged to TRL's
-    trainer (kind "passed", llmft.training.flag_policy.PASSED). `shared`: fields SFTConfig also has, whose
-    llmft.training.flag_policy.POLICY row is SFT's; under this method TRL's config of this method reads them."""
-    out = {name: ("passed", why) for name, why in rows.items()}
-    for name in shared.split():
-        out[name] = ("passed", "also SFTConfig's (POLICY's row is SFT's); under this method TRL's {cls} reads it")
-    return tuple(sorted(out.items()))
+# llmft flags that need a mixin a method may lack: flag -> mixin (see Method.mixins); a flag whose mixin the
+# method lacks is refused in one line (llmft.training.flags.check_method_flags)
+MIXIN_FLAGS: dict[str, str] = {"sequence_parallel": "ulysses"}
 
-
-_COMMON_SHARED = (
-    "model_init_kwargs trust_remote_code dataset_num_proc max_length pad_to_multiple_of activation_offloading"
+# Policy rows (kind, why) for the preference methods' own config fields; kinds as in llmft.training.flag_policy.
+_PASSED, _REFUSED = "passed", "refused"
+_TRL = "handed to TRL's trainer, which implements it"
+_REFERENCE = (
+    "the reference model: TRL's default (a copy of the base for full fine-tuning, the adapter disabled for LoRA)"
 )
-_REFERENCE_ROWS = {
-    "disable_dropout": "TRL disables dropout in the policy (and reference) models",
-    "precompute_ref_log_probs": "one reference pass before training; the log-probs join the training data",
-    "precompute_ref_batch_size": "the batch size of the precompute pass",
-    "beta": "the strength of the pull towards the reference (TRL's beta)",
-    "sync_ref_model": "TRL's TR-DPO: the reference is synced to the policy every ref_model_sync_steps",
-    "ref_model_mixup_alpha": "TR-DPO's mix of the policy into the reference at each sync",
-    "ref_model_sync_steps": "TR-DPO's steps between syncs",
-}
-_DPO_FLAGS = _passed(
-    {
-        **_REFERENCE_ROWS,
-        "loss_weights": "weights of the losses when several loss_type values are combined (TRL's MPO)",
-        "ld_alpha": "LD-DPO's weight on the verbose tail of the longer completion",
-        "f_divergence_type": "the f-divergence of the DPO loss (reverse KL by default)",
-        "f_alpha_divergence_coef": "the alpha of the alpha-divergence",
-        "label_smoothing": "the conservative/robust DPO label smoothing",
-        "use_weighting": "WPO's weighting of pairs by their probability",
-        "discopop_tau": "DiscoPOP's temperature (loss_type discopop)",
-    },
-    _COMMON_SHARED + " router_aux_loss_coef truncation_mode padding_free loss_type pad_token",
+_SYNC_REF = (
+    _REFUSED,
+    "it mixes the policy into the reference during training, which llmft's checkpoints do not save (a resumed run "
+    "would restart from a different reference); drop it",
 )
-_KTO_FLAGS = _passed(
-    {
-        **_REFERENCE_ROWS,
-        "desirable_weight": "the weight of the desirable (label true) examples' losses",
-        "undesirable_weight": "the weight of the undesirable (label false) examples' losses",
-    },
-    _COMMON_SHARED + " router_aux_loss_coef loss_type",
+_PADDING_FREE_OFF = (
+    _REFUSED,
+    "TRL 1.16's DPOTrainer turns padding_free off with a warning and pads anyway (trl/trainer/dpo_trainer.py); "
+    "drop --padding_free",
 )
-_REWARD_FLAGS = _passed(
-    {
-        "disable_dropout": "TRL disables dropout in the reward model",
-        "center_rewards_coefficient": "the auxiliary loss that centres the rewards on zero",
-    },
-    _COMMON_SHARED + " chat_template_path eos_token pad_token",
+_DPO_FLAGS = (
+    ("beta", (_PASSED, _TRL)),
+    ("loss_type", (_PASSED, "DPO's loss (sigmoid, ipo, hinge, robust, ...): " + _TRL)),
+    ("loss_weights", (_PASSED, _TRL)),
+    ("ld_alpha", (_PASSED, _TRL)),
+    ("f_divergence_type", (_PASSED, _TRL)),
+    ("f_alpha_divergence_coef", (_PASSED, _TRL)),
+    ("label_smoothing", (_PASSED, _TRL)),
+    ("use_weighting", (_PASSED, _TRL)),
+    ("discopop_tau", (_PASSED, _TRL)),
+    ("disable_dropout", (_PASSED, _TRL)),
+    ("truncation_mode", (_PASSED, "TRL tokenises and truncates the pairs itself")),
+    ("precompute_ref_log_probs", (_PASSED, _REFERENCE + "; precomputed once before training")),
+    ("precompute_ref_batch_size", (_PASSED, _REFERENCE)),
+    ("padding_free", _PADDING_FREE_OFF),
+    ("sync_ref_model", _SYNC_REF),
+    ("ref_model_mixup_alpha", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+    ("ref_model_sync_steps", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
 )
-
-
-def _named(flags, cls: str):
-    return tuple((name, (kind, why.replace("{cls}", cls))) for name, (kind, why) in flags)
+_KTO_FLAGS = (
+    ("beta", (_PASSED, _TRL)),
+    ("loss_type", (_PASSED, "KTO's loss (kto, apo_zero_unpaired): " + _TRL)),
+    ("desirable_weight", (_PASSED, _TRL)),
+    ("undesirable_weight", (_PASSED, _TRL)),
+    ("disable_dropout", (_PASSED, _TRL)),
+    ("precompute_ref_log_probs", (_PASSED, _REFERENCE + "; precomputed once before training")),
+    ("precompute_ref_batch_size", (_PASSED, _REFERENCE)),
+    ("sync_ref_model", _SYNC_REF),
+    ("ref_model_mixup_alpha", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+    ("ref_model_sync_steps", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+)
+_REWARD_FLAGS = (
+    ("center_rewards_coefficient", (_PASSED, _TRL)),
+    ("disable_dropout", (_PASSED, _TRL)),
+)
 
 
 _PREFERENCE_PLOTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
@@ -128,6 +137,7 @@ METHODS: dict[str, Method] = {
         mixins=("sync_free", "checkpoint_save", "ulysses"),
         report_metrics=("mean_token_accuracy",),
         packing="packing",
+        loss_is_nll=True,
     ),
     "dpo": Method(
         name="dpo",
@@ -142,8 +152,9 @@ METHODS: dict[str, Method] = {
         loss_head="lm",
         mixins=("checkpoint_save",),
         report_metrics=_PREFERENCE_PLOTS,
-        packing="padding_free",
-        flags=_named(_DPO_FLAGS, "DPOConfig"),
+        # TRL 1.16's DPOConfig has padding_free, but DPOTrainer turns it off and pads (dpo_trainer.py): refused
+        packing="",
+        flags=_DPO_FLAGS,
     ),
     "kto": Method(
         name="kto",
@@ -159,7 +170,7 @@ METHODS: dict[str, Method] = {
         mixins=("checkpoint_save",),
         report_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "kl"),
         packing="",
-        flags=_named(_KTO_FLAGS, "KTOConfig"),
+        flags=_KTO_FLAGS,
     ),
     "reward": Method(
         name="reward",
@@ -175,11 +186,19 @@ METHODS: dict[str, Method] = {
         mixins=("checkpoint_save",),
         report_metrics=("accuracy", "margin"),
         packing="",
-        flags=_named(_REWARD_FLAGS, "RewardConfig"),
+        flags=_REWARD_FLAGS,
+        held_out_metric="accuracy",
+        model_task="sequence_classification",
     ),
 }
 
 DEFAULT = "sft"
+
+
+def is_default(name: str | None) -> bool:
+    """The default method (sft), which every command runs as it did before --method: its run directories, arguments
+    and reports keep their names, so callers ask here rather than compare names themselves."""
+    return name in (None, "", DEFAULT)
 
 
 def method(name: str | None) -> Method:
@@ -190,7 +209,8 @@ def method(name: str | None) -> Method:
     return METHODS[key]
 
 
-def is_default(name: str | None) -> bool:
-    """The default method (sft), which every command runs as it did before --method: its run directories, arguments
-    and reports keep their names, so callers ask here rather than compare names themselves."""
-    return name in (None, "", DEFAULT)
+def run_key_name(name: str | None) -> str:
+    """What a method adds to a job's run directory name and key (llmft.launch.job.run_key): nothing for the default,
+    so an SFT run keeps the directory it had before --method existed; "dpo" for DPO."""
+    entry = method(name)
+    return "" if entry.name == DEFAULT else entry.name
