@@ -70,7 +70,8 @@ def test_the_planner_predicts_the_rows_fit_and_their_ratios_to_sft(tmp_path, gpu
 
 @pytest.mark.skipif(
     "method" not in POLICY,
-    reason="llmft train has no --method on this branch yet (pref-train's branch adds it): the integrator drops this skip",
+    reason="llmft train has no --method on this branch (pref-train's branch adds it, and POLICY's 'method' row with "
+    "it): this test runs wherever the two are merged",
 )
 def test_the_dpo_rows_dry_run_beside_lora_sft(tmp_path):
     work, kept = tmp_path / "work", tmp_path / "kept"
