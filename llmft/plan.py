@@ -41,7 +41,7 @@ from llmft.planning.batch import plan_batch
 from llmft.planning.conversion import plan_conversion
 from llmft.planning.ds_config import load_config, template_path
 from llmft.planning.hardware import AUTO_PRECISION, PRECISIONS, choose_precision
-from llmft.planning.memory import MemoryPlanError, plan_long_context
+from llmft.planning.memory import MemoryPlanError, plan_long_context, plan_memory
 from llmft.planning.model_shape import cap_max_length, load_model_config, model_positions, model_shape
 from llmft.planning.preference import mark_precomputed, plan_with_reference
 from llmft.planning.run_plan import (
@@ -590,7 +590,10 @@ def check_memory(args, plan: RunPlan) -> tuple[list[str], str | None]:
                 method=args.method or methods.DEFAULT,
                 precompute_ref_log_probs=args.precompute_ref_log_probs,
             )
-            job, mplan, advice = plan_with_reference(job)
+            # the planner's recommendation is said beside the check; the check counts the reference as llmft train
+            # holds it (precomputed when asked, the adapter disabled under LoRA, else a copy)
+            _, _, advice = plan_with_reference(job)
+            mplan = plan_memory(job)
         except MemoryPlanError as e:
             raise PlanError(str(e)) from None
         [est] = [c for c in mplan.candidates if c.setting.micro_batch == b.micro_batch] or mplan.candidates[:1]

@@ -245,3 +245,30 @@ def test_the_reference_lines_in_docs_preference_are_the_planners(capsys, llama_c
     assert plan.main(plan.make_parser().parse_args([str(a) for a in argv])) == 0
     [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("llmft plan: reference (dpo)")]
     assert f"\n{line}\n" in (Path(__file__).resolve().parents[1] / "docs" / "preference.md").read_text()
+
+
+def test_check_memory_counts_the_reference_as_the_run_holds_it_and_says_what_fits(capsys, llama_config):
+    """The job's memory check (a fixed ZeRO-2 setting, full fine-tuning on 3 H100s): without
+    --precompute_ref_log_probs the run holds a copy, which does not fit, and the reference line recommends
+    precomputing; with it, the same setting fits."""
+    argv = ["--model", llama_config, "--gpu", "H100-80GB", "--host_ram_gb", 1000, "--nproc_per_node", 3]
+    argv += ["--global_batch_size", 24, "--per_device_train_batch_size", 8, "--zero_stage", 2, "--check_memory"]
+    argv += [
+        "--max_length",
+        2048,
+        "--gradient_checkpointing",
+        "true",
+        "--method",
+        "dpo",
+        "--use_liger_kernel",
+        "false",
+    ]
+    rc = plan.main(plan.make_parser().parse_args([str(a) for a in argv]))
+    out, err = capsys.readouterr()
+    assert rc == 2 and "does not fit" in err and "GPU memory" in err, err
+    assert "llmft plan: reference (dpo): its log-probs precomputed" in out
+    rc = plan.main(plan.make_parser().parse_args([str(a) for a in argv + ["--precompute_ref_log_probs", "true"]]))
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "precomputed (--precompute_ref_log_probs" in out and ", as asked" in out
+    assert "llmft plan: memory: ZeRO-2, micro-batch 8 x accumulation 1, gradient checkpointing on fits" in out

@@ -369,7 +369,7 @@ def run_estimate(
             method=method,
             precompute_ref_log_probs=precompute_ref_log_probs,
         )
-        job, mplan, _ = plan_with_reference(job)
+        mplan = memory.plan_memory(job)  # the reference as llmft train holds it (precomputed only when asked)
     except MemoryPlanError as e:
         raise PlanError(str(e)) from None
     [est] = [c for c in mplan.candidates if c.setting.micro_batch == b.micro_batch] or mplan.candidates[:1]
