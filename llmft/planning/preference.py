@@ -1,7 +1,8 @@
 """Which reference a preference method's run should hold, and the one line that says it, with the numbers.
 
-`llmft plan --method dpo --model M`, `llmft plan --check_memory` (the job scripts), `llmft plan --auto` and
-`llmft train --auto` (ZERO_STAGE=auto) all ask `plan_with_reference`, so they give the same answer:
+`llmft plan --method dpo --model M`, `llmft plan --auto` and `llmft train --auto` (ZERO_STAGE=auto) all ask
+`plan_with_reference`, so they give the same answer; `llmft plan --check_memory` (the job scripts) says it beside
+its check, which counts the reference as llmft train holds it (a copy unless --precompute_ref_log_probs is given):
 
 - LoRA: the policy with its adapter disabled is the reference (TRL's default for a PEFT model): no copy is held,
   its forward runs every micro-batch.
