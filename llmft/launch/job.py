@@ -52,6 +52,29 @@ def port_taken(host: str, port: int) -> bool:
         return False
 
 
+def rendezvous_port(start: int, taken: Callable[[int], bool]) -> int:
+    """The c10d rendezvous port: in 20000-29999 from `start` (each scheduler's number for the job, so that jobs sharing
+    a first node do not collide), moving on past ports something there already listens on (`taken(port)`)."""
+    for i in range(100):
+        port = 20000 + (start + i) % 10000
+        if not taken(port):
+            return port
+    raise JobError(f"no free rendezvous port in 20000-29999 after 100 tries from {20000 + start % 10000}")
+
+
+def choose_python(k: Knobs, env: Mapping[str, str], fallback: str) -> str:
+    """The Python llmft runs in: the container's (`python` inside the image), VENV's, the virtual environment the job
+    was submitted from (PBS passes it as PBS_O_VIRTUAL_ENV under `qsub -V`), else `fallback`."""
+    if k["CONTAINER_IMAGE"]:
+        return "python"
+    if k["VENV"]:
+        return str(Path(k["VENV"]).absolute() / "bin" / "python")
+    venv = env.get("VIRTUAL_ENV") or env.get("PBS_O_VIRTUAL_ENV")
+    if venv and os.access(Path(venv, "bin", "python"), os.X_OK):
+        return str(Path(venv) / "bin" / "python")
+    return fallback
+
+
 # enroot mounts GPUs only where its hook 98-nvidia.sh finds NVIDIA_VISIBLE_DEVICES (the job's environment first, else
 # the image's), with the driver libraries NVIDIA_DRIVER_CAPABILITIES names (the hook's default is utility alone, no CUDA).
 CONTAINER_GPU_VARIABLES = ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
