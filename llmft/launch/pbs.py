@@ -39,8 +39,8 @@ from llmft.launch.job import (
     CONTAINER_GPU_VARIABLES,
     JobError,
     Stop,
+    cache_variables,
     choose_python,
-    claim_run_dir,
     container_gpu_variables,
     container_mounts,
     export_after_training,
@@ -48,6 +48,7 @@ from llmft.launch.job import (
     fabric_check,
     fabric_probe,
     given,
+    knobs_line,
     launch_line,
     network_variables,
     newest_complete_step,
@@ -55,11 +56,11 @@ from llmft.launch.job import (
     port_taken,
     prepare_data,
     rendezvous_port,
-    run_key,
     run_paths,
     safe_name,
     train_arguments,
 )
+from llmft.launch.job import run_directory as job_run_directory
 from llmft.launch.knobs import (
     KnobError,
     Knobs,
@@ -389,25 +390,21 @@ def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
 
 
 def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> Path:
-    """CHECKPOINT_DIR, else runs/<job name>-<run key> under the submit directory; with SWEEP, the variant's directory
-    in it (llmft.launch.sweep); claimed for this job."""
-    if not k["CHECKPOINT_DIR"]:
-        run_dir = submit_dir / "runs" / f"{safe_name(env.get('PBS_JOBNAME') or 'llmft')}-{run_key(k)}"
-    else:
-        run_dir = Path(k["CHECKPOINT_DIR"])
-        run_dir = run_dir if run_dir.is_absolute() else submit_dir / run_dir
-    if k["SWEEP"]:
-        variants = sweep.parse(k["SWEEP"])
-        variant = this_variant(variants, env)
-        sweep.record(run_dir, k["SWEEP"], variants)
-        say(f"sweep variant {variant.index} of {len(variants)}: {variant.describe()} in {run_dir}")
-        run_dir = run_dir / variant.name
+    """The run directory (llmft.launch.job.run_directory), a sweep's element from PBS_ARRAY_INDEX; the variant's flags
+    join EXTRA_ARGS."""
+    run_dir, variant = job_run_directory(
+        k,
+        submit_dir,
+        env.get("PBS_JOBNAME", ""),
+        job_id,
+        this_variant=lambda variants: this_variant(variants, env),
+        live=live_state,
+        rename="qsub -N NAME",
+        say=say,
+    )
+    if variant is not None:
         k.extra_args += variant.flags()
         k.values["LLMFT_SWEEP_VARIANT"] = variant.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = run_dir.resolve()
-    if not k.flag("DRY_RUN"):
-        claim_run_dir(run_dir, job_id, live_state, "qsub -N NAME")
     return run_dir
 
 
@@ -426,13 +423,7 @@ def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
         f"job {job_id} ({env.get('PBS_JOBNAME', '')}) run {run_count}, submitted from {submit_dir}, started "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     )
-    say(
-        f"knobs EPOCHS={k['EPOCHS']} CHECKPOINT_DIR={run_dir} MODEL={k['MODEL']} DATASET={k['DATASET']} "
-        f"DATA_PERCENTAGE={k['DATA_PERCENTAGE']} ZERO_STAGE={k['ZERO_STAGE'] or '<DS_CONFIG>'} "
-        f"GLOBAL_BATCH={k['GLOBAL_BATCH']} MICRO_BATCH={k['MICRO_BATCH']} MAX_STEPS={k['MAX_STEPS'] or '<none>'} "
-        f"LORA={k['LORA']} CONTAINER_IMAGE={k['CONTAINER_IMAGE'] or '<none>'}"
-        + (f" SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}" if k["SEQUENCE_PARALLEL"] != "1" else "")
-    )
+    say(knobs_line(k, run_dir))
     say(defaults_line(k))
     warning = default_dataset_warning(k, env.get("DATASET", ""), "llmft plan --dataset_name ... --write DIR")
     if warning:
@@ -630,15 +621,11 @@ def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:
         "LLMFT_STOP_FILE": str(files["stop"]),
         "LLMFT_REQUEUE_FILE": str(files["requeue"]),
         "LLMFT_JOB_END_FILE": str(files["job-end"]),
-        "LLMFT_CACHE": env.get("LLMFT_CACHE") or str(submit_dir / ".llmft-cache"),
-        "HF_HOME": env.get("HF_HOME") or str(Path(env.get("HOME") or submit_dir) / ".cache" / "huggingface"),
         "PATH": env.get("PATH", os.defpath),
     }
     # Build caches are node-local and outlive the job: not under TMPDIR, which PBS makes per job and deletes after it
     # (DeepSpeed would compile its ops again in every job).
-    node_cache = Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"
-    out["LLMFT_EXTENSIONS_ROOT"] = env.get("LLMFT_EXTENSIONS_ROOT") or str(node_cache / "torch_extensions")
-    out["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or str(node_cache / "triton")
+    out.update(cache_variables(env, submit_dir, Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"))
     if k["VENV"]:
         venv = str(Path(k["VENV"]).absolute())
         out["VIRTUAL_ENV"], out["PATH"] = venv, f"{venv}/bin:{out['PATH']}"

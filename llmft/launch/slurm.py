@@ -133,8 +133,8 @@ from llmft.launch import failure_blame, kill_chain, sweep
 from llmft.launch.job import (
     JobError,
     Stop,
+    cache_variables,
     choose_python,
-    claim_run_dir,
     container_gpu_variables,
     container_mounts,
     export_after_training,
@@ -142,6 +142,7 @@ from llmft.launch.job import (
     fabric_check,
     fabric_probe,
     given,
+    knobs_line,
     launch_line,
     network_variables,
     newest_complete_step,
@@ -149,11 +150,10 @@ from llmft.launch.job import (
     port_taken,
     prepare_data,
     rendezvous_port,
-    run_key,
     run_paths,
-    safe_name,
     train_arguments,
 )
+from llmft.launch.job import run_directory as job_run_directory
 from llmft.launch.knobs import (
     NAMES,
     Knobs,
@@ -419,35 +419,32 @@ def host_checks(k: Knobs, env: Mapping[str, str]) -> None:
 
 
 def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> tuple[Path, list[str]]:
-    """CHECKPOINT_DIR, else runs/<job name>-<run key> under the submit directory; with SWEEP, this element's variant's
-    directory in it; claimed for this job. Also the variant's flags (none without SWEEP)."""
-    run_dir = Path(k["CHECKPOINT_DIR"]) if k["CHECKPOINT_DIR"] else None
-    if run_dir is None:
-        run_dir = submit_dir / "runs" / f"{safe_name(env.get('SLURM_JOB_NAME') or 'llmft')}-{run_key(k)}"
-    flags: list[str] = []
-    if k["SWEEP"]:
-        variants = sweep.parse(k["SWEEP"])
-        index = env.get("SLURM_ARRAY_TASK_ID")
-        v = sweep.element(
+    """The run directory (llmft.launch.job.run_directory), a sweep's element from SLURM_ARRAY_TASK_ID; also the
+    variant's flags (none without SWEEP)."""
+
+    def this_variant(variants: list[sweep.Variant]) -> sweep.Variant:
+        return sweep.element(
             variants,
-            index,
+            env.get("SLURM_ARRAY_TASK_ID"),
             env.get("SLURM_ARRAY_TASK_MIN", ""),
             env.get("SLURM_ARRAY_TASK_MAX", ""),
             "sbatch --array=1-{n} ... slurm/run_llm.slurm",
         )
-        try:
-            sweep.record(run_dir, k["SWEEP"], variants)
-        except OSError as e:
-            raise SlurmJobError(f"could not write {run_dir}/{sweep.SWEEP_FILE}: {e}") from None
-        say(f"sweep variant {index} of {len(variants)}: {v.describe()} in {run_dir}")
-        run_dir = run_dir / v.name
-        flags = v.flags()
-        os.environ["LLMFT_SWEEP_VARIANT"] = v.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = run_dir.resolve()
-    if not k.flag("DRY_RUN"):
-        claim_run_dir(run_dir, job_id, live_state, "sbatch -J NAME")
-    return run_dir, flags
+
+    run_dir, variant = job_run_directory(
+        k,
+        submit_dir,
+        env.get("SLURM_JOB_NAME", ""),
+        job_id,
+        this_variant=this_variant,
+        live=live_state,
+        rename="sbatch -J NAME",
+        say=say,
+    )
+    if variant is None:
+        return run_dir, []
+    os.environ["LLMFT_SWEEP_VARIANT"] = variant.name
+    return run_dir, variant.flags()
 
 
 def live_state(owner: str) -> str:
@@ -708,12 +705,8 @@ def start_attempt(k: Knobs, env: Mapping[str, str], submit_dir: Path, run_dir: P
         os.environ["PATH"] = f"{k['VENV']}/bin:{os.environ['PATH']}"
     if not python:
         raise SlurmJobError("no python3 on PATH; set VENV=/path/to/venv")
-    # Downloads on shared storage (HF_HOME: one process per job downloads); build caches node-local, since DeepSpeed's
-    # JIT-built ops and Triton's kernels would race on a shared /home. Yours win.
-    os.environ["HF_HOME"] = env.get("HF_HOME") or f"{env.get('HOME') or submit_dir}/.cache/huggingface"
-    node_cache = f"{env.get('TMPDIR') or '/tmp'}/llmft-{pwd.getpwuid(os.getuid()).pw_name}"
-    os.environ["LLMFT_EXTENSIONS_ROOT"] = env.get("LLMFT_EXTENSIONS_ROOT") or f"{node_cache}/torch_extensions"
-    os.environ["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or f"{node_cache}/triton"
+    node_cache = Path(env.get("TMPDIR") or "/tmp") / f"llmft-{pwd.getpwuid(os.getuid()).pw_name}"
+    os.environ.update(cache_variables(env, submit_dir, node_cache))
     restart = env.get("SLURM_RESTART_COUNT") or "0"
     return Attempt(
         job_id, submit_dir, run_dir, files, stop, int(text) if text.isdigit() else 0, hosts, python, restart
@@ -725,17 +718,7 @@ def say_start(k: Knobs, env: Mapping[str, str], a: Attempt) -> None:
         f"job {a.job_id} ({env.get('SLURM_JOB_NAME', '')}) restart {a.restart}, submitted from {a.submit_dir}, "
         f"started {now()}; requeued after failures {a.failure_restarts} of at most {k['MAX_RESTARTS']} times"
     )
-    data = f"DATA_PERCENTAGE={k['DATA_PERCENTAGE']} MODEL={k['MODEL']} DATASET={k['DATASET']}"
-    if k["MIXTURE"]:
-        data = f"MODEL={k['MODEL']} MIXTURE={k['MIXTURE']} (all of it: no DATASET, no DATA_PERCENTAGE)"
-    sp = f" SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}" if k["SEQUENCE_PARALLEL"] != "1" else ""
-    say(
-        f"knobs EPOCHS={k['EPOCHS']} CHECKPOINT_DIR={a.run_dir} {data} ZERO_STAGE={k['ZERO_STAGE'] or '<DS_CONFIG>'} "
-        f"DS_CONFIG={k['DS_CONFIG'] or '<none>'} OFFLOAD={k['OFFLOAD']} GLOBAL_BATCH={k['GLOBAL_BATCH']} "
-        f"MICRO_BATCH={k['MICRO_BATCH']} MAX_STEPS={k['MAX_STEPS'] or '<none>'} "
-        f"SAVE_STEPS={k['SAVE_STEPS'] or '<default>'} SAVE_TOTAL_LIMIT={k['SAVE_TOTAL_LIMIT']} LORA={k['LORA']} "
-        f"NCCL_PROFILE={k['NCCL_PROFILE'] or '<none>'} CONTAINER_IMAGE={k['CONTAINER_IMAGE'] or '<none>'}{sp}"
-    )
+    say(knobs_line(k, a.run_dir))
     say(defaults_line(k))
     warn_default_dataset(k)
     say(f"python {a.python}")
@@ -747,14 +730,12 @@ def say_start(k: Knobs, env: Mapping[str, str], a: Attempt) -> None:
 
 
 def tracking_environment(k: Knobs, env: Mapping[str, str]) -> str:
-    """W&B's project and mode for every rank, and the shared cache of prepared data (every run submitted from the
-    same directory reuses it: sweeps and reruns tokenise nothing again). Returns --report_to."""
+    """W&B's project and mode for every rank. Returns --report_to."""
     report_to = "wandb" if k["WANDB_PROJECT"] and k["WANDB_MODE"] != "disabled" else "none"
     if report_to == "wandb":
         os.environ["WANDB_PROJECT"] = k["WANDB_PROJECT"]
     if k["WANDB_MODE"]:
         os.environ["WANDB_MODE"] = k["WANDB_MODE"]
-    os.environ["LLMFT_CACHE"] = env.get("LLMFT_CACHE") or f"{env.get('SLURM_SUBMIT_DIR') or Path.cwd()}/.llmft-cache"
     return report_to
 
 
