@@ -1,4 +1,4 @@
-"""llmft.planning.failure_blame: a node is excluded from a requeued job only on evidence about the node, on the
+"""llmft.launch.failure_blame: a node is excluded from a requeued job only on evidence about the node, on the
 output torchrun and the ranks really write (the error summaries below follow torch 2.x's format), for a job of 8
 nodes x 8 GPUs unless a test says otherwise."""
 
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from llmft.planning import failure_blame as fb
-from llmft.planning.failure_blame import Attempt, NodeReport, classify, decide
+from llmft.launch import failure_blame as fb
+from llmft.launch.failure_blame import Attempt, NodeReport, classify, decide
 
 NODES = [f"gpu{i}" for i in range(1, 9)]
 
@@ -367,8 +367,8 @@ def test_the_kernel_log_since_the_start_and_what_could_not_be_read():
 
 
 def test_the_command_line_the_job_script_uses(tmp_path, monkeypatch, capsys):
-    """`node` writes a report from torchrun's stderr and the test kernel log; `decide` prints the lines to say, the
-    exclude list and whether to requeue."""
+    """`node` (what each node runs after its torchrun failed) writes a report from torchrun's stderr and the test
+    kernel log; the batch host's decision from those reports names the node, excludes it and requeues."""
     kernel = tmp_path / "kernel"
     kernel.mkdir()
     (kernel / "n2").write_text(XID_79 + "\n")
@@ -386,28 +386,22 @@ def test_the_command_line_the_job_script_uses(tmp_path, monkeypatch, capsys):
         )
         (reports / f"node-{node}.json").write_text(capsys.readouterr().out)
     assert json.loads((reports / "node-n2.json").read_text())["kind"] == "gpu"
-    (tmp_path / "sinfo").write_text("n1 alloc\nn2 alloc\nn3 idle\n")
-    args = ["decide", "--reports", str(reports), "--job", "7", "--rc", "1", "--hosts", "n1 n2", "--restarts", "0"]
-    args += [
-        "--max_restarts",
-        "3",
-        "--start_step",
-        "0",
-        "--end_step",
-        "2",
-        "--excluded",
-        "",
-        "--sinfo",
-        str(tmp_path / "sinfo"),
-    ]
-    assert fb.main(args) == 0
-    assert capsys.readouterr().out == (
-        "say: training failed (exit 1): rank 1 on node n2 failed first (exit code -9, SIGKILL)\n"
-        f"say: node n2: GPU failure: {XID_79}\n"
-        "say: requeueing job 7 (restart 1 of at most 3 after failures) from checkpoint-2, excluding node(s) n2\n"
-        "exclude: n2\n"
-        "requeue: 1\n"
+    lines, requeue, exclude = decide(
+        fb.read_reports(reports),
+        attempt(
+            job="7",
+            hosts=["n1", "n2"],
+            start_step=0,
+            end_step=2,
+            usable=fb.usable_nodes("n1 alloc\nn2 alloc\nn3 idle\n"),
+        ),
     )
+    assert lines == [
+        "training failed (exit 1): rank 1 on node n2 failed first (exit code -9, SIGKILL)",
+        f"node n2: GPU failure: {XID_79}",
+        "requeueing job 7 (restart 1 of at most 3 after failures) from checkpoint-2, excluding node(s) n2",
+    ]
+    assert requeue and exclude == ["n2"]
 
 
 def test_no_evidence_says_what_the_node_could_not_read():

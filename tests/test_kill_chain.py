@@ -1,13 +1,10 @@
-"""torchrun's shutdown timeout follows Slurm's KillWait and a preemption's GraceTime (llmft.planning.kill_chain)."""
+"""torchrun's shutdown timeout follows Slurm's KillWait and a preemption's GraceTime (llmft.launch.kill_chain)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from llmft.planning.kill_chain import kill_chain, partition_grace, shutdown_timeout, slurm_seconds
+from llmft.launch.kill_chain import kill_chain, partition_grace, shutdown_timeout, slurm_seconds
 
 CONFIG = (
     "Configuration data as of 2026-11-26T18:00:00\nKillOnBadExit = 0\nKillWait = 30 sec\nLaunchType = launch/slurm\n"
@@ -70,24 +67,3 @@ def test_what_slurm_does_not_say_falls_back_to_killwait_and_is_named():
     assert line.startswith("kill chain: KillWait unknown (30 s assumed), no partition, no QOS;")
     timeout, line = kill_chain(CONFIG, "gpu", None, "", None)
     assert timeout == 60 and "partition gpu's GraceTime unknown" in line
-
-
-def test_the_command_prints_the_timeout_then_the_line():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmft.planning.kill_chain",
-            "--config",
-            CONFIG,
-            "--partition",
-            "gpu",
-            "--partition_text",
-            PARTITION,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
-    assert out[0] == "llmft kill chain: shutdown_timeout=660"
-    assert out[1].startswith("kill chain: Slurm's KillWait 30 s, partition gpu GraceTime 600 s, no QOS;")

@@ -160,19 +160,21 @@ def test_pbs_facts_are_read_from_the_select_statement_walltime_and_node_file():
     assert pbs.select_memory("2:ncpus=8") == {}
     assert pbs.seconds("04:00:00") == 14400 and pbs.seconds("90:00") == 5400 and pbs.seconds("30") == 30
     assert pbs.seconds("forever") is None and pbs.hms(3725) == "1:02:05"
-    job = {"Resource_List": {"walltime": "00:10:00"}, "resources_used": {"walltime": "00:01:30"}}
-    assert pbs.time_left(job) == 510 and pbs.time_left({"Resource_List": {}}) is None
+    info = {"Resource_List": {"walltime": "00:10:00"}, "resources_used": {"walltime": "00:01:30"}}
+    assert pbs.time_left(info) == 510 and pbs.time_left({"Resource_List": {}}) is None
     # one line per chunk; a node with two chunks is one node, started at its first line
     assert pbs.hosts_of("pbs-n0\npbs-n1\npbs-n0\n") == [("pbs-n0", 0), ("pbs-n1", 1)]
     assert pbs.shutdown_timeout(10) > 10  # torchrun never SIGKILLs ranks PBS itself would still let save
     # an array's elements start together, maybe on one node: each its own rendezvous port, past ports in use
     free = lambda port: False  # noqa: E731
-    ports = {pbs.rendezvous_port(j, free) for j in ("12.head", "12[1].head", "12[2].head", "13.head")}
+    ports = {
+        job.rendezvous_port(pbs.rendezvous_start(j), free) for j in ("12.head", "12[1].head", "12[2].head", "13.head")
+    }
     assert len(ports) == 4 and all(20000 <= p < 30000 for p in ports)
-    first = pbs.rendezvous_port("12[2].head", free)
-    assert pbs.rendezvous_port("12[2].head", lambda port: port == first) == first + 1
-    with pytest.raises(pbs.PbsJobError, match="no free rendezvous port"):
-        pbs.rendezvous_port("12.head", lambda port: True)
+    first = job.rendezvous_port(pbs.rendezvous_start("12[2].head"), free)
+    assert job.rendezvous_port(pbs.rendezvous_start("12[2].head"), lambda port: port == first) == first + 1
+    with pytest.raises(job.JobError, match="no free rendezvous port"):
+        job.rendezvous_port(pbs.rendezvous_start("12.head"), lambda port: True)
 
 
 def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_path):
@@ -470,7 +472,7 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
     (failures / "node-1.json").write_text(json.dumps(killed))
     assert decide(1, start=0, restarts="1") == pbs.Outcome(1, go_on=True, failure_restarts=2)
     out = capsys.readouterr().out
-    # one line names the rank and node that failed first (llmft.planning.failure_blame, as on Slurm)
+    # one line names the rank and node that failed first (llmft.launch.failure_blame, as on Slurm)
     assert "run_llm.pbs: training failed (exit 1): rank 1 on node pbs-n1 failed first (exit code -9, SIGKILL)\n" in out
     assert "after failures 2 of at most MAX_RESTARTS=2" in out
     assert decide(1, start=0, restarts="2") == pbs.Outcome(1)  # the limit

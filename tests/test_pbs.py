@@ -217,7 +217,7 @@ def test_a_walltime_stop_saves_and_the_continuation_resumes_without_losing_or_re
 
 def test_a_rank_killed_mid_run_is_named_in_one_line_and_the_run_goes_on_in_a_continuation(pbs_cluster, jobs):
     """The rank on pbs-n1 is SIGKILLed after checkpoint-2: the job names that rank and node in one line (the rules of
-    the Slurm job, llmft.planning.failure_blame), counts the failure, and its continuation resumes from the newest
+    the Slurm job, llmft.launch.failure_blame), counts the failure, and its continuation resumes from the newest
     complete checkpoint and trains to the end, no step lost or trained twice."""
     job, d = jobs["killed"]
     info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from llmft.errors import LlmftError
+from llmft.launch import sweep
 from llmft.launch.knobs import Knobs
 from llmft.planning.methods import run_key_name
 
@@ -55,6 +56,29 @@ def port_taken(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def rendezvous_port(start: int, taken: Callable[[int], bool]) -> int:
+    """The c10d rendezvous port: in 20000-29999 from `start` (each scheduler's number for the job, so that jobs sharing
+    a first node do not collide), moving on past ports something there already listens on (`taken(port)`)."""
+    for i in range(100):
+        port = 20000 + (start + i) % 10000
+        if not taken(port):
+            return port
+    raise JobError(f"no free rendezvous port in 20000-29999 after 100 tries from {20000 + start % 10000}")
+
+
+def choose_python(k: Knobs, env: Mapping[str, str], fallback: str) -> str:
+    """The Python llmft runs in: the container's (`python` inside the image), VENV's, the virtual environment the job
+    was submitted from (PBS passes it as PBS_O_VIRTUAL_ENV under `qsub -V`), else `fallback`."""
+    if k["CONTAINER_IMAGE"]:
+        return "python"
+    if k["VENV"]:
+        return str(Path(k["VENV"]).absolute() / "bin" / "python")
+    venv = env.get("VIRTUAL_ENV") or env.get("PBS_O_VIRTUAL_ENV")
+    if venv and os.access(Path(venv, "bin", "python"), os.X_OK):
+        return str(Path(venv) / "bin" / "python")
+    return fallback
 
 
 # enroot mounts GPUs only where its hook 98-nvidia.sh finds NVIDIA_VISIBLE_DEVICES (the job's environment first, else
@@ -363,6 +387,69 @@ class Stop:
             flush=True,
         )
         self.stop_file.touch()
+
+
+def cache_variables(env: Mapping[str, str], submit_dir: Path, node_cache: Path) -> dict[str, str]:
+    """Where a job's caches live; yours win. Downloads (HF_HOME) and prepared data (LLMFT_CACHE: every run submitted
+    from the same directory reuses it, so sweeps and reruns tokenise nothing again) on shared storage; DeepSpeed's
+    JIT-built ops and Triton's kernels under `node_cache`, node-local, since builds would race on a shared /home."""
+    return {
+        "HF_HOME": env.get("HF_HOME") or str(Path(env.get("HOME") or submit_dir) / ".cache" / "huggingface"),
+        "LLMFT_CACHE": env.get("LLMFT_CACHE") or str(submit_dir / ".llmft-cache"),
+        "LLMFT_EXTENSIONS_ROOT": env.get("LLMFT_EXTENSIONS_ROOT") or str(node_cache / "torch_extensions"),
+        "TRITON_CACHE_DIR": env.get("TRITON_CACHE_DIR") or str(node_cache / "triton"),
+    }
+
+
+def knobs_line(k: Knobs, run_dir: Path) -> str:
+    """The knobs that define the run, said at its start by either scheduler's job."""
+    data = f"DATA_PERCENTAGE={k['DATA_PERCENTAGE']} MODEL={k['MODEL']} DATASET={k['DATASET']}"
+    if k["MIXTURE"]:
+        data = f"MODEL={k['MODEL']} MIXTURE={k['MIXTURE']} (all of it: no DATASET, no DATA_PERCENTAGE)"
+    sp = f" SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}" if k["SEQUENCE_PARALLEL"] != "1" else ""
+    return (
+        f"knobs EPOCHS={k['EPOCHS']} CHECKPOINT_DIR={run_dir} {data} ZERO_STAGE={k['ZERO_STAGE'] or '<DS_CONFIG>'} "
+        f"DS_CONFIG={k['DS_CONFIG'] or '<none>'} OFFLOAD={k['OFFLOAD']} GLOBAL_BATCH={k['GLOBAL_BATCH']} "
+        f"MICRO_BATCH={k['MICRO_BATCH']} MAX_STEPS={k['MAX_STEPS'] or '<none>'} "
+        f"SAVE_STEPS={k['SAVE_STEPS'] or '<default>'} SAVE_TOTAL_LIMIT={k['SAVE_TOTAL_LIMIT']} LORA={k['LORA']} "
+        f"NCCL_PROFILE={k['NCCL_PROFILE'] or '<none>'} CONTAINER_IMAGE={k['CONTAINER_IMAGE'] or '<none>'}{sp}"
+    )
+
+
+def run_directory(
+    k: Knobs,
+    submit_dir: Path,
+    job_name: str,
+    job_id: str,
+    *,
+    this_variant: Callable[[list[sweep.Variant]], sweep.Variant],
+    live: Callable[[str], str],
+    rename: str,
+    say: Callable[[str], None],
+) -> tuple[Path, sweep.Variant | None]:
+    """CHECKPOINT_DIR (relative to the submit directory), else runs/<job name>-<run key> there; with SWEEP, the
+    variant this array element trains (`this_variant`, from the scheduler's array index) in a directory of its own
+    under it; claimed for this job (`live` asks the scheduler whether an owner is still running)."""
+    if k["CHECKPOINT_DIR"]:
+        run_dir = Path(k["CHECKPOINT_DIR"])
+        run_dir = run_dir if run_dir.is_absolute() else submit_dir / run_dir
+    else:
+        run_dir = submit_dir / "runs" / f"{safe_name(job_name or 'llmft')}-{run_key(k)}"
+    variant = None
+    if k["SWEEP"]:
+        variants = sweep.parse(k["SWEEP"], k["METHOD"])
+        variant = this_variant(variants)
+        try:
+            sweep.record(run_dir, k["SWEEP"], variants)
+        except OSError as e:
+            raise JobError(f"could not write {run_dir}/{sweep.SWEEP_FILE}: {e}") from None
+        say(f"sweep variant {variant.index} of {len(variants)}: {variant.describe()} in {run_dir}")
+        run_dir = run_dir / variant.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_dir.resolve()
+    if not k.flag("DRY_RUN"):
+        claim_run_dir(run_dir, job_id, live, rename)
+    return run_dir, variant
 
 
 def claim_run_dir(run_dir: Path, job_id: str, live: Callable[[str], str], rename: str) -> None:

@@ -8,7 +8,7 @@ The knobs are slurm/run_llm.slurm's (llmft.launch.knobs). What differs from Slur
 - The nodes come from PBS_NODEFILE (one line per chunk; a node is named once). One launcher per node is started with
   `pbsdsh -n INDEX`, through PBS's own task manager: no ssh, and the tasks are the job's, so PBS accounts for them and
   kills them at the walltime. Each task reads the environment this job decided from a file (pbsdsh passes only the
-  job's own variables), then runs torchrun; a failing node writes its report (llmft.planning.failure_blame node).
+  job's own variables), then runs torchrun; a failing node writes its report (llmft.launch.failure_blame node).
 - GPUs and CPUs per node come from the select statement (`ngpus`, `ncpus` of the chunk; a CPU-only chunk runs one
   process), the memory from its `mem` and what each node reports (llmft.planning.allocation).
 - PBS gives no warning before the walltime: at the limit every process gets SIGTERM and, `kill_delay` seconds later
@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
-from llmft.launch import continuation, sweep
+from llmft.launch import continuation, failure_blame, sweep
 from llmft.launch.job import (
     CONTAINER_GPU_VARIABLES,
     JobError,
     Stop,
-    claim_run_dir,
+    cache_variables,
+    choose_python,
     container_gpu_variables,
     container_mounts,
     export_after_training,
@@ -47,17 +48,19 @@ from llmft.launch.job import (
     fabric_check,
     fabric_probe,
     given,
+    knobs_line,
     launch_line,
     network_variables,
     newest_complete_step,
     plan_arguments,
     port_taken,
     prepare_data,
-    run_key,
+    rendezvous_port,
     run_paths,
     safe_name,
     train_arguments,
 )
+from llmft.launch.job import run_directory as job_run_directory
 from llmft.launch.knobs import (
     KnobError,
     Knobs,
@@ -67,7 +70,6 @@ from llmft.launch.knobs import (
     resolve,
     unknown_in_variable_list,
 )
-from llmft.planning import failure_blame
 
 ME = "run_llm.pbs"
 USAGE = __doc__.split("\n\n")[1]
@@ -164,17 +166,12 @@ def hosts_of(nodefile_text: str) -> list[tuple[str, int]]:
     return list(seen.items())
 
 
-def rendezvous_port(job_id: str, taken) -> int:
-    """The c10d port: 20000-29999 from the job's number and array index (an array's elements run at once, on one
-    node too), moving on past ports something on the first host already listens on (`taken(port)`)."""
+def rendezvous_start(job_id: str) -> int:
+    """Where the job's rendezvous port search starts (llmft.launch.job.rendezvous_port): from the job's number and
+    array index, since an array's elements run at once, on one node too."""
     m = re.match(r"(\d+)(?:\[(\d+)\])?", job_id)
     seq, index = (int(m.group(1)), int(m.group(2) or 0)) if m else (0, 0)
-    first = (seq * 101 + index) % 10000
-    for i in range(100):
-        port = 20000 + (first + i) % 10000
-        if not taken(port):
-            return port
-    raise PbsJobError(f"no free rendezvous port in 20000-29999 after 100 tries from {20000 + first}")
+    return seq * 101 + index
 
 
 def shutdown_timeout(kill_delay_s: float) -> int:
@@ -285,18 +282,6 @@ def outside_pbs(k: Knobs, raw_dataset: str) -> int:
     )
 
 
-def choose_python(k: Knobs, env: Mapping[str, str]) -> str:
-    """The Python llmft runs in: the container's, VENV's, the environment qsub ran from, else this one."""
-    if k["CONTAINER_IMAGE"]:
-        return "python"
-    if k["VENV"]:
-        return str(Path(k["VENV"]).absolute() / "bin" / "python")
-    venv = env.get("VIRTUAL_ENV") or env.get("PBS_O_VIRTUAL_ENV")
-    if venv and Path(venv, "bin", "python").exists():
-        return str(Path(venv) / "bin" / "python")
-    return sys.executable
-
-
 def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     """Inside a PBS job, as named steps: the job's facts, the run directory, what each node was given, the plan, one
     torchrun per node, and what follows."""
@@ -316,7 +301,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     stop = Stop(files["stop"], ME)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGUSR1, stop)
-    python = choose_python(k, env)
+    python = choose_python(k, env, sys.executable)
     run_count = int(job.get("run_count", 1) or 1)
     say_start(k, env, job_id, run_count, submit_dir, run_dir, python)
 
@@ -405,25 +390,21 @@ def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
 
 
 def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> Path:
-    """CHECKPOINT_DIR, else runs/<job name>-<run key> under the submit directory; with SWEEP, the variant's directory
-    in it (llmft.launch.sweep); claimed for this job."""
-    if not k["CHECKPOINT_DIR"]:
-        run_dir = submit_dir / "runs" / f"{safe_name(env.get('PBS_JOBNAME') or 'llmft')}-{run_key(k)}"
-    else:
-        run_dir = Path(k["CHECKPOINT_DIR"])
-        run_dir = run_dir if run_dir.is_absolute() else submit_dir / run_dir
-    if k["SWEEP"]:
-        variants = sweep.parse(k["SWEEP"], k["METHOD"])
-        variant = this_variant(variants, env)
-        sweep.record(run_dir, k["SWEEP"], variants)
-        say(f"sweep variant {variant.index} of {len(variants)}: {variant.describe()} in {run_dir}")
-        run_dir = run_dir / variant.name
+    """The run directory (llmft.launch.job.run_directory), a sweep's element from PBS_ARRAY_INDEX; the variant's flags
+    join EXTRA_ARGS."""
+    run_dir, variant = job_run_directory(
+        k,
+        submit_dir,
+        env.get("PBS_JOBNAME", ""),
+        job_id,
+        this_variant=lambda variants: this_variant(variants, env),
+        live=live_state,
+        rename="qsub -N NAME",
+        say=say,
+    )
+    if variant is not None:
         k.extra_args += variant.flags()
         k.values["LLMFT_SWEEP_VARIANT"] = variant.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = run_dir.resolve()
-    if not k.flag("DRY_RUN"):
-        claim_run_dir(run_dir, job_id, live_state, "qsub -N NAME")
     return run_dir
 
 
@@ -442,13 +423,7 @@ def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
         f"job {job_id} ({env.get('PBS_JOBNAME', '')}) run {run_count}, submitted from {submit_dir}, started "
         f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
     )
-    say(
-        f"knobs EPOCHS={k['EPOCHS']} CHECKPOINT_DIR={run_dir} MODEL={k['MODEL']} DATASET={k['DATASET']} "
-        f"DATA_PERCENTAGE={k['DATA_PERCENTAGE']} ZERO_STAGE={k['ZERO_STAGE'] or '<DS_CONFIG>'} "
-        f"GLOBAL_BATCH={k['GLOBAL_BATCH']} MICRO_BATCH={k['MICRO_BATCH']} MAX_STEPS={k['MAX_STEPS'] or '<none>'} "
-        f"LORA={k['LORA']} CONTAINER_IMAGE={k['CONTAINER_IMAGE'] or '<none>'}"
-        + (f" SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}" if k["SEQUENCE_PARALLEL"] != "1" else "")
-    )
+    say(knobs_line(k, run_dir))
     say(defaults_line(k))
     warning = default_dataset_warning(k, env.get("DATASET", ""), "llmft plan --dataset_name ... --write DIR")
     if warning:
@@ -504,7 +479,7 @@ def torchrun_command(k, python, launch, hosts, job_id, node_env, train: list[str
         rdzv_host = socket.gethostbyname(rdzv_host)
     except OSError:
         pass
-    port = rendezvous_port(job_id, lambda p: port_taken(rdzv_host, p))
+    port = rendezvous_port(rendezvous_start(job_id), lambda p: port_taken(rdzv_host, p))
     numa = ["--numa-binding", launch["numa_binding"]] if launch["numa_binding"] != "off" else []
     torchrun = [python, "-m", "torch.distributed.run", "--nnodes", launch["nnodes"]]
     torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
@@ -536,7 +511,7 @@ def after_training(
 ) -> Outcome:
     """What follows the training, each case said in one line: done; stopped for the walltime (llmft's own final
     save, or PBS's SIGTERM at the limit) or by SIGUSR1, which a continuation resumes; SIGTERM from qdel or qrerun,
-    where PBS decides; or a failure, named in one line (llmft.planning.failure_blame), continued only after progress,
+    where PBS decides; or a failure, named in one line (llmft.launch.failure_blame), continued only after progress,
     at most MAX_RESTARTS times, and never for an application error."""
     stop.stop_file.unlink(missing_ok=True)
     if (run_dir / "llmft_done.json").is_file():
@@ -565,7 +540,7 @@ def after_training(
     if rc == 0:  # not a success: nothing says the training finished
         say(f"error: every node's torchrun exited 0, but {run_dir}/llmft_done.json is missing: the run did not finish")
         return Outcome(1)
-    # The failure in one line, by the rules of the Slurm job (llmft.planning.failure_blame): the rank and node that
+    # The failure in one line, by the rules of the Slurm job (llmft.launch.failure_blame): the rank and node that
     # failed first, a node that reported nothing, or every node waiting; an application error is not continued.
     found = failure_blame.blame(failure_blame.read_reports(failures), list(hosts), rc, str(run_dir / "nccl_trace"))
     for line in found.line.split("\n"):
@@ -646,15 +621,11 @@ def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:
         "LLMFT_STOP_FILE": str(files["stop"]),
         "LLMFT_REQUEUE_FILE": str(files["requeue"]),
         "LLMFT_JOB_END_FILE": str(files["job-end"]),
-        "LLMFT_CACHE": env.get("LLMFT_CACHE") or str(submit_dir / ".llmft-cache"),
-        "HF_HOME": env.get("HF_HOME") or str(Path(env.get("HOME") or submit_dir) / ".cache" / "huggingface"),
         "PATH": env.get("PATH", os.defpath),
     }
     # Build caches are node-local and outlive the job: not under TMPDIR, which PBS makes per job and deletes after it
     # (DeepSpeed would compile its ops again in every job).
-    node_cache = Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"
-    out["LLMFT_EXTENSIONS_ROOT"] = env.get("LLMFT_EXTENSIONS_ROOT") or str(node_cache / "torch_extensions")
-    out["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or str(node_cache / "triton")
+    out.update(cache_variables(env, submit_dir, Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"))
     if k["VENV"]:
         venv = str(Path(k["VENV"]).absolute())
         out["VIRTUAL_ENV"], out["PATH"] = venv, f"{venv}/bin:{out['PATH']}"
@@ -757,7 +728,7 @@ def forward(stream, to, copy) -> None:
 
 def node_main(argv: list[str]) -> int:
     """On each node (`pbsdsh`): the job's environment from its file, then the command; a failing torchrun's report
-    (llmft.planning.failure_blame node) is written to the failures directory, under SIGTERM too."""
+    (llmft.launch.failure_blame node) is written to the failures directory, under SIGTERM too."""
     env_file, failures, rest = argv[0], argv[1], argv[2:]
     env = {**os.environ, **json.loads(Path(env_file).read_text())}
     out_file = None
@@ -806,13 +777,13 @@ def node_main(argv: list[str]) -> int:
         out.join(timeout=10)
     if rc != 0 and failures:
         report = Path(failures) / f"node-{node}.json"
-        blame = [sys.executable, "-m", "llmft.planning.failure_blame", "node", "--node", host, "--rc", str(rc)]
+        blame = [sys.executable, "-m", "llmft.launch.failure_blame", "node", "--node", host, "--rc", str(rc)]
         blame += ["--stderr", str(err_path), "--since", f"{started:.0f}"]
         out = subprocess.run(blame, capture_output=True, text=True, env=env)
         text = (
             out.stdout
             if out.returncode == 0 and out.stdout.strip()
-            else json.dumps({"node": host, "rc": rc, "cause": "no report: llmft.planning.failure_blame failed"})
+            else json.dumps({"node": host, "rc": rc, "cause": "no report: llmft.launch.failure_blame failed"})
         )
         tmp = report.with_suffix(".tmp")
         tmp.write_text(text)

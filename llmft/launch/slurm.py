@@ -132,11 +132,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
-from llmft.launch import sweep
+from llmft.launch import failure_blame, kill_chain, sweep
 from llmft.launch.job import (
     JobError,
     Stop,
-    claim_run_dir,
+    cache_variables,
+    choose_python,
     container_gpu_variables,
     container_mounts,
     export_after_training,
@@ -144,16 +145,18 @@ from llmft.launch.job import (
     fabric_check,
     fabric_probe,
     given,
+    knobs_line,
     launch_line,
     network_variables,
     newest_complete_step,
     plan_arguments,
+    port_taken,
     prepare_data,
-    run_key,
+    rendezvous_port,
     run_paths,
-    safe_name,
     train_arguments,
 )
+from llmft.launch.job import run_directory as job_run_directory
 from llmft.launch.knobs import (
     NAMES,
     Knobs,
@@ -163,6 +166,7 @@ from llmft.launch.knobs import (
     resolve,
     unknown_knob_message,
 )
+from llmft.planning.world import expand_hostlist
 
 ME = "run_llm.slurm"
 HELP = __doc__
@@ -261,18 +265,6 @@ def read_arguments(argv: Sequence[str], in_job: bool) -> tuple[dict[str, str], l
     return knobs, world, False
 
 
-def choose_python(k: Knobs, env: Mapping[str, str]) -> str:
-    """VENV, else the virtual environment / python3 sbatch was run from (inside a container: its python)."""
-    if k["CONTAINER_IMAGE"]:
-        return "python"
-    if k["VENV"]:
-        return f"{k['VENV']}/bin/python"
-    venv = env.get("VIRTUAL_ENV", "")
-    if venv and os.access(f"{venv}/bin/python", os.X_OK):
-        return f"{venv}/bin/python"
-    return shutil.which("python3") or shutil.which("python") or ""
-
-
 def bash_quoted(arg: str) -> str:
     """An argument as bash's printf %q writes it (the launch line is read by people and by the tests, as before)."""
     if arg == "":
@@ -345,7 +337,7 @@ def dry_run_checks(k: Knobs, world: Sequence[str], script: str) -> None:
     elif k["CONTAINER_IMAGE"]:
         say(f"model: {model} not checked here (llmft runs inside CONTAINER_IMAGE={k['CONTAINER_IMAGE']})")
     else:
-        python = choose_python(k, os.environ)
+        python = choose_python(k, os.environ, shutil.which("python3") or shutil.which("python") or "")
         rc, out = 127, ""
         if python:
             try:
@@ -430,35 +422,32 @@ def host_checks(k: Knobs, env: Mapping[str, str]) -> None:
 
 
 def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> tuple[Path, list[str]]:
-    """CHECKPOINT_DIR, else runs/<job name>-<run key> under the submit directory; with SWEEP, this element's variant's
-    directory in it; claimed for this job. Also the variant's flags (none without SWEEP)."""
-    run_dir = Path(k["CHECKPOINT_DIR"]) if k["CHECKPOINT_DIR"] else None
-    if run_dir is None:
-        run_dir = submit_dir / "runs" / f"{safe_name(env.get('SLURM_JOB_NAME') or 'llmft')}-{run_key(k)}"
-    flags: list[str] = []
-    if k["SWEEP"]:
-        variants = sweep.parse(k["SWEEP"], k["METHOD"])
-        index = env.get("SLURM_ARRAY_TASK_ID")
-        v = sweep.element(
+    """The run directory (llmft.launch.job.run_directory), a sweep's element from SLURM_ARRAY_TASK_ID; also the
+    variant's flags (none without SWEEP)."""
+
+    def this_variant(variants: list[sweep.Variant]) -> sweep.Variant:
+        return sweep.element(
             variants,
-            index,
+            env.get("SLURM_ARRAY_TASK_ID"),
             env.get("SLURM_ARRAY_TASK_MIN", ""),
             env.get("SLURM_ARRAY_TASK_MAX", ""),
             "sbatch --array=1-{n} ... slurm/run_llm.slurm",
         )
-        try:
-            sweep.record(run_dir, k["SWEEP"], variants)
-        except OSError as e:
-            raise SlurmJobError(f"could not write {run_dir}/{sweep.SWEEP_FILE}: {e}") from None
-        say(f"sweep variant {index} of {len(variants)}: {v.describe()} in {run_dir}")
-        run_dir = run_dir / v.name
-        flags = v.flags()
-        os.environ["LLMFT_SWEEP_VARIANT"] = v.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = run_dir.resolve()
-    if not k.flag("DRY_RUN"):
-        claim_run_dir(run_dir, job_id, live_state, "sbatch -J NAME")
-    return run_dir, flags
+
+    run_dir, variant = job_run_directory(
+        k,
+        submit_dir,
+        env.get("SLURM_JOB_NAME", ""),
+        job_id,
+        this_variant=this_variant,
+        live=live_state,
+        rename="sbatch -J NAME",
+        say=say,
+    )
+    if variant is None:
+        return run_dir, []
+    os.environ["LLMFT_SWEEP_VARIANT"] = variant.name
+    return run_dir, variant.flags()
 
 
 def live_state(owner: str) -> str:
@@ -491,16 +480,10 @@ def rendezvous(first: str, job_id: str) -> tuple[str, int]:
     out = run(["scontrol", "show", "node", first, "-o"])
     m = re.search(r"NodeAddr=(\S+)", out.stdout if out is not None else "")
     host = m.group(1) if m else host
-    for i in range(100):
-        port = 20000 + (int(job_id) + i) % 10000
-        try:
-            with socket.create_connection((host, port), timeout=2):
-                continue
-        except OSError:
-            return host, port
-    raise SlurmJobError(
-        f"no free rendezvous port on {host} in 20000-29999 after 100 tries from {20000 + int(job_id) % 10000}"
-    )
+    try:
+        return host, rendezvous_port(int(job_id), lambda port: port_taken(host, port))
+    except JobError as e:
+        raise SlurmJobError(f"{e} on {host}") from None
 
 
 def network_environment(profile: str, run_dir: Path, job_id: str) -> None:
@@ -540,38 +523,34 @@ def container_arguments(k: Knobs, submit_dir: Path, run_dir: Path, job_id: str) 
     ]
 
 
-def kill_chain_command(python: str, env: Mapping[str, str]) -> list[str]:
-    """llmft.planning.kill_chain with Slurm's text (KillWait, the partition's and the QOS's GraceTime), read there:
-    torchrun's shutdown timeout goes past Slurm's SIGKILL, so only Slurm's limit cuts a stop save."""
+def slurm_kill_chain(env: Mapping[str, str]) -> tuple[int, str]:
+    """llmft.launch.kill_chain with Slurm's text (KillWait, the partition's and the QOS's GraceTime), read here on the
+    batch host: torchrun's shutdown timeout goes past Slurm's SIGKILL, so only Slurm's limit cuts a stop save."""
     out = run(["scontrol", "show", "config"], timeout=10)
+    config = out.stdout.rstrip("\n") if out is not None else ""
     partition, qos = env.get("SLURM_JOB_PARTITION", ""), env.get("SLURM_JOB_QOS", "")
-    args = ["--config", out.stdout.rstrip("\n") if out is not None else ""]
-    args += ["--partition", partition, "--qos", qos]
+    partition_text = qos_text = None
+    qos_problem = ""
     if partition:
         out = run(["scontrol", "show", "partition", partition, "-o"], timeout=10)
         if out is not None and out.returncode == 0:
-            args += ["--partition_text", out.stdout.rstrip("\n")]
+            partition_text = out.stdout.rstrip("\n")
     if qos:
         if not shutil.which("sacctmgr"):
-            args += ["--qos_problem", f"no sacctmgr on {socket.gethostname().split('.')[0]}"]
+            qos_problem = f"no sacctmgr on {socket.gethostname().split('.')[0]}"
         else:
             out = run(["sacctmgr", "-nP", "show", "qos", qos, "format=GraceTime"], timeout=10)
             if out is not None and out.returncode == 0:
-                args += ["--qos_text", (out.stdout + out.stderr).rstrip("\n")]
+                qos_text = (out.stdout + out.stderr).rstrip("\n")
             else:
                 first = ((out.stdout + out.stderr) if out is not None else "timed out").split("\n")[0]
-                args += ["--qos_problem", f"sacctmgr: {first}"]
-    return [python, "-m", "llmft.planning.kill_chain", *args]
+                qos_problem = f"sacctmgr: {first}"
+    return kill_chain.kill_chain(config, partition, partition_text, qos, qos_text, qos_problem)
 
-
-# The plan and the kill chain share one step: inside a container every srun starts the container again (seconds to
-# minutes on a real cluster). The step prints the plan's output, then, once the plan succeeded, the kill chain's two
-# lines; it exits with the plan's status, or 99 when the kill chain failed.
-PLAN_STEP = 'n=$1; shift; "${@:1:n}" || exit; shift "$n"; "$@" || exit 99'
 
 # What each node runs: it says where it starts, then torchrun (passed as arguments, never re-parsed). A node whose
 # torchrun fails writes its report to the failures directory (node-N.json), from torchrun's stderr and the node's
-# kernel log (`python -m llmft.planning.failure_blame node`), under `trap "" TERM` (srun signals every process of the
+# kernel log (`python -m llmft.launch.failure_blame node`), under `trap "" TERM` (srun signals every process of the
 # step when another node failed): a node that writes none counts as dead. torchrun's stderr passes through unchanged;
 # a node-local copy is read for the report and removed. The wrapper and its tee stay up through a SIGTERM: the ranks
 # still write their stop checkpoint then.
@@ -586,9 +565,9 @@ rc=0
 wait "$!" 2>/dev/null || true
 if (( rc != 0 )); then
   report="$failures/node-${SLURM_NODEID:-0}.json"
-  if ! (trap "" TERM INT; exec "$py" -m llmft.planning.failure_blame node --node "$node" --rc "$rc" --stderr "$err" --since "$started") > "$report.tmp"; then
-    echo "run_llm.slurm: node $node: llmft.planning.failure_blame could not write the report of this node" >&2
-    printf "{\"node\": \"%s\", \"rc\": %d, \"cause\": \"no report: llmft.planning.failure_blame failed\"}\n" "${node//[^A-Za-z0-9._-]/_}" "$rc" > "$report.tmp"
+  if ! (trap "" TERM INT; exec "$py" -m llmft.launch.failure_blame node --node "$node" --rc "$rc" --stderr "$err" --since "$started") > "$report.tmp"; then
+    echo "run_llm.slurm: node $node: llmft.launch.failure_blame could not write the report of this node" >&2
+    printf "{\"node\": \"%s\", \"rc\": %d, \"cause\": \"no report: llmft.launch.failure_blame failed\"}\n" "${node//[^A-Za-z0-9._-]/_}" "$rc" > "$report.tmp"
   fi
   mv -f "$report.tmp" "$report"
 fi
@@ -668,13 +647,13 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     planned = plan(k, env, a, container, runner)
     if planned is None:
         return 2
-    launch, kill_out = planned
+    launch = planned
     train, srun_args = launch_arguments(k, env, a, launch, report_to, sweep_flags, container)
     if k.flag("PREPARE") and not k.flag("DRY_RUN") and not prepare_data([*runner, a.python], train, say):
         return 2
     if report_to == "wandb":
         wandb_run(k, a, runner)
-    shutdown_timeout(kill_out, env)
+    shutdown_timeout(slurm_kill_chain(env), env)
     numa = ["--numa-binding", launch["numa_binding"]] if launch["numa_binding"] != "off" else []
     torchrun = [a.python, "-m", "torch.distributed.run", "--nnodes", launch["nnodes"]]
     torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
@@ -697,7 +676,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         done = after_training(a, rc)
         if done == 0 and (run_dir / "llmft_done.json").is_file():
             done = export_after_training(export_command(k, a.python, run_dir, submit_dir), runner, say)
-        return done if done is not None else after_failure(k, env, a, rc, start_step, failures, runner)
+        return done if done is not None else after_failure(k, env, a, rc, start_step, failures)
     finally:
         if report_to == "wandb":
             wandb_sync_hint(run_dir)
@@ -723,18 +702,14 @@ def start_attempt(k: Knobs, env: Mapping[str, str], submit_dir: Path, run_dir: P
     signal.signal(signal.SIGUSR1, stop)
     signal.signal(signal.SIGTERM, stop)
     hosts = job_hosts(env)
-    python = choose_python(k, env)
+    python = choose_python(k, env, shutil.which("python3") or shutil.which("python") or "")
     if not k["CONTAINER_IMAGE"] and k["VENV"]:
         os.environ["VIRTUAL_ENV"] = k["VENV"]
         os.environ["PATH"] = f"{k['VENV']}/bin:{os.environ['PATH']}"
     if not python:
         raise SlurmJobError("no python3 on PATH; set VENV=/path/to/venv")
-    # Downloads on shared storage (HF_HOME: one process per job downloads); build caches node-local, since DeepSpeed's
-    # JIT-built ops and Triton's kernels would race on a shared /home. Yours win.
-    os.environ["HF_HOME"] = env.get("HF_HOME") or f"{env.get('HOME') or submit_dir}/.cache/huggingface"
-    node_cache = f"{env.get('TMPDIR') or '/tmp'}/llmft-{pwd.getpwuid(os.getuid()).pw_name}"
-    os.environ["LLMFT_EXTENSIONS_ROOT"] = env.get("LLMFT_EXTENSIONS_ROOT") or f"{node_cache}/torch_extensions"
-    os.environ["TRITON_CACHE_DIR"] = env.get("TRITON_CACHE_DIR") or f"{node_cache}/triton"
+    node_cache = Path(env.get("TMPDIR") or "/tmp") / f"llmft-{pwd.getpwuid(os.getuid()).pw_name}"
+    os.environ.update(cache_variables(env, submit_dir, node_cache))
     restart = env.get("SLURM_RESTART_COUNT") or "0"
     return Attempt(
         job_id, submit_dir, run_dir, files, stop, int(text) if text.isdigit() else 0, hosts, python, restart
@@ -746,17 +721,7 @@ def say_start(k: Knobs, env: Mapping[str, str], a: Attempt) -> None:
         f"job {a.job_id} ({env.get('SLURM_JOB_NAME', '')}) restart {a.restart}, submitted from {a.submit_dir}, "
         f"started {now()}; requeued after failures {a.failure_restarts} of at most {k['MAX_RESTARTS']} times"
     )
-    data = f"DATA_PERCENTAGE={k['DATA_PERCENTAGE']} MODEL={k['MODEL']} DATASET={k['DATASET']}"
-    if k["MIXTURE"]:
-        data = f"MODEL={k['MODEL']} MIXTURE={k['MIXTURE']} (all of it: no DATASET, no DATA_PERCENTAGE)"
-    sp = f" SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}" if k["SEQUENCE_PARALLEL"] != "1" else ""
-    say(
-        f"knobs EPOCHS={k['EPOCHS']} CHECKPOINT_DIR={a.run_dir} {data} ZERO_STAGE={k['ZERO_STAGE'] or '<DS_CONFIG>'} "
-        f"DS_CONFIG={k['DS_CONFIG'] or '<none>'} OFFLOAD={k['OFFLOAD']} GLOBAL_BATCH={k['GLOBAL_BATCH']} "
-        f"MICRO_BATCH={k['MICRO_BATCH']} MAX_STEPS={k['MAX_STEPS'] or '<none>'} "
-        f"SAVE_STEPS={k['SAVE_STEPS'] or '<default>'} SAVE_TOTAL_LIMIT={k['SAVE_TOTAL_LIMIT']} LORA={k['LORA']} "
-        f"NCCL_PROFILE={k['NCCL_PROFILE'] or '<none>'} CONTAINER_IMAGE={k['CONTAINER_IMAGE'] or '<none>'}{sp}"
-    )
+    say(knobs_line(k, a.run_dir))
     say(defaults_line(k))
     warn_default_dataset(k)
     say(f"python {a.python}")
@@ -768,14 +733,12 @@ def say_start(k: Knobs, env: Mapping[str, str], a: Attempt) -> None:
 
 
 def tracking_environment(k: Knobs, env: Mapping[str, str]) -> str:
-    """W&B's project and mode for every rank, and the shared cache of prepared data (every run submitted from the
-    same directory reuses it: sweeps and reruns tokenise nothing again). Returns --report_to."""
+    """W&B's project and mode for every rank. Returns --report_to."""
     report_to = "wandb" if k["WANDB_PROJECT"] and k["WANDB_MODE"] != "disabled" else "none"
     if report_to == "wandb":
         os.environ["WANDB_PROJECT"] = k["WANDB_PROJECT"]
     if k["WANDB_MODE"]:
         os.environ["WANDB_MODE"] = k["WANDB_MODE"]
-    os.environ["LLMFT_CACHE"] = env.get("LLMFT_CACHE") or f"{env.get('SLURM_SUBMIT_DIR') or Path.cwd()}/.llmft-cache"
     return report_to
 
 
@@ -798,16 +761,9 @@ def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], run
             f"{probe_rc}): {nodes_file.read_text().replace(chr(10), ' ')}"
         )
     plan_cmd = [a.python, "-m", "llmft.plan", *plan_arguments(k, a.run_dir, nodes_file)]
-    kill_cmd = kill_chain_command(a.python, env)
-    step = subprocess.run(
-        [*runner, "bash", "-c", PLAN_STEP, "plan_step", str(len(plan_cmd)), *plan_cmd, *kill_cmd],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    step = subprocess.run([*runner, *plan_cmd], stdout=subprocess.PIPE, text=True)
     nodes_file.unlink(missing_ok=True)
-    lines = step.stdout.splitlines()
-    split = next((i for i, line in enumerate(lines) if line.startswith("llmft kill chain: ")), len(lines))
-    plan_out = "\n".join(lines[:split])
+    plan_out = step.stdout.rstrip("\n")
     if plan_out:
         print(plan_out, flush=True)
     if step.returncode == 2:
@@ -816,8 +772,6 @@ def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], run
             "DS_CONFIG, OFFLOAD, or the #SBATCH resources)"
         )
         return None
-    if step.returncode == 99:
-        raise SlurmJobError("llmft.planning.kill_chain failed")
     if step.returncode != 0:
         raise SlurmJobError(
             f"could not run 'llmft plan' with {a.python} (exit {step.returncode}); is llmft installed there? Set "
@@ -827,7 +781,7 @@ def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], run
     for key, value in launch.items():
         if not re.fullmatch(r"[A-Za-z0-9._-]+", value):
             raise SlurmJobError(f"cannot read '{key}={value}' in llmft plan's 'llmft launch:' line")
-    return launch, lines[split:]
+    return launch
 
 
 def launch_arguments(k, env, a: Attempt, launch, report_to, sweep_flags, container) -> tuple[list[str], list[str]]:
@@ -878,19 +832,16 @@ def wandb_run(k: Knobs, a: Attempt, runner: list[str]) -> None:
     )
 
 
-def shutdown_timeout(kill_out: list[str], env: Mapping[str, str]) -> None:
-    """torchrun's wait for its ranks after a SIGTERM, as llmft.planning.kill_chain decided (yours wins)."""
-    m = re.fullmatch(r"llmft kill chain: shutdown_timeout=([0-9]+)", kill_out[0] if kill_out else "")
-    if not m or len(kill_out) < 2:
-        raise SlurmJobError(f"cannot read llmft.planning.kill_chain's output: {chr(10).join(kill_out)}")
-    said = "\n".join(kill_out[1:])
+def shutdown_timeout(decided: tuple[int, str], env: Mapping[str, str]) -> None:
+    """torchrun's wait for its ranks after a SIGTERM, as llmft.launch.kill_chain decided (yours wins)."""
+    timeout, said = decided
     if env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
         say(
             f"{said.split('; torchrun waits')[0]}; torchrun waits {env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s for its "
-            f"ranks (your TORCH_ELASTIC_SHUTDOWN_TIMEOUT; llmft would set {m.group(1)})"
+            f"ranks (your TORCH_ELASTIC_SHUTDOWN_TIMEOUT; llmft would set {timeout})"
         )
     else:
-        os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = m.group(1)
+        os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(timeout)
         say(said)
 
 
@@ -965,8 +916,8 @@ def after_training(a: Attempt, rc: int) -> int | None:
     return None
 
 
-def after_failure(k: Knobs, env, a: Attempt, rc: int, start_step: int, failures: Path, runner: list[str]) -> int:
-    """Which node to run without, and whether to run again: llmft.planning.failure_blame.decide (its docstring says
+def after_failure(k: Knobs, env, a: Attempt, rc: int, start_step: int, failures: Path) -> int:
+    """Which node to run without, and whether to run again: llmft.launch.failure_blame.decide (its docstring says
     why), from the nodes' reports, this attempt's progress, and the nodes the partition (and reservation) can still
     offer."""
     job_id = a.job_id
@@ -974,38 +925,33 @@ def after_failure(k: Knobs, env, a: Attempt, rc: int, start_step: int, failures:
     out = run(["scontrol", "show", "job", job_id])
     m = re.search(r"ExcNodeList=(\S*)", out.stdout if out is not None else "")
     excluded = m.group(1) if m and m.group(1) != "(null)" else ""
-    where = []
+    sinfo, reservation_text = None, ""
     partition, reservation = env.get("SLURM_JOB_PARTITION", ""), env.get("SLURM_JOB_RESERVATION", "")
     if partition:
         out = run(["sinfo", "-h", "-N", "-o", "%N %t", "-p", partition], timeout=30)
         if out is not None and out.returncode == 0:
-            (failures / "sinfo").write_text(out.stdout)
-            where += ["--sinfo", str(failures / "sinfo")]
+            sinfo = out.stdout
     if reservation:
         out = run(["scontrol", "show", "reservation", reservation], timeout=30)
         if out is not None and out.returncode == 0:
-            (failures / "reservation").write_text(out.stdout)
-            where += ["--reservation", str(failures / "reservation")]
-    decide = [a.python, "-m", "llmft.planning.failure_blame", "decide", "--reports", str(failures), "--job", job_id]
-    decide += ["--rc", str(rc), "--hosts", " ".join(a.hosts), "--restarts", str(a.failure_restarts)]
-    decide += ["--max_restarts", k["MAX_RESTARTS"], "--start_step", str(start_step), "--end_step", str(end_step)]
-    decide += ["--excluded", excluded, "--trace_dir", str(a.run_dir / "nccl_trace"), *where]
-    proc = subprocess.run([*runner, *decide], stdout=subprocess.PIPE, text=True)
-    decision = proc.stdout if proc.returncode == 0 else ""
-    again, exclude = "0", ""
-    for line in decision.splitlines():  # data, never evaluated
-        if line.startswith("say: "):
-            say(line[len("say: ") :])
-        elif line.startswith("exclude: "):
-            exclude = line[len("exclude: ") :]
-        elif line.startswith("requeue: "):
-            again = line[len("requeue: ") :]
-    if not decision.strip():
-        say(
-            f"training failed (exit {rc}); llmft.planning.failure_blame could not decide, so the job is not requeued: "
-            "resubmit with the same CHECKPOINT_DIR to resume"
-        )
-    if again != "1":
+            reservation_text = out.stdout
+    attempt = failure_blame.Attempt(
+        job=job_id,
+        rc=rc,
+        hosts=list(a.hosts),
+        restarts=a.failure_restarts,
+        max_restarts=int(k["MAX_RESTARTS"]),
+        start_step=start_step,
+        end_step=end_step,
+        already_excluded=expand_hostlist(excluded) if excluded else [],
+        usable=failure_blame.usable_nodes(sinfo, reservation_text) if sinfo is not None else None,
+        trace_dir=str(a.run_dir / "nccl_trace"),
+    )
+    lines, again, exclude_list = failure_blame.decide(failure_blame.read_reports(failures), attempt)
+    for line in lines:
+        say(line)
+    exclude = ",".join(exclude_list)
+    if not again:
         return rc
     (a.run_dir / f".llmft-failure-restarts-{job_id}").write_text(f"{a.failure_restarts + 1}\n")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue signals this job; the exclusion must still be set

@@ -6,7 +6,7 @@ $LLMFT_TEST_KILL_SIGNAL says how: KILL (the default) SIGKILLs it; HANG makes its
 rank stuck before a collective (a kernel, a read, a deadlock), so its peers wait in theirs; OOM makes its next
 all_reduce raise torch.OutOfMemoryError, as a CUDA allocation that does not fit would (an application failure). With
 $LLMFT_TEST_KERNEL_LOG_DIR set, KILL and HANG first write an Xid 79 (the GPU fell off the bus) to that node's test
-kernel log, $LLMFT_TEST_KERNEL_LOG_DIR/<node>, which llmft.planning.failure_blame then reads instead of the kernel's:
+kernel log, $LLMFT_TEST_KERNEL_LOG_DIR/<node>, which llmft.launch.failure_blame then reads instead of the kernel's:
 evidence against the node. Every other process is left alone."""
 
 import os

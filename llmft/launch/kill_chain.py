@@ -7,8 +7,8 @@ SIGKILLs its ranks after its own shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOU
 the longest of these: max(KillWait, GraceTime + KillWait) + 30 s. A longer torchrun timeout costs nothing, since Slurm's
 SIGKILL ends the step anyway; a shorter one cuts a save Slurm would have let finish.
 
-slurm/run_llm.slurm gathers Slurm's text (`scontrol show config`, `scontrol show partition P`, `sacctmgr show qos Q`)
-and calls `python -m llmft.planning.kill_chain` with it; the parsing and the decision are here, tested directly.
+llmft.launch.slurm gathers Slurm's text (`scontrol show config`, `scontrol show partition P`, `sacctmgr show qos Q`)
+on the batch host and calls `kill_chain` with it; the parsing and the decision are here, tested directly.
 """
 
 from __future__ import annotations
@@ -93,30 +93,3 @@ def kill_chain(
         f"after the SIGTERM; torchrun waits {timeout} s for its ranks (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"
     )
     return timeout, line
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m llmft.planning.kill_chain",
-        allow_abbrev=False,
-        description="Print torchrun's shutdown timeout for this Slurm job, then the line that says why.",
-    )
-    parser.add_argument("--config", default="", help="the text of `scontrol show config`")
-    parser.add_argument("--partition", default="", help="the job's partition")
-    parser.add_argument("--partition_text", default=None, help="the text of `scontrol show partition P`")
-    parser.add_argument("--qos", default="", help="the job's QOS")
-    parser.add_argument("--qos_text", default=None, help="the text of `sacctmgr -nP show qos Q format=GraceTime`")
-    parser.add_argument("--qos_problem", default="", help="why the QOS could not be read")
-    args = parser.parse_args(argv)
-    timeout, line = kill_chain(
-        args.config, args.partition, args.partition_text, args.qos, args.qos_text, args.qos_problem
-    )
-    print(f"llmft kill chain: shutdown_timeout={timeout}")
-    print(line)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

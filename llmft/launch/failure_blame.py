@@ -19,9 +19,9 @@ application failure: it fails the same way on any node, so it is said in one lin
 requeued. "First" is torchrun's own root-cause time (its error summary's "Root Cause (first observed failure)"), not
 when each torchrun exited, which mostly measures its shutdown wait.
 
-Pure functions of text, so the tests give them any node's output; `main` is what a job script calls:
-`python -m llmft.planning.failure_blame node ...` on each node whose torchrun failed (writes that node's report),
-`python -m llmft.planning.failure_blame decide ...` once on the batch host (prints the lines to say and the decision).
+Pure functions of text, so the tests give them any node's output. Each node whose torchrun failed runs
+`python -m llmft.launch.failure_blame node ...` (that node's report, where its stderr and kernel log are); the batch
+host's launcher (llmft.launch.slurm, llmft.launch.pbs) calls `read_reports` and `decide` / `blame` as functions.
 Test hook: with `LLMFT_TEST_KERNEL_LOG_DIR` set, node N's kernel log is the file `$LLMFT_TEST_KERNEL_LOG_DIR/N` (none:
 an empty log) and nvidia-smi is not asked (tests/kill_hook writes an Xid there).
 """
@@ -498,7 +498,7 @@ def read_reports(directory: Path) -> list[NodeReport]:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m llmft.planning.failure_blame", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m llmft.launch.failure_blame", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     sub = parser.add_subparsers(dest="command", required=True)
     node = sub.add_parser(
@@ -508,48 +508,16 @@ def make_parser() -> argparse.ArgumentParser:
     node.add_argument("--rc", type=int, required=True, help="torchrun's exit status")
     node.add_argument("--stderr", type=Path, required=True, help="torchrun's stderr (the ranks' included)")
     node.add_argument("--since", type=float, required=True, help="when torchrun started (epoch seconds)")
-    decide_ = sub.add_parser("decide", help="on the batch host: the lines to say and the decision", allow_abbrev=False)
-    decide_.add_argument("--reports", type=Path, required=True, help="the directory of the nodes' reports")
-    decide_.add_argument("--job", required=True)
-    decide_.add_argument("--rc", type=int, required=True)
-    decide_.add_argument("--hosts", required=True, help="the job's nodes, separated by spaces")
-    decide_.add_argument("--restarts", type=int, required=True)
-    decide_.add_argument("--max_restarts", type=int, required=True)
-    decide_.add_argument("--start_step", type=int, required=True)
-    decide_.add_argument("--end_step", type=int, required=True)
-    decide_.add_argument("--excluded", default="", help="the job's exclude list now (a hostlist)")
-    decide_.add_argument("--trace_dir", default="CHECKPOINT_DIR/nccl_trace", help="where the flight recorder dumps")
-    decide_.add_argument("--sinfo", type=Path, help='`sinfo -h -N -o "%%N %%t" -p PARTITION` output (absent: unknown)')
-    decide_.add_argument("--reservation", type=Path, help="`scontrol show reservation NAME` output")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`node`: run on a node whose torchrun failed (by the job's per-node wrapper, inside the container when there is
+    one, where torchrun's stderr and the node's kernel log are): its report, as JSON on stdout."""
     args = make_parser().parse_args(argv)
-    if args.command == "node":
-        stderr = args.stderr.read_text(errors="replace") if args.stderr.exists() else ""
-        kernel_log, unread = read_kernel_log(args.node, args.since)
-        print(json.dumps(asdict(classify(args.node, args.rc, stderr, kernel_log, unread))))
-        return 0
-    sinfo = args.sinfo.read_text() if args.sinfo and args.sinfo.exists() else None
-    reservation = args.reservation.read_text() if args.reservation and args.reservation.exists() else ""
-    attempt = Attempt(
-        job=args.job,
-        rc=args.rc,
-        hosts=args.hosts.split(),
-        restarts=args.restarts,
-        max_restarts=args.max_restarts,
-        start_step=args.start_step,
-        end_step=args.end_step,
-        already_excluded=expand_hostlist(args.excluded) if args.excluded else [],
-        usable=usable_nodes(sinfo, reservation) if sinfo is not None else None,
-        trace_dir=args.trace_dir,
-    )
-    lines, requeue, exclude = decide(read_reports(args.reports), attempt)
-    for line in lines:
-        print(f"say: {line}")
-    print(f"exclude: {','.join(exclude)}")
-    print(f"requeue: {int(requeue)}")
+    stderr = args.stderr.read_text(errors="replace") if args.stderr.exists() else ""
+    kernel_log, unread = read_kernel_log(args.node, args.since)
+    print(json.dumps(asdict(classify(args.node, args.rc, stderr, kernel_log, unread))))
     return 0
 
 
