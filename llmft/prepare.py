@@ -23,9 +23,11 @@ import sys
 from dataclasses import dataclass, field
 
 from llmft.command import report_error
+from llmft.data import cache, pairs
 from llmft.data.cache import DataOptions, check_options, prepare
 from llmft.data.loading import DataError
 from llmft.errors import LlmftError
+from llmft.planning import methods
 from llmft.planning.model_shape import cap_max_length, model_positions
 from llmft.planning.world import log
 from llmft.training.arguments import LlmftArguments
@@ -40,6 +42,10 @@ class PrepareArguments:
     show: int = field(
         default=0,
         metadata={"help": "Print the first N prepared training records, each span that carries loss between « and »."},
+    )
+    method: str | None = field(
+        default=None,
+        metadata={"help": "The training method whose data to prepare: sft (default), dpo, kto or reward."},
     )
 
 
@@ -102,6 +108,9 @@ def main(script_args, training_args, model_args, llmft_args, prepare_args=None) 
         show = prepare_args.show if prepare_args is not None else 0
         if show < 0:
             raise DataError(f"--show {show}: give the number of prepared records to print (e.g. --show 3)")
+        entry = methods.method(getattr(llmft_args, "method", None) or getattr(prepare_args, "method", None))
+        if entry.prepared_by == "trl":
+            return show_preference(opts, entry, tokenizer, args, show)
         prepared = prepare(opts, tokenizer, args, log=log, timeout=llmft_args.prepare_timeout, positions=positions)
     except LlmftError as e:
         return report_error("prepare", e, all_ranks=True)
@@ -117,6 +126,34 @@ def main(script_args, training_args, model_args, llmft_args, prepare_args=None) 
             + f"; the loss is on the text between {LOSS_OPEN} and {LOSS_CLOSE}:"
         )
         for line in show_lines(prepared.train, tokenizer, show):
+            print(line, flush=True)
+    return 0
+
+
+def show_preference(opts, entry, tokenizer, args, show: int) -> int:
+    """A method whose TRL trainer tokenises its own data (DPO, KTO, reward models): the records shaped and checked,
+    each dropped one counted, tokenised as the trainer will and their fit said; with --show, the first records after
+    the chat template, each side's completion (what carries the loss) between « and »."""
+    cache.apply_tokenizer_options(tokenizer, args)
+    train, evaluation, shaped = pairs.load_method_records(opts, entry, log)
+    tokenised = {}
+    for split, ds, info in (("train", train, shaped[0]), ("eval", evaluation, shaped[-1])):
+        if ds is None:
+            continue
+        tokenised[split] = pairs.tokenise(ds, tokenizer, entry, num_proc=args.dataset_num_proc)
+        dropped = info.dropped if split == "train" or len(shaped) > 1 else None
+        log(pairs.pair_fit_line(split, pairs.pair_fit(tokenised[split], entry, args.max_length, dropped)))
+    log(
+        f"ready: {len(train)} training {entry.batch_unit} ({shaped[0].describe()})"
+        + (f", {len(evaluation)} for evaluation" if evaluation is not None else "")
+        + f"; {entry.trainer_class.split(':')[-1]} tokenises them as above when training starts"
+    )
+    if show:
+        log(
+            f"the first {min(show, len(train))} of {len(train)} training records after the chat template; "
+            f"the loss is on the text between {LOSS_OPEN} and {LOSS_CLOSE}:"
+        )
+        for line in pairs.show_lines(tokenised["train"], tokenizer, show):
             print(line, flush=True)
     return 0
 
