@@ -21,6 +21,7 @@ import string
 from dataclasses import dataclass, field
 
 from llmft.data.loading import DataError
+from llmft.planning.methods import method as method_entry
 
 FORMATS = ("text", "prompt_completion", "messages", "alpaca", "sharegpt")
 
@@ -759,8 +760,6 @@ def shape_for_method(
     - kto ("unpaired_preference"): {prompt, completion, label} with a boolean label.
 
     Drops (counted in `Shaped.dropped`, said by `Dropped.line`): DROP_REASONS. None left is one line."""
-    from llmft.planning.methods import method as method_entry
-
     entry = method if hasattr(method, "formats") else method_entry(method)
     fmt = None if dataset_format in (None, "", "auto") else dataset_format
     if fmt is not None and fmt not in ALL_FORMATS:
