@@ -197,6 +197,8 @@ def test_data_for_another_method_is_one_line_naming_the_method():
         shaped([{"prompt": "a", "completion": "b"}], "dpo")
     with pytest.raises(DataError, match=r"--method kto trains on .*; for pairs use --method dpo or --method reward"):
         shaped(DIRTY[:1], "kto")
+    with pytest.raises(DataError, match=r"--dataset_format unpaired_preference needs field\(s\) label, not in the"):
+        shaped([{"prompt": "a", "completion": "b"}], "kto", dataset_format="unpaired_preference")
     # a prompt/completion file with a label of its own (not booleans) is SFT data
     ds, _ = shaped([{"prompt": "a ", "completion": "b", "label": "math"}], "sft")
     assert ds.column_names == ["prompt", "completion"]
@@ -228,7 +230,7 @@ def test_prepare_show_marks_exactly_the_completions_for_dpo_kto_and_reward(tiny_
         assert main(prepare_argv(tiny_model, tmp_path, write(tmp_path, hh), "--method", name, "--show", "2")) == 0
         out = capsys.readouterr().out
         assert "1 of 2 pairs kept, 0 truncated, 1 dropped (1 with chosen equal to rejected)" in out
-        assert "--- record 1 of 1: prompt" in out and "--- record 2" not in out
+        assert "--- record 1 of 1: prompt 32 tokens, chosen 6, rejected 8 ---" in out and "--- record 2" not in out
         assert "prompt: <|user|>\nName a fruit.<|endoftext|>\n<|assistant|>\n\n" in out
         assert between(out) == ["An apple.<|endoftext|>\n", "A rock.<|endoftext|>\n"]
     kto = [{"prompt": "2+2=", "completion": " 4", "label": True}, {"prompt": "2+2=", "completion": " 5", "label": 0}]

@@ -776,6 +776,14 @@ def shape_for_method(
     found = fmt or detect_preference(ds.column_names)
     if found not in entry.formats:
         raise DataError(_wrong_data_line(entry, found, ds.column_names))
+    needed = ("completion", "label") if found == "unpaired_preference" else ("chosen", "rejected")
+    absent = [c for c in needed if c not in ds.column_names]
+    if absent:
+        raise DataError(
+            f"--dataset_format {found} needs field(s) {', '.join(absent)}, not in the records (columns: "
+            f"{', '.join(sorted(ds.column_names))})"
+            + ("; label says whether the completion is desirable: true or false" if "label" in absent else "")
+        )
     out, info = _shape_preference(ds, found)
     if shaped is not None:
         shaped.append(info)
