@@ -43,6 +43,12 @@ class PrepareArguments:
         default=0,
         metadata={"help": "Print the first N prepared training records, each span that carries loss between « and »."},
     )
+
+
+@dataclass
+class PrepareMethodArguments:
+    """--method for `llmft prepare` while `llmft train`'s flags (LlmftArguments) have none of their own."""
+
     method: str | None = field(
         default=None,
         metadata={"help": "The training method whose data to prepare: sft (default), dpo, kto or reward."},
@@ -77,6 +83,8 @@ def make_parser(subparsers=None):
     from trl import ModelConfig, ScriptArguments, SFTConfig
 
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments, PrepareArguments)
+    if "method" not in {f.name for f in dataclasses.fields(LlmftArguments)}:
+        dataclass_types += (PrepareMethodArguments,)
     description = "Tokenise (and pack) the data once into the shared cache; takes the flags of llmft train"
     if subparsers is not None:
         parser = subparsers.add_parser("prepare", help=description, dataclass_types=dataclass_types)
@@ -97,7 +105,7 @@ def load_tokenizer(model_args, training_args):
     return files.tokenizer, max_length, model_positions(files.config)
 
 
-def main(script_args, training_args, model_args, llmft_args, prepare_args=None) -> int:
+def main(script_args, training_args, model_args, llmft_args, prepare_args=None, method_args=None) -> int:
     try:
         if not model_args.model_name_or_path:
             raise DataError("--model_name_or_path is required (its tokenizer tokenises the data)")
@@ -108,7 +116,7 @@ def main(script_args, training_args, model_args, llmft_args, prepare_args=None) 
         show = prepare_args.show if prepare_args is not None else 0
         if show < 0:
             raise DataError(f"--show {show}: give the number of prepared records to print (e.g. --show 3)")
-        entry = methods.method(getattr(llmft_args, "method", None) or getattr(prepare_args, "method", None))
+        entry = methods.method(getattr(llmft_args, "method", None) or getattr(method_args, "method", None))
         if entry.prepared_by == "trl":
             return show_preference(opts, entry, tokenizer, args, show)
         prepared = prepare(opts, tokenizer, args, log=log, timeout=llmft_args.prepare_timeout, positions=positions)
@@ -132,19 +140,15 @@ def main(script_args, training_args, model_args, llmft_args, prepare_args=None) 
 
 def show_preference(opts, entry, tokenizer, args, show: int) -> int:
     """A method whose TRL trainer tokenises its own data (DPO, KTO, reward models): the records shaped and checked,
-    each dropped one counted, tokenised as the trainer will and their fit said; with --show, the first records after
-    the chat template, each side's completion (what carries the loss) between « and »."""
+    each dropped one counted, tokenised as the trainer will and their fit said (llmft.data.pairs); with --show, the
+    first records after the chat template, each side's completion (what carries the loss) between « and »."""
     cache.apply_tokenizer_options(tokenizer, args)
-    train, evaluation, shaped = pairs.load_method_records(opts, entry, log)
-    tokenised = {}
-    for split, ds, info in (("train", train, shaped[0]), ("eval", evaluation, shaped[-1])):
-        if ds is None:
-            continue
-        tokenised[split] = pairs.tokenise(ds, tokenizer, entry, num_proc=args.dataset_num_proc)
-        dropped = info.dropped if split == "train" or len(shaped) > 1 else None
-        log(pairs.pair_fit_line(split, pairs.pair_fit(tokenised[split], entry, args.max_length, dropped)))
+    prepared = pairs.prepare_method_data(
+        opts, entry, tokenizer, args.max_length, log=log, num_proc=args.dataset_num_proc
+    )
+    train, evaluation = prepared.train, prepared.eval
     log(
-        f"ready: {len(train)} training {entry.batch_unit} ({shaped[0].describe()})"
+        f"ready: {len(train)} training {entry.batch_unit} ({prepared.shaped[0].describe()})"
         + (f", {len(evaluation)} for evaluation" if evaluation is not None else "")
         + f"; {entry.trainer_class.split(':')[-1]} tokenises them as above when training starts"
     )
@@ -153,7 +157,7 @@ def show_preference(opts, entry, tokenizer, args, show: int) -> int:
             f"the first {min(show, len(train))} of {len(train)} training records after the chat template; "
             f"the loss is on the text between {LOSS_OPEN} and {LOSS_CLOSE}:"
         )
-        for line in pairs.show_lines(tokenised["train"], tokenizer, show):
+        for line in pairs.show_lines(prepared.tokenised["train"], tokenizer, show):
             print(line, flush=True)
     return 0
 

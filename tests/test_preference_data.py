@@ -307,3 +307,17 @@ def test_conversational_prompt_completion_is_masked_to_the_completion(tiny_model
     assert main(prepare_argv(tiny_model, tmp_path, write(tmp_path, CONVERSATIONAL[:2]), "--show", "1")) == 0
     out = capsys.readouterr().out
     assert "<|user|>\nWhat is 0 plus 0?<|endoftext|>\n<|assistant|>\n«0 plus 0 is 0.<|endoftext|>\n»" in out
+
+
+def test_pairs_the_trainer_would_filter_out_entirely_stop_with_one_line(tok, tmp_path):
+    from llmft.data.cache import DataOptions
+
+    opts = DataOptions(dataset_name=str(write(tmp_path, DIRTY)))
+    lines: list[str] = []
+    kept = pairs.prepare_method_data(opts, "dpo", tok, 64, log=lines.append)
+    assert len(kept.train) == 2 and kept.fit["train"]["kept"] == 2
+    assert any(x.startswith("warning: 5 of 7 train records dropped before training") for x in lines)
+    with pytest.raises(
+        DataError, match=r"^no train records left: every one is too long for max_length 2 .*--max_length"
+    ):
+        pairs.prepare_method_data(opts, "dpo", tok, 2, log=lines.append)

@@ -15,6 +15,7 @@ RewardTrainer) tokenises the shaped records itself. What llmft adds before it:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
@@ -181,6 +182,41 @@ def pair_fit_line(split: str, fit: dict) -> str:
         f"longest sequence p50 {fit['length_p50']}, p95 {fit['length_p95']}, max {fit['length_max']} vs max_length "
         f"{fit['max_length'] if fit['max_length'] else 'none'}"
     )
+
+
+@dataclass
+class PreparedPairs:
+    """What `prepare_method_data` gives the trainer and `llmft prepare`: the shaped records (TRL tokenises them),
+    the same tokenised without truncation (for --show), each split's fit, and what each dataset was."""
+
+    train: object
+    eval: object | None
+    tokenised: dict
+    fit: dict
+    shaped: list
+
+
+def prepare_method_data(opts: DataOptions, method, tokenizer, max_length: int | None, *, log=print, num_proc=None):
+    """The one call for a method whose TRL trainer tokenises its own data (`prepared_by == "trl"`): the records loaded
+    and shaped (`load_method_records`, drops logged), tokenised as the trainer will, and the fit line of each split
+    logged; where the trainer's filter would leave nothing, one line naming --max_length."""
+    entry = _entry(method)
+    train, evaluation, shaped = load_method_records(opts, entry, log)
+    tokenised, fit = {}, {}
+    for split, ds in (("train", train), ("eval", evaluation)):
+        if ds is None:
+            continue
+        dropped = shaped[0].dropped if split == "train" else (shaped[1].dropped if len(shaped) > 1 else None)
+        tokenised[split] = tokenise(ds, tokenizer, entry, num_proc=num_proc)
+        fit[split] = pair_fit(tokenised[split], entry, max_length, dropped)
+        log(pair_fit_line(split, fit[split]))
+        if fit[split]["kept"] == 0:
+            raise DataError(
+                f"no {split} records left: every one is too long for max_length {max_length} (the prompt fills it"
+                + (", or a side is longer" if TRL_PREPARATION[entry.trainer_class][2] == "longer" else "")
+                + "); raise --max_length or shorten the prompts"
+            )
+    return PreparedPairs(train, evaluation, tokenised, fit, shaped)
 
 
 def shape_and_count(ds, method, tokenizer, max_length: int | None, **flags) -> tuple:
