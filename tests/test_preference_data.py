@@ -321,3 +321,39 @@ def test_pairs_the_trainer_would_filter_out_entirely_stop_with_one_line(tok, tmp
         DataError, match=r"^no train records left: every one is too long for max_length 2 .*--max_length"
     ):
         pairs.prepare_method_data(opts, "dpo", tok, 2, log=lines.append)
+
+
+def test_the_shaped_records_train_under_trls_own_trainers(tiny_model, tmp_path, tok):
+    """What shape_for_method returns is what TRL 1.16's DPO, KTO and reward trainers take, untouched: two steps each
+    (the DPO loss starts at ln 2, the policy being its own reference)."""
+    import math
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
+
+    head = "\n\nHuman: Name a fruit."
+    hh = [{"chosen": f"{head}\n\nAssistant: An apple {i}.", "rejected": f"{head}\n\nAssistant: A rock {i}."} for i in range(4)]  # fmt: skip
+    common = dict(output_dir=str(tmp_path / "o"), report_to="none", use_cpu=True, max_steps=2, logging_steps=1,
+                  per_device_train_batch_size=2, bf16=False, max_length=64, disable_tqdm=True)  # fmt: skip
+    dpo = DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model),
+        args=DPOConfig(**common),
+        train_dataset=shaped(hh, "dpo")[0],
+        processing_class=tok,
+    )
+    dpo.train()
+    assert math.isclose(dpo.state.log_history[0]["loss"], math.log(2), abs_tol=1e-3)
+    kto_rows = [{"prompt": "2+2=", "completion": f" {k}", "label": k % 2 == 0} for k in range(4)]
+    kto = KTOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model),
+        args=KTOConfig(**common),
+        train_dataset=shaped(kto_rows, "kto")[0],
+        processing_class=tok,
+    )
+    assert kto.train().global_step == 2
+    scorer = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
+    scorer.config.pad_token_id = tok.pad_token_id
+    reward = RewardTrainer(
+        model=scorer, args=RewardConfig(**common), train_dataset=shaped(hh, "reward")[0], processing_class=tok
+    )
+    assert reward.train().global_step == 2
