@@ -254,6 +254,7 @@ def test_prepare_show_marks_exactly_the_completions_for_dpo_kto_and_reward(tiny_
         ([{"prompt": "a", "completion": "b", "label": "yes"}], ["--method", "kto"], "record 1: label 'yes' is not a boolean"),
         ([DIRTY[1], DIRTY[4]], ["--method", "dpo"], "none of the 2 records is left to train on"),
         (DIRTY[:1], ["--method", "ppo"], "--method 'ppo' is not a training method"),
+        (DIRTY[:1], ["--method", "dpo", "--prompt_template", "gsm8k"], "--prompt_template shape(s) SFT data; --method dpo"),
     ],
 )  # fmt: skip
 def test_llmft_prepare_refuses_in_one_line(tiny_model, tmp_path, capsys, monkeypatch, rows, extra, message):

@@ -45,12 +45,34 @@ def _entry(method):
     return method if hasattr(method, "trainer_class") else method_entry(method)
 
 
+def check_method_options(opts: DataOptions, entry) -> None:
+    """The data flags preference shaping has no use for, refused in one line rather than ignored."""
+    if opts.dataset_mixture:
+        raise DataError("--dataset_mixture mixes SFT datasets; for preference data give one file with --dataset_name")
+    unused = [
+        flag
+        for flag, given in (
+            ("--prompt_template", opts.prompt_template),
+            ("--messages_column", opts.messages_column),
+            ("--role_map", opts.role_map),
+            ("--assistant_only_loss", opts.assistant_only_loss is not None),
+            ("--drop_long_records", opts.drop_long_records),
+            ("--dataset_text_field", opts.text_field != "text"),
+        )
+        if given
+    ]
+    if unused:
+        raise DataError(
+            f"{', '.join(unused)} shape(s) SFT data; --method {entry.name} trains on its records' prompt and "
+            "completions as they are (the loss on the completions): drop the flag(s)"
+        )
+
+
 def load_method_records(opts: DataOptions, method, log: Callable[[str], None] = print) -> tuple:
     """(train, eval or None, [formats.Shaped]): --dataset_name's records in `method`'s TRL shape (a name or a
     llmft.planning.methods.Method; sft goes through llmft.data.cache as before), the evaluation split held out
     or loaded, --data_percentage taken. Each dataset's notes and its dropped-record line are logged."""
-    if opts.dataset_mixture:
-        raise DataError("--dataset_mixture mixes SFT datasets; for preference data give one file with --dataset_name")
+    check_method_options(opts, _entry(method))
     flags = dict(
         dataset_format=opts.dataset_format,
         prompt_column=opts.prompt_column,
