@@ -23,9 +23,11 @@ import sys
 from dataclasses import dataclass, field
 
 from llmft.command import report_error
+from llmft.data import cache, pairs
 from llmft.data.cache import DataOptions, check_options, prepare
 from llmft.data.loading import DataError
 from llmft.errors import LlmftError
+from llmft.planning import methods
 from llmft.planning.model_shape import cap_max_length, model_positions
 from llmft.planning.world import log
 from llmft.training.arguments import LlmftArguments
@@ -40,6 +42,16 @@ class PrepareArguments:
     show: int = field(
         default=0,
         metadata={"help": "Print the first N prepared training records, each span that carries loss between « and »."},
+    )
+
+
+@dataclass
+class PrepareMethodArguments:
+    """--method for `llmft prepare` while `llmft train`'s flags (LlmftArguments) have none of their own."""
+
+    method: str | None = field(
+        default=None,
+        metadata={"help": "The training method whose data to prepare: sft (default), dpo, kto or reward."},
     )
 
 
@@ -71,6 +83,8 @@ def make_parser(subparsers=None):
     from trl import ModelConfig, ScriptArguments, SFTConfig
 
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments, PrepareArguments)
+    if "method" not in {f.name for f in dataclasses.fields(LlmftArguments)}:
+        dataclass_types += (PrepareMethodArguments,)
     description = "Tokenise (and pack) the data once into the shared cache; takes the flags of llmft train"
     if subparsers is not None:
         parser = subparsers.add_parser("prepare", help=description, dataclass_types=dataclass_types)
@@ -91,7 +105,7 @@ def load_tokenizer(model_args, training_args):
     return files.tokenizer, max_length, model_positions(files.config)
 
 
-def main(script_args, training_args, model_args, llmft_args, prepare_args=None) -> int:
+def main(script_args, training_args, model_args, llmft_args, prepare_args=None, method_args=None) -> int:
     try:
         if not model_args.model_name_or_path:
             raise DataError("--model_name_or_path is required (its tokenizer tokenises the data)")
@@ -102,6 +116,9 @@ def main(script_args, training_args, model_args, llmft_args, prepare_args=None) 
         show = prepare_args.show if prepare_args is not None else 0
         if show < 0:
             raise DataError(f"--show {show}: give the number of prepared records to print (e.g. --show 3)")
+        entry = methods.method(getattr(llmft_args, "method", None) or getattr(method_args, "method", None))
+        if entry.prepared_by == "trl":
+            return show_preference(opts, entry, tokenizer, args, show)
         prepared = prepare(opts, tokenizer, args, log=log, timeout=llmft_args.prepare_timeout, positions=positions)
     except LlmftError as e:
         return report_error("prepare", e, all_ranks=True)
@@ -117,6 +134,30 @@ def main(script_args, training_args, model_args, llmft_args, prepare_args=None) 
             + f"; the loss is on the text between {LOSS_OPEN} and {LOSS_CLOSE}:"
         )
         for line in show_lines(prepared.train, tokenizer, show):
+            print(line, flush=True)
+    return 0
+
+
+def show_preference(opts, entry, tokenizer, args, show: int) -> int:
+    """A method whose TRL trainer tokenises its own data (DPO, KTO, reward models): the records shaped and checked,
+    each dropped one counted, tokenised as the trainer will and their fit said (llmft.data.pairs); with --show, the
+    first records after the chat template, each side's completion (what carries the loss) between « and »."""
+    cache.apply_tokenizer_options(tokenizer, args)
+    prepared = pairs.prepare_method_data(
+        opts, entry, tokenizer, args.max_length, log=log, num_proc=args.dataset_num_proc
+    )
+    train, evaluation = prepared.train, prepared.eval
+    log(
+        f"ready: {len(train)} training {entry.batch_unit} ({prepared.shaped[0].describe()})"
+        + (f", {len(evaluation)} for evaluation" if evaluation is not None else "")
+        + f"; {entry.trainer_class.split(':')[-1]} tokenises them as above when training starts"
+    )
+    if show:
+        log(
+            f"the first {min(show, len(train))} of {len(train)} training records after the chat template; "
+            f"the loss is on the text between {LOSS_OPEN} and {LOSS_CLOSE}:"
+        )
+        for line in pairs.show_lines(prepared.tokenised["train"], tokenizer, show):
             print(line, flush=True)
     return 0
 

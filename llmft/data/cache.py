@@ -136,8 +136,10 @@ def check_options(opts: DataOptions, eval_strategy: str = "no", dataset_kwargs: 
 
 def check_format_options(opts: DataOptions) -> None:
     """--dataset_format, --prompt_template and --role_map checked before anything loads."""
-    if opts.dataset_format not in (None, "", "auto", *formats.FORMATS):
-        raise DataError(f"--dataset_format {opts.dataset_format!r}: use auto or one of {', '.join(formats.FORMATS)}")
+    if opts.dataset_format not in (None, "", "auto", *formats.ALL_FORMATS):
+        raise DataError(
+            f"--dataset_format {opts.dataset_format!r}: use auto or one of {', '.join(formats.ALL_FORMATS)}"
+        )
     if opts.prompt_template and opts.prompt_template not in formats.PRESETS:
         if not formats.template_fields(opts.prompt_template):
             raise DataError(
@@ -458,7 +460,8 @@ def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], No
         for note in info.notes:
             log(note)
     assistant_only_loss = assistant_only(opts, shape)
-    if shape == "messages" and data.ensure_chat_template(tokenizer):
+    conversational = shape == "prompt_completion" and formats.conversational(train)
+    if (shape == "messages" or conversational) and data.ensure_chat_template(tokenizer):
         log("the tokenizer has no chat template; using llmft's default")
     no_assistant = {}
     if assistant_only_loss:
@@ -527,6 +530,7 @@ def build(opts: DataOptions, tokenizer, args, out: Path, log: Callable[[str], No
         "loss_on": loss_on,
         "records": records,
         "no_assistant_dropped": no_assistant or None,
+        "conversational": conversational or None,
         "sequences": {k: len(v) for k, v in prepared.items()},
         "tokens": {k: _token_count(v) for k, v in prepared.items()},
         "fit": fit,
@@ -688,6 +692,8 @@ def prepare(
     rank 0 while the other ranks wait for its marker (or its error note, or the timeout). The data fit of each split
     (llmft.data.fit) is logged, with a warning naming the fix where much is cut (positions: the model's)."""
     prepared = _prepare(opts, tokenizer, args, log=log, timeout=timeout, env=env, root=root)
+    if prepared.info.get("conversational"):  # conversational prompt/completion: the trainer renders its template too
+        data.ensure_chat_template(tokenizer)
     for line in fit_lines(prepared.info, positions):
         log(line)
     return prepared

@@ -21,6 +21,7 @@ import string
 from dataclasses import dataclass, field
 
 from llmft.data.loading import DataError
+from llmft.planning.methods import method as method_entry
 
 FORMATS = ("text", "prompt_completion", "messages", "alpaca", "sharegpt")
 
@@ -98,6 +99,7 @@ class Shaped:
     shape: str
     template: str | None = None
     notes: list[str] = field(default_factory=list)
+    dropped: "Dropped | None" = None  # records dropped while shaping, by reason (preference data)
 
     def describe(self) -> str:
         out = self.format if self.format == self.shape else f"{self.format} -> {self.shape}"
@@ -171,6 +173,7 @@ def to_sft(
     """(records in TRL's columns, what they were): the format detected from the fields (or --dataset_format), mapped
     with the column flags, converted, and checked; bad records fail here in one line naming the record and the fix."""
     fmt = None if dataset_format in (None, "", "auto") else dataset_format
+    refuse_preference_for_sft(ds, fmt)
     if fmt is not None and fmt not in FORMATS:
         raise DataError(f"--dataset_format {dataset_format!r}: use auto or one of {', '.join(FORMATS)}")
     renames = {
@@ -215,6 +218,10 @@ def to_sft(
     elif found == "alpaca" or prompt_template:
         ds, used, template = _templated(ds, found, prompt_template)
         shaped = Shaped(found, "prompt_completion", template)
+    elif found == "prompt_completion" and conversational(ds):
+        ds = _chat_prompt_completion(ds)
+        used = ["prompt", "completion"]
+        shaped = Shaped("conversational prompt_completion", "prompt_completion")
     elif found == "prompt_completion":
         _strings(ds, ["prompt", "completion"])
         used = ["prompt", "completion"]
@@ -232,7 +239,7 @@ def to_sft(
     unused = unused_fields_line(ds, used, shaped.format)
     if unused:
         shaped.notes.append(unused)
-    if shaped.shape == "prompt_completion":
+    if shaped.shape == "prompt_completion" and not conversational(ds):
         glued = glued_line(ds)
         if glued:
             shaped.notes.append(glued)
@@ -252,6 +259,51 @@ def _strings(ds, columns: list[str]) -> None:
         nulls = sum(1 for v in ds[col] if v is None)
         if nulls:
             raise DataError(f"column {col!r} is empty in {nulls} record(s); remove them or fill the field")
+
+
+def conversational(ds) -> bool:
+    """Whether prompt/completion records hold conversations (lists of role/content messages, TRL's conversational
+    prompt-completion shape) rather than text: the prompt column's Arrow type is a list."""
+    feature = ds.features.get("prompt") if "prompt" in ds.column_names else None
+    return feature is not None and (isinstance(feature, list) or hasattr(feature, "feature"))
+
+
+def conversational_records(ds) -> bool:
+    """Whether any of TRL's columns (prompt, chosen, rejected, completion, messages) holds lists of messages."""
+    return any(
+        isinstance(ds.features[c], list) or hasattr(ds.features[c], "feature")
+        for c in ("prompt", "chosen", "rejected", "completion", "messages")
+        if c in ds.column_names
+    )
+
+
+def _chat_prompt_completion(ds):
+    """Conversational prompt/completion records checked turn by turn (TRL applies the chat template to the prompt and
+    to prompt+completion, and the loss is on the completion's turns), kept as role/content messages only."""
+    for col in ("prompt", "completion"):
+        if col not in ds.column_names:
+            raise DataError(f"column {col!r} not in the dataset; its columns are {', '.join(ds.column_names)}")
+    empty = 0
+    for i, record in enumerate(ds.select_columns(["prompt", "completion"]), 1):
+        for col in ("prompt", "completion"):
+            value = record[col]
+            if value is None or value == []:
+                empty += 1
+                break
+            if not isinstance(value, list):
+                raise DataError(
+                    f"record {i}: {col!r} is a {type(value).__name__} while other records hold conversations; "
+                    "give every record's prompt and completion as lists of messages (or every one as text)"
+                )
+            _turns(i, col, value)
+    if empty:
+        raise DataError(f"{empty} record(s) have an empty prompt or completion conversation; remove them")
+
+    def keep(record):
+        return {c: [{"role": t["role"], "content": t["content"]} for t in record[c]] for c in ("prompt", "completion")}
+
+    others = [c for c in ds.column_names if c not in ("prompt", "completion")]
+    return ds.map(keep, remove_columns=["prompt", "completion"]).select_columns([*others, "prompt", "completion"])
 
 
 def unused_fields_line(ds, used: list[str], fmt: str) -> str | None:
@@ -417,3 +469,389 @@ def drop_without_assistant(ds) -> tuple[object, int]:
     keep = [i for i, m in enumerate(ds["messages"]) if has_assistant(m)]
     dropped = len(ds) - len(keep)
     return (ds.select(keep) if dropped else ds), dropped
+
+
+# --------------------------------------------------------------------------------------------------
+# Preference data (--method dpo, reward: pairs; kto: unpaired completions with a label)
+
+PREFERENCE_FORMATS = ("preference", "unpaired_preference")
+ALL_FORMATS = FORMATS + PREFERENCE_FORMATS
+
+# Why a record is dropped, in the order the checks run; each is counted and named in the data-fit line.
+DROP_REASONS = {
+    "no_chosen": "no chosen side",
+    "no_rejected": "no rejected side",
+    "empty_side": "an empty side",
+    "identical": "chosen equal to rejected",
+    "no_shared_prefix": "no shared prefix",
+    "not_turns": "text not in Human:/Assistant: turns",
+    "empty_prompt": "an empty prompt conversation",
+}
+
+# Anthropic HH-RLHF's turns: "\n\nHuman: ...\n\nAssistant: ..."
+HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+_HH_MARKER = None  # compiled on first use
+
+
+@dataclass
+class Dropped:
+    """Records dropped while shaping, by reason (DROP_REASONS), out of `records` read."""
+
+    records: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def line(self, split: str = "train") -> str | None:
+        """One line naming each count, or None when nothing was dropped."""
+        if not self.total:
+            return None
+        reasons = ", ".join(f"{k} with {DROP_REASONS[r]}" for r, k in self.counts.items() if k)
+        return (
+            f"warning: {self.total} of {self.records} {split} records dropped before training ({reasons}); "
+            "fix or remove them to train on them"
+        )
+
+
+def detect_preference(columns: list[str]) -> str | None:
+    """'preference' for chosen/rejected records, 'unpaired_preference' for KTO's prompt/completion/label, else None."""
+    cols = set(columns)
+    if "chosen" in cols or "rejected" in cols:
+        return "preference"
+    if {"prompt", "completion", "label"} <= cols:
+        return "unpaired_preference"
+    return None
+
+
+def refuse_preference_for_sft(ds, dataset_format: str | None) -> None:
+    """A preference file given to SFT stops in one line naming the method that trains it: SFT on pairs would train on
+    the rejected answers too, and on unpaired data on the undesirable completions (a `label` column counts as KTO's
+    only when it holds booleans: a prompt/completion file may carry a label of its own)."""
+    found = dataset_format if dataset_format in PREFERENCE_FORMATS else None
+    if found is None and dataset_format in (None, "", "auto"):
+        found = detect_preference(ds.column_names)
+        if found == "unpaired_preference" and getattr(ds.features["label"], "dtype", None) != "bool":
+            found = None
+    if found == "preference":
+        raise DataError(
+            "this dataset holds preference pairs (chosen/rejected), which --method sft does not train on: "
+            "use --method dpo (or --method reward for a reward model), or --method kto"
+        )
+    if found == "unpaired_preference":
+        raise DataError(
+            "this dataset holds unpaired preference records (prompt/completion/label), which --method sft does not "
+            "train on: use --method kto (or drop the label column to fine-tune on every completion)"
+        )
+
+
+def _messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
+def _blank(value) -> bool:
+    """An empty side: None, "", whitespace, [] or turns whose contents are all blank."""
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, list):
+        return all(not str(t.get("content") or "").strip() for t in value) if value else True
+    return False
+
+
+def _turns(i: int, name: str, value) -> list[dict] | str:
+    """A side as text or as role/content turns (only those two keys kept), every turn checked: one line otherwise."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise DataError(
+            f"record {i}: {name!r} is a {type(value).__name__}; give text or a list of "
+            '{"role": ..., "content": ...} messages'
+        )
+    out = []
+    for j, turn in enumerate(value, 1):
+        if (
+            not isinstance(turn, dict)
+            or turn.get("role") not in CHAT_ROLES
+            or not isinstance(turn.get("content"), str)
+        ):
+            raise DataError(
+                f"record {i}, turn {j} of {name!r} is not a message with a role ({', '.join(CHAT_ROLES)}) and text "
+                'content; write it as {"role": "user", "content": "..."}'
+            )
+        out.append({"role": turn["role"], "content": turn["content"]})
+    return out
+
+
+def hh_turns(text: str) -> list[dict] | None:
+    """Anthropic HH-RLHF text ("\\n\\nHuman: ...\\n\\nAssistant: ...") as user/assistant messages, each content stripped;
+    None when the text does not start with a Human: or Assistant: turn."""
+    import re
+
+    global _HH_MARKER
+    if _HH_MARKER is None:
+        _HH_MARKER = re.compile(r"(?:^|\n\n)(Human|Assistant):[ \t]?")
+    body = text.lstrip("\n")
+    if not body.startswith(("Human:", "Assistant:")):
+        return None
+    parts = _HH_MARKER.split(body)  # ["", "Human", content, "Assistant", content, ...]
+    if parts[0].strip():
+        return None
+    return [{"role": HH_ROLES[parts[k]], "content": parts[k + 1].strip()} for k in range(1, len(parts) - 1, 2)]
+
+
+def shared_turns(chosen: list[dict], rejected: list[dict]) -> int:
+    """How many leading messages the two conversations share (TRL's extract_prompt does this per message, but with
+    a shorter side equal to the other's start it stops one message early)."""
+    n = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def shared_text(chosen: str, rejected: str) -> int:
+    """Where the prompt of two texts ends: their longest common prefix, cut back to the start of the word it ends
+    in, and the space before that word left to the completions (as TRL's extract_prompt leaves it). TRL's cut only
+    handles a prefix that ends right after a space: "Answer: blue" / "Answer: black" would give the prompt
+    "Answer: bl"; here it is "Answer:" and the completions " blue" / " black"."""
+    n = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        n += 1
+    if n == min(len(chosen), len(rejected)) and n < max(len(chosen), len(rejected)):
+        longer = chosen if len(chosen) > len(rejected) else rejected
+        if longer[n].isspace():  # the shorter ends on a word boundary
+            return n - 1 if n and chosen[n - 1] == " " else n
+    while n and not chosen[n - 1].isspace():
+        n -= 1
+    if n and chosen[n - 1] == " ":
+        n -= 1
+    return n
+
+
+def _implicit(chosen, rejected, hh: bool) -> tuple[object, object, object, str | None]:
+    """(prompt, chosen, rejected, drop reason or None) of a pair whose prompt is the start both sides share."""
+    if hh:
+        chosen, rejected = hh_turns(chosen), hh_turns(rejected)
+        if chosen is None or rejected is None:
+            return None, None, None, "not_turns"
+    if isinstance(chosen, list) != isinstance(rejected, list):
+        return None, None, None, "no_shared_prefix"
+    n = shared_turns(chosen, rejected) if isinstance(chosen, list) else shared_text(chosen, rejected)
+    if n == 0:
+        return None, None, None, "no_shared_prefix"
+    return chosen[:n], chosen[n:], rejected[n:], None
+
+
+def _explicit(prompt, chosen, rejected) -> tuple[object, object, object, str | None]:
+    """(prompt, chosen, rejected, drop reason or None) with text and conversation sides made one kind: a text side
+    beside conversations is an assistant message, a text prompt beside conversations that start with the user's
+    turn is the implicit prompt's copy (TRL's maybe_extract_prompt) and the conversations' shared start is used."""
+    conversational = any(isinstance(v, list) for v in (prompt, chosen, rejected))
+    if not conversational:
+        return prompt, chosen, rejected, None
+    if not isinstance(prompt, list) and _messages(chosen) and chosen[0]["role"] != "assistant":
+        return _implicit(chosen, rejected if isinstance(rejected, list) else [], False)
+    if not isinstance(prompt, list):
+        prompt = [{"role": "user", "content": prompt}]
+    if not prompt:
+        return None, None, None, "empty_prompt"
+    chosen, rejected = (
+        side if isinstance(side, list) else [{"role": "assistant", "content": side}] for side in (chosen, rejected)
+    )
+    return prompt, chosen, rejected, None
+
+
+def pair_of(i: int, record: dict, hh: bool) -> tuple[dict | None, str | None]:
+    """(the record in TRL's explicit-prompt shape {prompt, chosen, rejected}, None) or (None, why it is dropped)."""
+    chosen, rejected = record.get("chosen"), record.get("rejected")
+    if chosen is None:
+        return None, "no_chosen"
+    if rejected is None:
+        return None, "no_rejected"
+    chosen, rejected = _turns(i, "chosen", chosen), _turns(i, "rejected", rejected)
+    if _blank(chosen) or _blank(rejected):
+        return None, "empty_side"
+    if chosen == rejected:
+        return None, "identical"
+    prompt = record.get("prompt")
+    if prompt is None:
+        prompt, chosen, rejected, why = _implicit(chosen, rejected, hh)
+    else:
+        prompt, chosen, rejected, why = _explicit(_turns(i, "prompt", prompt), chosen, rejected)
+    if why:
+        return None, why
+    if _blank(chosen) or _blank(rejected):
+        return None, "empty_side"
+    if chosen == rejected:
+        return None, "identical"
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}, None
+
+
+def label_of(i: int, value) -> bool:
+    """KTO's label: true (desirable) or false. JSON booleans, and 0/1 (as CSV and pandas write booleans); anything
+    else (a string, 2, None) is one line: guessing which way "yes" or 0.5 points would train the wrong way."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise DataError(
+        f"record {i}: label {value!r} is not a boolean; KTO's label says whether the completion is desirable: "
+        "write true or false (or 1/0)"
+    )
+
+
+def unpaired_of(i: int, record: dict) -> tuple[dict | None, str | None]:
+    """(the record in TRL's unpaired shape {prompt, completion, label}, None) or (None, why it is dropped). Beside a
+    conversation, a text prompt is the user's message and a text completion the assistant's."""
+    label = label_of(i, record.get("label"))
+    completion = record.get("completion")
+    if completion is None:
+        return None, "no_chosen"
+    prompt, completion = _turns(i, "prompt", record.get("prompt") or ""), _turns(i, "completion", completion)
+    if _blank(completion):
+        return None, "empty_side"
+    if isinstance(completion, list) or isinstance(prompt, list):
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}] if prompt else []
+        if not prompt:
+            return None, "empty_prompt"
+        if isinstance(completion, str):
+            completion = [{"role": "assistant", "content": completion}]
+    return {"prompt": prompt, "completion": completion, "label": label}, None
+
+
+def _renames(ds, flags: dict[str, str | None]):
+    """The column flags (--prompt_column, --chosen_column, ...) applied: FIELD -> its TRL name."""
+    renames = {src: dst for dst, src in flags.items() if src and src != dst}
+    missing = [src for src in renames if src not in ds.column_names]
+    if missing:
+        raise DataError(
+            f"column(s) {', '.join(missing)} not in the dataset; its columns are {', '.join(ds.column_names)}"
+        )
+    clash = [dst for dst in renames.values() if dst in ds.column_names]
+    if clash:
+        ds = ds.remove_columns(clash)
+    return ds.rename_columns(renames) if renames else ds
+
+
+def shape_for_method(
+    ds,
+    method,
+    *,
+    dataset_format: str | None = None,
+    prompt_column: str | None = None,
+    completion_column: str | None = None,
+    shaped: list | None = None,
+    **sft_flags,
+):
+    """(records in TRL 1.16's columns for `method`, what they were: a `Shaped` whose `dropped` counts each record
+    dropped by reason). `method` is a name or a llmft.planning.methods.Method; its `formats` say what it trains on.
+
+    - sft: `to_sft` (text, prompt/completion, messages, Alpaca, ShareGPT); a preference file is one line naming
+      --method dpo/reward/kto.
+    - dpo, reward ("preference"): {prompt, chosen, rejected}, strings or message lists, always with an explicit prompt
+      (an implicit one is extracted here, so TRL's extraction never runs); HH-RLHF text becomes user/assistant turns.
+    - kto ("unpaired_preference"): {prompt, completion, label} with a boolean label.
+
+    Drops (counted in `Shaped.dropped`, said by `Dropped.line`): DROP_REASONS. None left is one line."""
+    entry = method if hasattr(method, "formats") else method_entry(method)
+    fmt = None if dataset_format in (None, "", "auto") else dataset_format
+    if fmt is not None and fmt not in ALL_FORMATS:
+        raise DataError(f"--dataset_format {dataset_format!r}: use auto or one of {', '.join(ALL_FORMATS)}")
+    if not set(entry.formats) & set(PREFERENCE_FORMATS):
+        out, info = to_sft(
+            ds, dataset_format=fmt, prompt_column=prompt_column, completion_column=completion_column, **sft_flags
+        )
+        info.dropped = Dropped(records=len(out))
+        if shaped is not None:
+            shaped.append(info)
+        return out, info
+    ds = _renames(ds, {"prompt": prompt_column, "completion": completion_column})
+    found = fmt or detect_preference(ds.column_names)
+    if found not in entry.formats:
+        raise DataError(_wrong_data_line(entry, found, ds.column_names))
+    needed = ("completion", "label") if found == "unpaired_preference" else ("chosen", "rejected")
+    absent = [c for c in needed if c not in ds.column_names]
+    if absent:
+        raise DataError(
+            f"--dataset_format {found} needs field(s) {', '.join(absent)}, not in the records (columns: "
+            f"{', '.join(sorted(ds.column_names))})"
+            + ("; label says whether the completion is desirable: true or false" if "label" in absent else "")
+        )
+    out, info = _shape_preference(ds, found)
+    if shaped is not None:
+        shaped.append(info)
+    return out, info
+
+
+def _wrong_data_line(entry, found: str | None, columns: list[str]) -> str:
+    want = {
+        "preference": '{"prompt", "chosen", "rejected"} or {"chosen", "rejected"} pairs',
+        "unpaired_preference": '{"prompt", "completion", "label"} records (label true or false)',
+    }[entry.formats[0]]
+    if found is None:
+        try:
+            found = detect(columns, {}, text_field="text", prompt_template=None)
+        except DataError:
+            found = None
+    what = f"{found} data" if found else f"columns {', '.join(sorted(columns))}"
+    hint = (
+        "; for SFT data use --method sft"
+        if found in FORMATS
+        else "; for pairs use --method dpo or --method reward"
+        if found == "preference"
+        else "; for prompt/completion/label records use --method kto"
+        if found == "unpaired_preference"
+        else ""
+    )
+    return f"--method {entry.name} trains on {want}; this dataset has {what}{hint}"
+
+
+def _shape_preference(ds, found: str):
+    """Each record shaped or dropped (counted by reason); one line when nothing is left."""
+    n = len(ds)
+    first_chosen = ds[0].get("chosen") if "chosen" in ds.column_names else None
+    hh = found == "preference" and "prompt" not in ds.column_names and isinstance(first_chosen, str)
+    hh = hh and hh_turns(first_chosen) is not None
+    rows, counts = [], {}
+    for i, record in enumerate(ds, 1):
+        row, why = unpaired_of(i, record) if found == "unpaired_preference" else pair_of(i, record, hh)
+        if why:
+            counts[why] = counts.get(why, 0) + 1
+        else:
+            rows.append(row)
+    dropped = Dropped(records=n, counts={r: counts[r] for r in DROP_REASONS if r in counts})
+    if not rows:
+        reasons = ", ".join(f"{k} with {DROP_REASONS[r]}" for r, k in dropped.counts.items())
+        raise DataError(f"none of the {n} records is left to train on ({reasons}); fix the data")
+    out = _dataset_of(rows)
+    shape = "preference" if found == "preference" else "unpaired_preference"
+    kind = "conversations" if any(isinstance(v, list) for v in rows[0].values()) else "text"
+    info = Shaped(("hh-rlhf text" if hh else found), shape)
+    info.notes.append(f"{found} records as {kind}" + (", Human:/Assistant: turns as chat messages" if hh else ""))
+    info.dropped = dropped
+    extra = [c for c in ds.column_names if c not in ("prompt", "chosen", "rejected", "completion", "label")]
+    counted = [(c, _count_nonempty(ds, c)) for c in extra]
+    counted = [(c, k) for c, k in counted if k]
+    if counted:
+        listing = ", ".join(f"{c} (non-empty in {k} of {n} records)" for c, k in counted)
+        info.notes.append(f"warning: field(s) the {found} format does not train on: {listing}; they are left out")
+    return out, info
+
+
+def _dataset_of(rows: list[dict]):
+    """A Dataset of the shaped rows (text or message lists, the same kind in every row, as Arrow needs)."""
+    from datasets import Dataset
+
+    kinds = {tuple(isinstance(v, list) for k, v in r.items() if k != "label") for r in rows}
+    if len(kinds) > 1:
+        raise DataError(
+            "the records mix text and conversations (lists of messages); give every record's sides the same kind"
+        )
+    return Dataset.from_list(rows)
