@@ -132,9 +132,12 @@ def test_llmft_stop_continue_stops_a_pbs_job_and_its_continuation_finishes_the_r
     first, _, _ = finished_in_a_continuation(
         pbs_cluster, job, d, rf"llmft stopped by llmft stop \(exit 0\) after a complete checkpoint at step {HELD};"
     )
-    m = re.search(r"run_llm.pbs: walltime: ends at (\d+) \(started (\d+), walltime 0:30:00\)", first)
+    m = re.search(r"run_llm.pbs: walltime: \S+ left \(ends (\S+): started (\S+) \+ walltime 0:30:00\)", first)
     assert m, first
     stime = pbs_cluster.job(job)["stime"]
     started = time.mktime(time.strptime(stime, "%a %b %d %H:%M:%S %Y"))
-    assert int(m.group(2)) == int(started) and int(m.group(1)) == int(started) + 1800, (stime, first)
+    iso = lambda t: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))  # noqa: E731
+    assert (m.group(2), m.group(1)) == (iso(started), iso(started + 1800)), (stime, first)
+    [end_file] = (d / "ckpt").glob(".llmft-job-end-*")
+    assert end_file.read_text() == f"{started:.0f} 0:30:00\n"  # what rank 0 reads: the start and the whole walltime
     assert f"LLMFT_TEST_SETUP_DELAY_S: waiting {SETUP_DELAY_S} s" in first, first
