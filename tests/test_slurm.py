@@ -143,17 +143,6 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
     )
     submitted["time_limit"] = (job, cwd, None)
 
-    # `llmft stop CKPT --continue` from the submit host, once step 1 is logged; the ranks hold at step 2 until it comes.
-    cwd = tmp_path_factory.mktemp("llmft_stop")
-    knobs = (
-        f"--export=ALL,MAX_STEPS={STOP_TOTAL},GLOBAL_BATCH=16,MICRO_BATCH=2,SAVE_STEPS=1000,DATA_PERCENTAGE=100,"
-        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},"
-        "EXTRA_ARGS=--logging_steps 1"
-    )
-    job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, LLMFT_TEST_HOLD_AT_STEP="2")
-    stop = [sys.executable, "-m", "llmft.cli", "stop", str(cwd / "ckpt"), "--continue"]
-    submitted["llmft_stop"] = (job, cwd, signal_when_training(cluster, job, cwd / f"llmft-{job}.out", 1, stop))
-
     # A user's plain `scancel`: the job must end, not requeue itself.
     cwd = tmp_path_factory.mktemp("cancel")
     knobs = f"--export=ALL,MAX_STEPS=200,MODEL={tiny_model},DATASET={tiny_data},GLOBAL_BATCH=4,MICRO_BATCH=2,EXTRA_ARGS=--logging_steps 1"
@@ -223,10 +212,21 @@ def test_time_limit_signal_checkpoints_every_rank_requeues_and_resumes(cluster, 
     assert step_lines(text[: text.index("restart 1,")]) == list(range(1, stop + 1))
 
 
-def test_llmft_stop_continue_checkpoints_every_rank_and_the_job_requeues_and_resumes(cluster, jobs):
+def test_llmft_stop_continue_checkpoints_every_rank_and_the_job_requeues_and_resumes(
+    cluster, tiny_model, tiny_data, tmp_path
+):
     """`llmft stop CKPT --continue` on the submit host while the job trains: every rank stops at step 2 (held there
-    until the request) with a complete checkpoint, the job requeues itself, and the requeued job trains 3..6."""
-    job, cwd, signal = jobs["llmft_stop"]
+    until the request, which is sent once step 1 is logged) with a complete checkpoint, the job requeues itself, and
+    the requeued job trains 3..6."""
+    cwd = tmp_path
+    knobs = (
+        f"--export=ALL,MAX_STEPS={STOP_TOTAL},GLOBAL_BATCH=16,MICRO_BATCH=2,SAVE_STEPS=1000,DATA_PERCENTAGE=100,"
+        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},"
+        "EXTRA_ARGS=--logging_steps 1"
+    )
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, LLMFT_TEST_HOLD_AT_STEP="2")
+    stop = [sys.executable, "-m", "llmft.cli", "stop", str(cwd / "ckpt"), "--continue"]
+    signal = signal_when_training(cluster, job, cwd / f"llmft-{job}.out", 1, stop)
     text, ckpt = finished_preempted_job(cluster, job, cwd, signal)
     assert signal["proc"].stdout.startswith(f"llmft stop: asked Slurm job {job} to stop"), signal["proc"].stdout
     assert "then the job requeues itself" in signal["proc"].stdout
