@@ -176,3 +176,31 @@ def test_llmft_stop_stops_a_login_shell_run_at_its_next_step_with_a_complete_che
     assert not (out / "checkpoint-3").exists() and not (out / stop_request.TRAINING_RECORD).exists()
     again = llmft_stop(str(out))
     assert again.returncode == 2 and "no llmft train is training in" in again.stderr, again
+
+
+def test_the_pbs_launcher_takes_usr1_and_its_children_do_not_die_of_it(tmp_path):
+    """qsig sends USR1 to every process of the job's session: the launcher asks for the stop (its stop file, and the
+    signal kept for what follows), and a child it started (pbsdsh, llmft plan, ...) lives on. Run in a process of
+    its own: the launcher blocks USR1 for the process."""
+    code = f"""
+import os, signal, subprocess, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+from llmft.launch import job, pbs
+stop = job.Stop(Path({str(tmp_path)!r}) / "stop", "run_llm.pbs")
+pbs.stop_on_usr1(stop)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+time.sleep(1)
+os.kill(child.pid, signal.SIGUSR1)
+os.kill(os.getpid(), signal.SIGUSR1)
+for _ in range(50):
+    if stop.signal:
+        break
+    time.sleep(0.1)
+time.sleep(0.5)
+print(stop.signal, stop.stop_file.exists(), child.poll())
+child.kill()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[-1] == "USR1 True None", proc.stdout + proc.stderr
+    assert "run_llm.pbs: got SIGUSR1 at " in proc.stdout

@@ -349,7 +349,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         f.unlink(missing_ok=True)
     stop = Stop(files["stop"], ME)
     signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGUSR1, stop)
+    stop_on_usr1(stop)
     python = choose_python(k, env)
     run_count = int(job.get("run_count", 1) or 1)
     say_start(k, env, job_id, run_count, submit_dir, run_dir, python)
@@ -442,6 +442,22 @@ def write_job_end(path: Path, job: Mapping) -> None:
         f"walltime: {hms(start + left - now)} left (ends {iso(start + left)}: started {iso(start)} + walltime "
         f"{hms(left)}); llmft starts its last checkpoint early enough to finish before it"
     )
+
+
+def stop_on_usr1(stop: Stop) -> None:
+    """`qsig -s USR1 JOB` asks for a stop with a continuation. PBS's mom sends it to every process of each of the job's
+    tasks' sessions (kill_session in mom_mach.c), children first: this launcher's own children (pbsdsh, llmft plan,
+    the W&B check, llmft prepare, qsub), started with default handlers, would die of it (pbsdsh handles only HUP, INT
+    and TERM). So USR1 is blocked here, which every child inherits across exec and so never dies of, and one thread
+    of this process takes it (sigwait) and asks for the stop. The nodes' wrappers, which PBS's task manager starts,
+    ignore it and so do their torchruns and the ranks until the ranks' own handler is in place (node_main)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+    def take() -> None:
+        while True:
+            stop(signal.sigwait({signal.SIGUSR1}), None)
+
+    threading.Thread(target=take, name="usr1", daemon=True).start()
 
 
 def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
@@ -837,6 +853,9 @@ def forward(stream, to, copy) -> None:
 def node_main(argv: list[str]) -> int:
     """On each node (`pbsdsh`): the job's environment from its file, then the command; a failing torchrun's report
     (llmft.planning.failure_blame node) is written to the failures directory, under SIGTERM too."""
+    # A job's USR1 reaches every process of the job (qsig): the launcher acts on it; here, in enroot, the allocation
+    # probe, torchrun and the ranks until they handle it themselves (inherited through exec), it is ignored.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     env_file, failures, rest = argv[0], argv[1], argv[2:]
     env = {**os.environ, **json.loads(Path(env_file).read_text())}
     out_file = None
@@ -871,7 +890,6 @@ def node_main(argv: list[str]) -> int:
     if failures:
         print(f"{ME}: node {host} (node rank {node}): torchrun", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: None)  # outlive torchrun: it forwards the signal and the ranks save
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a job's USR1 reaches every process: the launcher acts on it
     started = time.time()
     err_path = Path(env.get("TMPDIR") or "/tmp") / f"llmft-torchrun-err-{os.getpid()}"
     with open(err_path, "w") as err:
