@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -510,6 +511,34 @@ def test_each_nodes_exit_is_its_wrappers_record_and_a_node_without_one_is_no_rep
     assert pbs.job_exit([0, 0, None], names) == (1, ["pbs-n2"])  # no record is no success
     assert pbs.job_exit([0, -9, 0], names) == (-9, [])
     assert pbs.job_exit([0, 0, 0], names) == (0, [])
+
+
+def test_a_nodes_probe_is_read_from_its_own_file_and_a_node_without_one_is_no_report(tmp_path, monkeypatch):
+    """The allocation probe on each node (pbsdsh returns 0 whatever it did): the wrapper writes the probe's output
+    on success and `<file>.failed` with its exit status otherwise; the launcher refuses a node with either a failure
+    or no file at all, in one line naming the node."""
+    env_file = tmp_path / "env.json"
+    env_file.write_text("{}")
+    ok, bad = tmp_path / "nodes.pbs-n0", tmp_path / "nodes.pbs-n1"
+    say = [sys.executable, "-c", "print('node pbs-n0 ok')"]
+    fail = [sys.executable, "-c", "print('no such device'); raise SystemExit(3)"]
+    usr1 = signal.getsignal(signal.SIGUSR1)
+    try:  # the wrapper ignores USR1 (a job's qsig): not this test process, after it
+        assert pbs.node_main([str(env_file), "", "--out", str(ok), *say]) == 0
+        assert pbs.node_main([str(env_file), "", "--out", str(bad), *fail]) == 3
+    finally:
+        signal.signal(signal.SIGUSR1, usr1)
+    assert ok.read_text() == "node pbs-n0 ok\n"
+    assert not bad.exists() and Path(f"{bad}.failed").read_text() == "exit 3: no such device"
+    monkeypatch.setattr(pbs, "on_every_node", lambda hosts, command: [0] * len(hosts))  # pbsdsh: 0 whatever happened
+    hosts = [("pbs-n0", 0), ("pbs-n1", 1)]
+    with pytest.raises(
+        pbs.PbsJobError, match=r"^could not read the allocation on node pbs-n1: exit 3: no such device$"
+    ):
+        pbs.probe_nodes(hosts, env_file, tmp_path / "nodes", ["true"])
+    ok.write_text("node pbs-n0 ok\n")
+    with pytest.raises(pbs.PbsJobError, match=r"^could not read the allocation on node pbs-n1: it reported nothing$"):
+        pbs.probe_nodes(hosts, env_file, tmp_path / "nodes", ["true"])
 
 
 def test_node_exits_are_waited_for_longer_once_a_stop_signal_comes(tmp_path):
