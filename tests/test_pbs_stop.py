@@ -1,6 +1,7 @@
-"""Stopping a PBS job on purpose, on the real local OpenPBS (pbs/local/): `qsig -s USR1` and `llmft stop --continue`
-each stop a running two-node job at a checkpoint, and its continuation finishes the run with no step lost or trained
-twice; the job's deadline counts from its start (`stime`), not from the end of a slow set-up.
+"""Stopping a PBS job on purpose, on the real local OpenPBS (pbs/local/): `llmft stop --continue` stops a running
+two-node job at a checkpoint, and its continuation finishes the run with no step lost or trained twice; `qsig -s
+USR1` ends a job at once, without a continuation (what PBS does with it, measured); the job's deadline counts from
+its start (`stime`), not from the end of a slow set-up.
 
 Every stop lands at a known step: the ranks hold at step 3 (LLMFT_TEST_HOLD_AT_STEP) until it comes, and it is sent
 once checkpoint-2 is complete. The two jobs are submitted together by a module fixture, so they overlap.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -105,17 +107,24 @@ def finished_in_a_continuation(pbs_cluster: PbsCluster, job: str, d: Path, said:
     return first, second, k
 
 
-def test_qsig_usr1_stops_the_job_at_a_checkpoint_and_its_continuation_finishes_the_run(pbs_cluster, stop_jobs):
-    """`qsig -s USR1 JOB`: PBS's mom signals every process of the job's session (pbsdsh, torchrun, the ranks, the node
-    wrappers), not only the launcher. The job ends with a complete checkpoint at the held step and a continuation,
-    as docs/pbs.md says, and no process of the job died of the signal."""
+def test_qsig_usr1_ends_the_job_at_once_and_submits_no_continuation(pbs_cluster, stop_jobs):
+    """What `qsig -s USR1 JOB` does to a running job, measured on OpenPBS 23.06: PBS runs a batch job under the user's
+    login shell, which reads the job script's path on its standard input and runs the script as its child
+    (SHELL_INVOKE in src/resmom/start_exec.c). The mom sends USR1 to every process of the job's sessions, that shell
+    among them, which dies of it (its default action); with its top task gone the mom kills every process of the job
+    at once (`Exit_status` 256 + 10). No continuation is submitted; a stop checkpoint being written is cut, and the
+    complete checkpoints before it stand, so a resubmission resumes from them. docs/pbs.md says so, and names
+    `llmft stop RUN_DIR --continue` for a stop with a continuation."""
     job, d, seen = stop_jobs["usr1"]
     seen["thread"].join(timeout=TRAINING_JOB_S)
     assert "error" not in seen and seen["proc"].returncode == 0, seen
-    first, _, k = finished_in_a_continuation(
-        pbs_cluster, job, d, rf"llmft stopped on SIGUSR1 \(exit 0\) after a complete checkpoint at step {HELD};"
-    )
-    assert "got SIGUSR1" in first and "signal 10" not in first.lower() and "SIGUSR1)" not in first, first
+    info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    first = pbs_cluster.wait_for("the job's output", lambda: read(d / "out"))
+    assert info["Exit_status"] == 256 + signal.SIGUSR1, (info["Exit_status"], first)
+    assert "continuation submitted" not in first and "llmft stopped" not in first, first
+    assert not list((d / "ckpt").glob(".llmft-continue-*.json")), first
+    assert (d / "ckpt" / "checkpoint-2" / "llmft_complete.json").is_file()
+    assert not (d / "ckpt" / "llmft_done.json").exists()
 
 
 def test_llmft_stop_continue_stops_a_pbs_job_and_its_continuation_finishes_the_run(pbs_cluster, stop_jobs):
@@ -138,6 +147,6 @@ def test_llmft_stop_continue_stops_a_pbs_job_and_its_continuation_finishes_the_r
     started = time.mktime(time.strptime(stime, "%a %b %d %H:%M:%S %Y"))
     iso = lambda t: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))  # noqa: E731
     assert (m.group(2), m.group(1)) == (iso(started), iso(started + 1800)), (stime, first)
-    [end_file] = (d / "ckpt").glob(".llmft-job-end-*")
+    end_file = d / "ckpt" / f".llmft-job-end-{job}"
     assert end_file.read_text() == f"{started:.0f} 0:30:00\n"  # what rank 0 reads: the start and the whole walltime
     assert f"LLMFT_TEST_SETUP_DELAY_S: waiting {SETUP_DELAY_S} s" in first, first

@@ -445,12 +445,15 @@ def write_job_end(path: Path, job: Mapping) -> None:
 
 
 def stop_on_usr1(stop: Stop) -> None:
-    """`qsig -s USR1 JOB` asks for a stop with a continuation. PBS's mom sends it to every process of each of the job's
-    tasks' sessions (kill_session in mom_mach.c), children first: this launcher's own children (pbsdsh, llmft plan,
-    the W&B check, llmft prepare, qsub), started with default handlers, would die of it (pbsdsh handles only HUP, INT
-    and TERM). So USR1 is blocked here, which every child inherits across exec and so never dies of, and one thread
-    of this process takes it (sigwait) and asks for the stop. The nodes' wrappers, which PBS's task manager starts,
-    ignore it and so do their torchruns and the ranks until the ranks' own handler is in place (node_main)."""
+    """A USR1 to this launcher asks for a stop with a continuation. A USR1 to the whole job (`qsig -s USR1`) reaches
+    every process of each of the job's task sessions (kill_session in mom_mach.c), and this launcher's own children
+    (pbsdsh, llmft plan, the W&B check, llmft prepare, qsub), started with default handlers, would die of it (pbsdsh
+    handles only HUP, INT and TERM). So USR1 is blocked here, which every child inherits across exec and so never dies
+    of, and one thread of this process takes it (sigwait) and asks for the stop. The nodes' wrappers, which PBS's task
+    manager starts, ignore it and so do their torchruns and the ranks until the ranks' own handler is in place
+    (node_main). (qsig's USR1 still ends the job: it also kills the login shell PBS runs the job script under, the
+    job's top process; docs/pbs.md.)"""
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # an ignored signal is dropped, blocked or not: never taken
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 
     def take() -> None:
