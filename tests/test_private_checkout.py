@@ -64,7 +64,7 @@ def test_a_pbs_test_passes_from_a_clone_in_a_mode_700_directory():
         (clone / ".venv").symlink_to(Path(sys.prefix))
         env = subprocess_env(PYTHONPATH=str(clone))
         cmd = [str(clone / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        cmd += ["tests/test_pbs.py", "-k", "bad_knobs and EPOCH=3"]
+        cmd += ["tests/test_pbs.py", "-k", "bad_knobs and abc"]
         proc = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True, timeout=1200)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0 and "1 passed" in out, out[-5000:]
