@@ -32,7 +32,8 @@ SETUP_DELAY_S = 20  # the llmft stop job's set-up is this much slower (LLMFT_TES
 @pytest.fixture(scope="module")
 def stop_jobs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory):
     """Two held jobs, stopped at step 3 from a thread once checkpoint-2 is complete: one by `qsig -s USR1`, one by
-    `llmft stop RUN_DIR --continue` run as the job user. {name: (job id, directory, what the thread saw)}."""
+    `llmft stop RUN_DIR --continue` run as the job user (a two-node job). {name: (job id, directory, what the thread
+    saw)}."""
     import shutil
 
     pbs_cluster.cmd([str(pbs_cluster.bin / "qmgr"), "-c", "set queue workq kill_delay = 60"])
@@ -45,13 +46,13 @@ def stop_jobs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory):
     out = {}
     two_nodes = ["-l", "select=2:ncpus=1", "-l", "place=scatter", "-l", "walltime=00:30:00"]
 
-    def submit(name: str, variables: str, stop) -> None:
+    def submit(name: str, variables: str, stop, nodes: list[str]) -> None:
         d = pbs_cluster.job_dir(tmp_path_factory.mktemp(name))
         given = (
             f"{common(inputs, d)},MAX_STEPS={TOTAL},GLOBAL_BATCH=8,MICRO_BATCH=2,SAVE_STEPS=2,SAVE_TOTAL_LIMIT=0,"
             f"CHECKPOINT_DIR={d / 'ckpt'},EXTRA_ARGS=--logging_steps 1,LLMFT_TEST_HOLD_AT_STEP={HELD}{variables}"
         )
-        job = pbs_cluster.qsub([*two_nodes, "-o", str(d / "out"), "-v", given, str(SCRIPT)], cwd=d)
+        job = pbs_cluster.qsub([*nodes, "-o", str(d / "out"), "-v", given, str(SCRIPT)], cwd=d)
         seen: dict = {}
 
         def at_checkpoint_2() -> None:
@@ -75,8 +76,9 @@ def stop_jobs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory):
         env = pbs_cluster.env(PYTHONPATH=str(REPO))
         return subprocess.run([*cmd, "--continue"], capture_output=True, text=True, env=env, cwd=d, timeout=120)
 
-    submit("usr1", "", qsig)
-    submit("llmft_stop", f",LLMFT_TEST_SETUP_DELAY_S={SETUP_DELAY_S}", llmft_stop)
+    # qsig's job on one node: what PBS does with the signal needs no second one, and the machine is shared
+    submit("usr1", "", qsig, ["-l", "select=1:ncpus=1", "-l", "walltime=00:30:00"])
+    submit("llmft_stop", f",LLMFT_TEST_SETUP_DELAY_S={SETUP_DELAY_S}", llmft_stop, two_nodes)
     return out
 
 
