@@ -114,7 +114,7 @@ def test_qsig_usr1_ends_the_job_at_once_and_submits_no_continuation(pbs_cluster,
     login shell, which reads the job script's path on its standard input and runs the script as its child
     (SHELL_INVOKE in src/resmom/start_exec.c). The mom sends USR1 to every process of the job's sessions, that shell
     among them, which dies of it (its default action); with its top task gone the mom kills every process of the job
-    at once (`Exit_status` 256 + 10). No continuation is submitted; a stop checkpoint being written is cut, and the
+    at once (`Exit_status` 256 + 10). No continuation is submitted; a stop checkpoint being written may be cut, and the
     complete checkpoints before it stand, so a resubmission resumes from them. docs/pbs.md says so, and names
     `llmft stop RUN_DIR --continue` for a stop with a continuation."""
     job, d, seen = stop_jobs["usr1"]
