@@ -290,7 +290,14 @@ def stage_for_the_job_user(config, repo: Path = REPO) -> None:
     cwd = Path.cwd()
     os.chdir(staged / cwd.relative_to(repo) if cwd.is_relative_to(repo) else cwd)
     argv = staged_argv([sys.executable, *sys.orig_argv[1:]], repo, staged)
-    os.execve(argv[0], argv, {**os.environ, STAGED_FROM: str(repo)})
+    os.execve(argv[0], argv, {**os.environ, **vendored_source(repo), STAGED_FROM: str(repo)})
+
+
+def vendored_source(repo: Path) -> dict[str, str]:
+    """pbs/local/start.sh builds OpenPBS from the tarball vendored beside the checkout (../shared/vendor): named for
+    the session run from the staged checkout, which has nothing beside it, unless LLMFT_PBS_SOURCE names one."""
+    found = sorted(repo.parent.glob("shared/vendor/openpbs-*.tar.gz"))
+    return {"LLMFT_PBS_SOURCE": str(found[-1])} if found and not os.environ.get("LLMFT_PBS_SOURCE") else {}
 
 
 def pytest_configure(config) -> None:

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from conftest import subprocess_env
-from pbs_cluster import REPO, STATE, closed_parent, staged_argv, staged_path
+from pbs_cluster import REPO, STATE, closed_parent, staged_argv, staged_path, vendored_source
 
 
 def test_the_first_closed_directory_above_a_checkout_is_found():
@@ -62,7 +62,8 @@ def test_a_pbs_test_passes_from_a_clone_in_a_mode_700_directory():
         for name in ("tests", "llmft", "pbs"):  # this checkout's work, committed or not
             subprocess.run(["cp", "-a", f"{REPO}/{name}/.", f"{clone}/{name}/"], check=True)
         (clone / ".venv").symlink_to(Path(sys.prefix))
-        env = subprocess_env(PYTHONPATH=str(clone))
+        # OpenPBS's source as this checkout finds it (vendored beside it), which the clone has nothing beside it for
+        env = subprocess_env(PYTHONPATH=str(clone), **vendored_source(REPO))
         cmd = [str(clone / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         cmd += ["tests/test_pbs.py", "-k", "bad_knobs and abc"]
         proc = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True, timeout=1200)
