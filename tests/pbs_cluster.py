@@ -308,7 +308,12 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     """The staged session's controller leaves no mount behind."""
     if os.environ.get(STAGED_FROM) and not hasattr(config, "workerinput"):
-        subprocess.run(["umount", "-l", str(staged_path(Path(os.environ[STAGED_FROM])))], capture_output=True)
+        staged = staged_path(Path(os.environ[STAGED_FROM]))
+        subprocess.run(["umount", "-l", str(staged)], capture_output=True)
+        try:
+            staged.rmdir()  # the empty mount point; never a directory with anything in it
+        except OSError:
+            pass
 
 
 @pytest.fixture(scope="session")
