@@ -9,6 +9,7 @@
     llmft eval runs/x --tasks gsm8k,minerva_math
     llmft report runs/x runs/y
     llmft prebuild
+    llmft stop runs/x [--continue]
     llmft tiny --out runs/tiny
     llmft demo --out runs/demo
 
@@ -38,6 +39,10 @@ COMMANDS = {
     "prebuild": (
         "llmft.prebuild",
         "compile DeepSpeed's GPU ops into DeepSpeed once (make venv does), so no job compiles",
+    ),
+    "stop": (
+        "llmft.stop",
+        "stop a running training at its next step with a complete checkpoint; --continue: its job goes on",
     ),
     "tiny": ("llmft.tiny", "write a tiny offline model, tokenizer and dataset"),
     "demo": ("llmft.demo", "tiny model + data, a 2-process ZeRO-2 fine-tune on CPU, then inference"),

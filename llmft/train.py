@@ -53,7 +53,7 @@ from llmft.data.cache import DataOptions, Prepared, check_options, prepare, writ
 from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
-from llmft.planning import ds_config, sequence_parallel, world
+from llmft.planning import ds_config, sequence_parallel, stop_request, world
 from llmft.planning.hardware import choose_attention, choose_liger, flash_attn_installed, liger_model_types, local_gpu
 from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
@@ -177,6 +177,22 @@ def train(run: RunSettings) -> int:
         log(resume.finished)
         return 0
     decided = announce_plan(run, decided, resume, files.config)
+    if rank0():  # `llmft stop RUN_DIR` finds the stop file here from now on
+        stop_request.record_training(run.training.output_dir, stop_file(run), os.environ)
+    try:
+        return train_recorded(run, decided, resume, files, clock)
+    finally:
+        if rank0():
+            stop_request.forget_training(run.training.output_dir)
+
+
+def stop_file(run: RunSettings) -> str:
+    """The stop file every rank polls (llmft.planning.stop_request.stop_file): the flag's, the job's, or the run's."""
+    return stop_request.stop_file(run.llmft.stop_file, os.environ, run.training.output_dir)
+
+
+def train_recorded(run: RunSettings, decided: Decisions, resume, files: ModelFiles, clock) -> int:
+    """The rest of the training path, while the run's record says where a stop request goes."""
     run, attention = choose_model_settings(run, decided, files.config)
     with clock.phase("data"):
         prepared = prepare_data(run, decided, files)
@@ -727,7 +743,7 @@ def build_trainer(
     deepspeed.init_distributed(dist_backend="nccl" if decided.cuda else "gloo")
     PublishCompleteCheckpoint, GracefulStop = checkpoint_callbacks()
     before_loading = host_memory.current_rss()
-    stop = GracefulStop(run.llmft.stop_file or os.environ.get("LLMFT_STOP_FILE"))
+    stop = GracefulStop(stop_file(run))
     make_writer = None
     if run.llmft.async_save:
 

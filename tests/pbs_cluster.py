@@ -219,6 +219,103 @@ def let_the_job_user_run(python: Path) -> None:
             parent.chmod(mode | 0o001)
 
 
+# ---- a checkout the job user can reach ---------------------------------------------------------------------
+#
+# The jobs run as JOB_USER and read this checkout (pbs/run_llm.pbs, qsub reads it as that user; llmft's source on
+# PYTHONPATH) and its .venv. A clone inside a directory only its owner can enter (mode 700: a home directory, what
+# `mktemp -d` makes) is out of their reach: every PBS test would fail alone with `qsub: script file:: Permission
+# denied`. So the session starts from a bind mount of the checkout in the cluster's state directory, which the job
+# user can enter: pytest is run again there, with the same arguments (the same files, the same .venv), before
+# anything is collected. Where the checkout cannot be reached that way either, the session stops at once, in one line
+# naming the directory and the fix.
+
+STAGED_FROM = "LLMFT_TEST_STAGED_FROM"  # set in the session run again from the staged checkout: the original path
+
+
+def closed_parent(path: Path) -> Path | None:
+    """The first directory above `path` (or itself) another user cannot enter (no o+x), or None: what the job user
+    would be stopped by (ACLs aside: a directory mode 700 has none that let it in)."""
+    for directory in [*reversed(path.parents), path]:
+        try:
+            if not directory.stat().st_mode & 0o001:
+                return directory
+        except OSError:
+            return directory
+    return None
+
+
+def staged_path(repo: Path) -> Path:
+    """Where the checkout is mounted for the jobs: in the cluster's state directory, one name per checkout."""
+    import hashlib
+
+    return STATE / f"checkout-{hashlib.sha256(str(repo).encode()).hexdigest()[:8]}"
+
+
+def staged_argv(argv: list[str], repo: Path, staged: Path) -> list[str]:
+    """The command line run again from the staged checkout: every argument under the checkout moved there."""
+    old = str(repo)
+    return [staged.as_posix() + a[len(old) :] if a == old or a.startswith(old + "/") else a for a in argv]
+
+
+def stage_for_the_job_user(config, repo: Path = REPO) -> None:
+    """At the session's start, as root (the PBS tests need root; others do nothing): a checkout the job user cannot
+    enter is mounted where it can, and pytest run again from there; where that fails, one line and exit 2."""
+    closed = closed_parent(repo)
+    venv_closed = closed_parent(Path(sys.prefix)) if not Path(sys.prefix).is_relative_to(repo) else None
+    if os.geteuid() != 0 or os.environ.get(STAGED_FROM) or (closed is None and venv_closed is None):
+        return
+    fix = f"clone into a directory other users can enter (such as /tmp), or let them pass through: chmod o+x {closed or venv_closed}"
+    if venv_closed is not None:
+        pytest.exit(
+            f"the PBS tests' job user {JOB_USER} cannot enter {venv_closed} (mode {venv_closed.stat().st_mode & 0o777:o}), "
+            f"which holds the test environment {sys.prefix}: {fix}",
+            returncode=2,
+        )
+    staged = staged_path(repo)
+    STATE.mkdir(parents=True, exist_ok=True)
+    STATE.chmod(0o755)
+    staged.mkdir(exist_ok=True)
+    if not os.path.ismount(staged):
+        proc = subprocess.run(["mount", "--bind", str(repo), str(staged)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.exit(
+                f"the PBS tests' job user {JOB_USER} cannot enter {closed} (mode {closed.stat().st_mode & 0o777:o}), "
+                f"above this checkout, and it could not be mounted where it can ({proc.stderr.strip()}): {fix}",
+                returncode=2,
+            )
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # the session run again writes to this one's terminal, not to its capture files
+        capture.stop_global_capturing()
+    print(f"pbs_cluster: {closed} is closed to the job user {JOB_USER}: running the tests from {staged}", flush=True)
+    cwd = Path.cwd()
+    os.chdir(staged / cwd.relative_to(repo) if cwd.is_relative_to(repo) else cwd)
+    argv = staged_argv([sys.executable, *sys.orig_argv[1:]], repo, staged)
+    os.execve(argv[0], argv, {**os.environ, **vendored_source(repo), STAGED_FROM: str(repo)})
+
+
+def vendored_source(repo: Path) -> dict[str, str]:
+    """pbs/local/start.sh builds OpenPBS from the tarball vendored beside the checkout (../shared/vendor): named for
+    the session run from the staged checkout, which has nothing beside it, unless LLMFT_PBS_SOURCE names one."""
+    found = sorted(repo.parent.glob("shared/vendor/openpbs-*.tar.gz"))
+    return {"LLMFT_PBS_SOURCE": str(found[-1])} if found and not os.environ.get("LLMFT_PBS_SOURCE") else {}
+
+
+def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):  # the session's controller, once, before any collection
+        stage_for_the_job_user(config)
+
+
+def pytest_unconfigure(config) -> None:
+    """The staged session's controller leaves no mount behind."""
+    if os.environ.get(STAGED_FROM) and not hasattr(config, "workerinput"):
+        staged = staged_path(Path(os.environ[STAGED_FROM]))
+        subprocess.run(["umount", "-l", str(staged)], capture_output=True)
+        try:
+            staged.rmdir()  # the empty mount point; never a directory with anything in it
+        except OSError:
+            pass
+
+
 @pytest.fixture(scope="session")
 def pbs_cluster() -> PbsCluster:
     """The machine's one test cluster, shared by this session's xdist workers (and any other session running now):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -498,10 +500,86 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
     assert decide(0) == pbs.Outcome(0)
 
 
-def test_each_nodes_exit_is_its_wrappers_record_not_pbsdshs(tmp_path):
-    """After the job's SIGTERM pbsdsh returns at once while the ranks still save: the launcher takes each node's exit
-    from the record its wrapper writes when torchrun has ended, and pbsdsh's only where none came in time."""
+def test_each_nodes_exit_is_its_wrappers_record_and_a_node_without_one_is_no_report(tmp_path):
+    """pbsdsh returns 0 whatever its task did (pbsdsh.c), and at once after the job's SIGTERM while the ranks still
+    save: the launcher takes each node's exit from the record its wrapper writes when torchrun has ended; a node with
+    none is no report (None), and the attempt's status then is no success."""
     (tmp_path / "exit-pbs-n0").write_text("0\n")
     (tmp_path / "exit-pbs-n1").write_text("1\n")
     hosts = [("pbs-n0", 0), ("pbs-n1", 1), ("pbs-n2", 2)]
-    assert pbs.node_exits(tmp_path, hosts, [143, 143, 143], wait_s=0) == [0, 1, 143]
+    assert pbs.node_exits(tmp_path, hosts, lambda: 0) == [0, 1, None]
+    names = ["pbs-n0", "pbs-n1", "pbs-n2"]
+    assert pbs.job_exit([0, 1, None], names) == (1, ["pbs-n2"])  # the first failure's status, the silent node named
+    assert pbs.job_exit([0, 0, None], names) == (1, ["pbs-n2"])  # no record is no success
+    assert pbs.job_exit([0, -9, 0], names) == (-9, [])
+    assert pbs.job_exit([0, 0, 0], names) == (0, [])
+
+
+def test_a_nodes_probe_is_read_from_its_own_file_and_a_node_without_one_is_no_report(tmp_path, monkeypatch):
+    """The allocation probe on each node (pbsdsh returns 0 whatever it did): the wrapper writes the probe's output
+    on success and `<file>.failed` with its exit status otherwise; the launcher refuses a node with either a failure
+    or no file at all, in one line naming the node."""
+    env_file = tmp_path / "env.json"
+    env_file.write_text("{}")
+    ok, bad = tmp_path / "nodes.pbs-n0", tmp_path / "nodes.pbs-n1"
+    say = [sys.executable, "-c", "print('node pbs-n0 ok')"]
+    fail = [sys.executable, "-c", "print('no such device'); raise SystemExit(3)"]
+    usr1 = signal.getsignal(signal.SIGUSR1)
+    try:  # the wrapper ignores USR1 (a job's qsig): not this test process, after it
+        assert pbs.node_main([str(env_file), "", "--out", str(ok), *say]) == 0
+        assert pbs.node_main([str(env_file), "", "--out", str(bad), *fail]) == 3
+    finally:
+        signal.signal(signal.SIGUSR1, usr1)
+    assert ok.read_text() == "node pbs-n0 ok\n"
+    assert not bad.exists() and Path(f"{bad}.failed").read_text() == "exit 3: no such device"
+    monkeypatch.setattr(pbs, "on_every_node", lambda hosts, command: [0] * len(hosts))  # pbsdsh: 0 whatever happened
+    hosts = [("pbs-n0", 0), ("pbs-n1", 1)]
+    with pytest.raises(
+        pbs.PbsJobError, match=r"^could not read the allocation on node pbs-n1: exit 3: no such device$"
+    ):
+        pbs.probe_nodes(hosts, env_file, tmp_path / "nodes", ["true"])
+    ok.write_text("node pbs-n0 ok\n")
+    with pytest.raises(pbs.PbsJobError, match=r"^could not read the allocation on node pbs-n1: it reported nothing$"):
+        pbs.probe_nodes(hosts, env_file, tmp_path / "nodes", ["true"])
+
+
+def test_node_exits_are_waited_for_longer_once_a_stop_signal_comes(tmp_path):
+    """The wait is asked again each second: a stop that comes while the launcher waits (pbsdsh, signalled first,
+    returned before the launcher's own signal) lengthens it, and a record written meanwhile is found."""
+    hosts = [("pbs-n0", 0)]
+    asked = []
+
+    def wait_s() -> float:
+        asked.append(1)
+        if len(asked) == 2:  # the stop arrives, and the node's wrapper records its exit a little later
+            (tmp_path / "exit-pbs-n0").write_text("0\n")
+        return 0.5 if len(asked) < 2 else 30.0
+
+    assert pbs.node_exits(tmp_path, hosts, wait_s) == [0] and len(asked) >= 2
+
+
+def test_a_record_is_found_by_listing_its_directory_not_by_a_stat(tmp_path, monkeypatch):
+    """NFS may answer a stat of a name from a cached "no such file"; listing the directory revalidates it. The exit
+    records are found in the listing: a stat that says no does not hide one."""
+    (tmp_path / "exit-pbs-n0").write_text("3\n")
+    monkeypatch.setattr(Path, "is_file", lambda self: False)
+    monkeypatch.setattr(Path, "exists", lambda self: False)
+    assert pbs.node_exits(tmp_path, [("pbs-n0", 0)], lambda: 0) == [3]
+
+
+def test_the_deadline_counts_from_the_jobs_start_not_from_the_end_of_its_set_up(tmp_path, capsys):
+    """LLMFT_JOB_END_FILE gets PBS's `stime` and the whole walltime: rank 0's time left is the same however long the
+    set-up took; without a readable stime, now and qstat's time left."""
+    from llmft.training.job_deadline import time_left_from_file
+
+    stime = "Sat Nov 28 10:00:00 2026"
+    start = time.mktime(time.strptime(stime, "%a %b %d %H:%M:%S %Y"))
+    job = {"stime": stime, "Resource_List": {"walltime": "01:00:00"}, "resources_used": {"walltime": "00:00:05"}}
+    assert pbs.job_end(job, now=start + 300) == (start, 3600.0)
+    end_file = tmp_path / "job-end"
+    pbs.write_job_end(end_file, job)
+    assert time_left_from_file(end_file.read_text(), now_unix=start + 300) == 3300.0  # a 5-minute set-up
+    assert "walltime: " in capsys.readouterr().out
+    no_stime = {**job, "stime": ""}
+    assert pbs.job_end(no_stime, now=start + 300) == (start + 300, 3595.0)
+    assert pbs.job_end({"Resource_List": {}}, now=start) is None

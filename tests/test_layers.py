@@ -28,6 +28,7 @@ COMMANDS = {
     "prebuild",
     "export",
     "push",
+    "stop",
 }
 TOP = {"cli": 7}
 

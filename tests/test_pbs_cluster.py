@@ -80,9 +80,10 @@ def test_walltime_sends_sigterm_then_ends_with_minus_29(pbs_cluster: PbsCluster,
     -29; nothing warns it earlier, so the launcher must time its own last checkpoint from the walltime.
 
     PBS signals a session's processes children first: a child that dies of it ends the shell's `wait` before the
-    shell's own SIGTERM arrives, and on a loaded machine the shell then ran on and exited untrapped (CI, twice). As in
-    llmft's launcher, whose pbsdsh children ignore SIGTERM, the child here ignores it, so the shell always gets it while
-    it waits; its trap ends the child."""
+    shell's own SIGTERM arrives, and on a loaded machine the shell then ran on and exited untrapped (CI, twice). The
+    child here ignores it, so the shell always gets it while it waits; its trap ends the child. (llmft's launcher cannot
+    make its pbsdsh children ignore it: pbsdsh installs its own SIGTERM handler and returns at once; the launcher waits
+    for each node's exit record instead, longer once its own stop signal has come.)"""
     d = pbs_cluster.job_dir(tmp_path)
     q = shlex.quote(str(d))
     script = write_script(

@@ -152,6 +152,7 @@ def jobs(cluster, tiny_model, tiny_data, tmp_path_factory):
 
 
 TOTAL = 20
+STOP_TOTAL = 6  # the llmft stop job's steps
 WANDB_SECRET = "wandb-secret-0123456789abcdef0123456789abcdef"
 
 
@@ -209,6 +210,37 @@ def test_time_limit_signal_checkpoints_every_rank_requeues_and_resumes(cluster, 
     # It resumed from exactly the checkpoint the signal asked for, and the first run trained up to it.
     assert assert_resumed_without_losing_or_repeating(text, ckpt) == stop
     assert step_lines(text[: text.index("restart 1,")]) == list(range(1, stop + 1))
+
+
+def test_llmft_stop_continue_checkpoints_every_rank_and_the_job_requeues_and_resumes(
+    cluster, tiny_model, tiny_data, tmp_path
+):
+    """`llmft stop CKPT --continue` on the submit host while the job trains: every rank stops at step 2 (held there
+    until the request, which is sent once step 1 is logged) with a complete checkpoint, the job requeues itself, and
+    the requeued job trains 3..6."""
+    cwd = tmp_path
+    knobs = (
+        f"--export=ALL,MAX_STEPS={STOP_TOTAL},GLOBAL_BATCH=16,MICRO_BATCH=2,SAVE_STEPS=1000,DATA_PERCENTAGE=100,"
+        f"MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={cwd / 'ckpt'},VENV={sys.prefix},"
+        "EXTRA_ARGS=--logging_steps 1"
+    )
+    job = cluster.sbatch([str(SCRIPT), knobs], cwd=cwd, LLMFT_TEST_HOLD_AT_STEP="2")
+    stop = [sys.executable, "-m", "llmft.cli", "stop", str(cwd / "ckpt"), "--continue"]
+    signal = signal_when_training(cluster, job, cwd / f"llmft-{job}.out", 1, stop)
+    text, ckpt = finished_preempted_job(cluster, job, cwd, signal)
+    assert signal["proc"].stdout.startswith(f"llmft stop: asked Slurm job {job} to stop"), signal["proc"].stdout
+    assert "then the job requeues itself" in signal["proc"].stdout
+    assert "llmft: stop requested; saved checkpoint-2\n" in text, text
+    assert f"stopped by llmft stop --continue (exit 0) after a checkpoint; requeueing job {job}" in text, text
+    first, second = text.split("restart 1,", 1)
+    assert step_lines(first) == [1, 2] and step_lines(second) == list(range(3, STOP_TOTAL + 1)), text
+    assert f"llmft: resuming from {ckpt}/checkpoint-2\n" in second, second
+    assert optim_shards(ckpt / "checkpoint-2" / "global_step2") == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    assert json.loads((ckpt / "llmft_done.json").read_text())["global_step"] == STOP_TOTAL
+    assert "got SIGUSR1" not in text and not list(ckpt.glob(".llmft-stop-*"))
 
 
 def test_a_save_longer_than_the_usr1_lead_starts_early_enough_and_the_job_requeues_and_resumes(cluster, jobs):

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +70,7 @@ from llmft.launch.knobs import (
     resolve,
     unknown_in_variable_list,
 )
+from llmft.planning import stop_request
 
 ME = "run_llm.pbs"
 USAGE = __doc__.split("\n\n")[1]
@@ -245,6 +246,40 @@ def time_left(job: Mapping) -> float | None:
     return limit - used
 
 
+def started_at(job: Mapping) -> float | None:
+    """When this run of the job started, as PBS recorded it (`stime`, the server's ctime-style local time), in Unix
+    seconds; None when qstat gave none or it cannot be read."""
+    try:
+        return time.mktime(time.strptime(str(job.get("stime", "")).strip(), "%a %b %d %H:%M:%S %Y"))
+    except (ValueError, OverflowError):
+        return None
+
+
+def job_end(job: Mapping, now: float) -> tuple[float, float] | None:
+    """(a moment, the walltime left at it) for LLMFT_JOB_END_FILE: the job's start (`stime`) and its whole
+    `Resource_List.walltime`, so the deadline counts from when PBS started the clock, not from when this launcher got
+    round to writing it (an image unpack, `llmft plan`, a W&B check come first; PBS's SIGTERM does not wait for them).
+    Without a readable stime: now and the time left qstat reported (`time_left`). None: no walltime."""
+    limit = seconds(str(job.get("Resource_List", {}).get("walltime", "")))
+    start = started_at(job)
+    if limit is not None and start is not None:
+        return start, limit
+    left = time_left(job)
+    return None if left is None else (now, left)
+
+
+SETUP_DELAY_ENV = "LLMFT_TEST_SETUP_DELAY_S"  # a test hook: the job's set-up takes this much longer (a slow unpack)
+
+
+def setup_delay(env: Mapping[str, str]) -> None:
+    """LLMFT_TEST_SETUP_DELAY_S: a slow set-up (a 3-minute image unpack), for the test that the deadline still counts
+    from the job's start. Tests only."""
+    delay = float(env.get(SETUP_DELAY_ENV) or 0)
+    if delay > 0:
+        say(f"{SETUP_DELAY_ENV}: waiting {delay:g} s (a test hook: a slow set-up)")
+        time.sleep(delay)
+
+
 def live_state(owner: str) -> str:
     """How the job that holds a run directory is said while it is queued or runs ("" once it has ended)."""
     state = job_is_live(owner)
@@ -300,7 +335,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         f.unlink(missing_ok=True)
     stop = Stop(files["stop"], ME)
     signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGUSR1, stop)
+    stop_on_usr1(stop)
     python = choose_python(k, env, sys.executable)
     run_count = int(job.get("run_count", 1) or 1)
     say_start(k, env, job_id, run_count, submit_dir, run_dir, python)
@@ -314,6 +349,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     inside, create = container_prefix(k, env, job_id, run_paths(k, submit_dir, run_dir, node_env), node_env, gpus)
     allocation = [python, "-m", "llmft.planning.allocation", *fabric_probe(k["NCCL_PROFILE"])]
     probe_nodes(hosts, env_file, files["nodes"], [*create, "--", *inside, *allocation])
+    setup_delay(env)
     plan = subprocess.run(
         [*inside, python, "-m", "llmft.plan", *plan_arguments(k, run_dir, files["nodes"], len(hosts), gpus)],
         capture_output=True,
@@ -357,18 +393,17 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         say(f"SIG{stop.signal} before launch; not starting training")
         files["stop"].unlink(missing_ok=True)
         return 0
-    left = time_left(job)
-    if left is not None:
-        files["job-end"].write_text(f"{time.time():.0f} {hms(left)}\n")
-        say(f"walltime: {hms(left)} left; llmft starts its last checkpoint early enough to finish before it")
+    write_job_end(files["job-end"], job)
     failures = run_dir / f".llmft-failures-{job_id}-{run_count}"
     failures.mkdir(exist_ok=True)
     (run_dir / "nccl_trace").mkdir(exist_ok=True)
     start_step = newest_complete_step(run_dir)
     wrapper = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), str(failures), "--node", "{node}"]
-    started = on_every_node(hosts, [*wrapper, "--", *inside, *torchrun])
-    wait_s = shutdown_timeout(kill_delay) if stop.signal else NODE_EXIT_WAIT_S
-    rc = next((r for r in node_exits(failures, hosts, started, wait_s) if r != 0), 0)
+    on_every_node(hosts, [*wrapper, "--", *inside, *torchrun])
+    exits = node_exits(failures, hosts, lambda: shutdown_timeout(kill_delay) if stop.signal else NODE_EXIT_WAIT_S)
+    rc, silent = job_exit(exits, [h for h, _ in hosts])
+    for host in silent:
+        say(f"node {host} recorded no exit: its launcher did not finish (the node died, or PBS killed its task)")
     outcome = after_training(
         run_dir, rc, stop, files["requeue"], start_step, failures, kill_delay, job_id, k, env, [h for h, _ in hosts]
     )
@@ -377,6 +412,41 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     if outcome.rc == 0 and not outcome.go_on and (run_dir / "llmft_done.json").is_file():
         return export_after_training(export_command(k, python, run_dir, submit_dir), inside, say)
     return outcome.rc
+
+
+def write_job_end(path: Path, job: Mapping) -> None:
+    """The job's end for rank 0 (llmft.training.job_deadline reads `<Unix time> <walltime left then>`), counted from
+    the job's start (job_end), and said."""
+    now = time.time()
+    end = job_end(job, now)
+    if end is None:
+        return
+    start, left = end
+    path.write_text(f"{start:.0f} {hms(left)}\n")
+    iso = lambda t: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))  # noqa: E731
+    say(
+        f"walltime: {hms(start + left - now)} left (ends {iso(start + left)}: started {iso(start)} + walltime "
+        f"{hms(left)}); llmft starts its last checkpoint early enough to finish before it"
+    )
+
+
+def stop_on_usr1(stop: Stop) -> None:
+    """A USR1 to this launcher asks for a stop with a continuation. A USR1 to the whole job (`qsig -s USR1`) reaches
+    every process of each of the job's task sessions (kill_session in mom_mach.c), and this launcher's own children
+    (pbsdsh, llmft plan, the W&B check, llmft prepare, qsub), started with default handlers, would die of it (pbsdsh
+    handles only HUP, INT and TERM). So USR1 is blocked here, which every child inherits across exec and so never dies
+    of, and one thread of this process takes it (sigwait) and asks for the stop. The nodes' wrappers, which PBS's task
+    manager starts, ignore it and so do their torchruns and the ranks until the ranks' own handler is in place
+    (node_main). (qsig's USR1 still ends the job: it also kills the login shell PBS runs the job script under, the
+    job's top process; docs/pbs.md.)"""
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # an ignored signal is dropped, blocked or not: never taken
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+    def take() -> None:
+        while True:
+            stop(signal.sigwait({signal.SIGUSR1}), None)
+
+    threading.Thread(target=take, name="usr1", daemon=True).start()
 
 
 def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
@@ -448,14 +518,17 @@ def probe_nodes(hosts, env_file: Path, nodes_file: Path, command: list[str]) -> 
     writes its line to a file."""
     probe = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--node", "{node}"]
     probe += ["--out", f"{nodes_file}.{{node}}"]
-    outs = on_every_node(hosts, [*probe, *command])
+    on_every_node(hosts, [*probe, *command])
     lines = []
-    for (host, _), rc in zip(hosts, outs):
-        out = Path(f"{nodes_file}.{host}")
-        text = out.read_text() if out.is_file() else ""
+    listed = set(os.listdir(nodes_file.parent))  # listed, not stat'ed: see node_exits
+    for host, _ in hosts:
+        out, failed = Path(f"{nodes_file}.{host}"), Path(f"{nodes_file}.{host}.failed")
+        text = out.read_text() if out.name in listed else ""
+        why = failed.read_text().strip() if failed.name in listed else ""
         out.unlink(missing_ok=True)
-        if rc != 0:
-            raise PbsJobError(f"could not read the allocation on node {host} (exit {rc}): {text.strip()}")
+        failed.unlink(missing_ok=True)
+        if why or out.name not in listed:  # pbsdsh returns 0 whatever its task did: only the node's file says
+            raise PbsJobError(f"could not read the allocation on node {host}: {why or 'it reported nothing'}")
         lines.append(text)
     nodes_file.write_text("".join(lines))
 
@@ -510,20 +583,31 @@ def after_training(
     run_dir, rc, stop, requeue_file, start_step, failures, kill_delay, job_id, k, env, hosts: Sequence[str] = ()
 ) -> Outcome:
     """What follows the training, each case said in one line: done; stopped for the walltime (llmft's own final
-    save, or PBS's SIGTERM at the limit) or by SIGUSR1, which a continuation resumes; SIGTERM from qdel or qrerun,
+    save, or PBS's SIGTERM at the limit), by SIGUSR1 or by `llmft stop --continue`, which a continuation resumes;
+    `llmft stop` alone, which ends the run's job; SIGTERM from qdel or qrerun,
     where PBS decides; or a failure, named in one line (llmft.launch.failure_blame), continued only after progress,
     at most MAX_RESTARTS times, and never for an application error."""
+    asked = stop_request.read_request(stop.stop_file)  # llmft stop's request, before the file goes
     stop.stop_file.unlink(missing_ok=True)
     if (run_dir / "llmft_done.json").is_file():
         requeue_file.unlink(missing_ok=True)
         say(f"training finished (exit {rc}); results in {run_dir}")
         return Outcome(rc)
     step = newest_complete_step(run_dir)
-    if requeue_file.is_file() or stop.signal == "USR1":
+    by_llmft_stop = asked is not None and asked.by == stop_request.BY and rc == 0
+    walltime = requeue_file.is_file()
+    if walltime or stop.signal == "USR1" or (by_llmft_stop and asked.go_on):
         requeue_file.unlink(missing_ok=True)
-        why = "on SIGUSR1" if stop.signal == "USR1" else "for its final save before the walltime"
+        why = "for its final save before the walltime" if walltime else "by llmft stop"
+        why = "on SIGUSR1" if stop.signal == "USR1" else why
         say(f"llmft stopped {why} (exit {rc}) after a complete checkpoint at step {step}; continuing in a new job")
         return Outcome(0, go_on=True)
+    if by_llmft_stop:
+        say(
+            f"llmft stopped by llmft stop (exit {rc}) after a complete checkpoint at step {step}; not continued (no "
+            f"--continue): resubmit with CHECKPOINT_DIR={run_dir} to resume"
+        )
+        return Outcome(0)
     if stop.signal == "TERM":
         left = time_left(qstat_job(job_id))
         if left is not None and left <= kill_delay + WALLTIME_SIGTERM_MARGIN_S:
@@ -667,28 +751,44 @@ def wandb_environment(python: str, run_dir: Path, env: Mapping[str, str]) -> dic
 NODE_EXIT_WAIT_S = 10.0  # how long an exit a node's wrapper has not recorded yet is waited for (no stop signalled)
 
 
-def node_exits(failures: Path, hosts, pbsdsh_rcs: list[int], wait_s: float) -> list[int]:
-    """Each node's exit status, as its wrapper recorded it (`exit-<node>` in the failures directory), waited for up
-    to `wait_s`; pbsdsh's status where none came. After the job's SIGTERM pbsdsh returns at once (its task manager
-    stops answering) while the ranks are still writing their stop checkpoint: this launcher, the job's top process,
-    must stay until they have, or PBS ends the job and kills them mid-save."""
-    deadline = time.monotonic() + wait_s
-    paths = [failures / f"exit-{host}" for host, _ in hosts]
-    while not all(p.is_file() for p in paths) and time.monotonic() < deadline:
+def node_exits(failures: Path, hosts, wait_s: Callable[[], float]) -> list[int | None]:
+    """Each node's exit status as its wrapper recorded it (`exit-<node>` in the failures directory); None for a node
+    that recorded none. pbsdsh's own status says nothing (it returns 0 whatever its task did, 1 once signalled:
+    pbsdsh.c), so a node without a record is no report: evidence that the node or its wrapper died, never a success
+    (job_exit). The records are waited for up to `wait_s()` seconds, asked again each second: a stop signal arriving
+    meanwhile lengthens it (after the job's SIGTERM or SIGUSR1 pbsdsh returns at once while the ranks still write
+    their stop checkpoint, and this launcher, the job's top process, must stay until they have, or PBS ends the job
+    and kills them mid-save). They are found by listing the directory, not by a stat of each name: an NFS client can
+    answer a stat from a cached "no such file" for up to acdirmax (60 s), while listing revalidates (as the ranks
+    look for the stop file, llmft.training.callbacks.stop_file_present)."""
+    started = time.monotonic()
+    names = [f"exit-{host}" for host, _ in hosts]
+    while True:
+        try:
+            listed = set(os.listdir(failures))
+        except OSError:
+            listed = set()
+        if all(n in listed for n in names) or time.monotonic() - started >= wait_s():
+            break
         time.sleep(1)
-    return [int(p.read_text()) if p.is_file() else rc for p, rc in zip(paths, pbsdsh_rcs)]
+    return [int((failures / n).read_text().strip() or 1) if n in listed else None for n in names]
 
 
-def ignore_sigterm() -> None:
-    """pbsdsh outlives the job's SIGTERM (the walltime, qrerun, qdel): it returns only once its task has ended, after
-    the ranks wrote their stop checkpoint. Were it to die at once, this launcher would return, the job's shell end,
-    and PBS kill every task of the job before any checkpoint was written."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def job_exit(exits: Sequence[int | None], hosts: Sequence[str]) -> tuple[int, list[str]]:
+    """The attempt's exit status from each node's recorded exit (node_exits), and the nodes that recorded none: the
+    first failing node's status; 1 when every node that recorded one succeeded but some recorded none (no report is
+    no success: pbsdsh returns 0 for a dead node too)."""
+    silent = [h for h, e in zip(hosts, exits) if e is None]
+    rc = next((e for e in exits if e is not None and e != 0), 0)
+    return (1 if rc == 0 and silent else rc), silent
 
 
 def on_every_node(hosts: list[tuple[str, int]], command: list[str]) -> list[int]:
-    """`command` once on each node through `pbsdsh -n INDEX` (PBS's task manager), all at once; the exit status of
-    each. `{node}` in an argument becomes the node's name (PBS's: all nodes may share one hostname), `{is_host}` 1 on
+    """`command` once on each node through `pbsdsh -n INDEX` (PBS's task manager), all at once; pbsdsh's exit status
+    for each, which says nothing of the task's (pbsdsh.c returns 0 whatever the task did, and 1 once it is signalled:
+    its own handler for HUP, INT and TERM passes the signal on to the task with tm_kill and exits; any other signal,
+    USR1 among them, ends pbsdsh alone and leaves the task running), so the caller reads what each node's wrapper
+    recorded instead. `{node}` in an argument becomes the node's name (PBS's: all nodes may share one hostname), `{is_host}` 1 on
     the first node and 0 elsewhere.
 
     The tasks get the job's own environment, not this process's: a PYTHONPATH that makes llmft importable here
@@ -704,7 +804,6 @@ def on_every_node(hosts: list[tuple[str, int]], command: list[str]) -> list[int]
                 "--",
                 *(a.replace("{node}", host).replace("{is_host}", "1" if i == 0 else "0") for a in command),
             ],
-            preexec_fn=ignore_sigterm,
         )
         for i, (host, index) in enumerate(hosts)
     ]
@@ -729,6 +828,9 @@ def forward(stream, to, copy) -> None:
 def node_main(argv: list[str]) -> int:
     """On each node (`pbsdsh`): the job's environment from its file, then the command; a failing torchrun's report
     (llmft.launch.failure_blame node) is written to the failures directory, under SIGTERM too."""
+    # A job's USR1 reaches every process of the job (qsig): the launcher acts on it; here, in enroot, the allocation
+    # probe, torchrun and the ranks until they handle it themselves (inherited through exec), it is ignored.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     env_file, failures, rest = argv[0], argv[1], argv[2:]
     env = {**os.environ, **json.loads(Path(env_file).read_text())}
     out_file = None
@@ -754,16 +856,15 @@ def node_main(argv: list[str]) -> int:
     env.update(container_gpu_env(command, env))
     node = env.get("PBS_NODENUM", "0")
     host = env.get("LLMFT_NODE_NAME") or socket.gethostname().split(".")[0]
-    if out_file is not None:
+    if out_file is not None:  # the output file on success, else `<file>.failed` with the exit status and output
         proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-        tmp = out_file.with_suffix(".tmp")
-        tmp.write_text(proc.stdout)
-        tmp.replace(out_file)
+        tmp = Path(f"{out_file}.tmp")  # per node (with_suffix would give both nodes one name)
+        tmp.write_text(proc.stdout if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stdout.strip()}")
+        tmp.replace(out_file if proc.returncode == 0 else Path(f"{out_file}.failed"))
         return proc.returncode
     if failures:
         print(f"{ME}: node {host} (node rank {node}): torchrun", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: None)  # outlive torchrun: it forwards the signal and the ranks save
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a job's USR1 reaches every process: the launcher acts on it
     started = time.time()
     err_path = Path(env.get("TMPDIR") or "/tmp") / f"llmft-torchrun-err-{os.getpid()}"
     with open(err_path, "w") as err:

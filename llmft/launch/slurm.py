@@ -166,6 +166,7 @@ from llmft.launch.knobs import (
     resolve,
     unknown_knob_message,
 )
+from llmft.planning import stop_request
 from llmft.planning.world import expand_hostlist
 
 ME = "run_llm.slurm"
@@ -880,9 +881,10 @@ def train_on_every_node(srun_args, node_step, torchrun, job_end: Path, job_id: s
 
 
 def after_training(a: Attempt, rc: int) -> int | None:
-    """What follows, each case said in one line: done; llmft's own stop before the time limit or a USR1, which
-    requeue this job; a SIGTERM, after which Slurm decides. None: the training failed (after_failure decides)."""
+    """What follows, each case said in one line: done; llmft's own stop before the time limit, a USR1 or `llmft stop
+    --continue`, which requeue this job; `llmft stop` alone, which ends it; a SIGTERM, after which Slurm decides. None: the training failed (after_failure decides)."""
     files, stop, job_id = a.files, a.stop, a.job_id
+    asked = stop_request.read_request(files["stop"])  # llmft stop's request, before the file goes
     files["stop"].unlink(missing_ok=True)
     if (a.run_dir / "llmft_done.json").is_file():
         files["requeue"].unlink(missing_ok=True)
@@ -897,6 +899,16 @@ def after_training(a: Attempt, rc: int) -> int | None:
         )
         return 0
     files["requeue"].unlink(missing_ok=True)
+    if asked is not None and asked.by == stop_request.BY and rc == 0 and stop.signal != "USR1":
+        if asked.go_on:
+            requeue(
+                job_id, f"stopped by llmft stop --continue (exit {rc}) after a checkpoint; requeueing job {job_id}"
+            )
+        else:
+            say(
+                f"stopped by llmft stop (exit {rc}) after a checkpoint; not requeued (no --continue): resubmit to resume"
+            )
+        return 0
     if stop.signal == "USR1":
         requeue(
             job_id,

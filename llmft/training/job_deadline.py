@@ -23,6 +23,8 @@ Test hooks (environment variables; tests only, each read here and nowhere else):
                                    background write.
   LLMFT_TEST_HOLD_AT_STEP=K        at global step K every rank waits (up to 600 s) until a stop is requested
                                    (signal or stop file), so a stop sent from outside lands at step K.
+  LLMFT_TEST_SETUP_DELAY_S=S       (read by llmft.launch.pbs, the PBS job's launcher) the job's set-up takes S
+                                   seconds longer before the job's end is written (a slow image unpack).
 """
 
 from __future__ import annotations
