@@ -103,6 +103,7 @@ from llmft.training.flags import (
 from llmft.training.metrics import log_perplexity
 from llmft.training.model_files import (
     ModelFiles,
+    check_model_task,
     load_model_files,
     model_init_kwargs,
     train_precision,
@@ -481,6 +482,8 @@ def announce_plan(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
         plan = dataclasses.replace(plan, batch=resume.elastic_resume.batch)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
+        entry = methods.method(run.llmft.method)
+        print(f"llmft plan: method {entry.name} ({entry.description}); the global batch counts {entry.batch_unit}")
     if resume.elastic_resume:
         sizing = None
         if resume.elastic_resume.universal and rank0() and model_config is not None:
@@ -514,6 +517,7 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
     (llmft.planning.hardware.choose_liger)."""
     training, model, gpu = run.training, run.model, decided.gpu
     entry = methods.method(run.llmft.method)
+    check_model_task(entry.model_task, model_config, entry.name)
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
     target = model.lora_target_modules
@@ -820,9 +824,10 @@ def build_trainer(
         restore_source_name(trainer.model, files.weights, files.source)
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
     trainer.add_callback(compile_report(trainer))
-    log_perplexity(trainer)
+    if entry.loss_is_nll:  # exp(eval loss) is a perplexity only for a token NLL loss
+        log_perplexity(trainer)
     guard_wandb(trainer, log)
-    meter = metrics.attach(trainer, clock, decided.gpu)  # step line, W&B metrics, run_summary.json
+    meter = metrics.attach(trainer, clock, decided.gpu, entry.reference)  # step line, W&B, run_summary.json
     if run.llmft.profile_step is not None:
         trainer.add_callback(profile_step.callback(run.llmft.profile_step, args.output_dir, meter))
     save_estimate = estimated_save_s(
@@ -892,11 +897,28 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
         )
     if rank0():
         log(
-            f"run summary written to {callbacks.meter.write_summary(args.output_dir, result.training_loss, trainer.state.global_step)}"
+            "run summary written to "
+            + str(
+                callbacks.meter.write_summary(
+                    args.output_dir, result.training_loss, trainer.state.global_step, held_out_metric(run, trainer)
+                )
+            )
         )
     if hasattr(trainer, "end"):
         trainer.end()
     return 0
+
+
+def held_out_metric(run: RunSettings, trainer) -> dict:
+    """The method's held-out metric (llmft.planning.methods: a reward model's accuracy on held-out pairs) from the
+    last evaluation, for run_summary.json, said in one line; {} without one or without evaluation data."""
+    name = methods.method(run.llmft.method).held_out_metric
+    key = f"eval_{name}"
+    found = [entry[key] for entry in trainer.state.log_history if key in entry] if name else []
+    if not found:
+        return {}
+    log(f"held-out {name}: {found[-1]:.4f} (last evaluation, step {trainer.state.global_step})")
+    return {key: round(float(found[-1]), 6)}
 
 
 def make_parser(subparsers=None, method_name: str | None = None):
