@@ -803,19 +803,7 @@ def build_trainer(
         decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit, make_writer
     )
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
-        trainer_class = checkpoint_save.trainer_class(
-            run.llmft.save_consolidated, base=import_class(entry.trainer_class), mixins=entry.mixins
-        )
-        if "ulysses" in entry.mixins:
-            trainer_class = ulysses.mixin_class(
-                trainer_class,
-                sequence_parallel.gradient_scale(
-                    decided.plan.zero_stage,
-                    decided.plan.sequence_parallel,
-                    ds_config.reduce_scatter(decided.ds_template),
-                ),
-            )
-        trainer = trainer_class(
+        trainer = method_trainer_class(run, decided, entry)(
             model=files.weights,
             args=args,
             train_dataset=prepared.train,
@@ -852,6 +840,22 @@ def build_trainer(
     trainer.add_callback(timeout)  # last: it reads every other callback's should_save
     job_deadline.time_each_save(trainer, stop.deadline, log, timeout, publish)
     return trainer, RunCallbacks(publish, stop, meter)
+
+
+def method_trainer_class(run: RunSettings, decided: Decisions, entry):
+    """The method's TRL trainer (llmft.planning.methods) with the llmft mixins its entry names: the checkpoint
+    writer for all, the sync-free steps and Ulysses' gradient correction for SFT."""
+    trainer_class = checkpoint_save.trainer_class(
+        run.llmft.save_consolidated, base=import_class(entry.trainer_class), mixins=entry.mixins
+    )
+    if "ulysses" in entry.mixins:
+        trainer_class = ulysses.mixin_class(
+            trainer_class,
+            sequence_parallel.gradient_scale(
+                decided.plan.zero_stage, decided.plan.sequence_parallel, ds_config.reduce_scatter(decided.ds_template)
+            ),
+        )
+    return trainer_class
 
 
 def apply_sequence_parallel(args, run: RunSettings, decided: Decisions, attention: str) -> None:
