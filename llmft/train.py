@@ -57,7 +57,7 @@ from llmft.checkpoint import run_dir
 from llmft.command import exit_process, report_error
 from llmft.data import loading as data
 from llmft.data.cache import DataOptions, Prepared, check_options, prepare, write_run_record
-from llmft.data.method_data import check_records_fit, first_record_columns, method_dataset
+from llmft.data.method_data import check_method_options, check_records_fit, first_record_columns, method_dataset
 from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
@@ -280,6 +280,7 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
     )
     data_options = DataOptions.from_args(script, run.training, extra)
     check_options(data_options, training.eval_strategy, getattr(training, "dataset_kwargs", None))
+    check_method_options(entry, data_options)
     return run, Decisions(cuda, gpu, precision, plan, template, quantization, data_options)
 
 

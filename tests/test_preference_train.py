@@ -264,6 +264,8 @@ def refusal(argv: list[str], capsys) -> str:
         ("kto", ["--sync_ref_model", "true"], "--sync_ref_model True is not supported: it mixes the policy"),
         ("reward", ["--sequence_parallel", "2"], "--sequence_parallel 2 is not supported with --method reward"),
         ("orpo", [], "--method 'orpo' is not a training method; choose one of sft, dpo, kto, reward"),
+        ("dpo", ["--prompt_template", "gsm8k"], "--prompt_template is not supported with --method dpo: its records"),
+        ("kto", ["--dataset_format", "messages"], "--dataset_format messages is not a format --method kto trains on"),
     ],
 )
 def test_flags_a_method_cannot_take_are_refused(method, extra, message, tmp_path, capsys):

@@ -130,3 +130,33 @@ def check_labels(labels) -> None:
                 f"record {i + 1}: 'label' is {json.dumps(value)}; KTO's label must be true (desirable) or false "
                 "(undesirable): write it as a JSON boolean"
             )
+
+
+# llmft's data flags the records of a method TRL tokenises do not go through yet: flag -> DataOptions field
+_SFT_DATA_FLAGS = {
+    "prompt_column": "prompt_column",
+    "completion_column": "completion_column",
+    "messages_column": "messages_column",
+    "prompt_template": "prompt_template",
+    "role_map": "role_map",
+    "drop_long_records": "drop_long_records",
+    "dataset_mixture": "dataset_mixture",
+}
+
+
+def check_method_options(entry: Method, opts: DataOptions) -> None:
+    """Before anything loads: a data flag that `method_dataset` would not apply is refused in one line, never
+    ignored (--dataset_format takes auto or one of the method's formats)."""
+    if entry.prepared_by == "llmft":
+        return
+    for flag, name in _SFT_DATA_FLAGS.items():
+        if getattr(opts, name, None):
+            raise MethodDataError(
+                f"--{flag} is not supported with --method {entry.name}: its records go to TRL's trainer as they are "
+                f"({' or '.join('{' + ', '.join(COLUMNS[f]) + '}' for f in entry.formats if f in COLUMNS)}); drop --{flag}"
+            )
+    if opts.dataset_format not in (None, "", "auto", *entry.formats):
+        raise MethodDataError(
+            f"--dataset_format {opts.dataset_format} is not a format --method {entry.name} trains on: use auto or "
+            f"{' or '.join(entry.formats)}"
+        )
