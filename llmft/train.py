@@ -1,4 +1,6 @@
-"""Supervised fine-tuning with TRL's SFTTrainer on DeepSpeed ZeRO, with llmft's batch math and checkpoint safety.
+"""Fine-tuning with TRL's trainers on DeepSpeed ZeRO, with llmft's batch math and checkpoint safety: SFTTrainer by
+default, DPOTrainer, KTOTrainer or RewardTrainer with `--method dpo|kto|reward` (llmft.planning.methods: the method's
+TRL config is the parser's, its trainer runs with llmft's checkpoint mixin, and TRL tokenises its pairs).
 
 # One process (CPU or one GPU)
 ```bash
@@ -24,8 +26,13 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
     --output_dir runs/llama --global_batch_size 64 --per_device_train_batch_size 8 --max_length 2048 --auto
 ```
 
-Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
-(llmft/training/flag_policy.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
+# Direct preference optimisation on {"prompt", "chosen", "rejected"} records (TRL's flags keep TRL's names)
+```bash
+llmft train --method dpo --model_name_or_path runs/sft --dataset_name pairs.jsonl --output_dir runs/dpo --beta 0.1
+```
+
+Every flag of the method's TRL config (`SFTConfig`, `DPOConfig`, ...) and `TrainingArguments` takes effect with TRL's
+names, or stops the run saying why (llmft/training/flag_policy.py lists each); another method's flag is refused. llmft adds `--zero_stage`, `--offload`, `--auto`,
 `--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and column mapping. Weights
 load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise. A rerun with the same `--output_dir` resumes from
 the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.training.elastic);
@@ -50,10 +57,11 @@ from llmft.checkpoint import run_dir
 from llmft.command import exit_process, report_error
 from llmft.data import loading as data
 from llmft.data.cache import DataOptions, Prepared, check_options, prepare, write_run_record
+from llmft.data.method_data import check_method_options, check_records_fit, first_record_columns, method_dataset
 from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
-from llmft.planning import ds_config, sequence_parallel, stop_request, world
+from llmft.planning import ds_config, methods, sequence_parallel, stop_request, world
 from llmft.planning.hardware import choose_attention, choose_liger, flash_attn_installed, liger_model_types, local_gpu
 from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
@@ -90,10 +98,19 @@ from llmft.training.deepspeed_env import (
     skip_deepspeed_shm_op,
     use_proc_cpuinfo_for_deepspeed,
 )
-from llmft.training.flags import TrainParser, check_flags, check_profile_step, parse_train_flags
+from llmft.training.flags import (
+    TrainParser,
+    check_flags,
+    check_method_features,
+    check_profile_step,
+    import_class,
+    method_argument,
+    parse_train_flags,
+)
 from llmft.training.metrics import log_perplexity
 from llmft.training.model_files import (
     ModelFiles,
+    check_model_task,
     load_model_files,
     model_init_kwargs,
     train_precision,
@@ -220,7 +237,9 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
         raise TrainError(
             "--dataset_name (or --dataset_mixture) is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)"
         )
-    check_flags(script, training, model, cuda=cuda)
+    entry = methods.method(extra.method)
+    check_flags(script, training, model, cuda=cuda, method_name=entry.name)
+    check_method_features(extra, entry)
     check_profile_step(extra.profile_step, training.max_steps)
     precision = train_precision(training, extra, gpu)
     grad_accum = training.gradient_accumulation_steps if training.gradient_accumulation_steps != 1 else None
@@ -276,7 +295,8 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
         bitsandbytes=bitsandbytes_version(),
     )
     data_options = DataOptions.from_args(script, run.training, extra)
-    check_options(data_options, training.eval_strategy, training.dataset_kwargs)
+    check_options(data_options, training.eval_strategy, getattr(training, "dataset_kwargs", None))
+    check_method_options(entry, data_options)
     return run, Decisions(cuda, gpu, precision, plan, template, quantization, data_options)
 
 
@@ -349,7 +369,7 @@ def choose_compile_default(run: RunSettings, decided: Decisions, resume, model_c
     on, why = choose_torch_compile(
         requested,
         decided.gpu,
-        packing=bool(training.packing),
+        packing=bool(getattr(training, "packing", False)),
         zero_stage=plan.zero_stage,
         use_peft=bool(run.model.use_peft),
         sequence_parallel=run.llmft.sequence_parallel,
@@ -486,6 +506,8 @@ def announce_plan(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
         plan = dataclasses.replace(plan, batch=resume.elastic_resume.batch)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
+        entry = methods.method(run.llmft.method)
+        print(f"llmft plan: method {entry.name} ({entry.description}); the global batch counts {entry.batch_unit}")
     if resume.elastic_resume:
         sizing = None
         if resume.elastic_resume.universal and rank0() and model_config is not None:
@@ -518,6 +540,8 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
     padding-free batches (llmft.training.packing.choose_padding_free) and Liger's kernels
     (llmft.planning.hardware.choose_liger)."""
     training, model, gpu = run.training, run.model, decided.gpu
+    entry = methods.method(run.llmft.method)
+    check_model_task(entry.model_task, model_config, entry.name)
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
     target = model.lora_target_modules
@@ -547,6 +571,40 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
     )
     # the gradient correction, decided here so a config it cannot correct is refused before the model loads
     sequence_parallel.gradient_scale(decided.plan.zero_stage, sp, ds_config.reduce_scatter(decided.ds_template))
+    if entry.packing:  # a method whose rows TRL can pack or lay out padding-free
+        run, attention = choose_row_layout(run, decided, model_config, attention, masks_from_positions)
+    training = run.training
+    use_liger, why = choose_liger(
+        training.use_liger_kernel,
+        gpu,
+        model_config.model_type,
+        liger_model_types() if gpu is not None else None,  # its import needs Triton: only where a GPU is
+        training.liger_kernel_config,
+    )
+    if use_liger and training.use_liger_kernel is None:  # llmft's choice: TRL's deprecation warning is not the user's
+        warnings.filterwarnings("ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning)
+    run = run.with_training(use_liger_kernel=use_liger)
+    if why:
+        log(why)
+    packed_note = ""
+    if attention == packing.PACKED_SDPA:
+        packed_note = (
+            ": PyTorch's varlen flash kernel on the packed samples"
+            if packing.packed_kernel_for(
+                model_config, cuda=decided.cuda, precision=decided.precision, capability=capability
+            )
+            == "varlen"
+            else ": SDPA on each packed sample"
+        )
+    log(f"attention {attention}" + (" (auto)" if model.attn_implementation in (None, "auto") else "") + packed_note)
+    return run, attention
+
+
+def choose_row_layout(run: RunSettings, decided: Decisions, model_config, attention: str, masks_from_positions):
+    """Padding-free batches (llmft.training.packing.choose_padding_free) and packing's attention, for a method whose
+    rows TRL packs (llmft.planning.methods: Method.packing)."""
+    training, gpu, sp = run.training, decided.gpu, run.llmft.sequence_parallel
+    capability = gpu.compute_capability if gpu is not None else None
     requested_padding_free = training.padding_free
     if sp > 1 and requested_padding_free is None and attention not in sequence_parallel.BOUNDARY_AWARE:
         requested_padding_free = False  # llmft's own choice never mixes samples under Ulysses
@@ -578,34 +636,16 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
         )
         if attention == packing.PACKED_SDPA:
             packing.register_packed_sdpa()
-    use_liger, why = choose_liger(
-        training.use_liger_kernel,
-        gpu,
-        model_config.model_type,
-        liger_model_types() if gpu is not None else None,  # its import needs Triton: only where a GPU is
-        training.liger_kernel_config,
-    )
-    if use_liger and training.use_liger_kernel is None:  # llmft's choice: TRL's deprecation warning is not the user's
-        warnings.filterwarnings("ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning)
-    run = run.with_training(use_liger_kernel=use_liger)
-    if why:
-        log(why)
-    packed_note = ""
-    if attention == packing.PACKED_SDPA:
-        packed_note = (
-            ": PyTorch's varlen flash kernel on the packed samples"
-            if packing.packed_kernel_for(
-                model_config, cuda=decided.cuda, precision=decided.precision, capability=capability
-            )
-            == "varlen"
-            else ": SDPA on each packed sample"
-        )
-    log(f"attention {attention}" + (" (auto)" if model.attn_implementation in (None, "auto") else "") + packed_note)
     return run, attention
 
 
 def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Prepared:
-    """The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache."""
+    """The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache; for a method
+    TRL tokenises itself (DPO, KTO, reward models), its records from llmft.data.method_data."""
+    entry = methods.method(run.llmft.method)
+    if entry.prepared_by == "trl":
+        return method_records(run, decided, entry)
+    check_records_fit(entry, first_record_columns(decided.data_options) or ())  # pairs given to --method sft
     tokenizer = files.tokenizer
     prepared = prepare(
         decided.data_options,
@@ -637,6 +677,20 @@ def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Pre
         )
         for line in report.lines(packing=run.training.packing, padding_free=bool(run.training.padding_free)):
             log(line)
+    return prepared
+
+
+def method_records(run: RunSettings, decided: Decisions, entry) -> Prepared:
+    """The records TRL's trainer tokenises (llmft.data.method_data.method_dataset), counted in one line."""
+    prepared = method_dataset(entry, decided.data_options)
+    records = prepared.info["records"]
+    log(
+        f"dataset {run.script.dataset_name}: {records['train']} {prepared.info['format']} records "
+        f"({run.llmft.data_percentage:g}% of the split; TRL's {entry.trainer_class.split(':')[-1]} tokenises them)"
+        + (f", {records['eval']} for evaluation" if prepared.eval is not None else "")
+    )
+    if rank0():
+        write_run_record(run.training.output_dir, decided.data_options, prepared)
     return prepared
 
 
@@ -722,6 +776,7 @@ def build_trainer(
     from transformers import BitsAndBytesConfig
     from trl import get_peft_config
 
+    entry = methods.method(run.llmft.method)
     args = trainer_arguments(
         run.training,
         plan=decided.plan,
@@ -730,6 +785,7 @@ def build_trainer(
         cuda=decided.cuda,
         max_length=run.training.max_length,
         resume=resume.checkpoint,
+        prepared_by=entry.prepared_by,
     )
     args.model_init_kwargs = model_init_kwargs(
         run.model, run.training, decided.quantization, decided.precision, attention
@@ -764,13 +820,7 @@ def build_trainer(
         decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit, make_writer
     )
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
-        trainer_class = ulysses.mixin_class(
-            checkpoint_save.trainer_class(run.llmft.save_consolidated),
-            sequence_parallel.gradient_scale(
-                decided.plan.zero_stage, decided.plan.sequence_parallel, ds_config.reduce_scatter(decided.ds_template)
-            ),
-        )
-        trainer = trainer_class(
+        trainer = method_trainer_class(run, decided, entry)(
             model=files.weights,
             args=args,
             train_dataset=prepared.train,
@@ -786,9 +836,10 @@ def build_trainer(
         restore_source_name(trainer.model, files.weights, files.source)
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
     trainer.add_callback(compile_report(trainer))
-    log_perplexity(trainer)
+    if entry.loss_is_nll:  # exp(eval loss) is a perplexity only for a token NLL loss
+        log_perplexity(trainer)
     guard_wandb(trainer, log)
-    meter = metrics.attach(trainer, clock, decided.gpu)  # step line, W&B metrics, run_summary.json
+    meter = metrics.attach(trainer, clock, decided.gpu, entry.reference)  # step line, W&B, run_summary.json
     if run.llmft.profile_step is not None:
         trainer.add_callback(profile_step.callback(run.llmft.profile_step, args.output_dir, meter))
     save_estimate = estimated_save_s(
@@ -806,6 +857,22 @@ def build_trainer(
     trainer.add_callback(timeout)  # last: it reads every other callback's should_save
     job_deadline.time_each_save(trainer, stop.deadline, log, timeout, publish)
     return trainer, RunCallbacks(publish, stop, meter)
+
+
+def method_trainer_class(run: RunSettings, decided: Decisions, entry):
+    """The method's TRL trainer (llmft.planning.methods) with the llmft mixins its entry names: the checkpoint
+    writer for all, the sync-free steps and Ulysses' gradient correction for SFT."""
+    trainer_class = checkpoint_save.trainer_class(
+        run.llmft.save_consolidated, base=import_class(entry.trainer_class), mixins=entry.mixins
+    )
+    if "ulysses" in entry.mixins:
+        trainer_class = ulysses.mixin_class(
+            trainer_class,
+            sequence_parallel.gradient_scale(
+                decided.plan.zero_stage, decided.plan.sequence_parallel, ds_config.reduce_scatter(decided.ds_template)
+            ),
+        )
+    return trainer_class
 
 
 def apply_sequence_parallel(args, run: RunSettings, decided: Decisions, attention: str) -> None:
@@ -858,32 +925,54 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
         )
     if rank0():
         log(
-            f"run summary written to {callbacks.meter.write_summary(args.output_dir, result.training_loss, trainer.state.global_step)}"
+            "run summary written to "
+            + str(
+                callbacks.meter.write_summary(
+                    args.output_dir, result.training_loss, trainer.state.global_step, held_out_metric(run, trainer)
+                )
+            )
         )
     if hasattr(trainer, "end"):
         trainer.end()
     return 0
 
 
-def make_parser(subparsers=None):
-    """llmft.training.flags.TrainParser (TRL's parser, with llmft's precision and DeepSpeed-file handling) for the four dataclasses.
+def held_out_metric(run: RunSettings, trainer) -> dict:
+    """The method's held-out metric (llmft.planning.methods: a reward model's accuracy on held-out pairs) from the
+    last evaluation, for run_summary.json, said in one line; {} without one or without evaluation data."""
+    name = methods.method(run.llmft.method).held_out_metric
+    key = f"eval_{name}"
+    found = [entry[key] for entry in trainer.state.log_history if key in entry] if name else []
+    if not found:
+        return {}
+    log(f"held-out {name}: {found[-1]:.4f} (last evaluation, step {trainer.state.global_step})")
+    return {key: round(float(found[-1]), 6)}
+
+
+def make_parser(subparsers=None, method_name: str | None = None):
+    """llmft.training.flags.TrainParser (TRL's parser, with llmft's precision and DeepSpeed-file handling) for the four
+    dataclasses; the second is the method's TRL config (llmft.planning.methods: SFTConfig for sft, DPOConfig for dpo).
 
     As a subcommand, `subparsers` must have been made with parser_class=TrainParser (llmft.cli does)."""
     import torch
-    from trl import ModelConfig, ScriptArguments, SFTConfig
+    from trl import ModelConfig, ScriptArguments
 
-    dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
+    entry = methods.method(method_name)
+    dataclass_types = (ScriptArguments, import_class(entry.config_class), ModelConfig, LlmftArguments)
     if subparsers is not None:
         parser = subparsers.add_parser(
-            "train", help="Fine-tune with SFTTrainer on DeepSpeed ZeRO", dataclass_types=dataclass_types
+            "train", help="Fine-tune with TRL's trainers on DeepSpeed ZeRO", dataclass_types=dataclass_types
         )
     else:
         parser = TrainParser(dataclass_types, prog="llmft train")
+    parser.method_name = entry.name
     # llmft trains on CPU exactly when no GPU is visible. dtype: unset means "the training precision" (TRL's default
     # would load fp32 weights on every rank of a bf16 run).
     # assistant_only_loss: unset means on for chat data (llmft.data.cache.assistant_only); TRL's False would train on
     # the users' turns
-    parser.set_defaults(use_cpu=not torch.cuda.is_available(), dtype=None, assistant_only_loss=None)
+    parser.set_known_defaults(use_cpu=not torch.cuda.is_available(), dtype=None, assistant_only_loss=None)
+    if not entry.packing:  # llmft decides padding-free only where the method's rows can be laid out so
+        parser.set_known_defaults(padding_free=False)
     return parser
 
 
@@ -902,6 +991,12 @@ def cli(parser, argv: list[str] | None = None) -> int:
             problem = str(e)
         if problem:  # before anything loads (HF reads these variables while parsing): several GPUs but one process
             return report_error("train", problem)
+    try:
+        name = methods.method(method_argument(argv)).name
+    except LlmftError as e:
+        return report_error("train", e)
+    if getattr(parser, "method_name", None) != name:  # the method chooses the config dataclass the parser reads
+        parser = make_parser(method_name=name)
     parsed = parse_train_flags(parser, argv)
     if isinstance(parsed, str):
         return report_error("train", parsed)

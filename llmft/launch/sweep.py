@@ -31,7 +31,7 @@ from pathlib import Path
 
 from llmft.errors import LlmftError
 from llmft.planning import methods
-from llmft.training.flag_policy import POLICY, REFUSED
+from llmft.training.flag_policy import REFUSED, policy_for
 
 SWEEP_FILE = "llmft_sweep.json"
 # Flags the job sets from its knobs and run directory: a variant changing one would train somewhere else, or
@@ -96,18 +96,18 @@ def check_flag(text: str, flag: str, method: str | None = None) -> None:
         entry = methods.method(method)
     except methods.MethodError:
         raise SweepError(f"METHOD={method} is not a training method; use {', '.join(methods.METHODS)}") from None
-    own = entry.flag_policy
-    if flag not in POLICY and flag not in own:
+    policy = policy_for(entry.name)
+    if flag not in policy:
         others = [m.name for m in methods.METHODS.values() if flag in m.flag_policy]
         if others:
             raise SweepError(
                 f"SWEEP={text}: --{flag} is a flag of --method {' and '.join(others)}, not of {entry.name}; "
                 f"set METHOD={others[0]}, or sweep another flag"
             )
-        close = difflib.get_close_matches(flag, sorted({*POLICY, *own}), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(flag, sorted(policy), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else "llmft train --help lists its flags"
         raise SweepError(f"SWEEP={text}: --{flag} is not a flag of llmft train; {hint}")
-    kind, why = own.get(flag) or POLICY[flag]
+    kind, why = policy[flag]
     if kind == REFUSED:
         raise SweepError(f"SWEEP={text}: llmft train refuses --{flag} other than its default: {why}")
 

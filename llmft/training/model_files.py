@@ -79,10 +79,13 @@ def model_init_kwargs(
     return kwargs
 
 
-def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cuda: bool, max_length, resume):
-    """The SFTConfig the Trainer runs with: the user's, with what llmft decided (flag_policy.POLICY names each field)."""
-    return dataclasses.replace(
-        training_args,
+def trainer_arguments(
+    training_args, *, plan, precision, resolved_ds_config, cuda: bool, max_length, resume, prepared_by: str = "llmft"
+):
+    """The config (SFTConfig, DPOConfig, ...) the Trainer runs with: the user's, with what llmft decided
+    (flag_policy.POLICY names each field). Data TRL tokenises itself (prepared_by "trl": DPO, KTO, reward models)
+    keeps TRL's max_length and preparation; fields a method's config lacks are not set."""
+    changes = dict(
         deepspeed=resolved_ds_config,
         per_device_train_batch_size=plan.batch.micro_batch,
         gradient_accumulation_steps=plan.batch.grad_accum,
@@ -91,15 +94,42 @@ def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cud
         use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
         dataloader_pin_memory=training_args.dataloader_pin_memory and cuda,
         # padding-free without packing: TRL refuses a max_length it would not enforce; llmft.prepare truncated already
-        max_length=None if training_args.padding_free and not training_args.packing else max_length,
+        max_length=None
+        if getattr(training_args, "padding_free", False) and not getattr(training_args, "packing", False)
+        else max_length,
         resume_from_checkpoint=str(resume) if resume else None,
         save_total_limit=None,  # applied by llmft after each checkpoint is complete (PublishCompleteCheckpoint)
-        dataset_kwargs={**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True},  # llmft.prepare did it
+        dataset_kwargs={**(getattr(training_args, "dataset_kwargs", None) or {}), "skip_prepare_dataset": True},
         assistant_only_loss=False,  # already in the prepared labels (and TRL would check the untokenised format)
     )
+    if prepared_by != "llmft":  # TRL tokenises and truncates the records itself
+        changes.update(max_length=max_length)
+        changes.pop("dataset_kwargs")  # else: llmft.prepare did it
+    fields = {f.name for f in dataclasses.fields(training_args)}
+    return dataclasses.replace(training_args, **{k: v for k, v in changes.items() if k in fields})
 
 
 def with_checkpointing(training_args, on: bool):
     """training_args with gradient checkpointing on or off. transformers 5 resolves `gradient_checkpointing` into
     `activation_checkpointing` and a copy keeps the resolved name, so both are set (one alone is silently undone)."""
     return dataclasses.replace(training_args, activation_checkpointing=on, gradient_checkpointing=on)
+
+
+def check_model_task(task: str, config, method_name: str) -> None:
+    """A reward model (task "sequence_classification", llmft.planning.methods) is the base with a one-output score
+    head, built by AutoModelForSequenceClassification: a base whose architecture has no such class is refused in one
+    line before anything loads, not failed inside TRL."""
+    if task != "sequence_classification":
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        return
+    if "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {}):
+        return  # the model's own code has one (--trust_remote_code)
+    raise TrainError(
+        f"--method {method_name} puts a one-output score head on the base, but its architecture "
+        f"({getattr(config, 'model_type', type(config).__name__)}) has no sequence-classification class in "
+        "transformers (AutoModelForSequenceClassification): start from a base that has one (Llama, Qwen2, Mistral, "
+        "GPT-2, ...)"
+    )
