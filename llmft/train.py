@@ -76,6 +76,7 @@ from llmft.training import (
     packing,
     process_group_timeout,
     profile_step,
+    reference,
     rerun,
     run_identity,
     tiled_mlp,
@@ -169,6 +170,8 @@ def train(run: RunSettings) -> int:
     with clock.phase("import"):
         import torch
 
+    with clock.phase("model_load"):
+        run = start_from_sft_model(run)
     run, decided = check_run(run, cuda=torch.cuda.is_available(), gpu=local_gpu())
     with clock.phase("model_load"):
         files = stage_model_weights(load_model_files(run.model, run.training), decided)
@@ -384,6 +387,21 @@ def choose_automatically(run: RunSettings, precision: str, grad_accum: int | Non
         if training.liger_kernel_config and training.use_liger_kernel is None
         else training.use_liger_kernel,
     )
+
+
+def start_from_sft_model(run: RunSettings) -> RunSettings:
+    """--model_name_or_path naming an SFT LoRA adapter (an SFT run's output, one of its checkpoints, an exported
+    adapter): the run starts from that SFT model, base + adapter merged once into llmft's cache
+    (llmft.training.reference.merged_sft_model), loaded as the base. A new LoRA adapter trains on top of it, so the
+    reference with the adapter disabled is the SFT model, never the bare base; a full fine-tune's reference copy is
+    the SFT model too."""
+    adapter = reference.sft_adapter_source(run.model.model_name_or_path)
+    if adapter is None:
+        return run
+    merged = reference.merged_sft_model(adapter, trust=bool(run.training.trust_remote_code), rank0=rank0(), log=log)
+    model = copy.copy(run.model)  # not dataclasses.replace: ModelConfig's __post_init__ rewrites some fields
+    model.model_name_or_path = str(merged)
+    return dataclasses.replace(run, model=model)
 
 
 def stage_model_weights(files: ModelFiles, decided: Decisions) -> ModelFiles:

@@ -101,6 +101,18 @@ def choose_reference(
     )
 
 
+def describe_engine(ref_model) -> str | None:
+    """One line on the reference copy DeepSpeed built (TRL's prepare_deepspeed): its ZeRO stage and how much of it
+    this rank holds, so a log shows the copy is sharded (ZeRO-3) or whole (stage 0); None without a copy."""
+    stage = getattr(ref_model, "zero_optimization_stage", None)
+    if not callable(stage):
+        return None
+    params = list(ref_model.module.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    here = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    return f"reference engine: ZeRO-{stage()}, {here} of its {total} parameters held on this rank"
+
+
 def check_precompute(precompute: bool, trainer_class) -> None:
     """--precompute_ref_log_probs needs a trainer with TRL's precompute pass (DPO and KTO in TRL 1.16 have
     `_precompute_ref_logps`); anything else is refused in one line rather than ignored."""
@@ -260,6 +272,12 @@ def merged_sft_model(adapter: Path, *, trust: bool, rank0: bool, log: Callable[[
     return final
 
 
+def merged_from(model_dir: str) -> str | None:
+    """The SFT adapter a merged model directory of `merged_sft_model` was made from, or None for any other model."""
+    marker = Path(model_dir) / MERGED_MARKER
+    return json.loads(marker.read_text()).get("adapter") if marker.is_file() else None
+
+
 # --------------------------------------------------------------------------------------------------
 # Precomputed reference log-probs
 
@@ -293,10 +311,14 @@ class ReferenceStore:
 
     root: Path
     base_key: dict
+    weights_dir: str  # the directory the reference's weights load from
     log: Callable[[str], None]
     record: dict = field(default_factory=lambda: {"computed": 0, "reused": 0, "seconds": 0.0, "bytes": 0})
 
     def key(self, name: str, data: str) -> str:
+        """The key of one dataset's log-probs; the weights are hashed here, on the rank that decides (rank 0), once."""
+        if "weights" not in self.base_key:
+            self.base_key["weights"] = weights_fingerprint(self.weights_dir, cache_root() / "file_hashes")
         blob = json.dumps({**self.base_key, "dataset": name, "data": data}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -350,7 +372,6 @@ def reference_store(
     root = cache_root() / "ref_logps"
     base_key = {
         "version": STORE_VERSION,
-        "weights": weights_fingerprint(weights_dir, cache_root() / "file_hashes"),
         "max_length": getattr(args, "max_length", None),
         "max_prompt_length": getattr(args, "max_prompt_length", None),
         "max_completion_length": getattr(args, "max_completion_length", None),
@@ -362,7 +383,7 @@ def reference_store(
         "ld_alpha": getattr(args, "ld_alpha", None),
         "use_logits_to_keep": getattr(args, "use_logits_to_keep", None),
     }
-    return ReferenceStore(root, base_key, log)
+    return ReferenceStore(root, base_key, weights_dir, log)
 
 
 def precompute_kept(trainer_class, store: ReferenceStore):
