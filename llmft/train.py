@@ -50,10 +50,11 @@ from llmft.checkpoint import run_dir
 from llmft.command import exit_process, report_error
 from llmft.data import loading as data
 from llmft.data.cache import DataOptions, Prepared, check_options, prepare, write_run_record
+from llmft.data.method_data import check_records_fit, first_record_columns, method_dataset
 from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
-from llmft.planning import ds_config, sequence_parallel, world
+from llmft.planning import ds_config, methods, sequence_parallel, world
 from llmft.planning.hardware import choose_attention, choose_liger, flash_attn_installed, liger_model_types, local_gpu
 from llmft.planning.memory import estimated_save_s
 from llmft.planning.model_shape import cap_max_length, model_positions, model_shape
@@ -91,7 +92,15 @@ from llmft.training.deepspeed_env import (
     skip_deepspeed_shm_op,
     use_proc_cpuinfo_for_deepspeed,
 )
-from llmft.training.flags import TrainParser, check_flags, check_profile_step, parse_train_flags
+from llmft.training.flags import (
+    TrainParser,
+    check_flags,
+    check_method_features,
+    check_profile_step,
+    import_class,
+    method_argument,
+    parse_train_flags,
+)
 from llmft.training.metrics import log_perplexity
 from llmft.training.model_files import (
     ModelFiles,
@@ -207,7 +216,9 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
         raise TrainError(
             "--dataset_name (or --dataset_mixture) is required (a .jsonl/.json/.parquet/.csv file or directory, or a hub dataset)"
         )
-    check_flags(script, training, model, cuda=cuda)
+    entry = methods.method(extra.method)
+    check_flags(script, training, model, cuda=cuda, method_name=entry.name)
+    check_method_features(extra, entry)
     check_profile_step(extra.profile_step, training.max_steps)
     precision = train_precision(training, extra, gpu)
     grad_accum = training.gradient_accumulation_steps if training.gradient_accumulation_steps != 1 else None
@@ -263,7 +274,7 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
         bitsandbytes=bitsandbytes_version(),
     )
     data_options = DataOptions.from_args(script, run.training, extra)
-    check_options(data_options, training.eval_strategy, training.dataset_kwargs)
+    check_options(data_options, training.eval_strategy, getattr(training, "dataset_kwargs", None))
     return run, Decisions(cuda, gpu, precision, plan, template, quantization, data_options)
 
 
@@ -336,7 +347,7 @@ def choose_compile_default(run: RunSettings, decided: Decisions, resume, model_c
     on, why = choose_torch_compile(
         requested,
         decided.gpu,
-        packing=bool(training.packing),
+        packing=bool(getattr(training, "packing", False)),
         zero_stage=plan.zero_stage,
         use_peft=bool(run.model.use_peft),
         sequence_parallel=run.llmft.sequence_parallel,
@@ -520,6 +531,7 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
     padding-free batches (llmft.training.packing.choose_padding_free) and Liger's kernels
     (llmft.planning.hardware.choose_liger)."""
     training, model, gpu = run.training, run.model, decided.gpu
+    entry = methods.method(run.llmft.method)
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
     target = model.lora_target_modules
@@ -549,6 +561,40 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
     )
     # the gradient correction, decided here so a config it cannot correct is refused before the model loads
     sequence_parallel.gradient_scale(decided.plan.zero_stage, sp, ds_config.reduce_scatter(decided.ds_template))
+    if entry.packing:  # a method whose rows TRL can pack or lay out padding-free
+        run, attention = choose_row_layout(run, decided, model_config, attention, masks_from_positions)
+    training = run.training
+    use_liger, why = choose_liger(
+        training.use_liger_kernel,
+        gpu,
+        model_config.model_type,
+        liger_model_types() if gpu is not None else None,  # its import needs Triton: only where a GPU is
+        training.liger_kernel_config,
+    )
+    if use_liger and training.use_liger_kernel is None:  # llmft's choice: TRL's deprecation warning is not the user's
+        warnings.filterwarnings("ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning)
+    run = run.with_training(use_liger_kernel=use_liger)
+    if why:
+        log(why)
+    packed_note = ""
+    if attention == packing.PACKED_SDPA:
+        packed_note = (
+            ": PyTorch's varlen flash kernel on the packed samples"
+            if packing.packed_kernel_for(
+                model_config, cuda=decided.cuda, precision=decided.precision, capability=capability
+            )
+            == "varlen"
+            else ": SDPA on each packed sample"
+        )
+    log(f"attention {attention}" + (" (auto)" if model.attn_implementation in (None, "auto") else "") + packed_note)
+    return run, attention
+
+
+def choose_row_layout(run: RunSettings, decided: Decisions, model_config, attention: str, masks_from_positions):
+    """Padding-free batches (llmft.training.packing.choose_padding_free) and packing's attention, for a method whose
+    rows TRL packs (llmft.planning.methods: Method.packing)."""
+    training, gpu, sp = run.training, decided.gpu, run.llmft.sequence_parallel
+    capability = gpu.compute_capability if gpu is not None else None
     requested_padding_free = training.padding_free
     if sp > 1 and requested_padding_free is None and attention not in sequence_parallel.BOUNDARY_AWARE:
         requested_padding_free = False  # llmft's own choice never mixes samples under Ulysses
@@ -580,34 +626,16 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
         )
         if attention == packing.PACKED_SDPA:
             packing.register_packed_sdpa()
-    use_liger, why = choose_liger(
-        training.use_liger_kernel,
-        gpu,
-        model_config.model_type,
-        liger_model_types() if gpu is not None else None,  # its import needs Triton: only where a GPU is
-        training.liger_kernel_config,
-    )
-    if use_liger and training.use_liger_kernel is None:  # llmft's choice: TRL's deprecation warning is not the user's
-        warnings.filterwarnings("ignore", message=r"`use_liger_kernel=True` is deprecated", category=FutureWarning)
-    run = run.with_training(use_liger_kernel=use_liger)
-    if why:
-        log(why)
-    packed_note = ""
-    if attention == packing.PACKED_SDPA:
-        packed_note = (
-            ": PyTorch's varlen flash kernel on the packed samples"
-            if packing.packed_kernel_for(
-                model_config, cuda=decided.cuda, precision=decided.precision, capability=capability
-            )
-            == "varlen"
-            else ": SDPA on each packed sample"
-        )
-    log(f"attention {attention}" + (" (auto)" if model.attn_implementation in (None, "auto") else "") + packed_note)
     return run, attention
 
 
 def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Prepared:
-    """The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache."""
+    """The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache; for a method
+    TRL tokenises itself (DPO, KTO, reward models), its records from llmft.data.method_data."""
+    entry = methods.method(run.llmft.method)
+    if entry.prepared_by == "trl":
+        return method_records(run, decided, entry)
+    check_records_fit(entry, first_record_columns(decided.data_options) or ())  # pairs given to --method sft
     tokenizer = files.tokenizer
     prepared = prepare(
         decided.data_options,
@@ -639,6 +667,20 @@ def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Pre
         )
         for line in report.lines(packing=run.training.packing, padding_free=bool(run.training.padding_free)):
             log(line)
+    return prepared
+
+
+def method_records(run: RunSettings, decided: Decisions, entry) -> Prepared:
+    """The records TRL's trainer tokenises (llmft.data.method_data.method_dataset), counted in one line."""
+    prepared = method_dataset(entry, decided.data_options)
+    records = prepared.info["records"]
+    log(
+        f"dataset {run.script.dataset_name}: {records['train']} {prepared.info['format']} records "
+        f"({run.llmft.data_percentage:g}% of the split; TRL's {entry.trainer_class.split(':')[-1]} tokenises them)"
+        + (f", {records['eval']} for evaluation" if prepared.eval is not None else "")
+    )
+    if rank0():
+        write_run_record(run.training.output_dir, decided.data_options, prepared)
     return prepared
 
 
@@ -724,6 +766,7 @@ def build_trainer(
     from transformers import BitsAndBytesConfig
     from trl import get_peft_config
 
+    entry = methods.method(run.llmft.method)
     args = trainer_arguments(
         run.training,
         plan=decided.plan,
@@ -732,6 +775,7 @@ def build_trainer(
         cuda=decided.cuda,
         max_length=run.training.max_length,
         resume=resume.checkpoint,
+        prepared_by=entry.prepared_by,
     )
     args.model_init_kwargs = model_init_kwargs(
         run.model, run.training, decided.quantization, decided.precision, attention
@@ -766,12 +810,18 @@ def build_trainer(
         decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit, make_writer
     )
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
-        trainer_class = ulysses.mixin_class(
-            checkpoint_save.trainer_class(run.llmft.save_consolidated),
-            sequence_parallel.gradient_scale(
-                decided.plan.zero_stage, decided.plan.sequence_parallel, ds_config.reduce_scatter(decided.ds_template)
-            ),
+        trainer_class = checkpoint_save.trainer_class(
+            run.llmft.save_consolidated, base=import_class(entry.trainer_class), mixins=entry.mixins
         )
+        if "ulysses" in entry.mixins:
+            trainer_class = ulysses.mixin_class(
+                trainer_class,
+                sequence_parallel.gradient_scale(
+                    decided.plan.zero_stage,
+                    decided.plan.sequence_parallel,
+                    ds_config.reduce_scatter(decided.ds_template),
+                ),
+            )
         trainer = trainer_class(
             model=files.weights,
             args=args,
@@ -867,25 +917,30 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
     return 0
 
 
-def make_parser(subparsers=None):
-    """llmft.training.flags.TrainParser (TRL's parser, with llmft's precision and DeepSpeed-file handling) for the four dataclasses.
+def make_parser(subparsers=None, method_name: str | None = None):
+    """llmft.training.flags.TrainParser (TRL's parser, with llmft's precision and DeepSpeed-file handling) for the four
+    dataclasses; the second is the method's TRL config (llmft.planning.methods: SFTConfig for sft, DPOConfig for dpo).
 
     As a subcommand, `subparsers` must have been made with parser_class=TrainParser (llmft.cli does)."""
     import torch
-    from trl import ModelConfig, ScriptArguments, SFTConfig
+    from trl import ModelConfig, ScriptArguments
 
-    dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
+    entry = methods.method(method_name)
+    dataclass_types = (ScriptArguments, import_class(entry.config_class), ModelConfig, LlmftArguments)
     if subparsers is not None:
         parser = subparsers.add_parser(
-            "train", help="Fine-tune with SFTTrainer on DeepSpeed ZeRO", dataclass_types=dataclass_types
+            "train", help="Fine-tune with TRL's trainers on DeepSpeed ZeRO", dataclass_types=dataclass_types
         )
     else:
         parser = TrainParser(dataclass_types, prog="llmft train")
+    parser.method_name = entry.name
     # llmft trains on CPU exactly when no GPU is visible. dtype: unset means "the training precision" (TRL's default
     # would load fp32 weights on every rank of a bf16 run).
     # assistant_only_loss: unset means on for chat data (llmft.data.cache.assistant_only); TRL's False would train on
     # the users' turns
-    parser.set_defaults(use_cpu=not torch.cuda.is_available(), dtype=None, assistant_only_loss=None)
+    parser.set_known_defaults(use_cpu=not torch.cuda.is_available(), dtype=None, assistant_only_loss=None)
+    if not entry.packing:  # llmft decides padding-free only where the method's rows can be laid out so
+        parser.set_known_defaults(padding_free=False)
     return parser
 
 
@@ -904,6 +959,12 @@ def cli(parser, argv: list[str] | None = None) -> int:
             problem = str(e)
         if problem:  # before anything loads (HF reads these variables while parsing): several GPUs but one process
             return report_error("train", problem)
+    try:
+        name = methods.method(method_argument(argv)).name
+    except LlmftError as e:
+        return report_error("train", e)
+    if getattr(parser, "method_name", None) != name:  # the method chooses the config dataclass the parser reads
+        parser = make_parser(method_name=name)
     parsed = parse_train_flags(parser, argv)
     if isinstance(parsed, str):
         return report_error("train", parsed)

@@ -80,7 +80,7 @@ class DataOptions:
             prompt_column=llmft_args.prompt_column,
             completion_column=llmft_args.completion_column,
             messages_column=llmft_args.messages_column,
-            text_field=training_args.dataset_text_field,
+            text_field=getattr(training_args, "dataset_text_field", "text"),  # SFTConfig's alone
             data_percentage=llmft_args.data_percentage,
             seed=training_args.seed,
             dataset_mixture=getattr(llmft_args, "dataset_mixture", None),

@@ -49,10 +49,72 @@ class Method:
     # flags of this method's config that the shared TrainingArguments/llmft policy does not cover:
     # name -> (kind, why), kinds as in llmft.training.flag_policy
     flags: tuple[tuple[str, tuple[str, str]], ...] = ()
+    # the logged metric `llmft train` reports for held-out data (run_summary.json's "eval_<name>"); "" for none
+    held_out_metric: str = ""
+    # the task of the model TRL builds from the base: "causal_lm" (AutoModelForCausalLM) or "sequence_classification"
+    # (AutoModelForSequenceClassification, num_labels=1: the base must have a class for it)
+    model_task: str = "causal_lm"
 
     @property
     def flag_policy(self) -> dict[str, tuple[str, str]]:
         return dict(self.flags)
+
+
+# llmft flags that need a mixin a method may lack: flag -> mixin (see Method.mixins); a flag whose mixin the
+# method lacks is refused in one line (llmft.training.flags.check_method_flags)
+MIXIN_FLAGS: dict[str, str] = {"sequence_parallel": "ulysses"}
+
+# Policy rows (kind, why) for the preference methods' own config fields; kinds as in llmft.training.flag_policy.
+_PASSED, _REFUSED = "passed", "refused"
+_TRL = "handed to TRL's trainer, which implements it"
+_REFERENCE = (
+    "the reference model: TRL's default (a copy of the base for full fine-tuning, the adapter disabled for LoRA)"
+)
+_SYNC_REF = (
+    _REFUSED,
+    "it mixes the policy into the reference during training, which llmft's checkpoints do not save (a resumed run "
+    "would restart from a different reference); drop it",
+)
+_PADDING_FREE_OFF = (
+    _REFUSED,
+    "TRL 1.16's DPOTrainer turns padding_free off with a warning and pads anyway (trl/trainer/dpo_trainer.py); "
+    "drop --padding_free",
+)
+_DPO_FLAGS = (
+    ("beta", (_PASSED, _TRL)),
+    ("loss_type", (_PASSED, "DPO's loss (sigmoid, ipo, hinge, robust, ...): " + _TRL)),
+    ("loss_weights", (_PASSED, _TRL)),
+    ("ld_alpha", (_PASSED, _TRL)),
+    ("f_divergence_type", (_PASSED, _TRL)),
+    ("f_alpha_divergence_coef", (_PASSED, _TRL)),
+    ("label_smoothing", (_PASSED, _TRL)),
+    ("use_weighting", (_PASSED, _TRL)),
+    ("discopop_tau", (_PASSED, _TRL)),
+    ("disable_dropout", (_PASSED, _TRL)),
+    ("truncation_mode", (_PASSED, "TRL tokenises and truncates the pairs itself")),
+    ("precompute_ref_log_probs", (_PASSED, _REFERENCE + "; precomputed once before training")),
+    ("precompute_ref_batch_size", (_PASSED, _REFERENCE)),
+    ("padding_free", _PADDING_FREE_OFF),
+    ("sync_ref_model", _SYNC_REF),
+    ("ref_model_mixup_alpha", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+    ("ref_model_sync_steps", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+)
+_KTO_FLAGS = (
+    ("beta", (_PASSED, _TRL)),
+    ("loss_type", (_PASSED, "KTO's loss (kto, apo_zero_unpaired): " + _TRL)),
+    ("desirable_weight", (_PASSED, _TRL)),
+    ("undesirable_weight", (_PASSED, _TRL)),
+    ("disable_dropout", (_PASSED, _TRL)),
+    ("precompute_ref_log_probs", (_PASSED, _REFERENCE + "; precomputed once before training")),
+    ("precompute_ref_batch_size", (_PASSED, _REFERENCE)),
+    ("sync_ref_model", _SYNC_REF),
+    ("ref_model_mixup_alpha", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+    ("ref_model_sync_steps", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+)
+_REWARD_FLAGS = (
+    ("center_rewards_coefficient", (_PASSED, _TRL)),
+    ("disable_dropout", (_PASSED, _TRL)),
+)
 
 
 _PREFERENCE_PLOTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
@@ -86,7 +148,9 @@ METHODS: dict[str, Method] = {
         loss_head="lm",
         mixins=("checkpoint_save",),
         report_metrics=_PREFERENCE_PLOTS,
-        packing="padding_free",
+        # TRL 1.16's DPOConfig has padding_free, but DPOTrainer turns it off and pads (dpo_trainer.py): refused
+        packing="",
+        flags=_DPO_FLAGS,
     ),
     "kto": Method(
         name="kto",
@@ -102,6 +166,7 @@ METHODS: dict[str, Method] = {
         mixins=("checkpoint_save",),
         report_metrics=("rewards/chosen", "rewards/rejected", "rewards/margins", "kl"),
         packing="",
+        flags=_KTO_FLAGS,
     ),
     "reward": Method(
         name="reward",
@@ -117,6 +182,9 @@ METHODS: dict[str, Method] = {
         mixins=("checkpoint_save",),
         report_metrics=("accuracy", "margin"),
         packing="",
+        flags=_REWARD_FLAGS,
+        held_out_metric="accuracy",
+        model_task="sequence_classification",
     ),
 }
 

@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 class LlmftArguments:
     """What llmft adds to TRL's flags."""
 
+    method: str = field(
+        default="sft",
+        metadata={
+            "help": "sft, dpo, kto or reward (llmft.planning.methods): the TRL trainer and config this run uses; "
+            "the flags of another method's config are refused."
+        },
+    )
     zero_stage: int | None = field(
         default=None, metadata={"help": "ZeRO stage 0-3, using ds_configs/zeroN.json (default 2)."}
     )

@@ -51,14 +51,19 @@ def trainable_state_dict(trainer) -> dict | None:
     return state
 
 
-def trainer_class(save_consolidated: bool = False):
-    """SFTTrainer whose save_model writes ZeRO-3 runs as described in the module docstring, and whose training
-    steps do not sync the GPU with the host (llmft.training.sync_free)."""
+def trainer_class(save_consolidated: bool = False, base=None, mixins: tuple[str, ...] = ("sync_free",)):
+    """`base` (TRL's SFTTrainer by default; any TRL trainer: DPOTrainer, KTOTrainer, RewardTrainer) whose save_model
+    writes ZeRO-3 runs as described in the module docstring; with "sync_free" in `mixins` (the method table's,
+    llmft.planning.methods: SFT's alone), training steps that do not sync the GPU with the host (llmft.training.sync_free)."""
     from transformers.trainer_pt_utils import remove_dummy_checkpoint
     from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
-    from trl import SFTTrainer
 
-    class LlmftSFTTrainer(sync_free.mixin_class(SFTTrainer)):
+    if base is None:
+        from trl import SFTTrainer as base
+    if "sync_free" in mixins:
+        base = sync_free.mixin_class(base)
+
+    class LlmftTrainer(base):
         def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
             if not is_zero3(self):
                 if _internal_call and self.is_deepspeed_enabled and not _is_peft(self.model):
@@ -81,7 +86,8 @@ def trainer_class(save_consolidated: bool = False):
             if _internal_call or not (step_dir / "llmft_complete.json").is_file():
                 self.model_wrapped.save_checkpoint(output_dir)
 
-    return LlmftSFTTrainer
+    LlmftTrainer.__name__ = LlmftTrainer.__qualname__ = f"Llmft{base.__name__}"
+    return LlmftTrainer
 
 
 def _is_peft(model) -> bool:

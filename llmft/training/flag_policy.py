@@ -18,6 +18,8 @@ The table is data, importable without torch or TRL (nothing but the standard lib
 
 from __future__ import annotations
 
+from llmft.planning.methods import METHODS, method
+
 USED, PASSED, CHECKED, REFUSED, EVAL = "used", "passed", "checked", "refused", "eval"
 
 
@@ -232,6 +234,10 @@ POLICY: dict[str, tuple[str, str]] = {
         "dataset_format prompt_template role_map drop_long_records",
         "llmft.data's formats, prompt templates and over-long records: applied once by llmft.prepare (part of its cache key)",
     ),
+    "method": (
+        USED,
+        "the training method (llmft.planning.methods): its TRL config and trainer; another method's flags are refused",
+    ),
     "auto": (
         CHECKED,
         "llmft.plan.auto_choice picks ZeRO stage, offload, micro-batch and gradient checkpointing; "
@@ -268,3 +274,14 @@ POLICY: dict[str, tuple[str, str]] = {
         "take it, and on a resume with another N; --auto plans with it",
     ),
 }
+
+
+def policy_for(name: str | None) -> dict[str, tuple[str, str]]:
+    """The policy of `llmft train --method NAME`: POLICY (TrainingArguments, SFT's own fields, llmft's) with the
+    method's own rows (llmft.planning.methods: a DPO --loss_type is DPO's) over it."""
+    return {**POLICY, **method(name).flag_policy}
+
+
+def all_flag_names() -> set[str]:
+    """Every flag name some method's `llmft train` accepts (the launchers check a SWEEP's flags against it)."""
+    return set(POLICY).union(*(m.flag_policy for m in METHODS.values()))

@@ -13,8 +13,9 @@ from trl import TrlParser
 from llmft.errors import LlmftError
 from llmft.planning.collective_timeout import STARTUP_S
 from llmft.planning.ds_config import load_config, template_path
+from llmft.planning.methods import METHODS, MIXIN_FLAGS, Method, method
 from llmft.training.flag_names import unknown_flag_message
-from llmft.training.flag_policy import POLICY, REFUSED
+from llmft.training.flag_policy import REFUSED, policy_for
 
 
 class FlagError(LlmftError, ValueError):
@@ -57,11 +58,83 @@ def _show(value) -> str:
     return str(getattr(value, "value", value))
 
 
-def check_flags(script_args, training_args, model_args, *, cuda: bool) -> None:
-    """Refuse every flag value llmft cannot honour, before anything loads; the message names the flag and why."""
+def import_class(spec: str):
+    """The class a method entry names as "module:attribute" (llmft.planning.methods), imported."""
+    import importlib
+
+    module, _, attribute = spec.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def method_argument(argv: list[str]) -> str | None:
+    """--method's value from the command line, else the --config YAML's `method:`, else None (the default, sft):
+    read before the parser is built, since the method chooses the config dataclass the parser reads."""
+    for i, arg in enumerate(argv):
+        if arg == "--method" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--method="):
+            return arg.split("=", 1)[1]
+    config = config_keys(argv)
+    value = config.get("method")
+    return None if value is None else str(value)
+
+
+def config_keys(argv: list[str]) -> dict:
+    """The --config YAML's mapping ({} without one, or when it cannot be read: the parser names that problem)."""
+    import yaml
+
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return {}
+    try:
+        with open(argv[argv.index("--config") + 1]) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def method_fields(entry: Method) -> set[str]:
+    """The flag names of a method's TRL config (its dataclass fields)."""
+    return {f.name for f in dataclasses.fields(import_class(entry.config_class)) if f.init}
+
+
+def check_method_flags(argv: list[str], entry: Method, shared: set[str]) -> None:
+    """A flag (on the command line or in --config YAML) that only another method's config has is refused, naming the
+    method(s) it belongs to: --beta with --method sft is never ignored, nor reported as an unknown flag."""
+    given = [a[2:].split("=", 1)[0] for a in argv if a.startswith("--")] + list(config_keys(argv))
+    own = method_fields(entry) | shared
+    others = {m.name: method_fields(m) for m in METHODS.values() if m.name != entry.name}
+    for name in given:
+        bare = name[3:] if name.startswith("no_") and name not in own else name
+        if bare in own:
+            continue
+        owners = [m for m, fields in others.items() if bare in fields]
+        if owners:
+            raise FlagError(
+                f"--{bare} is a flag of --method {', '.join(owners)}, not of --method {entry.name}: "
+                f"add --method {owners[0]}, or drop --{bare}"
+            )
+
+
+def check_method_features(llmft_args, entry: Method) -> None:
+    """An llmft feature whose trainer mixin this method lacks (llmft.planning.methods.MIXIN_FLAGS: Ulysses is SFT's
+    alone) is refused in one line, not run without it."""
+    for flag, mixin in MIXIN_FLAGS.items():
+        if mixin not in entry.mixins and _given(llmft_args, flag):
+            having = [m.name for m in METHODS.values() if mixin in m.mixins]
+            raise FlagError(
+                f"--{flag} {_show(getattr(llmft_args, flag))} is not supported with --method {entry.name}: "
+                f"it runs with --method {', '.join(having)} only; drop --{flag}"
+            )
+
+
+def check_flags(script_args, training_args, model_args, *, cuda: bool, method_name: str | None = None) -> None:
+    """Refuse every flag value llmft cannot honour, before anything loads; the message names the flag and why.
+    The policy is the method's (llmft.training.flag_policy.policy_for): a DPO --padding_free is refused."""
+    policy = policy_for(method_name)
     for obj in (script_args, training_args, model_args):
         for f in dataclasses.fields(obj):
-            kind, why = POLICY.get(f.name, (None, ""))
+            kind, why = policy.get(f.name, (None, ""))
             if kind == REFUSED and f.init and _given(obj, f.name):
                 raise FlagError(f"--{f.name} {_show(getattr(obj, f.name))} is not supported: {why}")
     if not model_args.use_peft:
@@ -133,7 +206,7 @@ class TrainParser(TrlParser):
         self.output_dir_given = True
         # None: not given (SFTConfig's default False cannot tell "not given" from "false"); llmft decides padding_free
         # and Liger itself when not given (llmft.packing.choose_padding_free, llmft.planning.hardware.choose_liger)
-        self.set_defaults(fp16=None, padding_free=None, use_liger_kernel=None)
+        self.set_known_defaults(fp16=None, padding_free=None, use_liger_kernel=None)
         # None: not given; llmft then decides recomputation and torch.compile by the measurements
         # (llmft.planning.speed_defaults), and hands SFTConfig TRL's defaults (on, off) until it has
         self.set_defaults(gradient_checkpointing=None, torch_compile=None)
@@ -143,6 +216,12 @@ class TrainParser(TrlParser):
         if any("--ddp_timeout" in a.option_strings for a in self._actions):
             self.set_defaults(ddp_timeout=None)
         self.ddp_timeout_given = False
+
+    def set_known_defaults(self, **defaults) -> None:
+        """set_defaults for the flags this parser has (a method's config lacks some of SFT's: KTO has no
+        padding_free), so no value without a field is left over."""
+        dests = {a.dest for a in self._actions}
+        self.set_defaults(**{k: v for k, v in defaults.items() if k in dests})
 
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)
@@ -198,11 +277,21 @@ def parse_train_flags(parser, argv: list[str] | None):
     message for flags HF/TRL reject in __post_init__ or a --config file that cannot be read."""
     import yaml
 
+    argv = list(argv) if argv is not None else None
     try:
+        if argv is not None:
+            check_method_flags(argv, method(getattr(parser, "method_name", None)), parser_flags(parser))
         return parser.parse_args_and_config(args=argv)
+    except LlmftError as e:
+        return str(e)
     except (ValueError, OSError, yaml.YAMLError) as e:
         if isinstance(e, OSError):
             return f"cannot read {e.filename or 'the --config file'}: {e.strerror or e}"
         if isinstance(e, yaml.YAMLError):
             return f"the --config file is not valid YAML: {str(e).strip().splitlines()[0]}"
         return str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+
+
+def parser_flags(parser) -> set[str]:
+    """The long flag names a parser takes (without the dashes)."""
+    return {s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")}

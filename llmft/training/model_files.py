@@ -79,10 +79,13 @@ def model_init_kwargs(
     return kwargs
 
 
-def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cuda: bool, max_length, resume):
-    """The SFTConfig the Trainer runs with: the user's, with what llmft decided (flag_policy.POLICY names each field)."""
-    return dataclasses.replace(
-        training_args,
+def trainer_arguments(
+    training_args, *, plan, precision, resolved_ds_config, cuda: bool, max_length, resume, prepared_by: str = "llmft"
+):
+    """The config (SFTConfig, DPOConfig, ...) the Trainer runs with: the user's, with what llmft decided
+    (flag_policy.POLICY names each field). Data TRL tokenises itself (prepared_by "trl": DPO, KTO, reward models)
+    keeps TRL's max_length and preparation; fields a method's config lacks are not set."""
+    changes = dict(
         deepspeed=resolved_ds_config,
         per_device_train_batch_size=plan.batch.micro_batch,
         gradient_accumulation_steps=plan.batch.grad_accum,
@@ -91,12 +94,19 @@ def trainer_arguments(training_args, *, plan, precision, resolved_ds_config, cud
         use_cpu=not cuda,  # without it accelerate sees world size 1 on CPU and DeepSpeed fails
         dataloader_pin_memory=training_args.dataloader_pin_memory and cuda,
         # padding-free without packing: TRL refuses a max_length it would not enforce; llmft.prepare truncated already
-        max_length=None if training_args.padding_free and not training_args.packing else max_length,
+        max_length=None
+        if getattr(training_args, "padding_free", False) and not getattr(training_args, "packing", False)
+        else max_length,
         resume_from_checkpoint=str(resume) if resume else None,
         save_total_limit=None,  # applied by llmft after each checkpoint is complete (PublishCompleteCheckpoint)
-        dataset_kwargs={**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True},  # llmft.prepare did it
+        dataset_kwargs={**(getattr(training_args, "dataset_kwargs", None) or {}), "skip_prepare_dataset": True},
         assistant_only_loss=False,  # already in the prepared labels (and TRL would check the untokenised format)
     )
+    if prepared_by != "llmft":  # TRL tokenises and truncates the records itself
+        changes.update(max_length=max_length)
+        changes.pop("dataset_kwargs")  # else: llmft.prepare did it
+    fields = {f.name for f in dataclasses.fields(training_args)}
+    return dataclasses.replace(training_args, **{k: v for k, v in changes.items() if k in fields})
 
 
 def with_checkpointing(training_args, on: bool):

@@ -19,6 +19,7 @@ from llmft.errors import LlmftError
 
 # key -> how a difference is named in the message
 LABELS = {
+    "method": "training method",
     "model": "model",
     "model_revision": "model revision",
     "dataset_fingerprint": "dataset content",
@@ -64,6 +65,7 @@ def run_identity(
         }
     quant = "4bit" if model_args.load_in_4bit else "8bit" if model_args.load_in_8bit else None
     return {
+        "method": getattr(llmft_args, "method", "sft"),  # a record written before --method existed is SFT's
         "model": _model_id(model_args.model_name_or_path),
         "model_revision": model_args.model_revision,
         "dataset": _model_id(
@@ -77,12 +79,12 @@ def run_identity(
             "prompt": llmft_args.prompt_column,
             "completion": llmft_args.completion_column,
             "messages": llmft_args.messages_column,
-            "text": training_args.dataset_text_field,
+            "text": getattr(training_args, "dataset_text_field", "text"),
         },
         "lora": lora,
         "quantization": quant,
         "max_length": training_args.max_length,
-        "packing": training_args.packing,
+        "packing": getattr(training_args, "packing", False),
         "global_batch": global_batch,
         "zero_stage": zero_stage,
     }
