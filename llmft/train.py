@@ -822,6 +822,7 @@ def build_trainer(
                     ds_config.reduce_scatter(decided.ds_template),
                 ),
             )
+        trainer_class, kept = choose_reference(run, decided, files, args, trainer_class)
         trainer = trainer_class(
             model=files.weights,
             args=args,
@@ -841,6 +842,7 @@ def build_trainer(
     log_perplexity(trainer)
     guard_wandb(trainer, log)
     meter = metrics.attach(trainer, clock, decided.gpu)  # step line, W&B metrics, run_summary.json
+    report_reference(trainer, meter, kept)
     if run.llmft.profile_step is not None:
         trainer.add_callback(profile_step.callback(run.llmft.profile_step, args.output_dir, meter))
     save_estimate = estimated_save_s(
@@ -858,6 +860,45 @@ def build_trainer(
     trainer.add_callback(timeout)  # last: it reads every other callback's should_save
     job_deadline.time_each_save(trainer, stop.deadline, log, timeout, publish)
     return trainer, RunCallbacks(publish, stop, meter)
+
+
+def choose_reference(run: RunSettings, decided: Decisions, files: ModelFiles, args, trainer_class):
+    """The method's reference model (llmft.training.reference.choose_reference), named in one line; with
+    --precompute_ref_log_probs the trainer class keeps TRL's pass in llmft's cache (reference.precompute_kept).
+    Returns the trainer class and the store (None when nothing is precomputed)."""
+    precompute = bool(getattr(run.training, "precompute_ref_log_probs", False))
+    chosen = reference.choose_reference(
+        methods.method(run.llmft.method).reference,
+        use_peft=bool(run.model.use_peft),
+        zero_stage=decided.plan.zero_stage,
+        precompute=precompute,
+        sft_model=reference.merged_from(files.source or files.weights),
+    )
+    if chosen.line:
+        log(chosen.line)
+    if chosen.strategy != "precomputed":
+        return trainer_class, None
+    reference.check_precompute(precompute, trainer_class)
+    store = reference.reference_store(
+        weights_dir=files.weights,
+        trainer_class=trainer_class,
+        args=args,
+        tokenizer=files.tokenizer,
+        dtype=args.model_init_kwargs.get("dtype"),
+        quantized=bool(decided.quantization),
+        log=log,
+    )
+    return reference.precompute_kept(trainer_class, store), store
+
+
+def report_reference(trainer, meter: metrics.Meter, kept) -> None:
+    """The reference copy's engine in one line (its ZeRO stage, this rank's share), and the precompute's counts,
+    time and size in run_summary.json (`reference_log_probs`)."""
+    line = reference.describe_engine(getattr(trainer, "ref_model", None))
+    if line:
+        log(line)
+    if kept is not None:
+        meter.extra["reference_log_probs"] = kept.record
 
 
 def apply_sequence_parallel(args, run: RunSettings, decided: Decisions, attention: str) -> None:

@@ -386,6 +386,20 @@ def reference_store(
     return ReferenceStore(root, base_key, weights_dir, log)
 
 
+def _first_path(dataset, target: str):
+    """The dataset's cache-path function with its first answer replaced by `target`: TRL asks it once, first, for the
+    file its pass writes; later calls (a map flattening an indices mapping) keep the dataset's own paths."""
+    original, asked = dataset._get_cache_file_path, []
+
+    def path(fingerprint):
+        if asked:
+            return original(fingerprint)
+        asked.append(fingerprint)
+        return target
+
+    return path
+
+
 def precompute_kept(trainer_class, store: ReferenceStore):
     """`trainer_class` with TRL's precompute pass (`_precompute_ref_logps`, called from its constructor in TRL
     1.16) routed through llmft's cache: on a hit the stored columns are added and TRL's pass is skipped; on a miss
@@ -408,8 +422,7 @@ def precompute_kept(trainer_class, store: ReferenceStore):
             key, hit, partial = decided[0]
             started = time.perf_counter()
             if not hit:
-                target = str(Path(partial) / "ref_logps.arrow")
-                dataset._get_cache_file_path = lambda _fingerprint: target  # TRL writes the columns here
+                dataset._get_cache_file_path = _first_path(dataset, str(Path(partial) / "ref_logps.arrow"))
                 try:
                     super()._precompute_ref_logps(dataset, name, batch_size)
                 finally:
