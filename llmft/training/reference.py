@@ -415,6 +415,7 @@ def precompute_kept(trainer_class, store: ReferenceStore):
             acc = self.accelerator
             decided = [None]
             if acc.is_main_process:
+                store.base_key["kl"] = getattr(self, "calculate_KL", None)  # KTO: the KL completions' log-probs too
                 key = store.key(name, data_fingerprint(dataset))
                 hit = store.complete(key)
                 decided = [(key, hit, None if hit else store.partial(key, f"{os.getpid()}-{time.time_ns()}"))]
