@@ -104,6 +104,7 @@ from llmft.training.flags import (
 from llmft.training.metrics import log_perplexity
 from llmft.training.model_files import (
     ModelFiles,
+    check_model_task,
     load_model_files,
     model_init_kwargs,
     train_precision,
@@ -499,6 +500,8 @@ def announce_plan(run: RunSettings, decided: Decisions, resume: ResumeDecision, 
         plan = dataclasses.replace(plan, batch=resume.elastic_resume.batch)
     if rank0():
         print("\n".join(plan.lines()), flush=True)
+        entry = methods.method(run.llmft.method)
+        print(f"llmft plan: method {entry.name} ({entry.description}); the global batch counts {entry.batch_unit}")
     if resume.elastic_resume:
         sizing = None
         if resume.elastic_resume.universal and rank0() and model_config is not None:
@@ -532,6 +535,7 @@ def choose_model_settings(run: RunSettings, decided: Decisions, model_config) ->
     (llmft.planning.hardware.choose_liger)."""
     training, model, gpu = run.training, run.model, decided.gpu
     entry = methods.method(run.llmft.method)
+    check_model_task(entry.model_task, model_config, entry.name)
     # TRL turns a single --lora_target_modules value into a string, which PEFT reads as a regex over full
     # module names: `c_attn` would then match nothing. A plain name means "modules called that".
     target = model.lora_target_modules
@@ -810,19 +814,7 @@ def build_trainer(
         decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit, make_writer
     )
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
-        trainer_class = checkpoint_save.trainer_class(
-            run.llmft.save_consolidated, base=import_class(entry.trainer_class), mixins=entry.mixins
-        )
-        if "ulysses" in entry.mixins:
-            trainer_class = ulysses.mixin_class(
-                trainer_class,
-                sequence_parallel.gradient_scale(
-                    decided.plan.zero_stage,
-                    decided.plan.sequence_parallel,
-                    ds_config.reduce_scatter(decided.ds_template),
-                ),
-            )
-        trainer_class, kept = choose_reference(run, decided, files, args, trainer_class)
+        trainer_class, kept = choose_reference(run, decided, files, args, method_trainer_class(run, decided, entry))
         trainer = trainer_class(
             model=files.weights,
             args=args,
@@ -839,9 +831,10 @@ def build_trainer(
         restore_source_name(trainer.model, files.weights, files.source)
     trainer.add_callback(host_memory.report_callback(before_loading, host_memory.peak_rss()))
     trainer.add_callback(compile_report(trainer))
-    log_perplexity(trainer)
+    if entry.loss_is_nll:  # exp(eval loss) is a perplexity only for a token NLL loss
+        log_perplexity(trainer)
     guard_wandb(trainer, log)
-    meter = metrics.attach(trainer, clock, decided.gpu)  # step line, W&B metrics, run_summary.json
+    meter = metrics.attach(trainer, clock, decided.gpu, entry.reference)  # step line, W&B, run_summary.json
     report_reference(trainer, meter, kept)
     if run.llmft.profile_step is not None:
         trainer.add_callback(profile_step.callback(run.llmft.profile_step, args.output_dir, meter))
@@ -860,6 +853,22 @@ def build_trainer(
     trainer.add_callback(timeout)  # last: it reads every other callback's should_save
     job_deadline.time_each_save(trainer, stop.deadline, log, timeout, publish)
     return trainer, RunCallbacks(publish, stop, meter)
+
+
+def method_trainer_class(run: RunSettings, decided: Decisions, entry):
+    """The method's TRL trainer (llmft.planning.methods) with the llmft mixins its entry names: the checkpoint save,
+    and Ulysses' gradient scale where sequence parallelism applies."""
+    trainer_class = checkpoint_save.trainer_class(
+        run.llmft.save_consolidated, base=import_class(entry.trainer_class), mixins=entry.mixins
+    )
+    if "ulysses" in entry.mixins:
+        trainer_class = ulysses.mixin_class(
+            trainer_class,
+            sequence_parallel.gradient_scale(
+                decided.plan.zero_stage, decided.plan.sequence_parallel, ds_config.reduce_scatter(decided.ds_template)
+            ),
+        )
+    return trainer_class
 
 
 def choose_reference(run: RunSettings, decided: Decisions, files: ModelFiles, args, trainer_class):
@@ -951,11 +960,28 @@ def finish(run: RunSettings, decided: Decisions, trainer, callbacks: RunCallback
         )
     if rank0():
         log(
-            f"run summary written to {callbacks.meter.write_summary(args.output_dir, result.training_loss, trainer.state.global_step)}"
+            "run summary written to "
+            + str(
+                callbacks.meter.write_summary(
+                    args.output_dir, result.training_loss, trainer.state.global_step, held_out_metric(run, trainer)
+                )
+            )
         )
     if hasattr(trainer, "end"):
         trainer.end()
     return 0
+
+
+def held_out_metric(run: RunSettings, trainer) -> dict:
+    """The method's held-out metric (llmft.planning.methods: a reward model's accuracy on held-out pairs) from the
+    last evaluation, for run_summary.json, said in one line; {} without one or without evaluation data."""
+    name = methods.method(run.llmft.method).held_out_metric
+    key = f"eval_{name}"
+    found = [entry[key] for entry in trainer.state.log_history if key in entry] if name else []
+    if not found:
+        return {}
+    log(f"held-out {name}: {found[-1]:.4f} (last evaluation, step {trainer.state.global_step})")
+    return {key: round(float(found[-1]), 6)}
 
 
 def make_parser(subparsers=None, method_name: str | None = None):

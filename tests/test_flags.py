@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from llmft.training.flag_policy import CHECKED, EVAL, PASSED, POLICY, REFUSED, USED
+from llmft.planning.methods import METHODS
+from llmft.training.flag_policy import CHECKED, EVAL, PASSED, POLICY, REFUSED, USED, policy_for
 from llmft.training.flags import FlagError, check_flags
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,20 +37,43 @@ def _parse(tmp_path, *argv):
     )
 
 
-def test_every_flag_llmft_train_accepts_has_a_decision():
-    from trl import ModelConfig, ScriptArguments, SFTConfig
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_flag_llmft_train_accepts_has_a_decision(name):
+    """For each --method: every field of ScriptArguments, the method's TRL config (SFTConfig, DPOConfig, KTOConfig,
+    RewardConfig), ModelConfig and LlmftArguments has a row in its policy (POLICY and the method's own rows)."""
+    from trl import ModelConfig, ScriptArguments
 
     from llmft.training.arguments import LlmftArguments
+    from llmft.training.flags import import_class
 
+    entry = METHODS[name]
     fields = {
         f.name
-        for dt in (ScriptArguments, SFTConfig, ModelConfig, LlmftArguments)
+        for dt in (ScriptArguments, import_class(entry.config_class), ModelConfig, LlmftArguments)
         for f in dataclasses.fields(dt)
         if f.init
     }
-    assert sorted(fields - set(POLICY)) == [], (
-        "new flags: decide in llmft/training/flag_policy.py POLICY what llmft does with them"
+    policy = policy_for(name)
+    assert sorted(fields - set(policy)) == [], (
+        f"new flags of --method {name}: decide in llmft/training/flag_policy.py POLICY (or the method's `flags` rows "
+        "in llmft/planning/methods.py) what llmft does with them"
     )
+    assert sorted(set(entry.flag_policy) - fields) == [], f"--method {name}'s rows name flags its config lacks"
+    assert {kind for kind, _ in policy.values()} <= {USED, PASSED, CHECKED, REFUSED, EVAL}
+
+
+def test_the_shared_policy_names_only_flags_some_method_has():
+    from trl import ModelConfig, ScriptArguments
+
+    from llmft.training.arguments import LlmftArguments
+    from llmft.training.flags import import_class
+
+    fields = {
+        f.name
+        for dt in (ScriptArguments, ModelConfig, LlmftArguments, *(import_class(m.config_class) for m in METHODS.values()))
+        for f in dataclasses.fields(dt)
+        if f.init
+    }
     assert sorted(set(POLICY) - fields) == [], "POLICY names flags that no longer exist"
     assert {kind for kind, _ in POLICY.values()} == {USED, PASSED, CHECKED, REFUSED, EVAL}
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from llmft.errors import LlmftError
 from llmft.launch.knobs import Knobs
+from llmft.planning.methods import run_key_name
 
 
 class JobError(LlmftError, RuntimeError):
@@ -37,7 +38,11 @@ def run_key(k: Knobs) -> str:
         fields.append(f"SWEEP={k['SWEEP']}")
     if k["SEQUENCE_PARALLEL"] != "1":
         fields.append(f"SEQUENCE_PARALLEL={k['SEQUENCE_PARALLEL']}")
-    return hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
+    method = run_key_name(k.values.get("METHOD"))  # "" for sft: an SFT run keeps its directory
+    if method:
+        fields.append(f"METHOD={method}")
+    digest = hashlib.sha256(("\n".join(fields) + "\n").encode()).hexdigest()[:8]
+    return f"{method}-{digest}" if method else digest
 
 
 def safe_name(name: str) -> str:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
-from llmft.training.flag_policy import POLICY, REFUSED
+from llmft.planning.methods import METHODS
+from llmft.training.flag_policy import POLICY, REFUSED, all_flag_names, policy_for
 
 SWEEP_FILE = "llmft_sweep.json"
 # Flags the job sets from its knobs and run directory: a variant changing one would train somewhere else, or
@@ -87,11 +88,13 @@ def parse(text: str) -> list[Variant]:
 
 def check_flag(text: str, flag: str) -> None:
     """A swept flag `llmft train` does not take, or refuses, would fail every element after its wait in the queue."""
-    if flag not in POLICY:
-        close = difflib.get_close_matches(flag, sorted(POLICY), n=1, cutoff=0.6)
+    known = all_flag_names()  # every method's (a swept --beta is DPO's and KTO's)
+    if flag not in known:
+        close = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else "llmft train --help lists its flags"
         raise SweepError(f"SWEEP={text}: --{flag} is not a flag of llmft train; {hint}")
-    kind, why = POLICY[flag]
+    owners = [row for row in (policy_for(m) for m in METHODS) if flag in row]
+    kind, why = POLICY[flag] if flag in POLICY else owners[0][flag]
     if kind == REFUSED:
         raise SweepError(f"SWEEP={text}: llmft train refuses --{flag} other than its default: {why}")
 

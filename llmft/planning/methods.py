@@ -54,6 +54,9 @@ class Method:
     # the task of the model TRL builds from the base: "causal_lm" (AutoModelForCausalLM) or "sequence_classification"
     # (AutoModelForSequenceClassification, num_labels=1: the base must have a class for it)
     model_task: str = "causal_lm"
+    # the training loss is the mean token negative log-likelihood, so exp(eval loss) is a perplexity (SFT's; DPO's
+    # loss is a preference loss, and a perplexity of it means nothing)
+    loss_is_nll: bool = False
 
     @property
     def flag_policy(self) -> dict[str, tuple[str, str]]:
@@ -134,6 +137,7 @@ METHODS: dict[str, Method] = {
         mixins=("sync_free", "checkpoint_save", "ulysses"),
         report_metrics=("mean_token_accuracy",),
         packing="packing",
+        loss_is_nll=True,
     ),
     "dpo": Method(
         name="dpo",
@@ -197,3 +201,10 @@ def method(name: str | None) -> Method:
     if key not in METHODS:
         raise MethodError(f"--method {name!r} is not a training method; choose one of {', '.join(METHODS)}")
     return METHODS[key]
+
+
+def run_key_name(name: str | None) -> str:
+    """What a method adds to a job's run directory name and key (llmft.launch.job.run_key): nothing for the default,
+    so an SFT run keeps the directory it had before --method existed; "dpo" for DPO."""
+    entry = method(name)
+    return "" if entry.name == DEFAULT else entry.name

@@ -80,17 +80,24 @@ class FlopShape:
     trainable_params: int  # N_trainable: of those, the ones that get weight gradients
     n_layers: int  # L
     attn_width: int  # A: attention heads x head dim (the width of QK^T and AV)
+    # a frozen reference model's forward over the same tokens (DPO, KTO without precomputed log-probs): its
+    # matmul parameters, 0 for none. Same architecture as the policy, so L and A are the policy's.
+    reference_params: int = 0
 
 
 def training_flops(shape: FlopShape, tokens: float, sum_sq_lengths: float) -> float:
-    """Model FLOPs of one training pass over `tokens` real tokens in samples whose squared lengths sum to `sum_sq_lengths`."""
-    dense = (4 * shape.matmul_params + 2 * shape.trainable_params) * tokens
-    attention = 12 * shape.n_layers * shape.attn_width * sum_sq_lengths
+    """Model FLOPs of one training pass over `tokens` real tokens in samples whose squared lengths sum to `sum_sq_lengths`:
+    the policy's forward and backward (6N a token for full fine-tuning), and a reference model's forward (2N a token,
+    its attention a third of a training pass's) where one scores the same tokens live."""
+    dense = (4 * shape.matmul_params + 2 * shape.trainable_params + 2 * shape.reference_params) * tokens
+    attention = (12 + (4 if shape.reference_params else 0)) * shape.n_layers * shape.attn_width * sum_sq_lengths
     return dense + attention
 
 
-def flop_shape(model) -> FlopShape:
-    """N, N_trainable, L and A of a (possibly PEFT-wrapped, possibly ZeRO-3-partitioned) transformers model."""
+def flop_shape(model, live_reference: bool = False) -> FlopShape:
+    """N, N_trainable, L and A of a (possibly PEFT-wrapped, possibly ZeRO-3-partitioned) transformers model; with
+    `live_reference`, a reference of the same N runs a forward over every token (a copy, or the model with its
+    adapter disabled: the same matmuls either way)."""
     import torch
 
     def numel(p) -> int:
@@ -110,7 +117,7 @@ def flop_shape(model) -> FlopShape:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
-    return FlopShape(matmul, trainable, int(layers), int(heads * head_dim))
+    return FlopShape(matmul, trainable, int(layers), int(heads * head_dim), matmul if live_reference else 0)
 
 
 def batch_counts(batch):
@@ -405,10 +412,13 @@ class Meter:
             **self.extra,
         }
 
-    def write_summary(self, output_dir: str | Path, train_loss: float | None, global_step: int | None = None) -> Path:
+    def write_summary(
+        self, output_dir: str | Path, train_loss: float | None, global_step: int | None = None, held_out=None
+    ) -> Path:
         """Write <output_dir>/run_summary.json atomically (rank 0 calls this): this attempt's summary; and append it
-        to run_summaries.jsonl, one line per attempt (a requeued or resumed run keeps every attempt's time)."""
-        summary = self.summary(train_loss, global_step)
+        to run_summaries.jsonl, one line per attempt (a requeued or resumed run keeps every attempt's time).
+        `held_out`: the method's held-out metric ({"eval_accuracy": 0.75} for a reward model), appended."""
+        summary = {**self.summary(train_loss, global_step), **(held_out or {})}
         path = Path(output_dir) / "run_summary.json"
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
@@ -504,11 +514,15 @@ def time_outside_training(meter: Meter, owner, name: str, kind: str) -> None:
     setattr(owner, name, timed)
 
 
-def attach(trainer, clock: StartupClock, gpu) -> Meter:
-    """Meter a built SFTTrainer: time and count the micro-batches Trainer.get_batch_samples pulls, time checkpoint
-    saves (the save and the on_save callbacks that check and publish it) and evaluations as non-training time, and
-    put the callback first so its metrics are in the logs before W&B's callback sends them."""
-    meter = Meter(flop_shape(trainer.model), gpu, clock, trainer.args.world_size)
+def attach(trainer, clock: StartupClock, gpu, reference: bool = False) -> Meter:
+    """Meter a built trainer (SFTTrainer, DPOTrainer, ...): time and count the micro-batches
+    Trainer.get_batch_samples pulls (a preference batch's input_ids hold chosen and rejected, or KTO's completions),
+    time checkpoint saves (the save and the on_save callbacks that check and publish it) and evaluations as
+    non-training time, and put the callback first so its metrics are in the logs before W&B's callback sends them.
+    `reference`: the method has a reference model (llmft.planning.methods); its forward is counted unless TRL
+    precomputed its log-probs."""
+    live = reference and not getattr(trainer.args, "precompute_ref_log_probs", False)
+    meter = Meter(flop_shape(trainer.model, live_reference=live), gpu, clock, trainer.args.world_size)
     time_outside_training(meter, trainer, "_save_checkpoint", "save")
     time_outside_training(meter, trainer.callback_handler, "on_save", "save")
     time_outside_training(meter, trainer, "evaluate", "eval")

@@ -113,3 +113,23 @@ def with_checkpointing(training_args, on: bool):
     """training_args with gradient checkpointing on or off. transformers 5 resolves `gradient_checkpointing` into
     `activation_checkpointing` and a copy keeps the resolved name, so both are set (one alone is silently undone)."""
     return dataclasses.replace(training_args, activation_checkpointing=on, gradient_checkpointing=on)
+
+
+def check_model_task(task: str, config, method_name: str) -> None:
+    """A reward model (task "sequence_classification", llmft.planning.methods) is the base with a one-output score
+    head, built by AutoModelForSequenceClassification: a base whose architecture has no such class is refused in one
+    line before anything loads, not failed inside TRL."""
+    if task != "sequence_classification":
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        return
+    if "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {}):
+        return  # the model's own code has one (--trust_remote_code)
+    raise TrainError(
+        f"--method {method_name} puts a one-output score head on the base, but its architecture "
+        f"({getattr(config, 'model_type', type(config).__name__)}) has no sequence-classification class in "
+        "transformers (AutoModelForSequenceClassification): start from a base that has one (Llama, Qwen2, Mistral, "
+        "GPT-2, ...)"
+    )
