@@ -70,7 +70,12 @@ def test_the_shared_policy_names_only_flags_some_method_has():
 
     fields = {
         f.name
-        for dt in (ScriptArguments, ModelConfig, LlmftArguments, *(import_class(m.config_class) for m in METHODS.values()))
+        for dt in (
+            ScriptArguments,
+            ModelConfig,
+            LlmftArguments,
+            *(import_class(m.config_class) for m in METHODS.values()),
+        )
         for f in dataclasses.fields(dt)
         if f.init
     }
