@@ -184,11 +184,11 @@ def test_a_job_killed_after_the_precompute_does_not_compute_it_again(tiny_model,
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     killed = (tmp_path / "killed.log").read_text()
-    assert marker.is_file() and "computed in" in killed, killed[-4000:]
+    assert marker.is_file() and "): computed in" in killed, killed[-4000:]
     again = run(cmd, check=True)
     text = again.stdout + again.stderr
     assert "resuming from" in text and "checkpoint-2" in text, text[-3000:]
-    assert "reference log-probs for train" in text and "reused from" in text and "computed in" not in text
+    assert "reference log-probs for train" in text and "reused from" in text and "): computed in" not in text
     record = summary(out)["reference_log_probs"]
     assert (record["computed"], record["reused"]) == (0, 1), record
     other = tmp_path / "longer"

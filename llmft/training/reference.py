@@ -10,7 +10,11 @@ Three ways, each chosen by one function here and named in one log line (`choose_
 - Full fine-tuning: TRL loads a second copy and wraps it with `trl.models.prepare_deepspeed`: under ZeRO-3 the copy is
   sharded like the policy (zero.Init while loading, then an inference engine with the run's ZeRO-3 config minus its
   optimizer, scheduler and optimizer offload; a parameter offload stays, so the reference is offloaded too); under
-  ZeRO-0/1/2 it is a stage-0 replica on every rank.
+  ZeRO-0/1/2 it is a stage-0 replica on every rank. Checked against llmft's configs (TRL 1.16): the config TRL copies
+  is the one llmft resolved, with no "auto" left; TRL's ZeRO-3 bucket and persistence sizes are set as dotted
+  top-level keys ("zero_optimization.reduce_bucket_size"), which DeepSpeed ignores, but llmft's resolution gave the
+  same values already (hidden^2, 0.9 hidden^2, 10 hidden: llmft.planning.ds_config.resolve). `describe_engine` logs
+  the stage and this rank's share of the copy it got.
 - `--precompute_ref_log_probs`: one pass before training (TRL's `_precompute_ref_logps`, run inside the trainer's
   constructor in TRL 1.16), kept in llmft's cache under `ref_logps/<key>/` (`ReferenceStore`). The key is the
   tokenised data's bytes, the reference weights' files (`weights_fingerprint`), max_length, the chat template and what
