@@ -28,7 +28,7 @@ def pairs(tmp_path_factory) -> Path:
     """Preference pairs {"prompt", "chosen", "rejected"} as text, written in code: the right answer against a wrong one."""
     from llmft.data.synthetic import make_examples, write_jsonl
 
-    rows = []
+    rows = []  # 32 pairs
     for e in make_examples(32, seed=3):
         words = e["completion"].split()
         rows.append({"prompt": e["prompt"] + "\n", "chosen": e["completion"], "rejected": " ".join(reversed(words))})
@@ -171,7 +171,8 @@ def test_precomputed_and_live_references_give_the_same_losses(tiny_model, pairs,
 def test_a_job_killed_after_the_precompute_does_not_compute_it_again(tiny_model, pairs, tmp_path):
     """A precomputing job killed (SIGKILL, as a preemption) at step 3 after checkpoint-2: started again it resumes
     from checkpoint-2 and reuses the stored reference log-probs (run_summary.json counts 0 computed, 1 reused);
-    a rerun with another max_length (a new run directory, so a new key) computes them again."""
+    a sweep's other element (another --beta, another run directory) reuses them too; a rerun with another max_length
+    (its own key, though these short rows tokenise the same) computes them again."""
     out = tmp_path / "run"
     cmd = dpo_cmd(tiny_model, pairs, out, "--max_steps", "4", "--save_steps", "2", "--precompute_ref_log_probs", "true",
                   "--max_length", "48", "--use_peft", "--lora_target_modules", "c_attn")  # fmt: skip
@@ -191,7 +192,12 @@ def test_a_job_killed_after_the_precompute_does_not_compute_it_again(tiny_model,
     assert "reference log-probs for train" in text and "reused from" in text and "): computed in" not in text
     record = summary(out)["reference_log_probs"]
     assert (record["computed"], record["reused"]) == (0, 1), record
-    other = tmp_path / "longer"
+    sweep = tmp_path / "beta"  # a sweep's other element: another --beta and run directory, the same reference
+    cmd[cmd.index("--output_dir") + 1] = str(sweep)
+    cmd[cmd.index("--max_steps") + 1] = "1"
+    run([*cmd, "--beta", "0.3"], check=True)
+    assert summary(sweep)["reference_log_probs"]["reused"] == 1
+    other = tmp_path / "shorter"
     cmd[cmd.index("--max_length") + 1] = "40"
     cmd[cmd.index("--output_dir") + 1] = str(other)
     run(cmd, check=True)
