@@ -24,7 +24,7 @@ from llmft.command import CommandParser
 from llmft.training import garbage_collection
 
 COMMANDS = {
-    "train": ("llmft.train", "fine-tune with TRL's SFTTrainer on DeepSpeed ZeRO"),
+    "train": ("llmft.train", "fine-tune with TRL's trainers (--method sft|dpo|kto|reward) on DeepSpeed ZeRO"),
     "prepare": ("llmft.prepare", "tokenise (and pack) the data once into the shared cache; takes llmft train's flags"),
     "plan": ("llmft.plan", "print the run plan (world, batch math, ZeRO config) without loading a model"),
     "infer": ("llmft.infer", "generate text from a ZeRO checkpoint"),

@@ -1,4 +1,6 @@
-"""Supervised fine-tuning with TRL's SFTTrainer on DeepSpeed ZeRO, with llmft's batch math and checkpoint safety.
+"""Fine-tuning with TRL's trainers on DeepSpeed ZeRO, with llmft's batch math and checkpoint safety: SFTTrainer by
+default, DPOTrainer, KTOTrainer or RewardTrainer with `--method dpo|kto|reward` (llmft.planning.methods: the method's
+TRL config is the parser's, its trainer runs with llmft's checkpoint mixin, and TRL tokenises its pairs).
 
 # One process (CPU or one GPU)
 ```bash
@@ -24,8 +26,13 @@ torchrun --nproc_per_node 4 -m llmft.train --model_name_or_path meta-llama/Llama
     --output_dir runs/llama --global_batch_size 64 --per_device_train_batch_size 8 --max_length 2048 --auto
 ```
 
-Every `SFTConfig`/`TrainingArguments` flag takes effect with TRL's names, or stops the run saying why
-(llmft/training/flag_policy.py lists each). llmft adds `--zero_stage`, `--offload`, `--auto`,
+# Direct preference optimisation on {"prompt", "chosen", "rejected"} records (TRL's flags keep TRL's names)
+```bash
+llmft train --method dpo --model_name_or_path runs/sft --dataset_name pairs.jsonl --output_dir runs/dpo --beta 0.1
+```
+
+Every flag of the method's TRL config (`SFTConfig`, `DPOConfig`, ...) and `TrainingArguments` takes effect with TRL's
+names, or stops the run saying why (llmft/training/flag_policy.py lists each); another method's flag is refused. llmft adds `--zero_stage`, `--offload`, `--auto`,
 `--global_batch_size`, `--data_percentage`, `--precision`, `--save_consolidated` and column mapping. Weights
 load in the training precision (bf16 on Ampere+ GPUs) unless `--dtype` says otherwise. A rerun with the same `--output_dir` resumes from
 the newest complete checkpoint of the same run (llmft_run.json), on any number of GPUs (llmft.training.elastic);

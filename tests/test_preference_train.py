@@ -55,6 +55,7 @@ def data(tmp_path_factory) -> dict[str, Path]:
     return {
         "pairs": write_jsonl(pairs(), d / "pairs.jsonl"),
         "unpaired": write_jsonl(unpaired(), d / "unpaired.jsonl"),
+        "held_out": write_jsonl(pairs(96)[64:], d / "held_out.jsonl"),
     }
 
 
@@ -146,13 +147,14 @@ def test_the_first_dpo_loss_is_ln2_since_the_policy_is_its_reference(dpo_one_ran
 def test_llmft_losses_match_trls_trainer_run_directly(method, tiny_model, data, dpo_one_rank, tmp_path):
     """20 steps: llmft (its own process, DeepSpeed ZeRO-0, llmft's batch math and callbacks) and TRL's trainer run
     directly agree within 1e-3 at every step; the loss moves, so agreement is not two untrained runs."""
-    dataset = data_for(method, data)
+    dataset, entry, stdout = data_for(method, data), METHODS[method], ""
     if method == "dpo":
         out = dpo_one_rank[0]
-    else:
+    else:  # a held-out metric (a reward model's accuracy) on a file of its own: the training data stays TRL's
         out = tmp_path / method
         flags = ("--max_steps", STEPS, "--global_batch_size", 4, "--per_device_train_batch_size", 4, *COMMON)
-        run(llmft_cmd(method, tiny_model, dataset, out, *flags), check=True)
+        held_out = ("--eval_dataset_name", data["held_out"]) if entry.held_out_metric else ()
+        stdout = run(llmft_cmd(method, tiny_model, dataset, out, *flags, *held_out), check=True).stdout
     ours = logged_losses(out)
     theirs = trl_direct_losses(method, tiny_model, dataset, tmp_path / "direct")
     assert len(ours) == len(theirs) == STEPS
@@ -160,6 +162,10 @@ def test_llmft_losses_match_trls_trainer_run_directly(method, tiny_model, data, 
     assert max(ours) - min(ours) > 0.01  # it trained
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["tokens"] > 0 and summary["tokens_per_second"] > 0 and summary["tflops_per_gpu"] > 0
+    if entry.held_out_metric:  # a reward model's accuracy on the held-out pairs, said and in run_summary.json
+        value = summary[f"eval_{entry.held_out_metric}"]
+        assert 0.0 <= value <= 1.0
+        assert f"held-out {entry.held_out_metric}: {value:.4f}" in stdout
 
 
 def test_the_reference_forward_is_counted_in_the_flops():
@@ -171,15 +177,6 @@ def test_the_reference_forward_is_counted_in_the_flops():
     with_reference = FlopShape(n, n, 2, 64, reference_params=n)
     assert training_flops(policy, 1000, 0) == 6 * n * 1000
     assert training_flops(with_reference, 1000, 0) == 8 * n * 1000
-
-
-def test_a_reward_models_held_out_accuracy_is_in_run_summary(tiny_model, data, tmp_path):
-    out = tmp_path / "reward"
-    flags = ("--max_steps", 3, "--global_batch_size", 4, "--per_device_train_batch_size", 4, *COMMON)
-    proc = run(llmft_cmd("reward", tiny_model, data["pairs"], out, *flags, "--eval_split_ratio", "0.25"), check=True)
-    summary = json.loads((out / "run_summary.json").read_text())
-    assert 0.0 <= summary["eval_accuracy"] <= 1.0
-    assert f"held-out accuracy: {summary['eval_accuracy']:.4f}" in proc.stdout
 
 
 def test_two_ranks_under_zero3_match_one_rank(tiny_model, data, dpo_one_rank, tmp_path):
@@ -194,33 +191,39 @@ def test_two_ranks_under_zero3_match_one_rank(tiny_model, data, dpo_one_rank, tm
     assert max(abs(a - b) / a for a, b in zip(one, two)) < 0.02, (one, two)
 
 
-def test_a_dpo_run_stopped_and_resumed_gives_the_uninterrupted_runs_losses(tiny_model, data, tmp_path):
+def test_a_dpo_run_stopped_and_resumed_gives_the_uninterrupted_runs_losses(tiny_model, data, dpo_one_rank, tmp_path):
     """A stop request (the stop file, as a preempted job gets) after the first complete checkpoint: the run saves
-    and stops; the rerun resumes and its steps' losses are the uninterrupted run's."""
-    flags = ("--max_steps", 8, "--save_steps", 2, "--global_batch_size", 4, "--per_device_train_batch_size", 2)
-    flags += ("--max_length", 64, "--learning_rate", LR, "--zero_stage", 0)
-    whole = run(llmft_cmd("dpo", tiny_model, data["pairs"], tmp_path / "whole", *flags), check=True)
+    and stops; the rerun resumes, and the 20 steps' losses are the uninterrupted run's (dpo_one_rank: the same flags
+    without checkpoints, which do not change the losses)."""
+    flags = ("--max_steps", STEPS, "--global_batch_size", 4, "--per_device_train_batch_size", 4, *COMMON)
+    flags += ("--save_strategy", "steps", "--save_steps", 2)  # the last --save_strategy wins
     out, stop = tmp_path / "stopped", tmp_path / "STOP"
 
-    def request_stop_after_first_checkpoint():
-        deadline = time.time() + 300
-        while time.time() < deadline and not (out / "checkpoint-2" / "llmft_complete.json").exists():
+    def request_stop_after_a_checkpoint():
+        deadline = time.time() + 600
+        while time.time() < deadline and not (out / "checkpoint-4" / "llmft_complete.json").exists():
             time.sleep(0.02)
         stop.touch()
 
-    watcher = threading.Thread(target=request_stop_after_first_checkpoint, daemon=True)
+    watcher = threading.Thread(target=request_stop_after_a_checkpoint, daemon=True)
     watcher.start()
-    first = run(llmft_cmd("dpo", tiny_model, data["pairs"], out, *flags), check=True, LLMFT_STOP_FILE=str(stop))
+    # the run waits at step 6 for the stop request (LLMFT_TEST_HOLD_AT_STEP), so it stops at a known step
+    first = run(
+        llmft_cmd("dpo", tiny_model, data["pairs"], out, *flags),
+        check=True,
+        LLMFT_STOP_FILE=str(stop),
+        LLMFT_TEST_HOLD_AT_STEP="6",
+    )
     watcher.join()
-    stopped = int(re.search(r"stop requested; saved checkpoint-(\d+)", first.stdout).group(1))
-    assert 2 <= stopped < 8
+    stopped = 6
+    assert f"stop requested; saved checkpoint-{stopped}" in first.stdout
     stop.unlink()
     second = run(llmft_cmd("dpo", tiny_model, data["pairs"], out, *flags), check=True, LLMFT_STOP_FILE=str(stop))
     assert f"resuming from {out / f'checkpoint-{stopped}'}" in second.stdout
-    expected, before, after = step_losses(whole.stdout), step_losses(first.stdout), step_losses(second.stdout)
-    assert sorted(before) == list(range(1, stopped + 1)) and sorted(after) == list(range(stopped + 1, 9))
-    assert {**before, **after} == pytest.approx(expected, abs=1e-4)
-    assert json.loads((out / "llmft_done.json").read_text())["global_step"] == 8
+    before, after = step_losses(first.stdout), step_losses(second.stdout)
+    assert sorted(before) == list(range(1, stopped + 1)) and sorted(after) == list(range(stopped + 1, STEPS + 1))
+    assert logged_losses(out) == pytest.approx(logged_losses(dpo_one_rank[0]), abs=1e-4)
+    assert json.loads((out / "llmft_done.json").read_text())["global_step"] == STEPS
 
 
 # ---- refusals: one line, exit 2, before anything trains

@@ -1,6 +1,8 @@
 """Every flag `llmft train` accepts, and what llmft does with it: no flag is accepted and silently ignored.
 
-`llmft train` takes TRL's ScriptArguments, SFTConfig and ModelConfig plus llmft's own LlmftArguments.
+`llmft train` takes TRL's ScriptArguments, SFTConfig and ModelConfig plus llmft's own LlmftArguments; with
+`--method dpo|kto|reward` the method's config (DPOConfig, KTOConfig, RewardConfig) takes SFTConfig's place, and that
+method's own rows (llmft.planning.methods, Method.flags) go over POLICY (`policy_for`).
 POLICY names every one of their fields with what happens to it:
 
     used     llmft reads it itself (batch math, DeepSpeed config, data, checkpoints, model loading)
