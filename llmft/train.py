@@ -863,8 +863,8 @@ def build_trainer(
 
 
 def method_trainer_class(run: RunSettings, decided: Decisions, entry):
-    """The method's TRL trainer (llmft.planning.methods) with the llmft mixins its entry names: the checkpoint save,
-    and Ulysses' gradient scale where sequence parallelism applies."""
+    """The method's TRL trainer (llmft.planning.methods) with the llmft mixins its entry names: the checkpoint
+    writer for all, the sync-free steps and Ulysses' gradient correction for SFT."""
     trainer_class = checkpoint_save.trainer_class(
         run.llmft.save_consolidated, base=import_class(entry.trainer_class), mixins=entry.mixins
     )

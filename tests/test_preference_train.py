@@ -346,3 +346,17 @@ def test_no_code_outside_the_method_table_asks_which_method_it_runs():
             if literal and (named or any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops)):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert found == []
+
+
+def test_a_jobs_run_directory_names_its_method_and_an_sft_run_keeps_its_own():
+    """runs/<name>-<key>: METHOD=dpo joins the key and names the method ("dpo-1a2b3c4d"); METHOD=sft, or none, is
+    the key an SFT job had before --method existed."""
+    import dataclasses
+
+    from llmft.launch import job, knobs
+
+    k = knobs.resolve({}, ["MODEL=org/m", "DATASET=org/d"])
+    sft = dataclasses.replace(k, values={**k.values, "METHOD": "sft"})
+    dpo = dataclasses.replace(k, values={**k.values, "METHOD": "dpo"})
+    assert job.run_key(sft) == job.run_key(k) and re.fullmatch(r"[0-9a-f]{8}", job.run_key(k))
+    assert re.fullmatch(r"dpo-[0-9a-f]{8}", job.run_key(dpo)) and job.run_key(dpo)[4:] != job.run_key(k)
