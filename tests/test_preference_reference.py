@@ -273,3 +273,20 @@ def test_the_keys_change_with_the_data_and_the_weights(tiny_model, tmp_path):
     tensors[name] = tensors[name] + 1
     save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
     assert reference.weights_fingerprint(copy, tmp_path / "memo") != reference.weights_fingerprint(tiny_model)
+
+
+def test_a_pass_cut_off_leaves_nothing_taken_as_complete_and_is_cleared_later(tmp_path):
+    """A .partial directory is never complete; publishing renames it with its marker; a stale .partial of a job
+    killed during its pass is removed by the next pass, a recent one (a pass running now) is left alone."""
+    store = reference.ReferenceStore(tmp_path, {"version": 1, "weights": "w"}, str(tmp_path), lambda line: None)
+    key = store.key("train", "data")
+    stale, live = store.partial(key, "killed"), store.partial("other", "running")
+    (stale / "ref_logps.arrow").write_bytes(b"half")
+    assert not store.complete(key)
+    day_ago = time.time() - reference.STALE_PARTIAL_S - 60
+    os.utime(stale, (day_ago, day_ago))
+    fresh = store.partial(key, "again")
+    assert not stale.exists() and live.exists()
+    (fresh / "ref_logps.arrow").write_bytes(b"whole")
+    assert store.publish(fresh, key, {"rows": 1}) == store.path(key) and store.complete(key)
+    assert (store.path(key) / "ref_logps.arrow").read_bytes() == b"whole" and not fresh.exists()

@@ -53,6 +53,7 @@ STORE_VERSION = 1  # bump when what a stored reference holds changes
 MARKER = "llmft_ref_logps.json"
 MERGED_MARKER = "llmft_merged.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+STALE_PARTIAL_S = 24 * 3600  # a precompute's .partial directory untouched this long was left by a killed job
 WAIT_S = 3600  # a rank waits this long for rank 0's merge of an SFT adapter
 
 
@@ -333,7 +334,15 @@ class ReferenceStore:
         return (self.path(key) / MARKER).is_file()
 
     def partial(self, key: str, attempt: str) -> Path:
-        """A fresh directory the pass writes into; renamed to the key's directory by `publish`."""
+        """A fresh directory the pass writes into; renamed to the key's directory by `publish`. What a job killed
+        during its pass left (a `.partial` untouched for STALE_PARTIAL_S) is removed first; a live pass is younger."""
+        now = time.time()
+        for old in self.root.glob("*.partial-*") if self.root.is_dir() else ():
+            try:
+                if now - old.stat().st_mtime > STALE_PARTIAL_S:
+                    shutil.rmtree(old, ignore_errors=True)
+            except OSError:  # removed by another job meanwhile
+                pass
         p = self.root / f"{key}.partial-{attempt}"
         shutil.rmtree(p, ignore_errors=True)
         p.mkdir(parents=True)
