@@ -84,6 +84,7 @@ from llmft.training import (
     packing,
     process_group_timeout,
     profile_step,
+    reference,
     rerun,
     run_identity,
     tiled_mlp,
@@ -186,6 +187,8 @@ def train(run: RunSettings) -> int:
     with clock.phase("import"):
         import torch
 
+    with clock.phase("model_load"):
+        run = start_from_sft_model(run)
     run, decided = check_run(run, cuda=torch.cuda.is_available(), gpu=local_gpu())
     with clock.phase("model_load"):
         files = stage_model_weights(load_model_files(run.model, run.training), decided)
@@ -420,6 +423,21 @@ def choose_automatically(run: RunSettings, precision: str, grad_accum: int | Non
         if training.liger_kernel_config and training.use_liger_kernel is None
         else training.use_liger_kernel,
     )
+
+
+def start_from_sft_model(run: RunSettings) -> RunSettings:
+    """--model_name_or_path naming an SFT LoRA adapter (an SFT run's output, one of its checkpoints, an exported
+    adapter): the run starts from that SFT model, base + adapter merged once into llmft's cache
+    (llmft.training.reference.merged_sft_model), loaded as the base. A new LoRA adapter trains on top of it, so the
+    reference with the adapter disabled is the SFT model, never the bare base; a full fine-tune's reference copy is
+    the SFT model too."""
+    adapter = reference.sft_adapter_source(run.model.model_name_or_path)
+    if adapter is None:
+        return run
+    merged = reference.merged_sft_model(adapter, trust=bool(run.training.trust_remote_code), rank0=rank0(), log=log)
+    model = copy.copy(run.model)  # not dataclasses.replace: ModelConfig's __post_init__ rewrites some fields
+    model.model_name_or_path = str(merged)
+    return dataclasses.replace(run, model=model)
 
 
 def stage_model_weights(files: ModelFiles, decided: Decisions) -> ModelFiles:
@@ -820,7 +838,8 @@ def build_trainer(
         decided.plan.zero_stage, decided.plan.batch, run.training.save_total_limit, make_writer
     )
     with clock.phase("data"), metrics.timing_model_load(clock):  # collating set-up is data, loading weights model_load
-        trainer = method_trainer_class(run, decided, entry)(
+        trainer_class, kept = choose_reference(run, decided, files, args, method_trainer_class(run, decided, entry))
+        trainer = trainer_class(
             model=files.weights,
             args=args,
             train_dataset=prepared.train,
@@ -840,6 +859,7 @@ def build_trainer(
         log_perplexity(trainer)
     guard_wandb(trainer, log)
     meter = metrics.attach(trainer, clock, decided.gpu, entry.reference)  # step line, W&B, run_summary.json
+    report_reference(trainer, meter, kept)
     if run.llmft.profile_step is not None:
         trainer.add_callback(profile_step.callback(run.llmft.profile_step, args.output_dir, meter))
     save_estimate = estimated_save_s(
@@ -873,6 +893,45 @@ def method_trainer_class(run: RunSettings, decided: Decisions, entry):
             ),
         )
     return trainer_class
+
+
+def choose_reference(run: RunSettings, decided: Decisions, files: ModelFiles, args, trainer_class):
+    """The method's reference model (llmft.training.reference.choose_reference), named in one line; with
+    --precompute_ref_log_probs the trainer class keeps TRL's pass in llmft's cache (reference.precompute_kept).
+    Returns the trainer class and the store (None when nothing is precomputed)."""
+    precompute = bool(getattr(run.training, "precompute_ref_log_probs", False))
+    chosen = reference.choose_reference(
+        methods.method(run.llmft.method).reference,
+        use_peft=bool(run.model.use_peft),
+        zero_stage=decided.plan.zero_stage,
+        precompute=precompute,
+        sft_model=reference.merged_from(files.source or files.weights),
+    )
+    if chosen.line:
+        log(chosen.line)
+    if chosen.strategy != "precomputed":
+        return trainer_class, None
+    reference.check_precompute(precompute, trainer_class)
+    store = reference.reference_store(
+        weights_dir=files.weights,
+        trainer_class=trainer_class,
+        args=args,
+        tokenizer=files.tokenizer,
+        dtype=args.model_init_kwargs.get("dtype"),
+        quantized=bool(decided.quantization),
+        log=log,
+    )
+    return reference.precompute_kept(trainer_class, store), store
+
+
+def report_reference(trainer, meter: metrics.Meter, kept) -> None:
+    """The reference copy's engine in one line (its ZeRO stage, this rank's share), and the precompute's counts,
+    time and size in run_summary.json (`reference_log_probs`)."""
+    line = reference.describe_engine(getattr(trainer, "ref_model", None))
+    if line:
+        log(line)
+    if kept is not None:
+        meter.extra["reference_log_probs"] = kept.record
 
 
 def apply_sequence_parallel(args, run: RunSettings, decided: Decisions, attention: str) -> None:

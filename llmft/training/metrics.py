@@ -288,6 +288,7 @@ class Meter:
         self.peak_gpu_gib: float | None = None
         self.peak_rss_gib = 0.0
         self.attached_at = time.time()
+        self.extra: dict = {}  # more run_summary.json fields from other parts of the run (the reference's precompute)
 
     # Data: wrap the iterator Trainer.get_batch_samples pulls micro-batches from.
     def timed(self, iterator):
@@ -408,6 +409,7 @@ class Meter:
             "global_step": None
             if global_step is None
             else int(global_step),  # the run's step (`steps`: this attempt's)
+            **self.extra,
         }
 
     def write_summary(
