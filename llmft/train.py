@@ -56,8 +56,9 @@ from pathlib import Path
 from llmft.checkpoint import run_dir
 from llmft.command import exit_process, report_error
 from llmft.data import loading as data
+from llmft.data import pairs
 from llmft.data.cache import DataOptions, Prepared, check_options, prepare, write_run_record
-from llmft.data.method_data import check_method_options, check_records_fit, first_record_columns, method_dataset
+from llmft.data.method_data import check_method_options, check_records_fit, first_record_columns
 from llmft.data.mixture import mixture_fingerprint, read_mixture
 from llmft.data.padding import padding_report, prepared_lengths
 from llmft.errors import LlmftError, TrainError
@@ -258,6 +259,8 @@ def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisi
         run = run.with_training(
             gradient_checkpointing=setting.gradient_checkpointing, activation_offloading=setting.activation_offloading
         )
+        if setting.precompute_ref_log_probs:  # the planner fits the job only without the copy
+            run = run.with_training(precompute_ref_log_probs=True)
         run = dataclasses.replace(run, llmft=dataclasses.replace(extra, tiled_mlp=setting.tiled_mlp))
     plan = make_plan(
         micro_batch=micro,
@@ -325,6 +328,8 @@ def planned_estimate(run: RunSettings, plan: RunPlan, gpu, gradient_checkpointin
         if training.liger_kernel_config and training.use_liger_kernel is None
         else training.use_liger_kernel,
         trust_remote_code=training.trust_remote_code,
+        method=methods.method(run.llmft.method).name,
+        precompute_ref_log_probs=bool(getattr(training, "precompute_ref_log_probs", False)),
     )
 
 
@@ -419,6 +424,8 @@ def choose_automatically(run: RunSettings, precision: str, grad_accum: int | Non
         sequence_parallel=extra.sequence_parallel,
         tiled_mlp=True if extra.tiled_mlp else None,
         activation_offloading=True if training.activation_offloading else None,
+        method=methods.method(extra.method).name,
+        precompute_ref_log_probs=bool(getattr(training, "precompute_ref_log_probs", False)),
         use_liger_kernel=True
         if training.liger_kernel_config and training.use_liger_kernel is None
         else training.use_liger_kernel,
@@ -659,10 +666,10 @@ def choose_row_layout(run: RunSettings, decided: Decisions, model_config, attent
 
 def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Prepared:
     """The data, tokenised once (rank 0; the other ranks wait on the files) or reused from the cache; for a method
-    TRL tokenises itself (DPO, KTO, reward models), its records from llmft.data.method_data."""
+    TRL tokenises itself (DPO, KTO, reward models), its records from llmft.data.pairs."""
     entry = methods.method(run.llmft.method)
     if entry.prepared_by == "trl":
-        return method_records(run, decided, entry)
+        return method_records(run, decided, entry, files.tokenizer)
     check_records_fit(entry, first_record_columns(decided.data_options) or ())  # pairs given to --method sft
     tokenizer = files.tokenizer
     prepared = prepare(
@@ -698,17 +705,23 @@ def prepare_data(run: RunSettings, decided: Decisions, files: ModelFiles) -> Pre
     return prepared
 
 
-def method_records(run: RunSettings, decided: Decisions, entry) -> Prepared:
-    """The records TRL's trainer tokenises (llmft.data.method_data.method_dataset), counted in one line."""
-    prepared = method_dataset(entry, decided.data_options)
-    records = prepared.info["records"]
+def method_records(run: RunSettings, decided: Decisions, entry, tokenizer) -> Prepared:
+    """The records TRL's trainer tokenises, in its shape (llmft.data.pairs: each dropped record counted by reason, the
+    fit of each split against max_length said in one line), counted in one line."""
+    opts = decided.data_options
+    found = pairs.prepare_method_data(opts, entry, tokenizer, run.training.max_length, log=log)
+    records = {"train": len(found.train), "eval": len(found.eval) if found.eval is not None else 0}
+    fmt = found.shaped[0].format
+    info = {"records": records, "format": fmt}
+    fingerprint = data.content_fingerprint(opts.dataset_name, opts.dataset_config)
+    prepared = Prepared(found.train, found.eval, fmt, Path(), fingerprint, False, info)
     log(
-        f"dataset {run.script.dataset_name}: {records['train']} {prepared.info['format']} records "
+        f"dataset {run.script.dataset_name}: {records['train']} {fmt} records "
         f"({run.llmft.data_percentage:g}% of the split; TRL's {entry.trainer_class.split(':')[-1]} tokenises them)"
         + (f", {records['eval']} for evaluation" if prepared.eval is not None else "")
     )
     if rank0():
-        write_run_record(run.training.output_dir, decided.data_options, prepared)
+        write_run_record(run.training.output_dir, opts, prepared)
     return prepared
 
 

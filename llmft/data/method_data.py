@@ -1,10 +1,8 @@
-"""The data of a method TRL tokenises itself (llmft.planning.methods: prepared_by "trl", DPO, KTO, reward models),
-and the check that a file holds the records its method trains on.
+"""The checks `llmft train` makes before anything loads that a file holds the records its method trains on, and that
+no data flag is given that the method's data path would not apply (the records themselves: llmft.data.pairs).
 
-`method_dataset` is the one seam `llmft train` calls for such a method: it returns the loaded records in TRL's shapes
-({"prompt", "chosen", "rejected"} or {"prompt", "completion", "label"}), held-out split and percentage applied, and
-the trainer tokenises them. Its insides are the preference formats' (--dataset_format preference,
-unpaired_preference); what is here takes data already in TRL's explicit-prompt shapes.
+Preference pairs given to --method sft, or SFT data given to --method dpo, are one line naming the method that
+trains them, from the first record's fields, before the model loads.
 """
 
 from __future__ import annotations
@@ -13,7 +11,8 @@ import json
 from pathlib import Path
 
 from llmft.data import loading as data
-from llmft.data.cache import DataOptions, Prepared
+from llmft.data import pairs
+from llmft.data.cache import DataOptions
 from llmft.data.loading import DataError
 from llmft.planning.methods import METHODS, Method
 
@@ -85,76 +84,12 @@ def first_record_columns(opts: DataOptions) -> list[str] | None:
     return None
 
 
-def method_dataset(entry: Method, opts: DataOptions) -> Prepared:
-    """The training (and held-out) records of a method TRL tokenises, checked and in TRL's columns; `info` holds the
-    counts `llmft train` says and records (records: {"train": N, "eval": M}, format)."""
-    train = data.load_train_split(opts.dataset_name, opts.dataset_config, opts.train_split)
-    fmt = checked_format(entry, train)
-    evaluation = None
-    if opts.eval_split_ratio:
-        train, evaluation = data.held_out_split(train, opts.eval_split_ratio)
-    elif opts.eval_dataset_name:
-        evaluation = data.load_train_split(opts.eval_dataset_name, None, opts.eval_split)
-        checked_format(entry, evaluation)
-    train = data.take_percentage(train, opts.data_percentage, seed=opts.seed)
-    if evaluation is not None:
-        evaluation = evaluation.select_columns(list(COLUMNS[fmt]))
-    info = {
-        "records": {"train": len(train), "eval": len(evaluation) if evaluation is not None else 0},
-        "format": fmt,
-    }
-    fingerprint = data.content_fingerprint(opts.dataset_name, opts.dataset_config)
-    return Prepared(train.select_columns(list(COLUMNS[fmt])), evaluation, fmt, Path(), fingerprint, False, info)
-
-
-def checked_format(entry: Method, ds) -> str:
-    """The records' format, refused when it is not the method's; KTO's labels must be true or false."""
-    check_records_fit(entry, ds.column_names)
-    fmt = records_format(ds.column_names)
-    missing = [c for c in COLUMNS[fmt] if c not in ds.column_names]
-    if missing:
-        raise DataError(
-            f"{fmt} records need the columns {', '.join(COLUMNS[fmt])}; the dataset lacks {', '.join(missing)}"
-        )
-    if "label" in COLUMNS[fmt]:
-        check_labels(ds["label"])
-    return fmt
-
-
-def check_labels(labels) -> None:
-    """KTO's label says whether the completion is desirable: true or false, nothing else (1, "yes" and null are
-    refused, not guessed)."""
-    for i, value in enumerate(labels):
-        if not isinstance(value, bool):
-            raise DataError(
-                f"record {i + 1}: 'label' is {json.dumps(value)}; KTO's label must be true (desirable) or false "
-                "(undesirable): write it as a JSON boolean"
-            )
-
-
-# llmft's data flags the records of a method TRL tokenises do not go through yet: flag -> DataOptions field
-_SFT_DATA_FLAGS = {
-    "prompt_column": "prompt_column",
-    "completion_column": "completion_column",
-    "messages_column": "messages_column",
-    "prompt_template": "prompt_template",
-    "role_map": "role_map",
-    "drop_long_records": "drop_long_records",
-    "dataset_mixture": "dataset_mixture",
-}
-
-
 def check_method_options(entry: Method, opts: DataOptions) -> None:
-    """Before anything loads: a data flag that `method_dataset` would not apply is refused in one line, never
-    ignored (--dataset_format takes auto or one of the method's formats)."""
+    """Before anything loads: a data flag that preference shaping (llmft.data.pairs) would not apply is refused in
+    one line, never ignored (--dataset_format takes auto or one of the method's formats)."""
     if entry.prepared_by == "llmft":
         return
-    for flag, name in _SFT_DATA_FLAGS.items():
-        if getattr(opts, name, None):
-            raise MethodDataError(
-                f"--{flag} is not supported with --method {entry.name}: its records go to TRL's trainer as they are "
-                f"({' or '.join('{' + ', '.join(COLUMNS[f]) + '}' for f in entry.formats if f in COLUMNS)}); drop --{flag}"
-            )
+    pairs.check_method_options(opts, entry)  # the flags that shape SFT data only
     if opts.dataset_format not in (None, "", "auto", *entry.formats):
         raise MethodDataError(
             f"--dataset_format {opts.dataset_format} is not a format --method {entry.name} trains on: use auto or "
