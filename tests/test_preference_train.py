@@ -264,7 +264,11 @@ def refusal(argv: list[str], capsys) -> str:
         ("kto", ["--sync_ref_model", "true"], "--sync_ref_model True is not supported: it mixes the policy"),
         ("reward", ["--sequence_parallel", "2"], "--sequence_parallel 2 is not supported with --method reward"),
         ("orpo", [], "--method 'orpo' is not a training method; choose one of sft, dpo, kto, reward"),
-        ("dpo", ["--prompt_template", "gsm8k"], "--prompt_template is not supported with --method dpo: its records"),
+        (
+            "dpo",
+            ["--prompt_template", "gsm8k"],
+            "--prompt_template shape(s) SFT data; --method dpo trains on its records",
+        ),
         ("kto", ["--dataset_format", "messages"], "--dataset_format messages is not a format --method kto trains on"),
     ],
 )
@@ -362,3 +366,32 @@ def test_a_jobs_run_directory_names_its_method_and_an_sft_run_keeps_its_own():
     dpo = dataclasses.replace(k, values={**k.values, "METHOD": "dpo"})
     assert job.run_key(sft) == job.run_key(k) and re.fullmatch(r"[0-9a-f]{8}", job.run_key(k))
     assert re.fullmatch(r"dpo-[0-9a-f]{8}", job.run_key(dpo)) and job.run_key(dpo)[4:] != job.run_key(k)
+
+
+def test_llmft_eval_scores_a_dpo_checkpoint_and_refuses_a_reward_model_in_one_line(tiny_model, data, tmp_path):
+    """`llmft eval` works unchanged on a DPO run's checkpoint (a causal LM, like SFT's); a reward model's checkpoint
+    (a one-output score head) is one line naming what it is, exit 2, before any shard is read."""
+    gsm8k = write_jsonl(
+        [
+            {"question": e["prompt"], "answer": f"{e['completion']}\n#### {e['completion'].rstrip('.').split()[-1]}"}
+            for e in make_examples(4, seed=5)
+        ],
+        tmp_path / "gsm8k" / "test.jsonl",
+    )
+    steps = ("--max_steps", 2, "--save_steps", 2, "--global_batch_size", 4, "--per_device_train_batch_size", 4)
+    common = ("--max_length", 64, "--learning_rate", LR, "--zero_stage", 0)
+    evaluate = ["eval", "--tasks", "gsm8k", "--task_data", f"gsm8k={gsm8k}", "--num_fewshot", "0", "--limit", "2"]
+    evaluate += ["--gen_kwargs", "max_gen_toks=4", "--batch_size", "2"]
+    llmft = str(Path(PYTHON).parent / "llmft")
+    for method, dataset in (("dpo", data["pairs"]), ("reward", data["pairs"])):
+        out = tmp_path / method
+        run(llmft_cmd(method, tiny_model, dataset, out, *steps, *common), check=True)
+        proc = run([llmft, *evaluate[:1], str(out), *evaluate[1:]], timeout=600)
+        if method == "dpo":
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            [line] = [json.loads(x) for x in (out / "eval" / "summary.jsonl").read_text().splitlines()]
+            assert line["step"] == 2 and line["task"] == "gsm8k"
+        else:
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+            [said] = [x for x in proc.stderr.splitlines() if x.startswith("llmft eval: error")] or [proc.stderr]
+            assert "is a reward model" in said and "eval_accuracy" in said, proc.stderr[-3000:]

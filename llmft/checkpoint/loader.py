@@ -168,6 +168,19 @@ def _hf(what: str, src: str, fn):
         ) from None
 
 
+def check_generates_text(config, src: str) -> None:
+    """llmft infer, eval and export read a causal LM. A reward model (`llmft train --method reward`: a one-output score
+    head, saved as ...ForSequenceClassification) has no LM head to generate with: one line, not a model built with a
+    random head or a shard that names no layer."""
+    scorers = [a for a in (getattr(config, "architectures", None) or []) if a.endswith("ForSequenceClassification")]
+    if scorers:
+        raise CheckpointError(
+            f"{src} is a reward model ({scorers[0]}: a one-output score head), not a model that generates text: "
+            "its held-out accuracy is run_summary.json's eval_accuracy; score pairs with it in Python "
+            "(AutoModelForSequenceClassification)"
+        )
+
+
 def _empty_model(config, dtype, device):
     """Build the architecture without random init (the weights are overwritten from the shards)."""
     import torch
@@ -263,6 +276,7 @@ def load(
     ckpt = open_checkpoint(tag_dir, trust)
     src = find_source(tag_dir, model_name)
     config = _hf("config", src.config, lambda: AutoConfig.from_pretrained(src.config))
+    check_generates_text(config, src.config)
     tokenizer = _hf("tokenizer", src.tokenizer, lambda: AutoTokenizer.from_pretrained(src.tokenizer))
     if src.adapter_dir is None:
         model = model_from_checkpoint(ckpt, config, dtype, device, src.config)
