@@ -84,8 +84,19 @@ def container_mounts(k: Knobs, paths: Sequence[Path]) -> list[str]:
     return mounts
 
 
+def container_python(k: Knobs) -> str:
+    """The Python llmft runs inside a container: the image's own `python`, or with VENV a virtual environment built by
+    the image's interpreter (the same Python at the same path, e.g. Debian 12's /usr/bin/python3.11), mounted at its
+    real path (run_paths) and run there: its bin/python is a link to that interpreter, which inside the container is
+    the image's, with the venv's packages. The path is resolved: a venv reached through a link is mounted where the link
+    points."""
+    return str(Path(k["VENV"]).resolve() / "bin" / "python") if k["VENV"] else "python"
+
+
 def run_paths(k: Knobs, submit_dir: Path, run_dir: Path, node_env: Mapping[str, str]) -> list[Path]:
     paths = [submit_dir, run_dir, Path(node_env["HF_HOME"]), Path(node_env["LLMFT_CACHE"])]
+    if k["CONTAINER_IMAGE"] and k["VENV"]:  # container_python runs VENV's python inside the container
+        paths.append(Path(k["VENV"]).resolve())
     out = export_directory(k, submit_dir)
     if out is not None and out.parent.is_dir():  # EXPORT's parent, where the export job step writes
         paths.append(out.parent.resolve())

@@ -136,6 +136,7 @@ from llmft.launch.job import (
     claim_run_dir,
     container_gpu_variables,
     container_mounts,
+    container_python,
     export_after_training,
     export_command,
     fabric_check,
@@ -261,7 +262,7 @@ def read_arguments(argv: Sequence[str], in_job: bool) -> tuple[dict[str, str], l
 def choose_python(k: Knobs, env: Mapping[str, str]) -> str:
     """VENV, else the virtual environment / python3 sbatch was run from (inside a container: its python)."""
     if k["CONTAINER_IMAGE"]:
-        return "python"
+        return container_python(k)
     if k["VENV"]:
         return f"{k['VENV']}/bin/python"
     venv = env.get("VIRTUAL_ENV", "")
