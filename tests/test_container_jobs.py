@@ -106,6 +106,20 @@ def pbs_jobs(pbs_cluster: PbsCluster, tools, tiny_model, tiny_data, tmp_path_fac
         resources = ["-l", "select=2:ncpus=1", "-l", "place=scatter", "-l", "walltime=00:30:00"]
         args = [*resources, "-o", str(d / "out"), "-v", variables, str(PBS_SCRIPT)]
         out[name] = (pbs_cluster.qsub(args, cwd=d), d)
+    # The founding workflow's sweep: three learning rates, an array of one-node jobs, each in its container.
+    d = pbs_cluster.job_dir(tmp_path_factory.mktemp("container_sweep"))
+    (d / "enroot-data").mkdir()
+    own(d)
+    variables = (
+        f"MODEL={inputs / 'model'},DATASET={inputs / 'train.jsonl'},MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,"
+        f"CHECKPOINT_DIR={d / 'sweep'},SWEEP='learning_rate=1e-4,2e-4,3e-4',CONTAINER_IMAGE={tools['TEST_IMAGE']},"
+        f"VENV={sys.prefix},CONTAINER_MOUNTS={REPO}:{REPO},PYTHONPATH={REPO},HF_HUB_OFFLINE=1,"
+        f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'},"
+        f"PATH={tools['ENROOT_PREFIX'] / 'bin'}:/usr/local/bin:/usr/bin:/bin,ENROOT_DATA_PATH={d / 'enroot-data'}"
+    )
+    resources = ["-J", "1-3", "-l", "select=1:ncpus=1", "-l", "walltime=00:30:00"]
+    args = [*resources, "-o", str(d / "out.^array_index^"), "-v", variables, str(PBS_SCRIPT)]
+    out["sweep"] = (pbs_cluster.qsub(args, cwd=d), d)
     return out
 
 
@@ -157,6 +171,64 @@ def test_pbs_container_job_that_fails_after_creating_its_containers_removes_them
     assert info["Exit_status"] != 0, text
     assert "on each node: " in text, text  # its containers were made
     assert enroot_list(tools, d / "enroot-data") == [], text
+
+
+def test_the_founding_workflow_in_a_container_sweep_eval_and_report(pbs_cluster, pbs_jobs, tools):  # noqa: F811
+    """The founding workflow on the local OpenPBS, in the container: `qsub -J 1-3` trains a sweep of three learning
+    rates, `llmft eval` scores each variant on GSM8K-format local task data inside the image (as the job user), and
+    `llmft report` over the sweep gives one comparison table and plot."""
+    from test_eval import gsm8k_records
+
+    from llmft.data.synthetic import write_jsonl
+
+    job, d = pbs_jobs["sweep"]
+    pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
+    subjobs = {jid: i for jid, i in pbs_cluster.qstat(job, subjobs=True).items() if jid != job}
+    assert sorted(i["Exit_status"] for i in subjobs.values()) == [0, 0, 0], [read(p) for p in d.glob("out.*")]
+    sweep_dir = d / "sweep"
+    names = ["learning_rate-1e-4", "learning_rate-2e-4", "learning_rate-3e-4"]
+    for name in names:
+        assert json.loads((sweep_dir / name / "llmft_done.json").read_text())["global_step"] == 2
+    assert enroot_list(tools, d / "enroot-data") == []
+    task = write_jsonl(gsm8k_records(4, seed=5), d / "gsm8k" / "test.jsonl")
+    own(d / "gsm8k")
+    python = str(Path(sys.prefix).resolve() / "bin" / "python")
+    env = {
+        "PATH": f"{tools['ENROOT_PREFIX'] / 'bin'}:/usr/bin:/bin",
+        "HOME": str(d),
+        "ENROOT_DATA_PATH": str(d / "enroot-data"),
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    as_job_user = [shutil.which("runuser") or "runuser", "-u", JOB_USER, "--"]
+    name = "llmft-founding-eval"
+    created = subprocess.run([*as_job_user, "enroot", "create", "--name", name, str(tools["TEST_IMAGE"])], env=env)
+    assert created.returncode == 0
+    try:
+        mounts = [f"{REPO}:{REPO}", f"{Path(sys.prefix).resolve()}:{Path(sys.prefix).resolve()}", f"{d}:{d}"]
+        start = pbs.enroot_start(
+            "enroot", name, mounts, False, ["PYTHONPATH", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"]
+        )
+        for variant in names:
+            args = ["-m", "llmft.eval", str(sweep_dir / variant), "--tasks", "gsm8k", "--task_data", f"gsm8k={task}"]
+            args += ["--num_fewshot", "0", "--limit", "4", "--gen_kwargs", "max_gen_toks=8", "--batch_size", "4"]
+            proc = subprocess.run([*as_job_user, *start, python, *args], capture_output=True, text=True, env=env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "llmft eval: gsm8k (0-shot, n=4) step 2: exact_match" in proc.stderr, proc.stderr[-3000:]
+    finally:
+        subprocess.run([*as_job_user, "enroot", "remove", "-f", name], capture_output=True, env=env)
+    assert enroot_list(tools, d / "enroot-data") == []
+    report = d / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmft.report", str(sweep_dir), "--output", str(report)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = (report / "report.md").read_text()
+    for variant in names:
+        assert re.search(rf"^\| {variant} \| 2 \| gsm8k \| 0 \| 4 \| exact_match", text, re.M), text
+    assert (report / "loss.png").is_file() and (report / "benchmarks.png").is_file()
 
 
 def test_the_gpu_command_line_llmft_builds_reaches_enroots_nvidia_hook(tools, tmp_path):
