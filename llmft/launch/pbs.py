@@ -489,9 +489,9 @@ def remove_containers(hosts, env_file: Path, create: list[str]) -> None:
     would otherwise pile up with each continuation. A node whose removal fails says so in the job's output."""
     if not create:
         return
-    enroot, _, name = create[1:4]
+    name = create[3]
     node = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--node", "{node}"]
-    for (host, _), rc in zip(hosts, on_every_node(hosts, [*node, "--remove", enroot, name])):
+    for (host, _), rc in zip(hosts, on_every_node(hosts, [*node, "--remove", *create[1:4]])):
         if rc != 0:
             say(f"could not remove the container {name.replace('{node}', host)} on node {host} (exit {rc})")
 
