@@ -325,3 +325,36 @@ def test_slurm_container_job_through_the_real_pyxis_requeues_at_its_time_limit_a
         log = read(slurm.state / "log" / f"slurmd-{node}.log")
         assert log.count(f"pyxis: creating container filesystem: pyxis_{job}_llmft-{job}\n") == 2, node  # each run
         assert os.listdir(slurm.state / "enroot" / node / "data") == [], node  # removed by pyxis's epilog
+
+
+def test_a_nodes_container_is_made_afresh_over_a_killed_runs_leftover_and_removed(tools, tmp_path):
+    """Each node's step (llmft.launch.pbs node --create/--remove) through the real enroot: a container of the job's
+    name left by a killed run, with what that run wrote, is replaced by a fresh one from the image; --remove removes
+    it, and a second --remove finds nothing to do."""
+    env_file = tmp_path / "env.json"
+    env_file.write_text(json.dumps({}))
+    data = tmp_path / "data"
+    env = {
+        "PATH": f"{tools['ENROOT_PREFIX'] / 'bin'}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "ENROOT_DATA_PATH": str(data),
+    }
+    enroot, image = str(tools["ENROOT_PREFIX"] / "bin" / "enroot"), str(tools["TEST_IMAGE"])
+    name = pbs.container_name("9.pbs-head").replace("{node}", "pbs-n1")
+    assert name == "llmft-9-pbs-n1"
+    node = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--node", "pbs-n1"]
+
+    def step(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*node, *args], capture_output=True, text=True, env={**os.environ, **env})
+
+    assert subprocess.run([enroot, "create", "--name", name, image], capture_output=True, env=env).returncode == 0
+    left = subprocess.run(
+        [enroot, "start", "--rw", name, "touch", "/left-by-a-killed-run"], capture_output=True, env=env
+    )
+    assert left.returncode == 0 and (data / name / "left-by-a-killed-run").exists()
+    made = step("--create", enroot, image, name, "--", "true")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert (data / name / "etc" / "llmft-test-image").is_file() and not (data / name / "left-by-a-killed-run").exists()
+    for _ in range(2):
+        gone = step("--remove", enroot, image, name)
+        assert gone.returncode == 0 and os.listdir(data) == [], gone.stdout + gone.stderr
