@@ -80,3 +80,36 @@ def test_a_container_image_on_a_cluster_without_pyxis_is_refused_in_one_line(mon
     )
     monkeypatch.setattr(slurm, "run", lambda *a, **kw: with_pyxis)
     slurm.host_checks(k, {})
+
+
+def test_a_venv_beside_an_image_runs_inside_it_with_its_bin_first_on_path(tmp_path, monkeypatch):
+    """VENV with CONTAINER_IMAGE: the venv (built by the image's Python) is mounted at its real path and its python
+    runs inside; PATH there starts at its bin (PBS: enroot's --env PATH=...; Slurm: the job's PATH kept over the
+    image's by pyxis's --container-env=PATH). Without VENV the image's own python and PATH."""
+    import sys
+    from pathlib import Path
+
+    from llmft.launch import job, knobs, slurm
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", "/site/bin:/usr/bin:/bin")
+    image = tmp_path / "image.sqsh"
+    image.write_bytes(b"")
+    venv = Path(sys.prefix).resolve()
+    k = knobs.resolve({"CONTAINER_IMAGE": str(image), "VENV": sys.prefix}, cwd=tmp_path)
+    assert pbs.choose_python(k, {}) == slurm.choose_python(k, {}) == str(venv / "bin" / "python")
+    node_env = {"HF_HOME": str(tmp_path / "hf"), "LLMFT_CACHE": str(tmp_path / "cache"), "LLMFT_STOP_FILE": "s"}
+    paths = job.run_paths(k, tmp_path, tmp_path / "run", node_env)
+    assert venv in paths
+    inside, create = pbs.container_prefix(k, {}, "5.pbs-head", paths, node_env, 0)
+    assert f"--env PATH={venv}/bin:{job.IMAGE_PATH} " in " ".join(inside) and f"--mount {venv}:{venv}" in " ".join(
+        inside
+    )
+    assert inside[-1] == create[3] == "llmft-5-{node}"
+    args = slurm.container_arguments(k, tmp_path, tmp_path / "run", "7")
+    assert "--container-env=PATH" in args and f"{venv}:{venv}" in next(a for a in args if "mounts" in a)
+    assert slurm.os.environ["PATH"] == f"{venv}/bin:/site/bin:/usr/bin:/bin"
+    plain = knobs.resolve({"CONTAINER_IMAGE": str(image)}, cwd=tmp_path)
+    assert pbs.choose_python(plain, {}) == "python" and job.container_path(plain) is None
+    assert "--container-env=PATH" not in slurm.container_arguments(plain, tmp_path, tmp_path / "run", "7")

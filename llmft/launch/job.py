@@ -93,6 +93,17 @@ def container_python(k: Knobs) -> str:
     return str(Path(k["VENV"]).resolve() / "bin" / "python") if k["VENV"] else "python"
 
 
+# The PATH a Debian or Ubuntu image sets (their /etc/environment's), after a mounted VENV's bin (container_path)
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def container_path(k: Knobs, outside: str = IMAGE_PATH) -> str | None:
+    """PATH inside the container with VENV (container_python): the venv's bin first, as activating it does, so the
+    tools it installs are found there (DeepSpeed runs the venv's `ninja` to load a JIT-built op, even one already
+    built); `outside` after it. None without VENV: the image's own PATH."""
+    return f"{Path(k['VENV']).resolve() / 'bin'}:{outside}" if k["VENV"] else None
+
+
 def run_paths(k: Knobs, submit_dir: Path, run_dir: Path, node_env: Mapping[str, str]) -> list[Path]:
     paths = [submit_dir, run_dir, Path(node_env["HF_HOME"]), Path(node_env["LLMFT_CACHE"])]
     if k["CONTAINER_IMAGE"] and k["VENV"]:  # container_python runs VENV's python inside the container

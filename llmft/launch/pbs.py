@@ -43,6 +43,7 @@ from llmft.launch.job import (
     claim_run_dir,
     container_gpu_variables,
     container_mounts,
+    container_path,
     container_python,
     export_after_training,
     export_command,
@@ -466,13 +467,15 @@ def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
 def container_prefix(k, env, job_id, paths, node_env, gpus) -> tuple[list[str], list[str]]:
     """The prefix of every command that runs llmft (none on the host; `{node}` in it is the node's name), and the
     node step's --create arguments. With VENV (a venv of the image's Python, container_python) its PYTHONPATH goes in
-    too: it belongs to that environment, as PATH and the host's own Python never do."""
+    too, and PATH starts at its bin (container_path): they belong to that environment; the host's own never go in."""
     if not k["CONTAINER_IMAGE"]:
         return [], []
     enroot = env.get("LLMFT_ENROOT") or "enroot"  # the enroot command (a site's wrapper)
     names = sorted(n for n in node_env if n.startswith(CONTAINER_ENV_PREFIXES))
     if k["VENV"] and os.environ.get("PYTHONPATH"):
         names.append("PYTHONPATH")
+    if k["VENV"]:  # the venv's bin before the image's PATH (enroot takes NAME=VALUE too)
+        names.append(f"PATH={container_path(k)}")
     inside = enroot_start(enroot, container_name(job_id), container_mounts(k, paths), gpus > 0, names)
     say(f"container {container_name(job_id)} from {k['CONTAINER_IMAGE']} on each node: {' '.join(inside)}")
     return inside, ["--create", enroot, k["CONTAINER_IMAGE"], container_name(job_id)]
