@@ -37,31 +37,6 @@ def tools() -> dict[str, Path]:
     return {name: Path(value) for name, value in found.items()}
 
 
-def op_cache_for_the_image(root: Path) -> Path:
-    """DeepSpeed's CPU FusedAdam op, which every rank here loads, in an op cache at `root` (LLMFT_EXTENSIONS_ROOT) on a
-    path the job mounts into the container: the image has no compiler, and a cache inside the container would go with
-    it at the job's end. Copied from this environment's own cache (the key is the venv's real path, the same inside),
-    or built once here into it when not yet built."""
-    import deepspeed
-    import torch
-
-    from llmft.training.build_locks import extensions_root
-    from llmft.training.upstream_noise import keyed_extensions_dir
-
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    versions = (sys.prefix, torch.__version__, deepspeed.__version__)
-    ours = keyed_extensions_dir(env, *versions, extensions_root(env)) / "fused_adam"
-    theirs = keyed_extensions_dir({"LLMFT_EXTENSIONS_ROOT": str(root)}, *versions, root)
-    if any(ours.glob("*.so")) and not (ours / "lock").exists():
-        shutil.copytree(ours, theirs / "fused_adam")
-    else:
-        build = (
-            "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('FusedAdamBuilder').load()"
-        )
-        subprocess.run([sys.executable, "-c", build], check=True, env={**env, "TORCH_EXTENSIONS_DIR": str(theirs)})
-    return root
-
-
 def read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
@@ -118,7 +93,6 @@ def pbs_jobs(pbs_cluster: PbsCluster, tools, tiny_model, tiny_data, tmp_path_fac
         d = pbs_cluster.job_dir(tmp_path_factory.mktemp(f"container_{name}"))
         for sub in ("enroot-data", "ranks"):
             (d / sub).mkdir()
-        op_cache_for_the_image(d / "ops")
         own(d)
         variables = (
             f"MODEL={inputs / 'model'},DATASET={inputs / 'train.jsonl'},MAX_STEPS=4,{batch},MICRO_BATCH=2,"
@@ -126,7 +100,7 @@ def pbs_jobs(pbs_cluster: PbsCluster, tools, tiny_model, tiny_data, tmp_path_fac
             f"VENV={sys.prefix},CONTAINER_MOUNTS={REPO}:{REPO},PYTHONPATH={REPO}:{HOOK},HF_HUB_OFFLINE=1,"
             f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'},"
             f"PATH={tools['ENROOT_PREFIX'] / 'bin'}:/usr/local/bin:/usr/bin:/bin,ENROOT_DATA_PATH={d / 'enroot-data'},"
-            f"LLMFT_TEST_IMAGE_RECORD={d / 'ranks'},LLMFT_EXTENSIONS_ROOT={d / 'ops'},EXTRA_ARGS=--logging_steps 1,"
+            f"LLMFT_TEST_IMAGE_RECORD={d / 'ranks'},EXTRA_ARGS=--logging_steps 1,"
             "LLMFT_TEST_TIME_LEFT_AT_STEP=2:40,LLMFT_TEST_SAVE_DELAY_S=12"
         )
         resources = ["-l", "select=2:ncpus=1", "-l", "place=scatter", "-l", "walltime=00:30:00"]
@@ -135,15 +109,13 @@ def pbs_jobs(pbs_cluster: PbsCluster, tools, tiny_model, tiny_data, tmp_path_fac
     # The founding workflow's sweep: three learning rates, an array of one-node jobs, each in its container.
     d = pbs_cluster.job_dir(tmp_path_factory.mktemp("container_sweep"))
     (d / "enroot-data").mkdir()
-    op_cache_for_the_image(d / "ops")
     own(d)
     variables = (
         f"MODEL={inputs / 'model'},DATASET={inputs / 'train.jsonl'},MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,"
         f"CHECKPOINT_DIR={d / 'sweep'},SWEEP='learning_rate=1e-4,2e-4,3e-4',CONTAINER_IMAGE={tools['TEST_IMAGE']},"
         f"VENV={sys.prefix},CONTAINER_MOUNTS={REPO}:{REPO},PYTHONPATH={REPO},HF_HUB_OFFLINE=1,"
         f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'},"
-        f"PATH={tools['ENROOT_PREFIX'] / 'bin'}:/usr/local/bin:/usr/bin:/bin,ENROOT_DATA_PATH={d / 'enroot-data'},"
-        f"LLMFT_EXTENSIONS_ROOT={d / 'ops'}"
+        f"PATH={tools['ENROOT_PREFIX'] / 'bin'}:/usr/local/bin:/usr/bin:/bin,ENROOT_DATA_PATH={d / 'enroot-data'}"
     )
     resources = ["-J", "1-3", "-l", "select=1:ncpus=1", "-l", "walltime=00:30:00"]
     args = [*resources, "-o", str(d / "out.^array_index^"), "-v", variables, str(PBS_SCRIPT)]
@@ -167,6 +139,7 @@ def test_pbs_container_job_trains_in_the_image_stops_for_its_walltime_and_its_co
     assert info["Exit_status"] == 0, first
     first_id = job.split(".")[0]
     assert f"container llmft-{first_id}-{{node}} from {tools['TEST_IMAGE']} on each node: " in first, first
+    assert "DeepSpeed's CPU FusedAdam needs a C++ compiler (c++) to load and none is here" in first, first
     m = re.search(r"continuation submitted: job (\S+) starts after", first)
     assert m and "llmft stopped for its final save before the walltime" in first, first
     assert enroot_list(tools, d / "enroot-data") == []  # the first job's, removed at its end (the walltime stop)
@@ -333,7 +306,6 @@ def test_slurm_container_job_through_the_real_pyxis_requeues_at_its_time_limit_a
         LLMFT_TEST_IMAGE_RECORD=str(tmp_path / "ranks"),
         LLMFT_TEST_TIME_LEFT_AT_STEP="2:40",
         LLMFT_TEST_SAVE_DELAY_S="12",
-        LLMFT_EXTENSIONS_ROOT=str(op_cache_for_the_image(tmp_path / "ops")),
     )
     info = slurm.wait(job, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")

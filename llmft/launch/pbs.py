@@ -474,9 +474,9 @@ def container_prefix(k, env, job_id, paths, node_env, gpus) -> tuple[list[str], 
     names = sorted(n for n in node_env if n.startswith(CONTAINER_ENV_PREFIXES))
     if k["VENV"] and os.environ.get("PYTHONPATH"):
         names.append("PYTHONPATH")
-    if k["VENV"]:  # the venv's bin before the image's PATH (enroot takes NAME=VALUE too)
-        names.append(f"PATH={container_path(k)}")
     inside = enroot_start(enroot, container_name(job_id), container_mounts(k, paths), gpus > 0, names)
+    if k["VENV"]:  # the venv's bin first; set by env(1) inside, since enroot's login shell resets PATH (/etc/profile)
+        inside += ["env", f"PATH={container_path(k)}"]
     say(f"container {container_name(job_id)} from {k['CONTAINER_IMAGE']} on each node: {' '.join(inside)}")
     return inside, ["--create", enroot, k["CONTAINER_IMAGE"], container_name(job_id)]
 
