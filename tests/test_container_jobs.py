@@ -87,6 +87,11 @@ def pbs_jobs(pbs_cluster: PbsCluster, tools, tiny_model, tiny_data, tmp_path_fac
     inputs = pbs_cluster.job_dir(tmp_path_factory.mktemp("container_inputs"))
     shutil.copytree(tiny_model, inputs / "model")
     shutil.copy(tiny_data, inputs / "train.jsonl")
+    # enroot as a site installs it: its helpers (enroot-nsenter, ...) on PATH beside it (LLMFT_ENROOT: a site's wrapper)
+    enroot = inputs / "enroot"
+    bin_dir = tools["ENROOT_PREFIX"] / "bin"
+    enroot.write_text(f'#!/bin/sh\nPATH={bin_dir}:$PATH exec {bin_dir}/enroot "$@"\n')
+    enroot.chmod(0o755)
     own(inputs)
     out = {}
     for name, batch in (("walltime", "GLOBAL_BATCH=4"), ("refused", "GLOBAL_BATCH=6")):
@@ -99,7 +104,7 @@ def pbs_jobs(pbs_cluster: PbsCluster, tools, tiny_model, tiny_data, tmp_path_fac
             f"ZERO_STAGE=2,CHECKPOINT_DIR={d / 'ckpt'},CONTAINER_IMAGE={tools['TEST_IMAGE']},"
             f"VENV={sys.prefix},CONTAINER_MOUNTS={REPO}:{REPO},PYTHONPATH={REPO}:{HOOK},HF_HUB_OFFLINE=1,"
             f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'},"
-            f"PATH={tools['ENROOT_PREFIX'] / 'bin'}:/usr/local/bin:/usr/bin:/bin,ENROOT_DATA_PATH={d / 'enroot-data'},"
+            f"LLMFT_ENROOT={enroot},ENROOT_DATA_PATH={d / 'enroot-data'},"
             f"LLMFT_TEST_IMAGE_RECORD={d / 'ranks'},EXTRA_ARGS=--logging_steps 1,"
             "LLMFT_TEST_TIME_LEFT_AT_STEP=2:40,LLMFT_TEST_SAVE_DELAY_S=12"
         )
@@ -115,7 +120,7 @@ def pbs_jobs(pbs_cluster: PbsCluster, tools, tiny_model, tiny_data, tmp_path_fac
         f"CHECKPOINT_DIR={d / 'sweep'},SWEEP='learning_rate=1e-4,2e-4,3e-4',CONTAINER_IMAGE={tools['TEST_IMAGE']},"
         f"VENV={sys.prefix},CONTAINER_MOUNTS={REPO}:{REPO},PYTHONPATH={REPO},HF_HUB_OFFLINE=1,"
         f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'},"
-        f"PATH={tools['ENROOT_PREFIX'] / 'bin'}:/usr/local/bin:/usr/bin:/bin,ENROOT_DATA_PATH={d / 'enroot-data'}"
+        f"LLMFT_ENROOT={enroot},ENROOT_DATA_PATH={d / 'enroot-data'}"
     )
     resources = ["-J", "1-3", "-l", "select=1:ncpus=1", "-l", "walltime=00:30:00"]
     args = [*resources, "-o", str(d / "out.^array_index^"), "-v", variables, str(PBS_SCRIPT)]
@@ -306,11 +311,13 @@ def test_slurm_container_job_through_the_real_pyxis_requeues_at_its_time_limit_a
         LLMFT_TEST_IMAGE_RECORD=str(tmp_path / "ranks"),
         LLMFT_TEST_TIME_LEFT_AT_STEP="2:40",
         LLMFT_TEST_SAVE_DELAY_S="12",
+        NVIDIA_VISIBLE_DEVICES="void",  # the job's own value wins: no GPU (these nodes' GPUs are Slurm's fakes)
     )
     info = slurm.wait(job, timeout=TRAINING_JOB_S)
     text = read(tmp_path / f"llmft-{job}.out")
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
     image = slurm.tools["TEST_IMAGE"]
+    assert "container GPUs: NVIDIA_VISIBLE_DEVICES=void NVIDIA_DRIVER_CAPABILITIES=compute,utility" in text, text
     mounts = f"--container-mounts={REPO}:{REPO},{extra}:{extra}:ro,{tmp_path}:{tmp_path},"
     assert f"--container-image={image} --container-name=llmft-{job} {mounts}" in text, text
     first = text[: text.index("restart 1,")]
@@ -359,3 +366,23 @@ def test_a_nodes_container_is_made_afresh_over_a_killed_runs_leftover_and_remove
     for _ in range(2):
         gone = step("--remove", enroot, image, name)
         assert gone.returncode == 0 and os.listdir(data) == [], gone.stdout + gone.stderr
+
+
+def test_slurm_gpu_job_in_a_container_reaches_enroots_nvidia_hook_through_pyxis(
+    slurm, tiny_model, tiny_data, tmp_path
+):
+    """A GPU job (run_llm.slurm's default --gpus-per-node=1; the local nodes' GPUs are Slurm's) with CONTAINER_IMAGE:
+    llmft sets NVIDIA_VISIBLE_DEVICES=all and NVIDIA_DRIVER_CAPABILITIES=compute,utility in its steps' environment,
+    pyxis hands them to enroot, and enroot's 98-nvidia.sh hook runs: on this machine, without nvidia-container-cli
+    (libnvidia-container-tools), the container does not start and the job says so at its first step."""
+    knobs = (
+        f"--export=ALL,DRY_RUN=1,MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={tmp_path / 'ckpt'},"
+        f"CONTAINER_IMAGE={slurm.tools['TEST_IMAGE']},VENV={sys.prefix}"
+    )
+    job = slurm.sbatch(["--nodes=2", str(REPO / "slurm" / "run_llm.slurm"), knobs], cwd=tmp_path)
+    info = slurm.wait(job, timeout=TRAINING_JOB_S)
+    text = read(tmp_path / f"llmft-{job}.out")
+    assert info["JobState"] == "FAILED", f"{info}\n{text}"
+    assert "container GPUs: NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility" in text, text
+    assert "Command not found: nvidia-container-cli" in text and "98-nvidia.sh exited with return code 1" in text
+    assert "run_llm.slurm: error: could not read the allocation on every node" in text, text
