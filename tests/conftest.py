@@ -32,6 +32,7 @@ LONGEST_FILES = (
     "test_slurm.py",
     "test_eval.py",
     "test_pbs.py",
+    "test_container_jobs.py",
     "test_train.py",
     "test_gpu_suite.py",
     "test_infer.py",
