@@ -84,7 +84,7 @@ def test_a_container_image_on_a_cluster_without_pyxis_is_refused_in_one_line(mon
 
 def test_a_venv_beside_an_image_runs_inside_it_with_its_bin_first_on_path(tmp_path, monkeypatch):
     """VENV with CONTAINER_IMAGE: the venv (built by the image's Python) is mounted at its real path and its python
-    runs inside; PATH there starts at its bin (PBS: enroot's --env PATH=...; Slurm: the job's PATH kept over the
+    runs inside; PATH there starts at its bin (PBS: `env PATH=...` inside, after enroot's login shell; Slurm: the job's PATH kept over the
     image's by pyxis's --container-env=PATH). Without VENV the image's own python and PATH."""
     import sys
     from pathlib import Path
@@ -103,10 +103,8 @@ def test_a_venv_beside_an_image_runs_inside_it_with_its_bin_first_on_path(tmp_pa
     paths = job.run_paths(k, tmp_path, tmp_path / "run", node_env)
     assert venv in paths
     inside, create = pbs.container_prefix(k, {}, "5.pbs-head", paths, node_env, 0)
-    assert f"--env PATH={venv}/bin:{job.IMAGE_PATH} " in " ".join(inside) and f"--mount {venv}:{venv}" in " ".join(
-        inside
-    )
-    assert inside[-1] == create[3] == "llmft-5-{node}"
+    assert inside[-3:] == [create[3], "env", f"PATH={venv}/bin:{job.IMAGE_PATH}"] and create[3] == "llmft-5-{node}"
+    assert f"--mount {venv}:{venv}" in " ".join(inside)
     args = slurm.container_arguments(k, tmp_path, tmp_path / "run", "7")
     assert "--container-env=PATH" in args and f"{venv}:{venv}" in next(a for a in args if "mounts" in a)
     assert slurm.os.environ["PATH"] == f"{venv}/bin:/site/bin:/usr/bin:/bin"
