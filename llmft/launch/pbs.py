@@ -471,7 +471,8 @@ def container_prefix(k, env, job_id, paths, node_env, gpus) -> tuple[list[str], 
     if not k["CONTAINER_IMAGE"]:
         return [], []
     enroot = env.get("LLMFT_ENROOT") or "enroot"  # the enroot command (a site's wrapper)
-    names = sorted(n for n in node_env if n.startswith(CONTAINER_ENV_PREFIXES))
+    # the job's own PBS_* too (PBS_JOBID: rank 0's walltime deadline, llmft.training.job_deadline, needs it)
+    names = sorted({n for n in (*node_env, *env) if n.startswith(CONTAINER_ENV_PREFIXES)})
     if k["VENV"] and os.environ.get("PYTHONPATH"):
         names.append("PYTHONPATH")
     inside = enroot_start(enroot, container_name(job_id), container_mounts(k, paths), gpus > 0, names)
