@@ -118,6 +118,7 @@ def pbs_jobs(pbs_cluster: PbsCluster, tools, tiny_model, tiny_data, tmp_path_fac
     variables = (
         f"MODEL={inputs / 'model'},DATASET={inputs / 'train.jsonl'},MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,"
         f"CHECKPOINT_DIR={d / 'sweep'},SWEEP='learning_rate=1e-4,2e-4,3e-4',CONTAINER_IMAGE={tools['TEST_IMAGE']},"
+        "EXTRA_ARGS=--logging_steps 1,"
         f"VENV={sys.prefix},CONTAINER_MOUNTS={REPO}:{REPO},PYTHONPATH={REPO},HF_HUB_OFFLINE=1,"
         f"TOKENIZERS_PARALLELISM=false,LLMFT_CACHE={d / 'cache'},HF_HOME={d / 'hf'},"
         f"LLMFT_ENROOT={enroot},ENROOT_DATA_PATH={d / 'enroot-data'}"
@@ -232,9 +233,10 @@ def test_the_founding_workflow_in_a_container_sweep_eval_and_report(pbs_cluster,
     )
     assert proc.returncode == 0, proc.stderr
     text = (report / "report.md").read_text()
-    for variant in names:
+    for variant in names:  # one row per variant in the runs' table, and its scores in the benchmarks' table
+        assert re.search(rf"^\| {variant} \| GPT2LMHeadModel \| .* \| ZeRO-2 \| 2 \| yes \|", text, re.M), text
         assert re.search(rf"^\| {variant} \| 2 \| gsm8k \| 0 \| 4 \| exact_match", text, re.M), text
-    assert (report / "loss.png").is_file() and (report / "benchmarks.png").is_file()
+    assert (report / "loss.png").is_file() and (report / "benchmarks.png").is_file(), text
 
 
 def test_the_gpu_command_line_llmft_builds_reaches_enroots_nvidia_hook(tools, tmp_path):
