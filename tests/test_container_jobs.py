@@ -334,7 +334,13 @@ def test_slurm_container_job_through_the_real_pyxis_requeues_at_its_time_limit_a
     for node in ("n1", "n2"):
         log = read(slurm.state / "log" / f"slurmd-{node}.log")
         assert log.count(f"pyxis: creating container filesystem: pyxis_{job}_llmft-{job}\n") == 2, node  # each run
-        assert os.listdir(slurm.state / "enroot" / node / "data") == [], node  # removed by pyxis's epilog
+        listed = subprocess.run(
+            ["/usr/local/bin/enroot", "list"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "SLURMD_NODENAME": node},
+        )  # the node's own data path (slurm/local/start.sh --enroot): pyxis's job epilog removed the job's container
+        assert listed.returncode == 0 and f"pyxis_{job}_llmft-{job}" not in listed.stdout.split(), (node, listed)
 
 
 def test_a_nodes_container_is_made_afresh_over_a_killed_runs_leftover_and_removed(tools, tmp_path):

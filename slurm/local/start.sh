@@ -12,9 +12,10 @@
 # installs the Debian packages (slurmctld slurmd slurm-client munge) when they are missing
 # (needs root and apt-get). Ports are picked free from $LLMFT_SLURM_PORT_BASE (default 16817) up.
 # --plugstack FILE loads the SPANK plugins FILE lists (PlugStackConfig; the tests load the real pyxis).
-# --enroot PREFIX puts enroot's install tree PREFIX on each slurmd's PATH (where pyxis finds it), through a per-node
-# `enroot` that gives each node its own data, runtime and cache paths under STATE_DIR/enroot/NODE: the node-local disk
-# of a real node (pyxis passes enroot only slurmd's PATH and refuses a job's ENROOT_*_PATH, so this is the place).
+# --enroot PREFIX installs enroot's install tree PREFIX as /usr/local/bin/enroot (where pyxis's job epilog finds it),
+# which gives each node its own data, runtime and cache paths under /tmp/llmft-enroot/NODE: the node-local disk of a
+# real node (pyxis refuses a job's ENROOT_*_PATH; only the node's own configuration sets them), and puts a per-node
+# `enroot` first on each slurmd's PATH (where pyxis's job steps find it) that names the node to it.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -130,20 +131,35 @@ wait_pidfile munged "$state/run/munged.pid"
 
 slurmctld -c -f "$state/slurm.conf" || die "slurmctld failed to start; see $state/log/slurmctld.log"
 wait_pidfile slurmctld "$state/run/slurmctld.pid"
-rm -rf "$state/enroot"
 node_path() {  # node_path NODE: the PATH slurmd NODE starts with (its own enroot first, with --enroot)
   [[ -n "$enroot_prefix" ]] || { echo "$PATH"; return 0; }
   local dir="$state/enroot/$1"
-  mkdir -p "$dir/bin" "$dir/data" "$dir/runtime" "$dir/cache"
+  mkdir -p "$dir/bin"
   {
     echo '#!/usr/bin/env bash'
-    echo "# node $1's enroot (slurm/local/start.sh --enroot): its own node-local paths"
-    echo "export ENROOT_DATA_PATH=$dir/data ENROOT_RUNTIME_PATH=$dir/runtime ENROOT_CACHE_PATH=$dir/cache"
-    echo "exec $enroot_prefix/bin/enroot \"\$@\""
+    echo "# node $1's enroot (slurm/local/start.sh --enroot)"
+    echo "SLURMD_NODENAME=$1 exec /usr/local/bin/enroot \"\$@\""
   } > "$dir/bin/enroot"
   chmod 755 "$dir/bin/enroot"
   echo "$dir/bin:$enroot_prefix/bin:$PATH"
 }
+if [[ -n "$enroot_prefix" ]]; then
+  # The node-local paths of node N live in /tmp/llmft-enroot/N (every local cluster's node N: their job ids differ,
+  # and with them pyxis's container names). pyxis's job epilog, which removes a job's containers, runs enroot with
+  # PATH=/usr/local/bin:/usr/bin:/bin and SLURMD_NODENAME set, as a site's enroot package in /usr/bin is found:
+  # /usr/local/bin/enroot is this machine's enroot, choosing the node's paths by that name.
+  mkdir -p /usr/local/bin
+  sed "s|@PREFIX@|$enroot_prefix|g" > /usr/local/bin/enroot.tmp <<'ENROOT'
+#!/usr/bin/env bash
+# enroot for the local Slurm clusters (slurm/local/start.sh --enroot): node $SLURMD_NODENAME's own paths
+node=${SLURMD_NODENAME:?SLURMD_NODENAME is unset: run by a local Slurm node}
+export ENROOT_DATA_PATH=/tmp/llmft-enroot/$node/data ENROOT_RUNTIME_PATH=/tmp/llmft-enroot/$node/runtime
+export ENROOT_CACHE_PATH=/tmp/llmft-enroot/$node/cache PATH=@PREFIX@/bin:$PATH
+exec @PREFIX@/bin/enroot "$@"
+ENROOT
+  chmod 755 /usr/local/bin/enroot.tmp
+  mv /usr/local/bin/enroot.tmp /usr/local/bin/enroot
+fi
 for n in n1 n2 n3; do
   PATH="$(node_path "$n")" slurmd -N "$n" -f "$state/slurm.conf" || die "slurmd $n failed to start; see $state/log/slurmd-$n.log"
   wait_pidfile slurmd "$state/run/slurmd-$n.pid"
