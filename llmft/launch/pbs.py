@@ -646,7 +646,15 @@ def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None
     values["LLMFT_CONTINUATIONS"] = str(attempt)
     variables_file = run_dir / f".llmft-continue-{attempt}.json"
     continuation.write_variables(variables_file, values)
-    cmd = continuation.qsub_command(job, job_id, run_dir / ".llmft-job.pbs", variables_file, attempt, python_venv(k))
+    cmd = continuation.qsub_command(
+        job,
+        job_id,
+        run_dir / ".llmft-job.pbs",
+        variables_file,
+        attempt,
+        python_venv(k),
+        os.environ.get("PYTHONPATH", ""),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=env.get("PBS_O_WORKDIR") or None)
     if proc.returncode != 0:
         say(
