@@ -11,8 +11,9 @@ TEST_DEPS := system-deps
 TEST_DEPS += .venv-pcluster/.installed
 TEST_DEPS += pbs-install
 TEST_DEPS += .bnb-site/.installed
+TEST_DEPS += container-tools
 
-.PHONY: venv demo test test-setup test-other-pythons system-deps pbs-install check-python clean format
+.PHONY: venv demo test test-setup test-other-pythons system-deps pbs-install container-tools check-python clean format
 
 venv: check-python $(VENV)/.installed
 
@@ -62,6 +63,12 @@ system-deps:
 # inside pytest. After system-deps, which installs its build packages (two apt-gets at once would collide).
 pbs-install: system-deps
 	bash pbs/local/start.sh --install --build-only
+
+# The real enroot and pyxis (from ../shared/vendor, a few seconds each) and the container tests' image (debootstrap +
+# mksquashfs: 4-5 min on the 2-core machine), into /opt/llmft-containers, each cached by what defines it
+# (tests/container_tools.sh). After system-deps, which installs debootstrap, squashfs-tools and the build packages.
+container-tools: system-deps
+	bash tests/container_tools.sh
 
 # The interpreter-dependent tests (checkpoint reading, data) under every other Python 3.11+ found here.
 test-other-pythons: venv

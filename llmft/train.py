@@ -745,17 +745,20 @@ def write_deepspeed_config(run: RunSettings, decided: Decisions, resume: ResumeD
         # HF checks train_batch_size against micro x accumulation x all ranks before accelerate sets it to the
         # data-parallel ranks' batch (llmft's global batch): "auto" lets both do their part, and DeepSpeed checks the end
         resolved = {**resolved, "train_batch_size": "auto"}
-    if decided.cuda:  # the optimizer DeepSpeed can run here: FusedAdam needs nvcc unless prebuilt
-        adam = ds_config.with_adam_kernel(
-            resolved,
-            ds_config.adam_kernel(cuda=True, offload=ds_config.offloads(resolved), **ds_config.local_adam_facts()),
+    # the optimizer DeepSpeed can run here: FusedAdam needs nvcc (GPU) or c++ (CPU) unless prebuilt
+    adam = ds_config.with_adam_kernel(
+        resolved,
+        ds_config.adam_kernel(cuda=decided.cuda, offload=ds_config.offloads(resolved), **ds_config.local_adam_facts()),
+    )
+    if adam is not resolved:
+        resolved = adam
+        log(
+            "DeepSpeed's FusedAdam is not prebuilt and no CUDA compiler (nvcc) is here to build it: the optimizer runs as "
+            "torch.optim.AdamW (DeepSpeed's torch_adam); install the CUDA toolkit (nvcc) and run `llmft prebuild` once, or use the Dockerfile's image"
+            if decided.cuda
+            else "DeepSpeed's CPU FusedAdam needs a C++ compiler (c++) to load and none is here (a container image without "
+            "one?): the optimizer runs as torch.optim.AdamW (DeepSpeed's torch_adam); install g++ to use FusedAdam"
         )
-        if adam is not resolved:
-            resolved = adam
-            log(
-                "DeepSpeed's FusedAdam is not prebuilt and no CUDA compiler (nvcc) is here to build it: the optimizer runs as "
-                "torch.optim.AdamW (DeepSpeed's torch_adam); install the CUDA toolkit (nvcc) and run `llmft prebuild` once, or use the Dockerfile's image"
-            )
     if rank0():  # every check passed: this directory now holds this run (refused reruns never get here)
         run_identity.record_run(training.output_dir, resume.identity)
         run_identity.record_launch(training.output_dir, run_identity.launch_record(sys.argv[1:], dict(os.environ)))

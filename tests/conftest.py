@@ -33,6 +33,7 @@ LONGEST_FILES = (
     "test_eval.py",
     "test_pbs.py",
     "test_pbs_stop.py",
+    "test_container_jobs.py",
     "test_train.py",
     "test_gpu_suite.py",
     "test_infer.py",

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import require_tool, subprocess_env
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "run_llm.slurm"
 LOCAL = REPO / "slurm" / "local"
-PYXIS_STANDIN = REPO / "tests" / "pyxis_standin.c"
+CONTAINER_TOOLS = REPO / "tests" / "container_tools.sh"
 SBIN_PATH = os.pathsep.join(["/usr/sbin", "/sbin"])
 # How long a test waits for a job before calling it hung. These guard against hangs and assert no speed: the 2-core CI
 # machine runs these jobs beside another pytest worker and the other Pythons' set-up, and a job whose training takes
@@ -34,6 +34,7 @@ class SlurmCluster:
     def __init__(self, state: Path):
         self.state = state
         self.conf = state / "slurm.conf"
+        self.tools: dict[str, Path] = {}  # enroot's prefix, pyxis's plugin, the test image (container_tools)
 
     def env(self, **extra: str) -> dict[str, str]:
         """Environment for Slurm commands and jobs: offline hub, quiet tokenizers, this cluster's config.
@@ -111,31 +112,31 @@ class SlurmCluster:
         return "\n".join(out)
 
 
-def build_pyxis_standin(state: Path) -> Path:
-    """Compile tests/pyxis_standin.c and list it in a plugstack.conf; srun offers pyxis's options where
-    LLMFT_TEST_PYXIS=1 is set and logs what it received to STATE/container-options.log."""
-    state.mkdir(parents=True, exist_ok=True)
-    plugin = state / "pyxis_standin.so"
-    proc = subprocess.run(
-        [require_tool("gcc"), "-shared", "-fPIC", "-Wall", "-o", str(plugin), str(PYXIS_STANDIN)],
-        capture_output=True,
-        text=True,
-    )
+def container_tools() -> dict[str, Path]:
+    """enroot's install tree, pyxis's plugin and the test image (tests/container_tools.sh: built once, then cached)."""
+    proc = subprocess.run(["bash", str(CONTAINER_TOOLS)], capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
-        pytest.fail(
-            f"could not build the pyxis stand-in (tests/system_deps.sh installs gcc and libslurm-dev):\n{proc.stderr}",
-            pytrace=False,
-        )
+        pytest.fail(f"tests/container_tools.sh failed (make test-setup runs it):\n{proc.stderr}", pytrace=False)
+    return {k: Path(v) for k, v in (line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)}
+
+
+def pyxis_plugstack(state: Path, plugin: Path) -> Path:
+    """A plugstack.conf loading the real pyxis: its runtime files in the cluster's state; container_scope=job, so a
+    job's named containers are its own (pyxis_<job id>_<name>) and pyxis's job epilog removes them on each node."""
+    state.mkdir(parents=True, exist_ok=True)
     plugstack = state / "plugstack.conf"
-    plugstack.write_text(f"optional {plugin} log={state / 'container-options.log'}\n")
+    plugstack.write_text(f"required {plugin} runtime_path={state / 'pyxis'} container_scope=job\n")
     return plugstack
 
 
 def start_cluster(state: Path) -> SlurmCluster:
-    """Start munge, slurmctld and slurmd n1-n3 (installed by `make test`'s set-up step, tests/system_deps.sh)."""
-    plugstack = build_pyxis_standin(state)
+    """Start munge, slurmctld and slurmd n1-n3 (installed by `make test`'s set-up step, tests/system_deps.sh), with the
+    real pyxis loaded and enroot on each slurmd's PATH (tests/container_tools.sh)."""
+    tools = container_tools()
+    plugstack = pyxis_plugstack(state, tools["PYXIS_PLUGIN"])
     proc = subprocess.run(
-        ["bash", str(LOCAL / "start.sh"), "--plugstack", str(plugstack), str(state)],
+        ["bash", str(LOCAL / "start.sh"), "--plugstack", str(plugstack), "--enroot", str(tools["ENROOT_PREFIX"])]
+        + [str(state)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -148,7 +149,9 @@ def start_cluster(state: Path) -> SlurmCluster:
             f"{proc.stdout}\n{proc.stderr}",
             pytrace=False,
         )
-    return SlurmCluster(state)
+    cluster = SlurmCluster(state)
+    cluster.tools = tools
+    return cluster
 
 
 def stop_cluster(state: Path) -> str:

@@ -2,7 +2,9 @@
 # The system tools llmft's tests need, installed in one step before pytest starts (`make test` runs this):
 #   - the shell-script checks: the shellcheck package
 #   - the real two-node Slurm cluster of slurm/local/: slurmctld, slurmd, slurm-client, munge
-#   - the tests' pyxis stand-in SPANK plugin (tests/pyxis_standin.c): gcc, libslurm-dev
+#   - the real enroot and pyxis (built from ../shared/vendor by tests/container_tools.sh) and the test image: gcc,
+#     make, libbsd-dev, libslurm-dev (pyxis builds against its spank.h), squashfs-tools, jq, parallel (enroot's runtime
+#     tools) and debootstrap (the image's Debian rootfs)
 #   - the real two-node OpenPBS cluster of pbs/local/ (built from source by pbs/local/start.sh): its build tools and
 #     headers, PostgreSQL (PBS's datastore) and iproute2 (its node addresses on lo)
 # Present tools are left alone. Missing ones are installed with apt-get (as root, or through sudo -n);
@@ -18,11 +20,12 @@ declare -A package_of=(
   [sbatch]=slurm-client [srun]=slurm-client [scontrol]=slurm-client [sinfo]=slurm-client
   [munged]=munge [mungekey]=munge [gcc]=gcc
   [g++]=g++ [make]=make [libtoolize]=libtool [autoconf]=autoconf [automake]=automake [pkg-config]=pkg-config
+  [mksquashfs]=squashfs-tools [unsquashfs]=squashfs-tools [jq]=jq [parallel]=parallel [debootstrap]=debootstrap
   [perl]=perl [swig]=swig [pg_buildext]=postgresql-server-dev-all [tclsh]=tcl [wish]=tk [xmlwf]=expat [ip]=iproute2
 )
 # files (not commands; a pattern where the path names a version) -> the package that provides them
 declare -A package_of_file=(
-  [/usr/include/slurm/spank.h]=libslurm-dev
+  [/usr/include/slurm/spank.h]=libslurm-dev [/usr/include/bsd/string.h]=libbsd-dev
   [/usr/include/hwloc.h]=libhwloc-dev [/usr/include/X11/Xlib.h]=libx11-dev [/usr/include/X11/Intrinsic.h]=libxt-dev
   [/usr/include/histedit.h]=libedit-dev [/usr/include/libical/ical.h]=libical-dev [/usr/include/ncurses.h]=libncurses-dev
   [/usr/lib/postgresql/*/bin/initdb]=postgresql [/usr/share/doc/postgresql-contrib/copyright]=postgresql-contrib
@@ -47,7 +50,7 @@ missing_packages() {
 
 mapfile -t missing < <(missing_packages)
 if (( ${#missing[@]} == 0 )); then
-  echo "$me: shellcheck, Slurm, munge, gcc, Slurm's SPANK header and OpenPBS's build and runtime packages are installed"
+  echo "$me: shellcheck, Slurm, munge, gcc, Slurm's SPANK header, enroot's and the test image's tools and OpenPBS's build and runtime packages are installed"
   exit 0
 fi
 

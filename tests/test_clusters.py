@@ -37,7 +37,6 @@ SHELL_SCRIPTS = [
     REPO / "pbs" / "run_llm.pbs",
     REPO / "pbs" / "local" / "start.sh",
     REPO / "pbs" / "local" / "stop.sh",
-    REPO / "tests" / "enroot_standin",
 ]
 
 

@@ -1,62 +1,14 @@
-"""Containers on PBS: enroot as its source defines it. GPUs reach a container through NVIDIA_VISIBLE_DEVICES (enroot's
-nvidia hook), never an option `enroot start` does not have, and the stand-in the PBS tests run rejects what the real
-enroot rejects: its `start` options are held here to enroot 4.1.2's own parser (../shared/vendor)."""
+"""Containers: the command lines llmft gives enroot (PBS) and pyxis (Slurm). GPUs reach a container through
+NVIDIA_VISIBLE_DEVICES (enroot's nvidia hook), never an option `enroot start` does not have. The same command lines
+run through the real enroot and pyxis in tests/test_container_jobs.py."""
 
 from __future__ import annotations
 
-import re
 import subprocess
-import tarfile
-from pathlib import Path
 
-from conftest import REPO
+import pytest
 
 from llmft.launch import pbs
-
-ENROOT_SOURCE = REPO.parent / "shared" / "vendor" / "enroot-4.1.2-8ea147d.tar.gz"
-STANDIN = REPO / "tests" / "enroot_standin"
-
-
-def real_start_options() -> dict[str, int]:
-    """Every option enroot::start parses in enroot.in, and how many arguments it consumes (1: a flag, 2: a value)."""
-    assert ENROOT_SOURCE.is_file(), f"{ENROOT_SOURCE}: enroot's source is missing (the workplace's shared/vendor)"
-    with tarfile.open(ENROOT_SOURCE) as tar:
-        member = next(m for m in tar.getmembers() if m.name.endswith("/enroot.in"))
-        source = tar.extractfile(member).read().decode()
-    body = source[source.index("enroot::start() {") :]
-    body = body[: body.index("    done\n")]
-    options = {}
-    for patterns, block in re.findall(r"\n\s+([-\w|=*?]+)\)\n(.*?);;", body, flags=re.S):
-        if patterns in ("--", "-?*", "*", "-h|--help"):
-            continue
-        for option in patterns.split("|"):
-            options[option.rstrip("*")] = 2 if "shift 2" in block else 1
-    return options
-
-
-def standin(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {
-        "ENROOT_STANDIN_LOG": str(tmp_path / "log"),
-        "ENROOT_STANDIN_STATE": str(tmp_path / "state"),
-        "PATH": "/usr/bin:/bin",
-    }
-    return subprocess.run(["bash", str(STANDIN), *args], capture_output=True, text=True, env=env)
-
-
-def test_the_standin_takes_exactly_the_options_enroot_start_takes(tmp_path):
-    real = real_start_options()
-    assert {"--rw", "--mount", "--env", "--conf", "--rc", "--root", "--net", "--pid", "--ipc", "--uts"} <= set(real)
-    assert "--nv" not in real and "--gpus" not in real  # GPUs come through the environment
-    image = tmp_path / "image.sqsh"
-    image.write_bytes(b"")
-    assert standin(tmp_path, "create", "--name", "c", str(image)).returncode == 0
-    for option, consumed in real.items():
-        args = [f"{option}x"] if option.endswith("=") else [option, "x"][:consumed]
-        proc = standin(tmp_path, "start", *args, "c", "true")
-        assert proc.returncode == 0, (option, proc.stderr)
-    for option in ("--nv", "--gpus", "--bogus"):  # the real one prints its usage and exits 1
-        proc = standin(tmp_path, "start", option, "c", "true")
-        assert proc.returncode == 1 and proc.stderr.startswith("Usage: enroot start"), option
 
 
 def test_gpu_jobs_pass_their_gpus_through_the_containers_environment():
@@ -109,3 +61,53 @@ def test_a_slurm_gpu_jobs_pyxis_steps_carry_the_variables_enroots_hook_reads(tmp
     monkeypatch.setenv("NVIDIA_DRIVER_CAPABILITIES", "compute,utility,video")  # the user's own wins
     slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7")
     assert slurm.os.environ["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility,video"
+
+
+def test_a_container_image_on_a_cluster_without_pyxis_is_refused_in_one_line(monkeypatch):
+    """CONTAINER_IMAGE where srun has no --container-image (no pyxis SPANK plugin loaded): one line, before any srun;
+    with pyxis's option in srun's help, the check passes."""
+    from llmft.launch import knobs, slurm
+
+    k = knobs.resolve({"CONTAINER_IMAGE": "image.sqsh"}, cwd=None)
+    help_without = subprocess.CompletedProcess(
+        ["srun", "--help"], 0, "Usage: srun [OPTIONS...]\n  -N, --nodes=N\n", ""
+    )
+    monkeypatch.setattr(slurm, "run", lambda *a, **kw: help_without)
+    with pytest.raises(slurm.SlurmJobError, match=r"^CONTAINER_IMAGE=image.sqsh needs the pyxis SPANK plugin, and"):
+        slurm.host_checks(k, {})
+    with_pyxis = subprocess.CompletedProcess(
+        ["srun", "--help"], 0, "      --container-image=[USER@][REGISTRY#]IMAGE", ""
+    )
+    monkeypatch.setattr(slurm, "run", lambda *a, **kw: with_pyxis)
+    slurm.host_checks(k, {})
+
+
+def test_a_venv_beside_an_image_runs_inside_it_with_its_bin_first_on_path(tmp_path, monkeypatch):
+    """VENV with CONTAINER_IMAGE: the venv (built by the image's Python) is mounted at its real path and its python
+    runs inside; PATH there starts at its bin (PBS: `env PATH=...` inside, after enroot's login shell; Slurm: the job's PATH kept over the
+    image's by pyxis's --container-env=PATH). Without VENV the image's own python and PATH."""
+    import sys
+    from pathlib import Path
+
+    from llmft.launch import job, knobs, slurm
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("LLMFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", "/site/bin:/usr/bin:/bin")
+    image = tmp_path / "image.sqsh"
+    image.write_bytes(b"")
+    venv = Path(sys.prefix).resolve()
+    k = knobs.resolve({"CONTAINER_IMAGE": str(image), "VENV": sys.prefix}, cwd=tmp_path)
+    assert pbs.choose_python(k, {}) == slurm.choose_python(k, {}) == str(venv / "bin" / "python")
+    node_env = {"HF_HOME": str(tmp_path / "hf"), "LLMFT_CACHE": str(tmp_path / "cache"), "LLMFT_STOP_FILE": "s"}
+    paths = job.run_paths(k, tmp_path, tmp_path / "run", node_env)
+    assert venv in paths
+    inside, create = pbs.container_prefix(k, {}, "5.pbs-head", paths, node_env, 0)
+    assert inside[-3:] == [create[3], "env", f"PATH={venv}/bin:{job.IMAGE_PATH}"] and create[3] == "llmft-5-{node}"
+    assert f"--mount {venv}:{venv}" in " ".join(inside)
+    args = slurm.container_arguments(k, tmp_path, tmp_path / "run", "7")
+    assert "--container-env=PATH" in args and f"{venv}:{venv}" in next(a for a in args if "mounts" in a)
+    assert slurm.os.environ["PATH"] == f"{venv}/bin:/site/bin:/usr/bin:/bin"
+    plain = knobs.resolve({"CONTAINER_IMAGE": str(image)}, cwd=tmp_path)
+    assert pbs.choose_python(plain, {}) == "python" and job.container_path(plain) is None
+    assert "--container-env=PATH" not in slurm.container_arguments(plain, tmp_path, tmp_path / "run", "7")

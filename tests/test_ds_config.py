@@ -219,6 +219,14 @@ def test_cuda_device_names_map_to_catalogue_facts(device_name, memory, cc, expec
             "deepspeed",
         ),  # DeepSpeedCPUAdam
         (dict(cuda=False, offload=False, fused_adam_prebuilt=False, cuda_compiler=False), "deepspeed"),  # CPU runs
+        (  # a CPU run where no c++ is (a container image without one): CPU FusedAdam could not even load
+            dict(cuda=False, offload=False, fused_adam_prebuilt=False, cuda_compiler=False, cxx_compiler=False),
+            "torch",
+        ),
+        (
+            dict(cuda=False, offload=True, fused_adam_prebuilt=False, cuda_compiler=False, cxx_compiler=False),
+            "deepspeed",
+        ),
     ],
 )
 def test_adam_runs_where_it_can_be_built(facts, kernel):

@@ -384,6 +384,11 @@ def test_a_continuation_is_the_same_job_after_this_one_with_its_variables_as_dat
         "-o", "/home/u/logs/sft.log.1", "-e", "/home/u/sft.e12.1",
         "-v", f"LLMFT_CONTINUE={tmp_path / 'c.json'},VENV=/v", str(tmp_path / "job.pbs"),
     ]  # fmt: skip
+    # the job's PYTHONPATH too (the launcher imports llmft before it reads the file); a value with a comma stays in it
+    with_path = continuation.qsub_command(job, "12.head", tmp_path / "job.pbs", tmp_path / "c.json", 1, "/v", "/src")
+    assert with_path[-2] == f"LLMFT_CONTINUE={tmp_path / 'c.json'},VENV=/v,PYTHONPATH=/src"
+    comma = continuation.qsub_command(job, "12.head", tmp_path / "job.pbs", tmp_path / "c.json", 1, "", "/a,/b")
+    assert comma[-2] == f"LLMFT_CONTINUE={tmp_path / 'c.json'}"
     node_env = {"WANDB_RUN_ID": "sft-12-abc", "LLMFT_SWEEP_VARIANT": "learning_rate-3e-5", "PATH": "/bin"}
     extra = ["--seed", "1", "--learning_rate", "3e-5"]
     values = continuation.variables(job, {}, tmp_path / "sweep" / "learning_rate-3e-5", extra, node_env)

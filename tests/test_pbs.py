@@ -1,7 +1,7 @@
 """pbs/run_llm.pbs on a real OpenPBS cluster (pbs/local/: a server, a scheduler and two moms, pbs-n0 and pbs-n1):
 jobs submitted with qsub as the job user train on two nodes, stop for their walltime and go on in a continuation,
-lose a rank and go on in a continuation, are rerun by qrerun, run a sweep as an array, run in an (enroot stand-in)
-container, and refuse bad knobs.
+lose a rank and go on in a continuation, are rerun by qrerun, run a sweep as an array, and refuse bad knobs. Jobs in
+a container, through the real enroot: tests/test_container_jobs.py.
 
 The jobs are submitted together by a module fixture, so they overlap (each takes one CPU per node).
 """
@@ -23,7 +23,6 @@ from slurm_cluster import step_lines as steps_trained
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "pbs" / "run_llm.pbs"
-ENROOT_STANDIN = REPO / "tests" / "enroot_standin"
 TRAINING_JOB_S = 1800  # guards against hangs, not a speed claim (see tests/pbs_cluster.py)
 TOTAL = 8
 
@@ -76,10 +75,9 @@ def inputs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory) -> 
     d = pbs_cluster.job_dir(tmp_path_factory.mktemp("pbs_inputs"))
     shutil.copytree(tiny_model, d / "model")
     shutil.copy(tiny_data, d / "train.jsonl")
-    (d / "image.sqsh").write_text("a stand-in image\n")
     own(d)
     seed_the_job_users_op_cache()
-    return {"model": d / "model", "data": d / "train.jsonl", "image": d / "image.sqsh", "dir": d}
+    return {"model": d / "model", "data": d / "train.jsonl", "dir": d}
 
 
 def common(inputs, d: Path, pythonpath: str = str(REPO)) -> str:
@@ -160,13 +158,6 @@ def jobs(pbs_cluster: PbsCluster, inputs, tmp_path_factory):
         "sweep",
         ["-J", "1-2", "-l", "select=1:ncpus=1", "-l", "walltime=00:30:00"],
         "MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,CHECKPOINT_DIR={d}/sweep,SWEEP='learning_rate=1e-4,3e-4'",
-    )
-    # A container: the enroot stand-in records each call and runs the command on the host.
-    submit(
-        "container",
-        two_nodes,
-        f"MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,CHECKPOINT_DIR={{d}}/ckpt,CONTAINER_IMAGE={inputs['image']},"
-        f"LLMFT_ENROOT={ENROOT_STANDIN},ENROOT_STANDIN_LOG={{d}}/enroot.log,ENROOT_STANDIN_STATE={{d}}/enroot",
     )
     return out
 
@@ -289,35 +280,6 @@ def test_a_sweep_trains_each_variant_in_its_own_directory_and_report_compares_th
 
     written = report.report([sweep_dir], tmp_path / "report")
     assert [r.name for r in written["runs"]] == ["learning_rate-1e-4", "learning_rate-3e-4"]
-
-
-def test_in_a_container_enroot_creates_once_per_node_and_every_step_starts_in_it(pbs_cluster, jobs, inputs):
-    job, d = jobs["container"]
-    info = pbs_cluster.wait(job, timeout=TRAINING_JOB_S)
-    text = pbs_cluster.wait_for("the job's output", lambda: read(d / "out"))
-    assert info["Exit_status"] == 0, text
-    name = "llmft-" + job.split(".")[0]
-    calls = read(d / "enroot.log").splitlines()
-    creates = [c for c in calls if " enroot create " in c]
-    assert sorted(creates) == [
-        f"node 0: enroot create --name {name} {inputs['image']}",
-        f"node 1: enroot create --name {name} {inputs['image']}",
-    ], calls
-    starts = [c for c in calls if " enroot start " in c]
-    model, data_dir = inputs["model"], inputs["dir"]
-    # read-write, no GPU variables (no GPUs here), every path the run uses mounted at its own path: the submit
-    # directory (which holds CHECKPOINT_DIR, HF_HOME and LLMFT_CACHE here), and DATASET's directory (which holds the
-    # local MODEL)
-    assert model.parent == data_dir
-    mounts = f"--rw --mount {d}:{d} --mount {data_dir}:{data_dir} --env "
-    for c in starts:
-        assert c.split(" enroot start ", 1)[1].startswith(mounts), c
-        assert " --env LLMFT_STOP_FILE " in c and " --env PATH " not in c and f" {name} python -m " in c, c
-    # the probe on each node, the plan on the first, and one torchrun per node
-    assert sum(" -m llmft.planning.allocation" in c for c in starts) == 2
-    assert sum(" -m llmft.plan " in c for c in starts) == 1
-    assert sum(" -m torch.distributed.run " in c for c in starts) == 2
-    assert json.loads((d / "ckpt" / "llmft_done.json").read_text())["global_step"] == 2
 
 
 def test_export_dir_exports_the_finished_run_in_the_job_with_its_checks(pbs_cluster, plain_model, tiny_data, tmp_path):

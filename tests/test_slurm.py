@@ -504,7 +504,6 @@ BAD = [
         ["{script}", "--export=ALL,ZERO_STAGE=7"],
         "run_llm.slurm: error: ZERO_STAGE=7 is not a ZeRO stage; use 0, 1, 2 or 3",
     ),
-    (["{script}", "--export=ALL,CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3"], "needs the pyxis SPANK plugin"),
     # A local dataset that does not exist: the batch host says so before any srun, as the job's only line.
     (
         ["{script}", "--export=ALL,DATASET=missing.jsonl"],
@@ -964,96 +963,6 @@ def test_a_checkpoint_dir_in_use_by_a_live_job_is_refused(cluster, tmp_path):
     text = read(tmp_path / f"llmft-{job}.out")
     assert "is in use" not in text and "llmft plan: error:" in text, text
     assert (ckpt / ".llmft-job").read_text().strip() == job
-
-
-def test_container_mounts_reach_pyxis_intact_and_the_container_is_created_once_per_node(
-    cluster, tiny_model, tiny_data, tmp_path
-):
-    """With the pyxis stand-in (tests/pyxis_standin.c) srun takes pyxis's options and records what it got:
-    several mounts separated by ';' in sbatch's own --export=... arrive as pyxis's comma list, and the paths the run
-    uses are mounted wherever they live (the submit directory, CHECKPOINT_DIR, HF_HOME, LLMFT_CACHE, and MODEL and
-    DATASET outside them). The container is named by the job, so each node creates it once for all the job's sruns
-    (the per-node allocation probe, then the plan on the first node). The plan runs inside the "container" step."""
-    log = cluster.state / "container-options.log"
-    before = read(log)
-    submit = tmp_path / "submit"  # HF_HOME and LLMFT_CACHE live outside it
-    submit.mkdir()
-    image = "nvcr.io#nvidia/pytorch:24.05-py3"
-    hf_home, cache = tmp_path / "hf", tmp_path / "cache"
-    given = cluster.sbatch(
-        [
-            f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CONTAINER_MOUNTS=/data:/data;/models:/models:ro",
-            str(SCRIPT),
-        ],
-        cwd=submit,
-        LLMFT_TEST_PYXIS="1",
-        HF_HOME=str(hf_home),
-        LLMFT_CACHE=str(cache),
-    )
-    default = cluster.sbatch(
-        [
-            str(SCRIPT),
-            f"--export=ALL,DRY_RUN=1,CONTAINER_IMAGE={image},CHECKPOINT_DIR={submit / 'ck'},"
-            f"MODEL={tiny_model},DATASET={tiny_data}",
-        ],
-        cwd=submit,
-        LLMFT_TEST_PYXIS="1",
-        HF_HOME=str(hf_home),
-        LLMFT_CACHE=str(cache),
-    )
-    texts = {}
-    for job in (given, default):
-        info = cluster.wait(job, timeout=SHORT_JOB_S)
-        texts[job] = read(submit / f"llmft-{job}.out")
-        assert info["JobState"] == "COMPLETED", texts[job]
-        assert "llmft plan: world size 2 (2 nodes x 1 processes, from slurm)" in texts[job]  # planned inside the step
-    recorded = read(log)[len(before) :].splitlines()
-    ckpt_given = re.search(r"llmft plan: checkpoint dir (\S+)", texts[given]).group(1)
-    assert Path(ckpt_given).parent.parent == submit  # under the submit directory: its mount covers it
-    mounts = f"/data:/data,/models:/models:ro,{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache}"
-    assert recorded.count(f"container-mounts={mounts}") == 2, recorded  # the probe; the plan + kill chain
-    defaults = (
-        f"{submit}:{submit},{hf_home}:{hf_home},{cache}:{cache},{tiny_model}:{tiny_model},"
-        f"{tiny_data.parent}:{tiny_data.parent}"
-    )  # CHECKPOINT_DIR (submit/ck) is under the submit directory
-    assert recorded.count(f"container-mounts={defaults}") == 2, recorded
-    assert recorded.count(f"container-image={image}") == 4 and recorded.count(f"container-workdir={submit}") == 4
-    for job in (given, default):
-        # Named by the job, and created once on each node although two steps ran there (n1: the probe and the plan).
-        assert recorded.count(f"container-name=llmft-{job}") == 2, recorded
-        assert sorted(r for r in recorded if r.startswith(f"container-created=llmft-{job}@")) == [
-            f"container-created=llmft-{job}@n1",
-            f"container-created=llmft-{job}@n2",
-        ], recorded
-        # The training launch carries the same container arguments.
-        assert f"--container-image={image} --container-name=llmft-{job} --container-mounts=" in texts[job]
-    assert f"--container-mounts={mounts} " in texts[given]
-    assert f"--container-mounts={defaults} " in texts[default]
-
-
-def test_in_a_container_without_squeue_rank_0_reads_the_jobs_end_from_the_batch_shells_file(
-    cluster, tiny_model, tiny_data, tmp_path
-):
-    """Inside a pyxis container there is usually no Slurm client (the stand-in's container steps find a squeue that
-    fails as a missing one would): the batch shell, which has squeue, keeps the job's end in LLMFT_JOB_END_FILE, and
-    rank 0's deadline comes from it (llmft.training.job_deadline)."""
-    log = cluster.state / "container-options.log"
-    before = read(log)
-    ckpt = tmp_path / "ckpt"
-    knobs = (
-        "--export=ALL,CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3,MAX_STEPS=2,GLOBAL_BATCH=4,MICRO_BATCH=2,"
-        f"SAVE_STEPS=1000,MODEL={tiny_model},DATASET={tiny_data},CHECKPOINT_DIR={ckpt},VENV={sys.prefix}"
-    )
-    job = cluster.sbatch(["--time=30", str(SCRIPT), knobs], cwd=tmp_path, LLMFT_TEST_PYXIS="1")
-    info = cluster.wait(job, timeout=TRAINING_JOB_S)
-    text = read(tmp_path / f"llmft-{job}.out")
-    assert info["JobState"] == "COMPLETED", f"{info}\n{text}"
-    # rank 0 asked squeue inside the container and found none
-    assert re.search(r"^container-squeue-missing@n\d$", read(log)[len(before) :], re.M), read(log)[len(before) :]
-    m = re.search(rf"llmft: Slurm job {job} ends in (\d+) s; the final save starts \d+ s before that", text)
-    assert m and 600 < int(m.group(1)) <= 1800, text  # 30 min from the job's start less its start-up, as squeue said
-    asked, left = (ckpt / f".llmft-job-end-{job}").read_text().split()
-    assert 0 < time.time() - int(asked) < 900 and re.fullmatch(r"\d+:\d\d", left), (asked, left)
 
 
 # ---- the local cluster itself -------------------------------------------------------------------

@@ -57,7 +57,7 @@ def variables(
 
 
 def qsub_command(
-    job: Mapping, job_id: str, script: Path, variables_file: Path, attempt: int, venv: str = ""
+    job: Mapping, job_id: str, script: Path, variables_file: Path, attempt: int, venv: str = "", pythonpath: str = ""
 ) -> list[str]:
     """`qsub` for the continuation, as an argument list (no shell): after this job ends (afterany), with its
     resources (kept_resources), account, project, group list, name, queue and output options. An output file the
@@ -84,8 +84,11 @@ def qsub_command(
         if path and not re.search(rf"\.[oe]{re.escape(seq)}$", path):
             base = re.sub(r"[.]\d+$", "", path)  # the first job's name, without an earlier continuation's number
             cmd += [flag, f"{base}.{attempt}"]
-    # VENV too, where it can travel in -v: pbs/run_llm.pbs picks its Python before it reads the file.
-    passed = f"{CONTINUE_ENV}={variables_file}" + (f",VENV={venv}" if venv and "," not in venv else "")
+    # VENV and PYTHONPATH too, where they can travel in -v: pbs/run_llm.pbs picks its Python, and the launcher imports
+    # llmft, before the file is read (a continuation would otherwise run another llmft than the job's).
+    passed = f"{CONTINUE_ENV}={variables_file}"
+    for name, value in (("VENV", venv), ("PYTHONPATH", pythonpath)):
+        passed += f",{name}={value}" if value and "," not in value else ""
     cmd += ["-v", passed, str(script)]
     return cmd
 

@@ -69,10 +69,10 @@ def rendezvous_port(start: int, taken: Callable[[int], bool]) -> int:
 
 
 def choose_python(k: Knobs, env: Mapping[str, str], fallback: str) -> str:
-    """The Python llmft runs in: the container's (`python` inside the image), VENV's, the virtual environment the job
+    """The Python llmft runs in: the container's (llmft.launch.job.container_python), VENV's, the virtual environment the job
     was submitted from (PBS passes it as PBS_O_VIRTUAL_ENV under `qsub -V`), else `fallback`."""
     if k["CONTAINER_IMAGE"]:
-        return "python"
+        return container_python(k)
     if k["VENV"]:
         return str(Path(k["VENV"]).absolute() / "bin" / "python")
     venv = env.get("VIRTUAL_ENV") or env.get("PBS_O_VIRTUAL_ENV")
@@ -113,8 +113,30 @@ def container_mounts(k: Knobs, paths: Sequence[Path]) -> list[str]:
     return mounts
 
 
+def container_python(k: Knobs) -> str:
+    """The Python llmft runs inside a container: the image's own `python`, or with VENV a virtual environment built by
+    the image's interpreter (the same Python at the same path, e.g. Debian 12's /usr/bin/python3.11), mounted at its
+    real path (run_paths) and run there: its bin/python is a link to that interpreter, which inside the container is
+    the image's, with the venv's packages. The path is resolved: a venv reached through a link is mounted where the link
+    points."""
+    return str(Path(k["VENV"]).resolve() / "bin" / "python") if k["VENV"] else "python"
+
+
+# The PATH a Debian or Ubuntu image sets (their /etc/environment's), after a mounted VENV's bin (container_path)
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def container_path(k: Knobs, outside: str = IMAGE_PATH) -> str | None:
+    """PATH inside the container with VENV (container_python): the venv's bin first, as activating it does, so the
+    tools it installs are found there (DeepSpeed runs the venv's `ninja` to load a JIT-built op, even one already
+    built); `outside` after it. None without VENV: the image's own PATH."""
+    return f"{Path(k['VENV']).resolve() / 'bin'}:{outside}" if k["VENV"] else None
+
+
 def run_paths(k: Knobs, submit_dir: Path, run_dir: Path, node_env: Mapping[str, str]) -> list[Path]:
     paths = [submit_dir, run_dir, Path(node_env["HF_HOME"]), Path(node_env["LLMFT_CACHE"])]
+    if k["CONTAINER_IMAGE"] and k["VENV"]:  # container_python runs VENV's python inside the container
+        paths.append(Path(k["VENV"]).resolve())
     out = export_directory(k, submit_dir)
     if out is not None and out.parent.is_dir():  # EXPORT's parent, where the export job step writes
         paths.append(out.parent.resolve())

@@ -18,6 +18,7 @@ The knobs are slurm/run_llm.slurm's (llmft.launch.knobs). What differs from Slur
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -43,6 +44,7 @@ from llmft.launch.job import (
     choose_python,
     container_gpu_variables,
     container_mounts,
+    container_path,
     export_after_training,
     export_command,
     fabric_check,
@@ -188,8 +190,11 @@ CONTAINER_ENV_PREFIXES = ("LLMFT_", "WANDB_", "NCCL_", "TORCH_", "HF_", "TRITON_
 
 
 def container_name(job_id: str) -> str:
-    """One container per job on each node (`enroot create` once per node per job; a rerun of the job reuses it)."""
-    return "llmft-" + safe_name(job_id.split(".")[0])
+    """One container per job and node, named by both (`{node}`: each node's name, filled in per node): enroot's data
+    path is often a shared $HOME, where nodes creating one name at once collide ("File already exists"), and a
+    site's enroot.conf may say otherwise, so llmft never sets the data path and the names stay apart on any. A
+    continuation is another job: another name. The container is removed at the job's end (remove_containers)."""
+    return "llmft-" + safe_name(job_id.split(".")[0]) + "-{node}"
 
 
 def enroot_start(enroot: str, name: str, mounts: Sequence[str], gpus: bool, env_names: Sequence[str]) -> list[str]:
@@ -347,11 +352,13 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     node_env.update(select_memory(select))
     env_file.write_text(json.dumps(node_env))
     inside, create = container_prefix(k, env, job_id, run_paths(k, submit_dir, run_dir, node_env), node_env, gpus)
+    atexit.register(remove_containers, hosts, env_file, create)
     allocation = [python, "-m", "llmft.planning.allocation", *fabric_probe(k["NCCL_PROFILE"])]
     probe_nodes(hosts, env_file, files["nodes"], [*create, "--", *inside, *allocation])
     setup_delay(env)
+    here = on_this_node(inside, hosts)
     plan = subprocess.run(
-        [*inside, python, "-m", "llmft.plan", *plan_arguments(k, run_dir, files["nodes"], len(hosts), gpus)],
+        [*here, python, "-m", "llmft.plan", *plan_arguments(k, run_dir, files["nodes"], len(hosts), gpus)],
         capture_output=True,
         text=True,
         env={**os.environ, **node_env, "NCPUS": str(per_node(select, "ncpus", 1))},
@@ -384,7 +391,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         f"{node_env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s for its ranks"
     )
     if k.flag("PREPARE") and not k.flag("DRY_RUN"):
-        if not prepare_data([*inside, python], train, say, {**os.environ, **node_env}):
+        if not prepare_data([*here, python], train, say, {**os.environ, **node_env}):
             return 2
     if k.flag("DRY_RUN"):
         say("DRY_RUN=1: not launching")
@@ -410,7 +417,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     if outcome.go_on:
         go_on(k, env, job, job_id, run_dir, node_env, outcome.failure_restarts)
     if outcome.rc == 0 and not outcome.go_on and (run_dir / "llmft_done.json").is_file():
-        return export_after_training(export_command(k, python, run_dir, submit_dir), inside, say)
+        return export_after_training(export_command(k, python, run_dir, submit_dir), here, say)
     return outcome.rc
 
 
@@ -502,14 +509,39 @@ def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
 
 
 def container_prefix(k, env, job_id, paths, node_env, gpus) -> tuple[list[str], list[str]]:
-    """The prefix of every command that runs llmft (none on the host), and the node step's --create arguments."""
+    """The prefix of every command that runs llmft (none on the host; `{node}` in it is the node's name), and the
+    node step's --create arguments. With VENV (a venv of the image's Python, container_python) its PYTHONPATH goes in
+    too, and PATH starts at its bin (container_path): they belong to that environment; the host's own never go in."""
     if not k["CONTAINER_IMAGE"]:
         return [], []
-    enroot = env.get("LLMFT_ENROOT") or "enroot"  # the enroot command (a site's wrapper; the tests' stand-in)
-    names = sorted(n for n in node_env if n.startswith(CONTAINER_ENV_PREFIXES))
+    enroot = env.get("LLMFT_ENROOT") or "enroot"  # the enroot command (a site's wrapper)
+    # the job's own PBS_* too (PBS_JOBID: rank 0's walltime deadline, llmft.training.job_deadline, needs it)
+    names = sorted({n for n in (*node_env, *env) if n.startswith(CONTAINER_ENV_PREFIXES)})
+    if k["VENV"] and os.environ.get("PYTHONPATH"):
+        names.append("PYTHONPATH")
     inside = enroot_start(enroot, container_name(job_id), container_mounts(k, paths), gpus > 0, names)
+    if k["VENV"]:  # the venv's bin first; set by env(1) inside, since enroot's login shell resets PATH (/etc/profile)
+        inside += ["env", f"PATH={container_path(k)}"]
     say(f"container {container_name(job_id)} from {k['CONTAINER_IMAGE']} on each node: {' '.join(inside)}")
     return inside, ["--create", enroot, k["CONTAINER_IMAGE"], container_name(job_id)]
+
+
+def on_this_node(command: list[str], hosts: list[tuple[str, int]]) -> list[str]:
+    """A command for the first node, where the job's own steps run (the plan, the data preparation, the export)."""
+    return [a.replace("{node}", hosts[0][0]) for a in command]
+
+
+def remove_containers(hosts, env_file: Path, create: list[str]) -> None:
+    """Every node's container of this job removed at the job's end, however it ends (success, a failure, a stop for
+    the walltime, an error before the launch; run at the launcher's exit, atexit): an unpacked rootfs per node per job
+    would otherwise pile up with each continuation. A node whose removal fails says so in the job's output."""
+    if not create:
+        return
+    name = create[3]
+    node = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--node", "{node}"]
+    for (host, _), rc in zip(hosts, on_every_node(hosts, [*node, "--remove", *create[1:4]])):
+        if rc != 0:
+            say(f"could not remove the container {name.replace('{node}', host)} on node {host} (exit {rc})")
 
 
 def probe_nodes(hosts, env_file: Path, nodes_file: Path, command: list[str]) -> None:
@@ -672,7 +704,15 @@ def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None
     values["LLMFT_CONTINUATIONS"] = str(attempt)
     variables_file = run_dir / f".llmft-continue-{attempt}.json"
     continuation.write_variables(variables_file, values)
-    cmd = continuation.qsub_command(job, job_id, run_dir / ".llmft-job.pbs", variables_file, attempt, python_venv(k))
+    cmd = continuation.qsub_command(
+        job,
+        job_id,
+        run_dir / ".llmft-job.pbs",
+        variables_file,
+        attempt,
+        python_venv(k),
+        os.environ.get("PYTHONPATH", ""),
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=env.get("PBS_O_WORKDIR") or None)
     if proc.returncode != 0:
         say(
@@ -825,6 +865,23 @@ def forward(stream, to, copy) -> None:
                 echo = False
 
 
+def node_container(action: str, enroot: str, image: str, name: str, env: dict) -> int:
+    """This node's container of the job: `--create` makes it afresh from the image (a container of that name left by
+    an earlier run of this job that was killed before its removal is removed first: a rerun starts from the image, not
+    from what the killed run wrote), `--remove` removes it when there."""
+    listed = subprocess.run([enroot, "list"], capture_output=True, text=True, env=env)
+    steps = [[enroot, "remove", "-f", name]] if name in listed.stdout.split() else []
+    if action == "--create":
+        steps.append([enroot, "create", "--name", name, image])
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [""]
+            print(f"{' '.join(step)} failed (exit {done.returncode}): {last[0]}", flush=True)
+            return 2
+    return 0
+
+
 def node_main(argv: list[str]) -> int:
     """On each node (`pbsdsh`): the job's environment from its file, then the command; a failing torchrun's report
     (llmft.launch.failure_blame node) is written to the failures directory, under SIGTERM too."""
@@ -840,18 +897,11 @@ def node_main(argv: list[str]) -> int:
         else:  # the command's output, to this file (a pbsdsh task's own goes to the job's output)
             out_file = Path(rest[1])
         rest = rest[2:]
-    if rest[:1] == ["--create"]:  # enroot create, once per node per job: a rerun finds the container there
-        enroot, image, name = rest[1:4]
+    if rest[:1] in (["--create"], ["--remove"]):
+        rc = node_container(rest[0], *rest[1:4], env)
+        if rest[0] == "--remove" or rc != 0:
+            return rc
         rest = rest[4:]
-        listed = subprocess.run([enroot, "list"], capture_output=True, text=True, env=env)
-        if name not in listed.stdout.split():
-            created = subprocess.run(
-                [enroot, "create", "--name", name, image], capture_output=True, text=True, env=env
-            )
-            if created.returncode != 0:
-                last = (created.stderr.strip() or created.stdout.strip()).splitlines()[-1:] or [""]
-                print(f"enroot create --name {name} {image} failed (exit {created.returncode}): {last[0]}")
-                return 2
     command = rest[1:] if rest[:1] == ["--"] else rest
     env.update(container_gpu_env(command, env))
     node = env.get("PBS_NODENUM", "0")

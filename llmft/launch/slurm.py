@@ -134,12 +134,14 @@ from pathlib import Path
 from llmft.errors import LlmftError
 from llmft.launch import failure_blame, kill_chain, sweep
 from llmft.launch.job import (
+    IMAGE_PATH,
     JobError,
     Stop,
     cache_variables,
     choose_python,
     container_gpu_variables,
     container_mounts,
+    container_path,
     export_after_training,
     export_command,
     fabric_check,
@@ -516,11 +518,16 @@ def container_arguments(k: Knobs, submit_dir: Path, run_dir: Path, job_id: str) 
             + " ".join(f"{name}={value}" for name, value in gpus.items())
             + " (enroot's nvidia hook)"
         )
+    keep = []
+    if k["VENV"]:  # pyxis sets the image's PATH over the job's, unless told to keep the job's (--container-env)
+        os.environ["PATH"] = container_path(k, os.environ.get("PATH") or IMAGE_PATH)
+        keep = ["--container-env=PATH"]
     return [
         f"--container-image={k['CONTAINER_IMAGE']}",
         f"--container-name=llmft-{job_id}",
         f"--container-mounts={','.join(mounts)}",
         f"--container-workdir={submit_dir}",
+        *keep,
     ]
 
 

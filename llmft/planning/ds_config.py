@@ -234,19 +234,26 @@ def choose_optimizer(
     raise DSConfigError(f"--optim {optim} is not supported with DeepSpeed in llmft: {supported}")
 
 
-def adam_kernel(*, cuda: bool, offload: bool, fused_adam_prebuilt: bool, cuda_compiler: bool) -> str:
+def adam_kernel(
+    *, cuda: bool, offload: bool, fused_adam_prebuilt: bool, cuda_compiler: bool, cxx_compiler: bool = True
+) -> str:
     """Which implementation runs the config's Adam/AdamW on the GPU: "fused" (DeepSpeed's FusedAdam: one kernel per
     step, prebuilt or JIT-compiled with nvcc on the first step, about 40 s on an H100 machine), "torch"
     (torch.optim.AdamW through DeepSpeed's torch_adam) where FusedAdam is not prebuilt and no CUDA compiler is there
     to build it (a pip-installed torch brings the CUDA runtime, not nvcc: DeepSpeed would fail at the first step),
-    or "deepspeed" where DeepSpeed chooses itself (CPU runs, CPU offload's DeepSpeedCPUAdam)."""
-    if not cuda or offload:
+    or "deepspeed" where DeepSpeed chooses itself (CPU runs, CPU offload's DeepSpeedCPUAdam). On CPU, DeepSpeed's
+    choice is its CPU FusedAdam, a C++ op that loads through ninja and c++ even when already built (ninja checks the
+    build's headers): where no C++ compiler is there (a container image without one), "torch" instead."""
+    if offload:
         return "deepspeed"
+    if not cuda:
+        return "deepspeed" if cxx_compiler or fused_adam_prebuilt else "torch"
     return "fused" if fused_adam_prebuilt or cuda_compiler else "torch"
 
 
 def local_adam_facts() -> dict[str, bool]:
-    """This machine's facts for adam_kernel: is FusedAdam prebuilt into the installed DeepSpeed, is nvcc there."""
+    """This machine's facts for adam_kernel: is FusedAdam prebuilt into the installed DeepSpeed, is nvcc there, is a
+    C++ compiler there (CXX, else c++: what torch's extension builds run)."""
     import os
     import shutil
 
@@ -259,7 +266,11 @@ def local_adam_facts() -> dict[str, bool]:
     nvcc = (bool(CUDA_HOME) and os.access(os.path.join(CUDA_HOME, "bin", "nvcc"), os.X_OK)) or shutil.which(
         "nvcc"
     ) is not None
-    return {"fused_adam_prebuilt": bool(installed_ops.get("fused_adam")), "cuda_compiler": nvcc}
+    return {
+        "fused_adam_prebuilt": bool(installed_ops.get("fused_adam")),
+        "cuda_compiler": nvcc,
+        "cxx_compiler": shutil.which(os.environ.get("CXX") or "c++") is not None,
+    }
 
 
 def with_adam_kernel(config: dict[str, Any], kernel: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 # GPUs as Slurm sees them (empty device files; torch sees no CUDA). Partition debug (the default) has n1 and
 # n2; the hidden partition spare has n1-n3, for a job that must go on without a node it excluded.
 #
-#   slurm/local/start.sh [--install] [--plugstack FILE] [STATE_DIR]
+#   slurm/local/start.sh [--install] [--plugstack FILE] [--enroot PREFIX] [STATE_DIR]
 #   export SLURM_CONF=STATE_DIR/slurm.conf      # then: sinfo, sbatch, squeue, scontrol ...
 #   slurm/local/stop.sh [STATE_DIR]
 #
@@ -11,7 +11,11 @@
 # writes (configs, munge key and socket, logs, spool, pid files) lives there. --install first
 # installs the Debian packages (slurmctld slurmd slurm-client munge) when they are missing
 # (needs root and apt-get). Ports are picked free from $LLMFT_SLURM_PORT_BASE (default 16817) up.
-# --plugstack FILE loads the SPANK plugins FILE lists (PlugStackConfig; the tests load a pyxis stand-in).
+# --plugstack FILE loads the SPANK plugins FILE lists (PlugStackConfig; the tests load the real pyxis).
+# --enroot PREFIX installs enroot's install tree PREFIX as /usr/local/bin/enroot (where pyxis's job epilog finds it),
+# which gives each node its own data, runtime and cache paths under /tmp/llmft-enroot/NODE: the node-local disk of a
+# real node (pyxis refuses a job's ENROOT_*_PATH; only the node's own configuration sets them), and puts a per-node
+# `enroot` first on each slurmd's PATH (where pyxis's job steps find it) that names the node to it.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -20,6 +24,7 @@ die() { echo "slurm/local/start.sh: $*" >&2; exit 1; }
 install=0
 state=""
 plugstack=""
+enroot_prefix=""
 while (( $# > 0 )); do
   arg=$1; shift
   case "$arg" in
@@ -27,8 +32,10 @@ while (( $# > 0 )); do
     --plugstack) (( $# > 0 )) || die "--plugstack needs a file"; plugstack=$1; shift
                  [[ -f "$plugstack" ]] || die "--plugstack $plugstack: no such file"
                  plugstack=$(cd "$(dirname "$plugstack")" && pwd)/$(basename "$plugstack") ;;
-    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    -*) die "unknown option '$arg' (known: --install, --plugstack FILE, --help)" ;;
+    --enroot) (( $# > 0 )) || die "--enroot needs enroot's install prefix"; enroot_prefix=$1; shift
+              [[ -x "$enroot_prefix/bin/enroot" ]] || die "--enroot $enroot_prefix: no bin/enroot there" ;;
+    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown option '$arg' (known: --install, --plugstack FILE, --enroot PREFIX, --help)" ;;
     *) [[ -z "$state" ]] || die "only one STATE_DIR may be given"; state=$arg ;;
   esac
 done
@@ -124,8 +131,37 @@ wait_pidfile munged "$state/run/munged.pid"
 
 slurmctld -c -f "$state/slurm.conf" || die "slurmctld failed to start; see $state/log/slurmctld.log"
 wait_pidfile slurmctld "$state/run/slurmctld.pid"
+node_path() {  # node_path NODE: the PATH slurmd NODE starts with (its own enroot first, with --enroot)
+  [[ -n "$enroot_prefix" ]] || { echo "$PATH"; return 0; }
+  local dir="$state/enroot/$1"
+  mkdir -p "$dir/bin"
+  {
+    echo '#!/usr/bin/env bash'
+    echo "# node $1's enroot (slurm/local/start.sh --enroot)"
+    echo "SLURMD_NODENAME=$1 exec /usr/local/bin/enroot \"\$@\""
+  } > "$dir/bin/enroot"
+  chmod 755 "$dir/bin/enroot"
+  echo "$dir/bin:$enroot_prefix/bin:$PATH"
+}
+if [[ -n "$enroot_prefix" ]]; then
+  # The node-local paths of node N live in /tmp/llmft-enroot/N (every local cluster's node N: their job ids differ,
+  # and with them pyxis's container names). pyxis's job epilog, which removes a job's containers, runs enroot with
+  # PATH=/usr/local/bin:/usr/bin:/bin and SLURMD_NODENAME set, as a site's enroot package in /usr/bin is found:
+  # /usr/local/bin/enroot is this machine's enroot, choosing the node's paths by that name.
+  mkdir -p /usr/local/bin
+  sed "s|@PREFIX@|$enroot_prefix|g" > /usr/local/bin/enroot.tmp <<'ENROOT'
+#!/usr/bin/env bash
+# enroot for the local Slurm clusters (slurm/local/start.sh --enroot): node $SLURMD_NODENAME's own paths
+node=${SLURMD_NODENAME:?SLURMD_NODENAME is unset: run by a local Slurm node}
+export ENROOT_DATA_PATH=/tmp/llmft-enroot/$node/data ENROOT_RUNTIME_PATH=/tmp/llmft-enroot/$node/runtime
+export ENROOT_CACHE_PATH=/tmp/llmft-enroot/$node/cache PATH=@PREFIX@/bin:$PATH
+exec @PREFIX@/bin/enroot "$@"
+ENROOT
+  chmod 755 /usr/local/bin/enroot.tmp
+  mv /usr/local/bin/enroot.tmp /usr/local/bin/enroot
+fi
 for n in n1 n2 n3; do
-  slurmd -N "$n" -f "$state/slurm.conf" || die "slurmd $n failed to start; see $state/log/slurmd-$n.log"
+  PATH="$(node_path "$n")" slurmd -N "$n" -f "$state/slurm.conf" || die "slurmd $n failed to start; see $state/log/slurmd-$n.log"
   wait_pidfile slurmd "$state/run/slurmd-$n.pid"
 done
 
