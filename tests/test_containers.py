@@ -98,7 +98,7 @@ def test_a_venv_beside_an_image_runs_inside_it_with_its_bin_first_on_path(tmp_pa
     image.write_bytes(b"")
     venv = Path(sys.prefix).resolve()
     k = knobs.resolve({"CONTAINER_IMAGE": str(image), "VENV": sys.prefix}, cwd=tmp_path)
-    assert pbs.choose_python(k, {}) == slurm.choose_python(k, {}) == str(venv / "bin" / "python")
+    assert job.choose_python(k, {}, "/usr/bin/python3") == str(venv / "bin" / "python")  # both schedulers' Python
     node_env = {"HF_HOME": str(tmp_path / "hf"), "LLMFT_CACHE": str(tmp_path / "cache"), "LLMFT_STOP_FILE": "s"}
     paths = job.run_paths(k, tmp_path, tmp_path / "run", node_env)
     assert venv in paths
@@ -109,5 +109,5 @@ def test_a_venv_beside_an_image_runs_inside_it_with_its_bin_first_on_path(tmp_pa
     assert "--container-env=PATH" in args and f"{venv}:{venv}" in next(a for a in args if "mounts" in a)
     assert slurm.os.environ["PATH"] == f"{venv}/bin:/site/bin:/usr/bin:/bin"
     plain = knobs.resolve({"CONTAINER_IMAGE": str(image)}, cwd=tmp_path)
-    assert pbs.choose_python(plain, {}) == "python" and job.container_path(plain) is None
+    assert job.choose_python(plain, {}, "/usr/bin/python3") == "python" and job.container_path(plain) is None
     assert "--container-env=PATH" not in slurm.container_arguments(plain, tmp_path, tmp_path / "run", "7")
