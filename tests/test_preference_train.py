@@ -19,6 +19,7 @@ from conftest import PYTHON, REPO, run
 
 from llmft.data.synthetic import make_examples, write_jsonl
 from llmft.planning.methods import METHODS
+from llmft.planning.world import free_port
 
 STEPS = 20
 LR = "5e-4"
@@ -64,7 +65,17 @@ def data_for(method: str, data: dict[str, Path]) -> Path:
 
 
 def llmft_cmd(method, model, dataset, out, *extra, nproc=1):
-    launcher = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else [PYTHON]
+    # a port of its own: torchrun's default 29500 may be another test's at the same moment
+    torchrun = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+    ]
+    launcher = torchrun if nproc > 1 else [PYTHON]
     return launcher + [
         "-m",
         "llmft.train",
@@ -395,3 +406,52 @@ def test_llmft_eval_scores_a_dpo_checkpoint_and_refuses_a_reward_model_in_one_li
             assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
             [said] = [x for x in proc.stderr.splitlines() if x.startswith("llmft eval: error")] or [proc.stderr]
             assert "is a reward model" in said and "eval_accuracy" in said, proc.stderr[-3000:]
+
+
+def test_a_dpo_run_on_two_ranks_resumes_on_one_keeping_the_global_batch_and_logs_its_rewards_to_wandb(
+    tiny_model, data, dpo_one_rank, tmp_path
+):
+    """Elastic resume and W&B, as SFT has them: 2 ranks under ZeRO-2 stop after a complete checkpoint (a stop
+    request at a known step); the rerun on 1 rank resumes through a universal checkpoint with the global batch of 4
+    pairs kept, trains the remaining steps once each, and its losses follow the uninterrupted run's; W&B (offline)
+    holds DPO's rewards beside the loss."""
+    from wandb_file import run_info
+
+    out, stop, wandb_dir = tmp_path / "elastic", tmp_path / "STOP", tmp_path / "wandb"
+    wandb_dir.mkdir()
+    flags = ("--max_steps", STEPS, "--global_batch_size", 4, "--max_length", 64, "--learning_rate", LR)
+    flags += ("--zero_stage", 2, "--save_steps", 2, "--report_to", "wandb")
+    env = {"LLMFT_STOP_FILE": str(stop), "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir)}
+
+    def request_stop_after_a_checkpoint():
+        deadline = time.time() + 600
+        while time.time() < deadline and not (out / "checkpoint-4" / "llmft_complete.json").exists():
+            time.sleep(0.02)
+        stop.touch()
+
+    watcher = threading.Thread(target=request_stop_after_a_checkpoint, daemon=True)
+    watcher.start()
+    first = run(
+        llmft_cmd("dpo", tiny_model, data["pairs"], out, *flags, "--per_device_train_batch_size", 2, nproc=2),
+        check=True,
+        LLMFT_TEST_HOLD_AT_STEP="6",
+        **env,
+    )
+    watcher.join()
+    assert "stop requested; saved checkpoint-6" in first.stdout
+    stop.unlink()
+    second = run(
+        llmft_cmd("dpo", tiny_model, data["pairs"], out, *flags, "--per_device_train_batch_size", 2), check=True, **env
+    )
+    assert re.search(
+        r"resuming checkpoint-6 written by 2 ranks on 1 ranks: universal checkpoint \S+ \(converted in \d+ s\), "
+        r"accumulation 1 -> 2, global batch 4 kept",
+        second.stdout,
+    ), second.stdout
+    assert sorted(step_losses(second.stdout)) == list(range(7, STEPS + 1))
+    ours, uninterrupted = logged_losses(out), logged_losses(dpo_one_rank[0])
+    assert len(ours) == STEPS
+    assert all(abs(a - b) <= 0.02 * b for a, b in zip(ours, uninterrupted)), (ours, uninterrupted)
+    [wandb_file] = sorted(wandb_dir.rglob("run-*.wandb"))[-1:]
+    logged = {key for row in run_info(wandb_file)["history"] for key in row}
+    assert {"train/rewards/chosen", "train/rewards/rejected", "train/rewards/accuracies", "train/loss"} <= logged
