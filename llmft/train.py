@@ -42,6 +42,7 @@ prints the torchrun command.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -198,22 +199,6 @@ def train(run: RunSettings) -> int:
         log(resume.finished)
         return 0
     decided = announce_plan(run, decided, resume, files.config)
-    if rank0():  # `llmft stop RUN_DIR` finds the stop file here from now on
-        stop_request.record_training(run.training.output_dir, stop_file(run), os.environ)
-    try:
-        return train_recorded(run, decided, resume, files, clock)
-    finally:
-        if rank0():
-            stop_request.forget_training(run.training.output_dir)
-
-
-def stop_file(run: RunSettings) -> str:
-    """The stop file every rank polls (llmft.planning.stop_request.stop_file): the flag's, the job's, or the run's."""
-    return stop_request.stop_file(run.llmft.stop_file, os.environ, run.training.output_dir)
-
-
-def train_recorded(run: RunSettings, decided: Decisions, resume, files: ModelFiles, clock) -> int:
-    """The rest of the training path, while the run's record says where a stop request goes."""
     run, attention = choose_model_settings(run, decided, files.config)
     with clock.phase("data"):
         prepared = prepare_data(run, decided, files)
@@ -227,8 +212,27 @@ def train_recorded(run: RunSettings, decided: Decisions, resume, files: ModelFil
     with clock.phase("deepspeed_init"):
         trainer, callbacks = build_trainer(run, decided, resume, files, prepared, resolved, attention, clock)
     garbage_collection.resume_after_startup()
-    result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
-    return finish(run, decided, trainer, callbacks, prepared, result)
+    with training_recorded(run):
+        result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+        return finish(run, decided, trainer, callbacks, prepared, result)
+
+
+def stop_file(run: RunSettings) -> str:
+    """The stop file every rank polls (llmft.planning.stop_request.stop_file): the flag's, the job's, or the run's."""
+    return stop_request.stop_file(run.llmft.stop_file, os.environ, run.training.output_dir)
+
+
+@contextlib.contextmanager
+def training_recorded(run: RunSettings):
+    """While the run trains, its directory says where a stop request goes (`llmft stop RUN_DIR` reads it); written
+    once training starts, so a run refused before then (bad data, a plan that does not fit) writes nothing."""
+    if rank0():
+        stop_request.record_training(run.training.output_dir, stop_file(run), os.environ)
+    try:
+        yield
+    finally:
+        if rank0():
+            stop_request.forget_training(run.training.output_dir)
 
 
 def check_run(run: RunSettings, *, cuda: bool, gpu) -> tuple[RunSettings, Decisions]:

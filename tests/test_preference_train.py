@@ -313,11 +313,11 @@ def test_the_method_may_come_from_the_config_yaml(tmp_path, capsys):
         (
             "dpo",
             make_examples(8),
-            "--method dpo trains on {prompt, chosen, rejected} records; the dataset has "
-            "columns completion, prompt (SFT data: train it with --method sft)",
+            '--method dpo trains on {"prompt", "chosen", "rejected"} or {"chosen", "rejected"} pairs; this dataset has '
+            "prompt_completion data; for SFT data use --method sft",
         ),
-        ("kto", pairs(8), "the dataset holds preference records (prompt, chosen, rejected), which --method kto"),
-        ("kto", [{**r, "label": 1} for r in unpaired(8)], "record 1: 'label' is 1; KTO's label must be true"),
+        ("kto", pairs(8), '--method kto trains on {"prompt", "completion", "label"} records (label true or false)'),
+        ("kto", [{**r, "label": "yes"} for r in unpaired(8)], "record 1: label 'yes' is not a boolean; KTO's label"),
     ],
 )
 def test_data_of_another_method_is_refused_in_one_line(method, records, message, tiny_model, tmp_path, capsys):

@@ -113,7 +113,8 @@ def tokenise(ds, tokenizer, method, *, num_proc: int | None = None):
     trainer = getattr(module, class_name)
     if formats.conversational_records(ds):
         data.ensure_chat_template(tokenizer)
-    view = SimpleNamespace(_tokenizer=tokenizer, calculate_KL=False)
+    # KTOTrainer reads its desirable/undesirable weights to warn about an unbalanced dataset: TRL's defaults here
+    view = SimpleNamespace(_tokenizer=tokenizer, calculate_KL=False, desirable_weight=1.0, undesirable_weight=1.0)
     args = SimpleNamespace(dataset_num_proc=num_proc, max_length=None, truncation_mode="keep_start")
     with _this_process_only(module):
         return trainer._prepare_dataset(view, ds, tokenizer, args, "train")
