@@ -10,8 +10,6 @@ import sys
 import pytest
 from conftest import PYTHON, REPO, run
 
-from llmft.training.flag_policy import POLICY
-
 sys.path.insert(0, str(REPO / "bench"))
 
 ROWS = ["dpo-sft-lora", "dpo-precomputed", "dpo-live"]
@@ -68,11 +66,6 @@ def test_the_planner_predicts_the_rows_fit_and_their_ratios_to_sft(tmp_path, gpu
     assert sft["plan_step_s"] / live["plan_step_s"] == pytest.approx(0.75, abs=0.01)
 
 
-@pytest.mark.skipif(
-    "method" not in POLICY,
-    reason="llmft train has no --method on this branch (pref-train's branch adds it, and POLICY's 'method' row with "
-    "it): this test runs wherever the two are merged",
-)
 def test_the_dpo_rows_dry_run_beside_lora_sft(tmp_path):
     work, kept = tmp_path / "work", tmp_path / "kept"
     cmd = [PYTHON, "bench/gpu_suite.py", "--dry_run", "--steps", "2", "--out", str(work), "--results", str(kept)]
