@@ -83,8 +83,17 @@ _PADDING_FREE_OFF = (
     "TRL 1.16's DPOTrainer turns padding_free off with a warning and pads anyway (trl/trainer/dpo_trainer.py); "
     "drop --padding_free",
 )
-_DPO_FLAGS = (
+# the rows every method with a reference model has (DPO and KTO): its precompute and TRL's reference sync
+_REFERENCE_FLAGS = (
     ("beta", (_PASSED, _TRL)),
+    ("disable_dropout", (_PASSED, _TRL)),
+    ("precompute_ref_log_probs", (_PASSED, _REFERENCE + "; precomputed once before training")),
+    ("precompute_ref_batch_size", (_PASSED, _REFERENCE)),
+    ("sync_ref_model", _SYNC_REF),
+    ("ref_model_mixup_alpha", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+    ("ref_model_sync_steps", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
+)
+_DPO_FLAGS = _REFERENCE_FLAGS + (
     ("loss_type", (_PASSED, "DPO's loss (sigmoid, ipo, hinge, robust, ...): " + _TRL)),
     ("loss_weights", (_PASSED, _TRL)),
     ("ld_alpha", (_PASSED, _TRL)),
@@ -93,26 +102,13 @@ _DPO_FLAGS = (
     ("label_smoothing", (_PASSED, _TRL)),
     ("use_weighting", (_PASSED, _TRL)),
     ("discopop_tau", (_PASSED, _TRL)),
-    ("disable_dropout", (_PASSED, _TRL)),
     ("truncation_mode", (_PASSED, "TRL tokenises and truncates the pairs itself")),
-    ("precompute_ref_log_probs", (_PASSED, _REFERENCE + "; precomputed once before training")),
-    ("precompute_ref_batch_size", (_PASSED, _REFERENCE)),
     ("padding_free", _PADDING_FREE_OFF),
-    ("sync_ref_model", _SYNC_REF),
-    ("ref_model_mixup_alpha", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
-    ("ref_model_sync_steps", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
 )
-_KTO_FLAGS = (
-    ("beta", (_PASSED, _TRL)),
+_KTO_FLAGS = _REFERENCE_FLAGS + (
     ("loss_type", (_PASSED, "KTO's loss (kto, apo_zero_unpaired): " + _TRL)),
     ("desirable_weight", (_PASSED, _TRL)),
     ("undesirable_weight", (_PASSED, _TRL)),
-    ("disable_dropout", (_PASSED, _TRL)),
-    ("precompute_ref_log_probs", (_PASSED, _REFERENCE + "; precomputed once before training")),
-    ("precompute_ref_batch_size", (_PASSED, _REFERENCE)),
-    ("sync_ref_model", _SYNC_REF),
-    ("ref_model_mixup_alpha", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
-    ("ref_model_sync_steps", (_PASSED, "read only with --sync_ref_model, which llmft refuses")),
 )
 _REWARD_FLAGS = (
     ("center_rewards_coefficient", (_PASSED, _TRL)),
