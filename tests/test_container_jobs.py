@@ -18,6 +18,7 @@ import pytest
 from pbs_cluster import JOB_USER, PbsCluster, pbs_cluster  # noqa: F401 - the fixture
 from slurm_cluster import step_lines as steps_trained
 
+from llmft.launch import node as node_wrapper
 from llmft.launch import pbs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -259,7 +260,7 @@ def test_the_gpu_command_line_llmft_builds_reaches_enroots_nvidia_hook(tools, tm
     try:
         command = ["cat", "/etc/llmft-test-image"]
         gpu = [*pbs.enroot_start(enroot, name, [f"{tmp_path}:{tmp_path}"], True, ["LLMFT_STOP_FILE"]), *command]
-        gpu_env = {**env, **pbs.container_gpu_env(gpu, {"CUDA_VISIBLE_DEVICES": "GPU-1a,GPU-2b"})}
+        gpu_env = {**env, **node_wrapper.container_gpu_env(gpu, {"CUDA_VISIBLE_DEVICES": "GPU-1a,GPU-2b"})}
         assert gpu_env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1a,GPU-2b"
         proc = subprocess.run(gpu, capture_output=True, text=True, env=gpu_env)
         assert proc.returncode == 1 and "Usage" not in proc.stdout + proc.stderr, proc
@@ -344,7 +345,7 @@ def test_slurm_container_job_through_the_real_pyxis_requeues_at_its_time_limit_a
 
 
 def test_a_nodes_container_is_made_afresh_over_a_killed_runs_leftover_and_removed(tools, tmp_path):
-    """Each node's step (llmft.launch.pbs node --create/--remove) through the real enroot: a container of the job's
+    """Each node's step (llmft.launch.node --create/--remove) through the real enroot: a container of the job's
     name left by a killed run, with what that run wrote, is replaced by a fresh one from the image; --remove removes
     it, and a second --remove finds nothing to do."""
     env_file = tmp_path / "env.json"
@@ -358,10 +359,10 @@ def test_a_nodes_container_is_made_afresh_over_a_killed_runs_leftover_and_remove
     enroot, image = str(tools["ENROOT_PREFIX"] / "bin" / "enroot"), str(tools["TEST_IMAGE"])
     name = pbs.container_name("9.pbs-head").replace("{node}", "pbs-n1")
     assert name == "llmft-9-pbs-n1"
-    node = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--node", "pbs-n1"]
+    wrapper = [sys.executable, "-m", "llmft.launch.node", "--env_file", str(env_file), "--node", "pbs-n1"]
 
     def step(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*node, *args], capture_output=True, text=True, env={**os.environ, **env})
+        return subprocess.run([*wrapper, *args], capture_output=True, text=True, env={**os.environ, **env})
 
     assert subprocess.run([enroot, "create", "--name", name, image], capture_output=True, env=env).returncode == 0
     left = subprocess.run(

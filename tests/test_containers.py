@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from llmft.launch import pbs
+from llmft.launch import node, pbs
 
 
 def test_gpu_jobs_pass_their_gpus_through_the_containers_environment():
@@ -22,15 +22,15 @@ def test_gpu_jobs_pass_their_gpus_through_the_containers_environment():
         "--env", "NVIDIA_VISIBLE_DEVICES", "--env", "NVIDIA_DRIVER_CAPABILITIES", "llmft-1",
     ]  # fmt: skip
     cpu = pbs.enroot_start("enroot", "llmft-1", ["/d:/d"], False, ["LLMFT_STOP_FILE"])
-    assert "NVIDIA_VISIBLE_DEVICES" not in cpu and pbs.container_gpu_env([*cpu, "python"], {}) == {}
+    assert "NVIDIA_VISIBLE_DEVICES" not in cpu and node.container_gpu_env([*cpu, "python"], {}) == {}
     command = [*gpu, "python", "-m", "torch.distributed.run"]
-    assert pbs.container_gpu_env(command, {"CUDA_VISIBLE_DEVICES": "GPU-1a,GPU-2b"}) == {
+    assert node.container_gpu_env(command, {"CUDA_VISIBLE_DEVICES": "GPU-1a,GPU-2b"}) == {
         "NVIDIA_VISIBLE_DEVICES": "GPU-1a,GPU-2b",
         "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
     }
-    assert pbs.container_gpu_env(command, {})["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert node.container_gpu_env(command, {})["NVIDIA_VISIBLE_DEVICES"] == "all"
     site = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility,video"}
-    assert pbs.container_gpu_env(command, site) == site
+    assert node.container_gpu_env(command, site) == site
 
 
 def test_a_slurm_gpu_jobs_pyxis_steps_carry_the_variables_enroots_hook_reads(tmp_path, monkeypatch, capsys):

@@ -5,7 +5,10 @@ nodes x 8 GPUs unless a test says otherwise."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -366,26 +369,30 @@ def test_the_kernel_log_since_the_start_and_what_could_not_be_read():
     assert fb.gpu_evidence(text) == ["nvidia-smi: GPU 1, 00000000:5E:00.0, 3: uncorrectable ECC error"]
 
 
-def test_the_command_line_the_job_script_uses(tmp_path, monkeypatch, capsys):
-    """`node` (what each node runs after its torchrun failed) writes a report from torchrun's stderr and the test
-    kernel log; the batch host's decision from those reports names the node, excludes it and requeues."""
+def test_the_reports_the_node_wrapper_writes_decide_the_requeue(tmp_path, monkeypatch):
+    """Each node's wrapper (llmft.launch.node, what srun runs on every node) writes its report when torchrun fails,
+    from torchrun's stderr and the test kernel log; the batch host's decision from those reports names the node,
+    excludes it and requeues."""
     kernel = tmp_path / "kernel"
     kernel.mkdir()
     (kernel / "n2").write_text(XID_79 + "\n")
     monkeypatch.setenv("LLMFT_TEST_KERNEL_LOG_DIR", str(kernel))
     reports = tmp_path / "reports"
     reports.mkdir()
-    for node, text in (
-        ("n1", raised(0, GLOO_CLOSED) + summary(0, 1, "2026-11-26_18:00:03")),
-        ("n2", summary(1, -9, "2026-11-26_18:00:02", "SIGKILL")),
+    repo = str(Path(__file__).resolve().parents[1])
+    for rank, (node, text) in enumerate(
+        (
+            ("n1", raised(0, GLOO_CLOSED) + summary(0, 1, "2026-11-26_18:00:03")),
+            ("n2", summary(1, -9, "2026-11-26_18:00:02", "SIGKILL")),
+        )
     ):
         (tmp_path / f"{node}.err").write_text(text)
-        assert (
-            fb.main(["node", "--node", node, "--rc", "1", "--stderr", str(tmp_path / f"{node}.err"), "--since", "0"])
-            == 0
-        )
-        (reports / f"node-{node}.json").write_text(capsys.readouterr().out)
-    assert json.loads((reports / "node-n2.json").read_text())["kind"] == "gpu"
+        torchrun = f"import sys; sys.stderr.write(open({str(tmp_path / f'{node}.err')!r}).read()); sys.exit(1)"
+        wrapper = [sys.executable, "-m", "llmft.launch.node", "--failures", str(reports), "--"]
+        env = {**os.environ, "PYTHONPATH": repo, "SLURMD_NODENAME": node, "SLURM_NODEID": str(rank)}
+        done = subprocess.run([*wrapper, sys.executable, "-c", torchrun], capture_output=True, text=True, env=env)
+        assert done.returncode == 1, done
+    assert json.loads((reports / "node-1.json").read_text())["kind"] == "gpu"
     lines, requeue, exclude = decide(
         fb.read_reports(reports),
         attempt(
@@ -428,3 +435,20 @@ def test_evidence_on_every_node_points_at_what_they_share_and_excludes_none():
         "every node of the job shows it, so it is something they share (a switch, the fabric): no node is excluded"
     )
     assert requeue and exclude == []
+
+
+def test_a_continuation_names_the_nodes_it_cannot_exclude_and_says_it_in_its_own_words():
+    """PBS goes on in a new job (llmft.launch.failure_blame.CONTINUE) and qsub cannot exclude a node: the same rules
+    decide, the node with evidence against it is named in advice, never in an exclude list, and no sinfo is needed."""
+    gpu = classify("gpu3", 1, summary(19, -9, "2026-11-26_18:00:02", "SIGKILL"), kernel_log=XID_79)
+    lines, again, exclude = decide(others("gpu3") + [gpu], attempt(job="7.head", usable=None, restart=fb.CONTINUE))
+    assert again and exclude == []
+    assert lines[-1] == (
+        "continuing in a new job (after failures 1 of at most MAX_RESTARTS=3) from checkpoint-200; the new job may "
+        "be placed on node(s) gpu3 again, and qsub cannot exclude nodes: ask for other nodes with -l "
+        "select=...:host=, or have an administrator offline them"
+    )
+    lines, again, _ = decide(others("gpu3") + [gpu], attempt(restarts=3, restart=fb.CONTINUE))
+    assert not again and lines[-1] == (
+        "not continued: the run was continued in a new job after failures 3 times, and MAX_RESTARTS=3"
+    )

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_slurm_script import run_script
 
-from llmft.launch import continuation, job, knobs, pbs, sweep
+from llmft.launch import continuation, job, knobs, node, pbs, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 PBS_SCRIPT = REPO / "pbs" / "run_llm.pbs"
@@ -483,7 +483,9 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
     assert "run_llm.pbs: training failed (exit 1): rank 1 on node pbs-n1 failed first (exit code -9, SIGKILL)\n" in out
     assert "after failures 2 of at most MAX_RESTARTS=2" in out
     assert decide(1, start=0, restarts="2") == pbs.Outcome(1)  # the limit
-    assert "MAX_RESTARTS=2 reached" in capsys.readouterr().out
+    assert "not continued: the run was continued in a new job after failures 2 times, and MAX_RESTARTS=2" in (
+        capsys.readouterr().out
+    )
     assert decide(1, start=2) == pbs.Outcome(1)  # no new complete checkpoint: it would fail again
     assert "no new complete checkpoint" in capsys.readouterr().out
     # an application error fails the same way anywhere: not continued, whatever the progress, and the fix is said
@@ -531,8 +533,8 @@ def test_a_nodes_probe_is_read_from_its_own_file_and_a_node_without_one_is_no_re
     fail = [sys.executable, "-c", "print('no such device'); raise SystemExit(3)"]
     usr1 = signal.getsignal(signal.SIGUSR1)
     try:  # the wrapper ignores USR1 (a job's qsig): not this test process, after it
-        assert pbs.node_main([str(env_file), "", "--out", str(ok), *say]) == 0
-        assert pbs.node_main([str(env_file), "", "--out", str(bad), *fail]) == 3
+        assert node.main(["--env_file", str(env_file), "--out", str(ok), "--", *say]) == 0
+        assert node.main(["--env_file", str(env_file), "--out", str(bad), "--", *fail]) == 3
     finally:
         signal.signal(signal.SIGUSR1, usr1)
     assert ok.read_text() == "node pbs-n0 ok\n"
@@ -588,3 +590,58 @@ def test_the_deadline_counts_from_the_jobs_start_not_from_the_end_of_its_set_up(
     no_stime = {**job, "stime": ""}
     assert pbs.job_end(no_stime, now=start + 300) == (start + 300, 3595.0)
     assert pbs.job_end({"Resource_List": {}}, now=start) is None
+
+
+def test_the_node_wrapper_reports_a_failing_command_and_records_every_nodes_exit(tmp_path):
+    """llmft.launch.node, each node's wrapper on both schedulers: it says the node, its rank and resources; a failing
+    command's stderr passes through and becomes the node's report (node-<rank>.json, llmft.launch.failure_blame);
+    every exit is recorded (exit-<node>), a command killed by a signal as a shell gives it (128 + N)."""
+    failures, logs = tmp_path / "failures", tmp_path / "kernel"
+    failures.mkdir()
+    logs.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLMFT_TEST_KERNEL_LOG_DIR": str(logs)}
+    env.update(SLURMD_NODENAME="n2", SLURM_NODEID="1", SLURM_GPUS_ON_NODE="1", SLURM_CPUS_ON_NODE="4")
+    wrapper = [sys.executable, "-m", "llmft.launch.node", "--job", "run_llm.slurm", "--failures", str(failures), "--"]
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*wrapper, sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+    done = run("print('trained')")
+    assert done.returncode == 0 and "trained\n" in done.stdout, done
+    assert "run_llm.slurm: node n2 (node rank 1): torchrun with 1 GPU(s) and 4 CPU(s)\n" in done.stdout
+    assert (failures / "exit-n2").read_text() == "0\n" and not (failures / "node-1.json").exists()
+    failed = run("import sys; sys.stderr.write('AssertionError: a bad record\\n'); sys.exit(3)")
+    assert failed.returncode == 3 and "AssertionError: a bad record\n" in failed.stderr, failed
+    report = json.loads((failures / "node-1.json").read_text())
+    assert report["node"] == "n2" and report["rc"] == 3 and (failures / "exit-n2").read_text() == "3\n"
+    killed = run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert killed.returncode == 128 + 9 and (failures / "exit-n2").read_text() == "137\n"
+
+
+def test_the_node_wrapper_outlives_a_sigterm_until_its_command_has_saved(tmp_path):
+    """The scheduler signals every process of the node's task; the wrapper stays until the command (torchrun, whose
+    ranks write their stop checkpoint) has ended, and records the command's exit, not its own death."""
+    failures, ready, saved = tmp_path / "failures", tmp_path / "ready", tmp_path / "saved"
+    failures.mkdir()
+    code = (
+        "import pathlib, signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1), pathlib.Path({str(saved)!r}).write_text('x'), "
+        "sys.exit(0)))\n"
+        f"pathlib.Path({str(ready)!r}).write_text('x')\n"
+        "time.sleep(120)\n"
+    )
+    wrapper = [sys.executable, "-m", "llmft.launch.node", "--failures", str(failures), "--node", "pbs-n0", "--"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([*wrapper, sys.executable, "-c", code], env=env, start_new_session=True)
+    try:
+        for _ in range(600):
+            if ready.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ready.exists(), "the command never started"
+        os.killpg(proc.pid, signal.SIGTERM)  # every process of the task, as Slurm and PBS signal it
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert saved.exists() and (failures / "exit-pbs-n0").read_text() == "0\n"

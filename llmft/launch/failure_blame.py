@@ -19,23 +19,21 @@ application failure: it fails the same way on any node, so it is said in one lin
 requeued. "First" is torchrun's own root-cause time (its error summary's "Root Cause (first observed failure)"), not
 when each torchrun exited, which mostly measures its shutdown wait.
 
-Pure functions of text, so the tests give them any node's output. Each node whose torchrun failed runs
-`python -m llmft.launch.failure_blame node ...` (that node's report, where its stderr and kernel log are); the batch
-host's launcher (llmft.launch.slurm, llmft.launch.pbs) calls `read_reports` and `decide` / `blame` as functions.
+Pure functions of text, so the tests give them any node's output. Each node whose torchrun failed makes its report
+with `node_report` (in the job's node wrapper, llmft.launch.node, where its stderr and kernel log are); the batch
+host's launcher (llmft.launch.slurm, llmft.launch.pbs) calls `read_reports` and `decide` as functions.
 Test hook: with `LLMFT_TEST_KERNEL_LOG_DIR` set, node N's kernel log is the file `$LLMFT_TEST_KERNEL_LOG_DIR/N` (none:
 an empty log) and nvidia-smi is not asked (tests/kill_hook writes an Xid there).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -431,6 +429,32 @@ def guard_exclusion(
     return already + new, ""
 
 
+@dataclass(frozen=True)
+class Restart:
+    """How a job runs again after a failure, in its own words: the same job requeued (Slurm: `scontrol requeue`, and
+    the nodes with evidence against them excluded while it pends), or a new job that continues the run (PBS: qsub
+    has no exclusion, so those nodes are named in `cannot_exclude`'s advice instead)."""
+
+    no: str  # the line's head when the job does not run again
+    went_on: str  # what the earlier restarts were
+    again: str  # the line when it does: {job} {n} {max} {step}
+    cannot_exclude: str = ""  # set: nodes are never excluded, this advice names them ({nodes})
+
+
+REQUEUE = Restart(
+    "not requeueing",
+    "the job was requeued",
+    "requeueing job {job} (restart {n} of at most {max} after failures) from checkpoint-{step}",
+)
+CONTINUE = Restart(
+    "not continued",
+    "the run was continued in a new job",
+    "continuing in a new job (after failures {n} of at most MAX_RESTARTS={max}) from checkpoint-{step}",
+    "the new job may be placed on node(s) {nodes} again, and qsub cannot exclude nodes: ask for other nodes with "
+    "-l select=...:host=, or have an administrator offline them",
+)
+
+
 @dataclass
 class Attempt:
     """What the job script knows about the failed attempt."""
@@ -438,50 +462,53 @@ class Attempt:
     job: str
     rc: int
     hosts: list[str]
-    restarts: int  # requeues after failures so far
+    restarts: int  # restarts after failures so far
     max_restarts: int
     start_step: int  # the newest complete checkpoint when the attempt started (0: none)
     end_step: int  # and when it ended
     already_excluded: list[str] = field(default_factory=list)
     usable: list[str] | None = None  # the partition's usable nodes (None: sinfo could not tell)
     trace_dir: str = "CHECKPOINT_DIR/nccl_trace"  # where the flight recorder dumps
+    restart: Restart = REQUEUE  # how the job runs again
 
 
 def decide(reports: list[NodeReport], attempt: Attempt) -> tuple[list[str], bool, list[str]]:
-    """(lines to say, whether to requeue, the exclude list to set). Not requeued: an application failure (it would
-    fail the same way: the line says how to fix and resume), MAX_RESTARTS reached, or an attempt that wrote no new
-    complete checkpoint (another would fail the same way, at the same place). Else requeued without the nodes with
-    evidence against them, as far as the partition can spare them."""
+    """(lines to say, whether to run again, the exclude list to set), for either scheduler (`attempt.restart` says
+    how it runs again). Not again: an application failure (it would fail the same way: the line says how to fix and
+    resume), MAX_RESTARTS reached, or an attempt that wrote no new complete checkpoint (another would fail the same
+    way, at the same place). Else again, without the nodes with evidence against them, as far as the partition can
+    spare them (or, where the scheduler cannot exclude nodes, naming them)."""
     found = blame(reports, attempt.hosts, attempt.rc, attempt.trace_dir)
-    lines = found.line.split("\n")
+    lines, how = found.line.split("\n"), attempt.restart
     resume = f"from checkpoint-{attempt.end_step}" if attempt.end_step else "from the start (no complete checkpoint)"
     if found.deterministic:
         lines.append(
-            f"not requeueing: an application error fails the same way on any node; {found.fix}, then resubmit "
+            f"{how.no}: an application error fails the same way on any node; {found.fix}, then resubmit "
             f"with the same CHECKPOINT_DIR to resume {resume}"
         )
         return lines, False, attempt.already_excluded
     if attempt.restarts >= attempt.max_restarts:
         lines.append(
-            f"not requeueing: the job was requeued after failures {attempt.restarts} times, "
-            f"and MAX_RESTARTS={attempt.max_restarts}"
+            f"{how.no}: {how.went_on} after failures {attempt.restarts} times, and MAX_RESTARTS={attempt.max_restarts}"
         )
         return lines, False, attempt.already_excluded
     if attempt.end_step <= attempt.start_step:
         newest = attempt.end_step or "none"
         lines.append(
-            f"not requeueing: this attempt wrote no new complete checkpoint (newest: {newest}), "
+            f"{how.no}: this attempt wrote no new complete checkpoint (newest: {newest}), "
             "so another would fail the same way"
         )
         return lines, False, attempt.already_excluded
+    again = how.again.format(job=attempt.job, n=attempt.restarts + 1, max=attempt.max_restarts, step=attempt.end_step)
+    if how.cannot_exclude:
+        advice = f"; {how.cannot_exclude.format(nodes=','.join(found.exclude))}" if found.exclude else ""
+        lines.append(again + advice)
+        return lines, True, []
     exclude, note = guard_exclusion(found.exclude, attempt.already_excluded, attempt.usable, len(attempt.hosts))
     if note:
         lines.append(note)
     excluding = f", excluding node(s) {','.join(exclude)}" if exclude else ""
-    lines.append(
-        f"requeueing job {attempt.job} (restart {attempt.restarts + 1} of at most {attempt.max_restarts} after "
-        f"failures) from checkpoint-{attempt.end_step}{excluding}"
-    )
+    lines.append(again + excluding)
     return lines, True, exclude
 
 
@@ -496,30 +523,8 @@ def read_reports(directory: Path) -> list[NodeReport]:
     return reports
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m llmft.launch.failure_blame", description=__doc__.split("\n")[0], allow_abbrev=False
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    node = sub.add_parser(
-        "node", help="on a node whose torchrun failed: write its report (JSON) to stdout", allow_abbrev=False
-    )
-    node.add_argument("--node", required=True)
-    node.add_argument("--rc", type=int, required=True, help="torchrun's exit status")
-    node.add_argument("--stderr", type=Path, required=True, help="torchrun's stderr (the ranks' included)")
-    node.add_argument("--since", type=float, required=True, help="when torchrun started (epoch seconds)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`node`: run on a node whose torchrun failed (by the job's per-node wrapper, inside the container when there is
-    one, where torchrun's stderr and the node's kernel log are): its report, as JSON on stdout."""
-    args = make_parser().parse_args(argv)
-    stderr = args.stderr.read_text(errors="replace") if args.stderr.exists() else ""
-    kernel_log, unread = read_kernel_log(args.node, args.since)
-    print(json.dumps(asdict(classify(args.node, args.rc, stderr, kernel_log, unread))))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def node_report(node: str, rc: int, stderr: str, since: float) -> dict:
+    """The report of a node whose torchrun failed, made on that node by the job's node wrapper (llmft.launch.node),
+    where torchrun's stderr (the ranks' included) and the node's kernel log are: `since` is when torchrun started."""
+    kernel_log, unread = read_kernel_log(node, since)
+    return asdict(classify(node, rc, stderr, kernel_log, unread))

@@ -42,7 +42,6 @@ from llmft.launch.job import (
     Stop,
     cache_variables,
     choose_python,
-    container_gpu_variables,
     container_mounts,
     container_path,
     export_after_training,
@@ -200,7 +199,7 @@ def container_name(job_id: str) -> str:
 def enroot_start(enroot: str, name: str, mounts: Sequence[str], gpus: bool, env_names: Sequence[str]) -> list[str]:
     """The prefix that runs a command in the job's container: read-write (DeepSpeed and Triton write their caches),
     the run's paths mounted, llmft's variables passed, and on GPU nodes the two variables enroot's nvidia hook reads
-    (their values are each node's own: container_gpu_env). enroot takes GPUs through the container's environment, not
+    (their values are each node's own: llmft.launch.node.container_gpu_env). enroot takes GPUs through the container's environment, not
     an option: `enroot start` has no --nv, and exits 1 with its usage on it."""
     cmd = [enroot, "start", "--rw"]
     for m in mounts:
@@ -208,16 +207,6 @@ def enroot_start(enroot: str, name: str, mounts: Sequence[str], gpus: bool, env_
     for name_ in [*env_names, *(CONTAINER_GPU_VARIABLES if gpus else ())]:
         cmd += ["--env", name_]
     return [*cmd, name]
-
-
-def container_gpu_env(command: Sequence[str], env: dict) -> dict:
-    """What a node's `enroot start` passes for its GPUs: this node's GPUs of the job (the CUDA_VISIBLE_DEVICES PBS's
-    cgroups hook sets, else every GPU the node lets the job open) and compute,utility (CUDA and nvidia-smi), each
-    unless the site set it; nothing for a command that passes no GPUs."""
-    if "NVIDIA_VISIBLE_DEVICES" not in command:
-        return {}
-    # CUDA_VISIBLE_DEVICES stays outside (CONTAINER_ENV_PREFIXES): inside, the mounted GPUs are numbered from 0
-    return container_gpu_variables(env, env.get("CUDA_VISIBLE_DEVICES") or "all")
 
 
 # ---- what this job is -------------------------------------------------------------------------------
@@ -405,7 +394,7 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     failures.mkdir(exist_ok=True)
     (run_dir / "nccl_trace").mkdir(exist_ok=True)
     start_step = newest_complete_step(run_dir)
-    wrapper = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), str(failures), "--node", "{node}"]
+    wrapper = node_wrapper(env_file, "--failures", str(failures))
     on_every_node(hosts, [*wrapper, "--", *inside, *torchrun])
     exits = node_exits(failures, hosts, lambda: shutdown_timeout(kill_delay) if stop.signal else NODE_EXIT_WAIT_S)
     rc, silent = job_exit(exits, [h for h, _ in hosts])
@@ -444,7 +433,7 @@ def stop_on_usr1(stop: Stop) -> None:
     handles only HUP, INT and TERM). So USR1 is blocked here, which every child inherits across exec and so never dies
     of, and one thread of this process takes it (sigwait) and asks for the stop. The nodes' wrappers, which PBS's task
     manager starts, ignore it and so do their torchruns and the ranks until the ranks' own handler is in place
-    (node_main). (qsig's USR1 still ends the job: it also kills the login shell PBS runs the job script under, the
+    (llmft.launch.node). (qsig's USR1 still ends the job: it also kills the login shell PBS runs the job script under, the
     job's top process; docs/pbs.md.)"""
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # an ignored signal is dropped, blocked or not: never taken
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
@@ -531,6 +520,13 @@ def on_this_node(command: list[str], hosts: list[tuple[str, int]]) -> list[str]:
     return [a.replace("{node}", hosts[0][0]) for a in command]
 
 
+def node_wrapper(env_file: Path, *options: str) -> list[str]:
+    """The node wrapper (llmft.launch.node) as pbsdsh starts it on each node, with the environment this job decided
+    (pbsdsh passes only the job's own variables) and the node's name in PBS (`{node}`, filled in per node)."""
+    wrapper = [sys.executable, "-m", "llmft.launch.node", "--job", ME, "--env_file", str(env_file)]
+    return [*wrapper, "--node", "{node}", *options]
+
+
 def remove_containers(hosts, env_file: Path, create: list[str]) -> None:
     """Every node's container of this job removed at the job's end, however it ends (success, a failure, a stop for
     the walltime, an error before the launch; run at the launcher's exit, atexit): an unpacked rootfs per node per job
@@ -538,8 +534,7 @@ def remove_containers(hosts, env_file: Path, create: list[str]) -> None:
     if not create:
         return
     name = create[3]
-    node = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--node", "{node}"]
-    for (host, _), rc in zip(hosts, on_every_node(hosts, [*node, "--remove", *create[1:4]])):
+    for (host, _), rc in zip(hosts, on_every_node(hosts, node_wrapper(env_file, "--remove", *create[1:4]))):
         if rc != 0:
             say(f"could not remove the container {name.replace('{node}', host)} on node {host} (exit {rc})")
 
@@ -548,9 +543,7 @@ def probe_nodes(hosts, env_file: Path, nodes_file: Path, command: list[str]) -> 
     """What each node was given (llmft.planning.allocation), one probe per node through PBS's task manager; in a
     container, the node's container is created first. A task's output goes to the job's, not to pbsdsh: each node
     writes its line to a file."""
-    probe = [sys.executable, "-m", "llmft.launch.pbs", "node", str(env_file), "", "--node", "{node}"]
-    probe += ["--out", f"{nodes_file}.{{node}}"]
-    on_every_node(hosts, [*probe, *command])
+    on_every_node(hosts, [*node_wrapper(env_file, "--out", f"{nodes_file}.{{node}}"), *command])
     lines = []
     listed = set(os.listdir(nodes_file.parent))  # listed, not stat'ed: see node_exits
     for host, _ in hosts:
@@ -656,35 +649,24 @@ def after_training(
     if rc == 0:  # not a success: nothing says the training finished
         say(f"error: every node's torchrun exited 0, but {run_dir}/llmft_done.json is missing: the run did not finish")
         return Outcome(1)
-    # The failure in one line, by the rules of the Slurm job (llmft.launch.failure_blame): the rank and node that
-    # failed first, a node that reported nothing, or every node waiting; an application error is not continued.
-    found = failure_blame.blame(failure_blame.read_reports(failures), list(hosts), rc, str(run_dir / "nccl_trace"))
-    for line in found.line.split("\n"):
-        say(line)
+    # The failure in one line and what follows, by the rules of the Slurm job (llmft.launch.failure_blame.decide):
+    # an application error is not continued, nor an attempt without progress, nor one past MAX_RESTARTS.
     restarts = int(env.get(continuation.RESTARTS_ENV, "0") or 0)
-    limit = int(k["MAX_RESTARTS"])
-    if found.deterministic:
-        say(
-            f"not continued: an application error fails the same way on any node; {found.fix}, then resubmit with "
-            "the same CHECKPOINT_DIR to resume"
-        )
-        return Outcome(rc)
-    if step > start_step and restarts < limit:
-        # qsub has no exclusion (Slurm's ExcNodeList): the new job may be placed on the node again
-        avoid = (
-            f"; PBS cannot keep node(s) {','.join(found.exclude)} out of it: ask for other nodes with -l "
-            "select=...:host=, or have an administrator offline them"
-            if found.exclude
-            else ""
-        )
-        say(
-            f"training failed (exit {rc}) after progress (step {start_step} -> {step}); continuing in a new job "
-            f"(after failures {restarts + 1} of at most MAX_RESTARTS={limit}){avoid}"
-        )
-        return Outcome(rc, go_on=True, failure_restarts=restarts + 1)
-    why = f"MAX_RESTARTS={limit} reached" if step > start_step else "no new complete checkpoint: it would fail again"
-    say(f"training failed (exit {rc}) at step {step}; not continued ({why}); resubmit with the same CHECKPOINT_DIR")
-    return Outcome(rc)
+    attempt = failure_blame.Attempt(
+        job=job_id,
+        rc=rc,
+        hosts=list(hosts),
+        restarts=restarts,
+        max_restarts=int(k["MAX_RESTARTS"]),
+        start_step=start_step,
+        end_step=step,
+        trace_dir=str(run_dir / "nccl_trace"),
+        restart=failure_blame.CONTINUE,
+    )
+    lines, again, _ = failure_blame.decide(failure_blame.read_reports(failures), attempt)
+    for line in lines:
+        say(line)
+    return Outcome(rc, go_on=again, failure_restarts=restarts + 1 if again else 0)
 
 
 def python_venv(k: Knobs) -> str:
@@ -850,108 +832,8 @@ def on_every_node(hosts: list[tuple[str, int]], command: list[str]) -> list[int]
     return [p.wait() for p in procs]
 
 
-def forward(stream, to, copy) -> None:
-    """Every line of `stream` to `to` while it takes them (PBS may close a task's output as the job ends: the lines
-    then go on being read, so the writer never blocks or breaks), and to `copy` always."""
-    echo = True
-    for line in stream:
-        if copy is not None:
-            copy.write(line)
-        if echo:
-            try:
-                to.write(line)
-                to.flush()
-            except (OSError, ValueError):
-                echo = False
-
-
-def node_container(action: str, enroot: str, image: str, name: str, env: dict) -> int:
-    """This node's container of the job: `--create` makes it afresh from the image (a container of that name left by
-    an earlier run of this job that was killed before its removal is removed first: a rerun starts from the image, not
-    from what the killed run wrote), `--remove` removes it when there."""
-    listed = subprocess.run([enroot, "list"], capture_output=True, text=True, env=env)
-    steps = [[enroot, "remove", "-f", name]] if name in listed.stdout.split() else []
-    if action == "--create":
-        steps.append([enroot, "create", "--name", name, image])
-    for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [""]
-            print(f"{' '.join(step)} failed (exit {done.returncode}): {last[0]}", flush=True)
-            return 2
-    return 0
-
-
-def node_main(argv: list[str]) -> int:
-    """On each node (`pbsdsh`): the job's environment from its file, then the command; a failing torchrun's report
-    (llmft.launch.failure_blame node) is written to the failures directory, under SIGTERM too."""
-    # A job's USR1 reaches every process of the job (qsig): the launcher acts on it; here, in enroot, the allocation
-    # probe, torchrun and the ranks until they handle it themselves (inherited through exec), it is ignored.
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    env_file, failures, rest = argv[0], argv[1], argv[2:]
-    env = {**os.environ, **json.loads(Path(env_file).read_text())}
-    out_file = None
-    while rest[:1] in (["--node"], ["--out"]):
-        if rest[0] == "--node":  # the node's name in PBS (llmft.planning.allocation prints it)
-            env["LLMFT_NODE_NAME"] = rest[1]
-        else:  # the command's output, to this file (a pbsdsh task's own goes to the job's output)
-            out_file = Path(rest[1])
-        rest = rest[2:]
-    if rest[:1] in (["--create"], ["--remove"]):
-        rc = node_container(rest[0], *rest[1:4], env)
-        if rest[0] == "--remove" or rc != 0:
-            return rc
-        rest = rest[4:]
-    command = rest[1:] if rest[:1] == ["--"] else rest
-    env.update(container_gpu_env(command, env))
-    node = env.get("PBS_NODENUM", "0")
-    host = env.get("LLMFT_NODE_NAME") or socket.gethostname().split(".")[0]
-    if out_file is not None:  # the output file on success, else `<file>.failed` with the exit status and output
-        proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-        tmp = Path(f"{out_file}.tmp")  # per node (with_suffix would give both nodes one name)
-        tmp.write_text(proc.stdout if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stdout.strip()}")
-        tmp.replace(out_file if proc.returncode == 0 else Path(f"{out_file}.failed"))
-        return proc.returncode
-    if failures:
-        print(f"{ME}: node {host} (node rank {node}): torchrun", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: None)  # outlive torchrun: it forwards the signal and the ranks save
-    started = time.time()
-    err_path = Path(env.get("TMPDIR") or "/tmp") / f"llmft-torchrun-err-{os.getpid()}"
-    with open(err_path, "w") as err:
-        # Both streams pass through this process: PBS closes a task's output when the job is signalled, and a rank
-        # printing to it then would die of a broken pipe before its stop checkpoint.
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out = threading.Thread(target=forward, args=(proc.stdout, sys.stdout, None), daemon=True)
-        out.start()
-        forward(proc.stderr, sys.stderr, err)
-        rc = proc.wait()
-        out.join(timeout=10)
-    if rc != 0 and failures:
-        report = Path(failures) / f"node-{node}.json"
-        blame = [sys.executable, "-m", "llmft.launch.failure_blame", "node", "--node", host, "--rc", str(rc)]
-        blame += ["--stderr", str(err_path), "--since", f"{started:.0f}"]
-        out = subprocess.run(blame, capture_output=True, text=True, env=env)
-        text = (
-            out.stdout
-            if out.returncode == 0 and out.stdout.strip()
-            else json.dumps({"node": host, "rc": rc, "cause": "no report: llmft.launch.failure_blame failed"})
-        )
-        tmp = report.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(report)
-    err_path.unlink(missing_ok=True)
-    if failures:  # the launcher waits for this (node_exits), not for pbsdsh
-        done = Path(failures) / f"exit-{host}"
-        tmp = done.parent / f"{done.name}.tmp"
-        tmp.write_text(f"{rc}\n")
-        tmp.replace(done)
-    return rc
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["node"]:
-        return node_main(argv[1:])
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(ME, USAGE))
         return 0

@@ -556,34 +556,6 @@ def slurm_kill_chain(env: Mapping[str, str]) -> tuple[int, str]:
     return kill_chain.kill_chain(config, partition, partition_text, qos, qos_text, qos_problem)
 
 
-# What each node runs: it says where it starts, then torchrun (passed as arguments, never re-parsed). A node whose
-# torchrun fails writes its report to the failures directory (node-N.json), from torchrun's stderr and the node's
-# kernel log (`python -m llmft.launch.failure_blame node`), under `trap "" TERM` (srun signals every process of the
-# step when another node failed): a node that writes none counts as dead. torchrun's stderr passes through unchanged;
-# a node-local copy is read for the report and removed. The wrapper and its tee stay up through a SIGTERM: the ranks
-# still write their stop checkpoint then.
-NODE_STEP = r"""failures=$1 py=$2; shift 2
-node=${SLURMD_NODENAME:-$(hostname)}
-echo "run_llm.slurm: node $node (node rank ${SLURM_NODEID:-0}): torchrun with ${SLURM_GPUS_ON_NODE:-0} GPU(s) and ${SLURM_CPUS_ON_NODE:-?} CPU(s)"
-err=$(mktemp "${TMPDIR:-/tmp}/llmft-torchrun-err.XXXXXX")
-trap : TERM INT  # Slurm signals every process of the step: this shell outlives torchrun (a handler, not inherited)
-started=$(date +%s)
-rc=0
-"$@" 2> >(trap "" TERM INT; exec tee "$err" >&2) || rc=$?  # tee too: a stop save still writes to stderr
-wait "$!" 2>/dev/null || true
-if (( rc != 0 )); then
-  report="$failures/node-${SLURM_NODEID:-0}.json"
-  if ! (trap "" TERM INT; exec "$py" -m llmft.launch.failure_blame node --node "$node" --rc "$rc" --stderr "$err" --since "$started") > "$report.tmp"; then
-    echo "run_llm.slurm: node $node: llmft.launch.failure_blame could not write the report of this node" >&2
-    printf "{\"node\": \"%s\", \"rc\": %d, \"cause\": \"no report: llmft.launch.failure_blame failed\"}\n" "${node//[^A-Za-z0-9._-]/_}" "$rc" > "$report.tmp"
-  fi
-  mv -f "$report.tmp" "$report"
-fi
-rm -f "$err"
-exit "$rc"
-"""
-
-
 def write_job_end(path: Path, job_id: str) -> None:
     """'<Unix time asked> <squeue %L>' for rank 0 (llmft.training.job_deadline), which inside a container usually has
     no squeue; a failed squeue keeps the file as it was."""
@@ -667,7 +639,8 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
     torchrun += ["--rdzv_endpoint", f"{rdzv_host}:{rdzv_port}", "--rdzv_id", a.job_id, "-m", "llmft.train", *train]
     failures = run_dir / f".llmft-failures-{a.job_id}-{a.restart}"
-    node_step = ["bash", "-c", NODE_STEP, "run_llm_node", str(failures), a.python]
+    # each node's wrapper (llmft.launch.node: its report when torchrun fails), in the container where there is one
+    node_step = [a.python, "-m", "llmft.launch.node", "--job", ME, "--failures", str(failures), "--"]
     say(f"rendezvous c10d at {rdzv_host}:{rdzv_port} (first host {a.hosts[0]}), id {a.job_id}")
     say(f"launch: srun {' '.join(srun_args)} {''.join(bash_quoted(x) + ' ' for x in torchrun)}")
     if k.flag("DRY_RUN"):
