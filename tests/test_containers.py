@@ -4,6 +4,7 @@ run through the real enroot and pyxis in tests/test_container_jobs.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -48,19 +49,19 @@ def test_a_slurm_gpu_jobs_pyxis_steps_carry_the_variables_enroots_hook_reads(tmp
     image.write_bytes(b"")
     k = knobs.resolve({"CONTAINER_IMAGE": str(image), "CHECKPOINT_DIR": str(tmp_path / "ckpt")}, cwd=tmp_path)
 
-    args = slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7")
-    assert f"--container-image={image}" in args and "NVIDIA_VISIBLE_DEVICES" not in slurm.os.environ
+    args, env = slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7", os.environ)
+    assert f"--container-image={image}" in args and "NVIDIA_VISIBLE_DEVICES" not in env
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "4")
-    slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7")
-    assert slurm.os.environ["NVIDIA_VISIBLE_DEVICES"] == "all"
-    assert slurm.os.environ["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    _, env = slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7", os.environ)
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     assert (
         "container GPUs: NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility"
         in capsys.readouterr().out
     )
     monkeypatch.setenv("NVIDIA_DRIVER_CAPABILITIES", "compute,utility,video")  # the user's own wins
-    slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7")
-    assert slurm.os.environ["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility,video"
+    _, env = slurm.container_arguments(k, tmp_path, tmp_path / "ckpt", "7", os.environ)
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility,video"
 
 
 def test_a_container_image_on_a_cluster_without_pyxis_is_refused_in_one_line(monkeypatch):
@@ -105,9 +106,11 @@ def test_a_venv_beside_an_image_runs_inside_it_with_its_bin_first_on_path(tmp_pa
     inside, create = pbs.container_prefix(k, {}, "5.pbs-head", paths, node_env, 0)
     assert inside[-3:] == [create[3], "env", f"PATH={venv}/bin:{job.IMAGE_PATH}"] and create[3] == "llmft-5-{node}"
     assert f"--mount {venv}:{venv}" in " ".join(inside)
-    args = slurm.container_arguments(k, tmp_path, tmp_path / "run", "7")
+    args, env = slurm.container_arguments(k, tmp_path, tmp_path / "run", "7", os.environ)
     assert "--container-env=PATH" in args and f"{venv}:{venv}" in next(a for a in args if "mounts" in a)
-    assert slurm.os.environ["PATH"] == f"{venv}/bin:/site/bin:/usr/bin:/bin"
+    assert env["PATH"] == f"{venv}/bin:/site/bin:/usr/bin:/bin"
     plain = knobs.resolve({"CONTAINER_IMAGE": str(image)}, cwd=tmp_path)
     assert job.choose_python(plain, {}, "/usr/bin/python3") == "python" and job.container_path(plain) is None
-    assert "--container-env=PATH" not in slurm.container_arguments(plain, tmp_path, tmp_path / "run", "7")
+    assert (
+        "--container-env=PATH" not in slurm.container_arguments(plain, tmp_path, tmp_path / "run", "7", os.environ)[0]
+    )

@@ -65,9 +65,9 @@ def test_a_network_profile_sets_what_the_user_did_not_and_says_each(tmp_path, mo
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ens4")  # yours wins
-    slurm.network_environment("gcp-g2", tmp_path, "42")
-    assert os.environ["NCCL_NET"] == "Socket" and os.environ["NCCL_SOCKET_IFNAME"] == "ens4"
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl_trace/42_rank_"
+    env = slurm.network_environment("gcp-g2", tmp_path, "42", os.environ, slurm.say)
+    assert env["NCCL_NET"] == "Socket" and env["NCCL_SOCKET_IFNAME"] == "ens4"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl_trace/42_rank_"
     out = capsys.readouterr().out
     assert "run_llm.slurm: nccl NCCL_SOCKET_IFNAME=ens4\n" in out and "run_llm.slurm: nccl NCCL_IB_DISABLE=1\n" in out
 

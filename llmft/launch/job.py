@@ -16,11 +16,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
 from llmft.launch import sweep
 from llmft.launch.knobs import Knobs
+from llmft.planning import stop_request
 from llmft.planning.methods import run_key_name
 
 
@@ -163,13 +165,19 @@ def export_command(k: Knobs, python: str, run_dir: Path, submit_dir: Path) -> li
     return None if out is None else [python, "-m", "llmft.export", str(run_dir), "--out", str(out)]
 
 
-def export_after_training(command: list[str] | None, prefix: Sequence[str], say: Callable[[str], None]) -> int:
+def export_after_training(
+    command: list[str] | None,
+    prefix: Sequence[str],
+    say: Callable[[str], None],
+    env: Mapping[str, str] | None = None,
+) -> int:
     """EXPORT: the finished run's final checkpoint exported (llmft export, its checks included) as one step where the
-    job runs llmft's own steps (`prefix`: srun or the container); the job's exit code is the export's."""
+    job runs llmft's own steps (`prefix`: srun or the container), with the job's environment; the job's exit code is
+    the export's."""
     if command is None:
         return 0
     say(f"exporting the final checkpoint: llmft export {command[-3]} --out {command[-1]}")
-    rc = subprocess.run([*prefix, *command]).returncode
+    rc = subprocess.run([*prefix, *command], env=None if env is None else dict(env)).returncode
     say(f"exported to {command[-1]}" if rc == 0 else f"error: llmft export exited {rc}; the run itself is complete")
     return rc
 
@@ -411,6 +419,41 @@ class Stop:
         self.stop_file.touch()
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How a job's training ended, from what the ranks left and the signals the launcher got, the same on every
+    scheduler; what follows each (requeue, continuation, nothing) is the scheduler's (its after_training).
+
+    kind: done (llmft_done.json), term (a SIGTERM and no USR1: the scheduler, or a user, is acting), deadline
+    (llmft's own final save before the time limit: the requeue file), usr1, llmft-stop (a request `llmft stop` wrote,
+    its --continue in `go_on`), unfinished (every rank exited 0 but nothing says the training finished), failed."""
+
+    kind: str
+    rc: int
+    step: int  # the newest complete checkpoint
+    go_on: bool = False
+
+
+def how_it_ended(run_dir: Path, rc: int, stop: Stop, requeue_file: Path) -> Ending:
+    """The attempt's Ending; the stop and requeue files are read and removed (a rerun starts without them)."""
+    asked = stop_request.read_request(stop.stop_file)  # llmft stop's request, before the file goes
+    stop.stop_file.unlink(missing_ok=True)
+    deadline = requeue_file.is_file()
+    requeue_file.unlink(missing_ok=True)
+    step = newest_complete_step(run_dir)
+    if (run_dir / "llmft_done.json").is_file():
+        return Ending("done", rc, step)
+    if stop.signal == "TERM":
+        return Ending("term", rc, step)
+    if deadline:
+        return Ending("deadline", rc, step)
+    if stop.signal == "USR1":
+        return Ending("usr1", rc, step)
+    if asked is not None and asked.by == stop_request.BY and rc == 0:
+        return Ending("llmft-stop", rc, step, go_on=asked.go_on)
+    return Ending("unfinished" if rc == 0 else "failed", rc, step)
+
+
 def cache_variables(env: Mapping[str, str], submit_dir: Path, node_cache: Path) -> dict[str, str]:
     """Where a job's caches live; yours win. Downloads (HF_HOME) and prepared data (LLMFT_CACHE: every run submitted
     from the same directory reuses it, so sweeps and reruns tokenise nothing again) on shared storage; DeepSpeed's
@@ -451,7 +494,8 @@ def run_directory(
 ) -> tuple[Path, sweep.Variant | None]:
     """CHECKPOINT_DIR (relative to the submit directory), else runs/<job name>-<run key> there; with SWEEP, the
     variant this array element trains (`this_variant`, from the scheduler's array index) in a directory of its own
-    under it; claimed for this job (`live` asks the scheduler whether an owner is still running)."""
+    under it, its flags joining EXTRA_ARGS; claimed for this job (`live` asks the scheduler whether an owner is still
+    running)."""
     if k["CHECKPOINT_DIR"]:
         run_dir = Path(k["CHECKPOINT_DIR"])
         run_dir = run_dir if run_dir.is_absolute() else submit_dir / run_dir
@@ -467,6 +511,8 @@ def run_directory(
             raise JobError(f"could not write {run_dir}/{sweep.SWEEP_FILE}: {e}") from None
         say(f"sweep variant {variant.index} of {len(variants)}: {variant.describe()} in {run_dir}")
         run_dir = run_dir / variant.name
+        k.extra_args += variant.flags()  # after EXTRA_ARGS: the variant's value wins
+        k.values["LLMFT_SWEEP_VARIANT"] = variant.name
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     if not k.flag("DRY_RUN"):
@@ -493,3 +539,105 @@ def claim_run_dir(run_dir: Path, job_id: str, live: Callable[[str], str], rename
                 f"another name ({rename}) or CHECKPOINT_DIR"
             )
     owner_file.write_text(job_id + "\n")  # ours already, or left by a job that has ended
+
+
+# ---- the job's environment, as a value: every node's ranks run with it ------------------------------------------
+
+
+def report_to(k: Knobs) -> str:
+    """llmft train's --report_to: W&B where WANDB_PROJECT is set and W&B is not disabled."""
+    return "wandb" if k["WANDB_PROJECT"] and k["WANDB_MODE"] != "disabled" else "none"
+
+
+def job_environment(
+    k: Knobs, env: Mapping[str, str], submit_dir: Path, files: Mapping[str, Path], node_cache: Path
+) -> dict[str, str]:
+    """The variables llmft sets for every node's ranks, on any scheduler (each scheduler's job adds its own and hands
+    the whole to its nodes: srun passes its environment, pbsdsh an env file): the files the ranks read (the stop
+    request, the requeue file llmft writes after its final save before the time limit, the job's end), the caches
+    (cache_variables), VENV's bin first on PATH outside a container (inside, the container's PATH: container_path),
+    the sweep variant the run trains, and W&B's project and mode."""
+    out = {
+        "LLMFT_STOP_FILE": str(files["stop"]),
+        "LLMFT_REQUEUE_FILE": str(files["requeue"]),
+        "LLMFT_JOB_END_FILE": str(files["job-end"]),
+    }
+    out.update(cache_variables(env, submit_dir, node_cache))
+    if k["VENV"] and not k["CONTAINER_IMAGE"]:
+        venv = str(Path(k["VENV"]).absolute())
+        out["VIRTUAL_ENV"], out["PATH"] = venv, f"{venv}/bin:{env.get('PATH') or os.defpath}"
+    if k.values.get("LLMFT_SWEEP_VARIANT"):
+        out["LLMFT_SWEEP_VARIANT"] = k.values["LLMFT_SWEEP_VARIANT"]
+    if k["WANDB_PROJECT"]:
+        out["WANDB_PROJECT"] = k["WANDB_PROJECT"]
+    if k["WANDB_MODE"]:
+        out["WANDB_MODE"] = k["WANDB_MODE"]
+    return out
+
+
+def network_environment(
+    profile: str, run_dir: Path, job_id: str, existing: Mapping[str, str], say: Callable[[str], None]
+) -> dict[str, str]:
+    """The NCCL profile's variables and the flight recorder's (network_variables), each said; yours win."""
+    out = dict(network_variables(profile, run_dir, job_id, existing))
+    for name, value in out.items():
+        say(f"nccl {name}={value}")
+    return out
+
+
+def wandb_environment(
+    runner: Sequence[str], run_dir: Path, env: Mapping[str, str], say: Callable[[str], None]
+) -> dict[str, str]:
+    """The W&B run's name, id (the same after a requeue or a continuation), group (one per sweep) and mode (offline
+    where the node cannot reach W&B), from `llmft.tracking job-env` run by `runner` (the Python llmft runs in, in the
+    container where there is one); said in one line. The values are data: kept as they are, never evaluated."""
+    proc = subprocess.run(
+        [*runner, "-m", "llmft.tracking", "job-env", "--output_dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(env),
+    )
+    if proc.returncode != 0:
+        raise JobError(f"llmft.tracking failed: {proc.stderr.strip()[-300:] or proc.stdout.strip()[-300:]}")
+    out = {}
+    for line in proc.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if not sep or not re.fullmatch(r"WANDB_[A-Z_]+", key):
+            raise JobError(f"unexpected line from llmft.tracking: {line}")
+        out[key] = value
+    said = {**env, **out}
+    say(
+        f"W&B run {said.get('WANDB_NAME', '')} (id {said.get('WANDB_RUN_ID', '')}, group "
+        f"{said.get('WANDB_RUN_GROUP', '')}) in project {said.get('WANDB_PROJECT', '')}, mode "
+        f"{said.get('WANDB_MODE') or 'online'}"
+    )
+    return out
+
+
+# ---- what every node runs: llmft train's flags and the torchrun around it ----------------------------------------
+
+
+def train_flags(k: Knobs, run_dir: Path, launch: Mapping[str, str], report: str) -> list[str]:
+    """llmft train's flags: the knobs', the plan's CPU split unless EXTRA_ARGS sets the same flag (yours wins),
+    SAVE_TOTAL_LIMIT, then EXTRA_ARGS (a sweep variant's flags last: run_directory put them there)."""
+    train = train_arguments(k, run_dir, report)
+    for flag in ("dataloader_num_workers", "dataset_num_proc"):
+        if not given(k.extra_args, f"--{flag}"):
+            train += [f"--{flag}", launch[flag]]
+    if k["SAVE_TOTAL_LIMIT"] != "0" and not given(k.extra_args, "--save_total_limit"):
+        train += ["--save_total_limit", k["SAVE_TOTAL_LIMIT"]]
+    return train + k.extra_args
+
+
+def torchrun_command(
+    python: str, launch: Mapping[str, str], endpoint: str, job_id: str, train: Sequence[str], rdzv_conf: str = ""
+) -> list[str]:
+    """The torchrun every node runs: the plan's world (nodes, processes per node, NUMA binding), a c10d rendezvous at
+    `endpoint` with the job's id, and `rdzv_conf` where the scheduler can say which node hosts it."""
+    numa = ["--numa-binding", launch["numa_binding"]] if launch["numa_binding"] != "off" else []
+    torchrun = [python, "-m", "torch.distributed.run", "--nnodes", launch["nnodes"]]
+    torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
+    if rdzv_conf:
+        torchrun += ["--rdzv_conf", rdzv_conf]
+    return [*torchrun, "--rdzv_endpoint", endpoint, "--rdzv_id", job_id, "-m", "llmft.train", *train]

@@ -40,7 +40,6 @@ from llmft.launch.job import (
     CONTAINER_GPU_VARIABLES,
     JobError,
     Stop,
-    cache_variables,
     choose_python,
     container_mounts,
     container_path,
@@ -48,18 +47,22 @@ from llmft.launch.job import (
     export_command,
     fabric_check,
     fabric_probe,
-    given,
+    how_it_ended,
+    job_environment,
     knobs_line,
     launch_line,
-    network_variables,
+    network_environment,
     newest_complete_step,
     plan_arguments,
     port_taken,
     prepare_data,
     rendezvous_port,
+    report_to,
     run_paths,
     safe_name,
-    train_arguments,
+    torchrun_command,
+    train_flags,
+    wandb_environment,
 )
 from llmft.launch.job import run_directory as job_run_directory
 from llmft.launch.knobs import (
@@ -71,7 +74,6 @@ from llmft.launch.knobs import (
     resolve,
     unknown_in_variable_list,
 )
-from llmft.planning import stop_request
 
 ME = "run_llm.pbs"
 USAGE = __doc__.split("\n\n")[1]
@@ -373,8 +375,8 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     kill_delay = queue_kill_delay(str(job.get("queue", "workq")))
     node_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout(kill_delay)))
     env_file.write_text(json.dumps(node_env))
-    train = train_flags(k, run_dir, launch, node_env)
-    torchrun = torchrun_command(k, python, launch, hosts, job_id, node_env, train)
+    train = train_flags(k, run_dir, launch, report_to(k))
+    torchrun = pbs_torchrun(python, launch, hosts, job_id, node_env, train)
     say(
         f"kill chain: PBS sends SIGKILL {kill_delay:g} s after SIGTERM (kill_delay); torchrun waits "
         f"{node_env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s for its ranks"
@@ -458,7 +460,7 @@ def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
 def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> Path:
     """The run directory (llmft.launch.job.run_directory), a sweep's element from PBS_ARRAY_INDEX; the variant's flags
     join EXTRA_ARGS."""
-    run_dir, variant = job_run_directory(
+    run_dir, _ = job_run_directory(
         k,
         submit_dir,
         env.get("PBS_JOBNAME", ""),
@@ -468,9 +470,6 @@ def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: st
         rename="qsub -N NAME",
         say=say,
     )
-    if variant is not None:
-        k.extra_args += variant.flags()
-        k.values["LLMFT_SWEEP_VARIANT"] = variant.name
     return run_dir
 
 
@@ -558,33 +557,17 @@ def probe_nodes(hosts, env_file: Path, nodes_file: Path, command: list[str]) -> 
     nodes_file.write_text("".join(lines))
 
 
-def train_flags(k, run_dir, launch, node_env) -> list[str]:
-    """llmft train's flags: the knobs', the plan's CPU split unless EXTRA_ARGS sets the same flag (yours wins), then
-    EXTRA_ARGS and a sweep variant's."""
-    train = train_arguments(k, run_dir, node_env.get("LLMFT_REPORT_TO", "none"))
-    for flag in ("dataloader_num_workers", "dataset_num_proc"):
-        if not given(k.extra_args, f"--{flag}"):
-            train += [f"--{flag}", launch[flag]]
-    if k["SAVE_TOTAL_LIMIT"] != "0" and not given(k.extra_args, "--save_total_limit"):
-        train += ["--save_total_limit", k["SAVE_TOTAL_LIMIT"]]
-    return train + k.extra_args
-
-
-def torchrun_command(k, python, launch, hosts, job_id, node_env, train: list[str]) -> list[str]:
-    """The torchrun every node runs, said with the world it makes."""
+def pbs_torchrun(python, launch, hosts, job_id, node_env, train: list[str]) -> list[str]:
+    """The torchrun every node runs (llmft.launch.job.torchrun_command), said with the world it makes."""
     rdzv_host = hosts[0][0]
     try:
         rdzv_host = socket.gethostbyname(rdzv_host)
     except OSError:
         pass
     port = rendezvous_port(rendezvous_start(job_id), lambda p: port_taken(rdzv_host, p))
-    numa = ["--numa-binding", launch["numa_binding"]] if launch["numa_binding"] != "off" else []
-    torchrun = [python, "-m", "torch.distributed.run", "--nnodes", launch["nnodes"]]
-    torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
     # The first node of PBS_NODEFILE hosts the rendezvous, said rather than guessed from its addresses (torch's guess
     # fails where the node's hostname resolves elsewhere, as on a node with several networks)
-    torchrun += ["--rdzv_conf", "is_host={is_host}"]
-    torchrun += ["--rdzv_endpoint", f"{rdzv_host}:{port}", "--rdzv_id", job_id, "-m", "llmft.train", *train]
+    torchrun = torchrun_command(python, launch, f"{rdzv_host}:{port}", job_id, train, "is_host={is_host}")
     say(
         f"nodes {len(hosts)}: {' '.join(h for h, _ in hosts)}; processes per node {launch['nproc_per_node']}; CPUs per "
         f"node {launch['cpus_per_node']}; OMP_NUM_THREADS={node_env['OMP_NUM_THREADS']}"
@@ -607,46 +590,34 @@ WALLTIME_SIGTERM_MARGIN_S = 60.0  # a SIGTERM this close to the walltime (plus k
 def after_training(
     run_dir, rc, stop, requeue_file, start_step, failures, kill_delay, job_id, k, env, hosts: Sequence[str] = ()
 ) -> Outcome:
-    """What follows the training, each case said in one line: done; stopped for the walltime (llmft's own final
-    save, or PBS's SIGTERM at the limit), by SIGUSR1 or by `llmft stop --continue`, which a continuation resumes;
-    `llmft stop` alone, which ends the run's job; SIGTERM from qdel or qrerun,
-    where PBS decides; or a failure, named in one line (llmft.launch.failure_blame), continued only after progress,
-    at most MAX_RESTARTS times, and never for an application error."""
-    asked = stop_request.read_request(stop.stop_file)  # llmft stop's request, before the file goes
-    stop.stop_file.unlink(missing_ok=True)
-    if (run_dir / "llmft_done.json").is_file():
-        requeue_file.unlink(missing_ok=True)
+    """What follows how the training ended (llmft.launch.job.how_it_ended), each case said in one line: done;
+    stopped for the walltime (llmft's own final save, or PBS's SIGTERM at the limit), by SIGUSR1 or by `llmft stop
+    --continue`, which a continuation resumes; `llmft stop` alone, which ends the run's job; SIGTERM from qdel or
+    qrerun, where PBS decides; or a failure, named in one line and decided by llmft.launch.failure_blame.decide (as on
+    Slurm): continued only after progress, at most MAX_RESTARTS times, and never for an application error."""
+    ended = how_it_ended(run_dir, rc, stop, requeue_file)
+    step = ended.step
+    at = f"(exit {rc}) after a complete checkpoint at step {step}"
+    if ended.kind == "done":
         say(f"training finished (exit {rc}); results in {run_dir}")
         return Outcome(rc)
-    step = newest_complete_step(run_dir)
-    by_llmft_stop = asked is not None and asked.by == stop_request.BY and rc == 0
-    walltime = requeue_file.is_file()
-    if walltime or stop.signal == "USR1" or (by_llmft_stop and asked.go_on):
-        requeue_file.unlink(missing_ok=True)
-        why = "for its final save before the walltime" if walltime else "by llmft stop"
-        why = "on SIGUSR1" if stop.signal == "USR1" else why
-        say(f"llmft stopped {why} (exit {rc}) after a complete checkpoint at step {step}; continuing in a new job")
+    if ended.kind in ("deadline", "usr1") or (ended.kind == "llmft-stop" and ended.go_on):
+        why = {"deadline": "for its final save before the walltime", "usr1": "on SIGUSR1"}.get(ended.kind)
+        say(f"llmft stopped {why or 'by llmft stop'} {at}; continuing in a new job")
         return Outcome(0, go_on=True)
-    if by_llmft_stop:
+    if ended.kind == "llmft-stop":
         say(
-            f"llmft stopped by llmft stop (exit {rc}) after a complete checkpoint at step {step}; not continued (no "
-            f"--continue): resubmit with CHECKPOINT_DIR={run_dir} to resume"
+            f"llmft stopped by llmft stop {at}; not continued (no --continue): resubmit with CHECKPOINT_DIR={run_dir} to resume"
         )
         return Outcome(0)
-    if stop.signal == "TERM":
+    if ended.kind == "term":
         left = time_left(qstat_job(job_id))
         if left is not None and left <= kill_delay + WALLTIME_SIGTERM_MARGIN_S:
-            say(
-                f"stopped by the walltime's SIGTERM (exit {rc}) after a complete checkpoint at step {step}; "
-                "continuing in a new job"
-            )
+            say(f"stopped by the walltime's SIGTERM {at}; continuing in a new job")
             return Outcome(0, go_on=True)
-        say(
-            f"stopped by SIGTERM (exit {rc}) after a complete checkpoint at step {step}; a job PBS reruns (qrerun) "
-            "resumes from it, a deleted one (qdel) ends here"
-        )
+        say(f"stopped by SIGTERM {at}; a job PBS reruns (qrerun) resumes from it, a deleted one (qdel) ends here")
         return Outcome(0)
-    if rc == 0:  # not a success: nothing says the training finished
+    if ended.kind == "unfinished":  # not a success: nothing says the training finished
         say(f"error: every node's torchrun exited 0, but {run_dir}/llmft_done.json is missing: the run did not finish")
         return Outcome(1)
     # The failure in one line and what follows, by the rules of the Slurm job (llmft.launch.failure_blame.decide):
@@ -705,69 +676,26 @@ def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None
     say(f"continuation submitted: job {proc.stdout.strip()} starts after {job_id} ends, from {run_dir}")
 
 
-def node_environment(k, env, run_dir, submit_dir, files, job_id, python) -> dict[str, str]:
-    """What every node runs with: the job's variables, the network's (NCCL_PROFILE and the flight recorder,
-    llmft.launch.job.network_variables, each said) and W&B's."""
-    node_env = job_environment(k, env, run_dir, submit_dir, files)
-    for name, value in network_variables(k["NCCL_PROFILE"], run_dir, job_id, {**env, **node_env}):
-        node_env[name] = value
-        say(f"nccl {name}={value}")
-    if node_env["LLMFT_REPORT_TO"] == "wandb":
-        node_env.update(wandb_environment(python, run_dir, {**os.environ, **node_env}))
-        say(
-            f"W&B run {node_env.get('WANDB_NAME', '')} (id {node_env.get('WANDB_RUN_ID', '')}, group "
-            f"{node_env.get('WANDB_RUN_GROUP', '')}) in project {k['WANDB_PROJECT']}, mode {node_env.get('WANDB_MODE', '')}"
-        )
-    return node_env
-
-
-def job_environment(k, env, run_dir, submit_dir, files) -> dict[str, str]:
-    """The variables every node's launcher runs with (pbsdsh passes only the job's own)."""
-    out = {
-        "LLMFT_STOP_FILE": str(files["stop"]),
-        "LLMFT_REQUEUE_FILE": str(files["requeue"]),
-        "LLMFT_JOB_END_FILE": str(files["job-end"]),
-        "PATH": env.get("PATH", os.defpath),
-    }
-    # Build caches are node-local and outlive the job: not under TMPDIR, which PBS makes per job and deletes after it
-    # (DeepSpeed would compile its ops again in every job).
-    out.update(cache_variables(env, submit_dir, Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"))
-    if k["VENV"]:
-        venv = str(Path(k["VENV"]).absolute())
-        out["VIRTUAL_ENV"], out["PATH"] = venv, f"{venv}/bin:{out['PATH']}"
-    if k.values.get("LLMFT_SWEEP_VARIANT"):
-        out["LLMFT_SWEEP_VARIANT"] = k.values["LLMFT_SWEEP_VARIANT"]
-    out["LLMFT_REPORT_TO"] = "wandb" if k["WANDB_PROJECT"] and k["WANDB_MODE"] != "disabled" else "none"
-    if k["WANDB_PROJECT"]:
-        out["WANDB_PROJECT"] = k["WANDB_PROJECT"]
-    if k["WANDB_MODE"]:
-        out["WANDB_MODE"] = k["WANDB_MODE"]
+def node_environment(k, env, run_dir, submit_dir, files, job_id, python, here=()) -> dict[str, str]:
+    """What every node runs with (pbsdsh passes only the job's own variables: this goes to the nodes in a file): the
+    job's environment (llmft.launch.job.job_environment), the network's (NCCL_PROFILE and the flight recorder), W&B's
+    (llmft.tracking, run by `here`: on the first node, in the container where there is one), and what the job's own
+    environment holds for the ranks (PATH, the tests' hooks, the NCCL settings you exported)."""
+    node_env = {"PATH": env.get("PATH", os.defpath)}
     for name in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
         if env.get(name):
-            out[name] = env[name]
-    for name, value in env.items():  # the tests' hooks, and NCCL settings the user exported
+            node_env[name] = env[name]
+    for name, value in env.items():
         if name.startswith(("LLMFT_TEST_", "NCCL_")):
-            out[name] = value
-    return out
-
-
-def wandb_environment(python: str, run_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
-    """Name, id (the same after a rerun), group (one per sweep) and mode (offline where W&B cannot be reached)."""
-    proc = subprocess.run(
-        [python, "-m", "llmft.tracking", "job-env", "--output_dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        env=dict(env),
-    )
-    if proc.returncode != 0:
-        raise PbsJobError(f"llmft.tracking failed: {proc.stderr.strip()[-300:] or proc.stdout.strip()[-300:]}")
-    out = {}
-    for line in proc.stdout.splitlines():  # values are data: kept as they are, never evaluated
-        key, sep, value = line.partition("=")
-        if not sep or not re.fullmatch(r"WANDB_[A-Z_]+", key):
-            raise PbsJobError(f"unexpected line from llmft.tracking: {line}")
-        out[key] = value
-    return out
+            node_env[name] = value
+    # Build caches are node-local and outlive the job: not under TMPDIR, which PBS makes per job and deletes after it
+    # (DeepSpeed would compile its ops again in every job).
+    node_cache = Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"
+    node_env.update(job_environment(k, env, submit_dir, files, node_cache))
+    node_env.update(network_environment(k["NCCL_PROFILE"], run_dir, job_id, {**env, **node_env}, say))
+    if report_to(k) == "wandb":
+        node_env.update(wandb_environment([*here, python], run_dir, {**os.environ, **node_env}, say))
+    return node_env
 
 
 NODE_EXIT_WAIT_S = 10.0  # how long an exit a node's wrapper has not recorded yet is waited for (no stop signalled)

@@ -128,7 +128,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmft.errors import LlmftError
@@ -137,7 +137,6 @@ from llmft.launch.job import (
     IMAGE_PATH,
     JobError,
     Stop,
-    cache_variables,
     choose_python,
     container_gpu_variables,
     container_mounts,
@@ -146,17 +145,21 @@ from llmft.launch.job import (
     export_command,
     fabric_check,
     fabric_probe,
-    given,
+    how_it_ended,
+    job_environment,
     knobs_line,
     launch_line,
-    network_variables,
+    network_environment,
     newest_complete_step,
     plan_arguments,
     port_taken,
     prepare_data,
     rendezvous_port,
+    report_to,
     run_paths,
-    train_arguments,
+    torchrun_command,
+    train_flags,
+    wandb_environment,
 )
 from llmft.launch.job import run_directory as job_run_directory
 from llmft.launch.knobs import (
@@ -168,7 +171,6 @@ from llmft.launch.knobs import (
     resolve,
     unknown_knob_message,
 )
-from llmft.planning import stop_request
 from llmft.planning.world import expand_hostlist
 
 ME = "run_llm.slurm"
@@ -424,9 +426,9 @@ def host_checks(k: Knobs, env: Mapping[str, str]) -> None:
     fabric_check(k["NCCL_PROFILE"], env)
 
 
-def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> tuple[Path, list[str]]:
-    """The run directory (llmft.launch.job.run_directory), a sweep's element from SLURM_ARRAY_TASK_ID; also the
-    variant's flags (none without SWEEP)."""
+def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> Path:
+    """The run directory (llmft.launch.job.run_directory), a sweep's element from SLURM_ARRAY_TASK_ID (its flags join
+    EXTRA_ARGS)."""
 
     def this_variant(variants: list[sweep.Variant]) -> sweep.Variant:
         return sweep.element(
@@ -437,7 +439,7 @@ def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: st
             "sbatch --array=1-{n} ... slurm/run_llm.slurm",
         )
 
-    run_dir, variant = job_run_directory(
+    run_dir, _ = job_run_directory(
         k,
         submit_dir,
         env.get("SLURM_JOB_NAME", ""),
@@ -447,10 +449,7 @@ def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: st
         rename="sbatch -J NAME",
         say=say,
     )
-    if variant is None:
-        return run_dir, []
-    os.environ["LLMFT_SWEEP_VARIANT"] = variant.name
-    return run_dir, variant.flags()
+    return run_dir
 
 
 def live_state(owner: str) -> str:
@@ -489,30 +488,26 @@ def rendezvous(first: str, job_id: str) -> tuple[str, int]:
         raise SlurmJobError(f"{e} on {host}") from None
 
 
-def network_environment(profile: str, run_dir: Path, job_id: str) -> None:
-    """The NCCL profile's variables and the flight recorder's (llmft.launch.job.network_variables) in this job's
-    environment, which srun passes to every node; each said."""
-    for name, value in network_variables(profile, run_dir, job_id, os.environ):
-        os.environ[name] = value
-        say(f"nccl {name}={value}")
-
-
-def container_arguments(k: Knobs, submit_dir: Path, run_dir: Path, job_id: str) -> list[str]:
+def container_arguments(
+    k: Knobs, submit_dir: Path, run_dir: Path, job_id: str, job_env: Mapping[str, str]
+) -> tuple[list[str], dict[str, str]]:
     """pyxis's options: the image, a container named by the job (each node creates it once at the job's first srun,
-    and every later srun reuses it), and every path the run reads or writes mounted at the same path."""
+    and every later srun reuses it), and every path the run reads or writes mounted at the same path; and what the
+    job's environment (`job_env`, which pyxis hands to enroot) needs for it: the GPU variables enroot's hook reads,
+    and VENV's PATH."""
     if not k["CONTAINER_IMAGE"]:
-        return []
+        return [], {}
     for name in ("HF_HOME", "LLMFT_CACHE"):
-        Path(os.environ[name]).mkdir(parents=True, exist_ok=True)
-    mounts = container_mounts(k, run_paths(k, submit_dir, run_dir, os.environ))
+        Path(job_env[name]).mkdir(parents=True, exist_ok=True)
+    mounts = container_mounts(k, run_paths(k, submit_dir, run_dir, job_env))
     for m in mounts:
         if "," in m:
             raise SlurmJobError(
                 f"the container mount '{m}' holds a comma, which pyxis cannot take; use a path without one"
             )
-    if int(os.environ.get("SLURM_GPUS_ON_NODE") or 0) > 0:  # pyxis hands the step's environment to enroot
-        gpus = container_gpu_variables(os.environ, "all")
-        os.environ.update(gpus)
+    variables = {}
+    if int(job_env.get("SLURM_GPUS_ON_NODE") or 0) > 0:  # pyxis hands the step's environment to enroot
+        variables = gpus = container_gpu_variables(job_env, "all")
         say(
             "container GPUs: "
             + " ".join(f"{name}={value}" for name, value in gpus.items())
@@ -520,15 +515,16 @@ def container_arguments(k: Knobs, submit_dir: Path, run_dir: Path, job_id: str) 
         )
     keep = []
     if k["VENV"]:  # pyxis sets the image's PATH over the job's, unless told to keep the job's (--container-env)
-        os.environ["PATH"] = container_path(k, os.environ.get("PATH") or IMAGE_PATH)
+        variables["PATH"] = container_path(k, job_env.get("PATH") or IMAGE_PATH)
         keep = ["--container-env=PATH"]
-    return [
+    arguments = [
         f"--container-image={k['CONTAINER_IMAGE']}",
         f"--container-name=llmft-{job_id}",
         f"--container-mounts={','.join(mounts)}",
         f"--container-workdir={submit_dir}",
         *keep,
     ]
+    return arguments, variables
 
 
 def slurm_kill_chain(env: Mapping[str, str]) -> tuple[int, str]:
@@ -572,18 +568,18 @@ def write_job_end(path: Path, job_id: str) -> None:
         pass
 
 
-def wandb_sync_hint(run_dir: Path) -> None:
+def wandb_sync_hint(run_dir: Path, job_env: Mapping[str, str]) -> None:
     """The job's last lines: how to upload an offline run (every attempt of this job, in order)."""
-    if os.environ.get("WANDB_MODE") != "offline":
+    if job_env.get("WANDB_MODE") != "offline":
         return
-    run_id = os.environ.get("WANDB_RUN_ID", "")
-    runs = sorted(Path(os.environ.get("WANDB_DIR") or run_dir).joinpath("wandb").glob(f"offline-run-*-{run_id}"))
+    run_id = job_env.get("WANDB_RUN_ID", "")
+    runs = sorted(Path(job_env.get("WANDB_DIR") or run_dir).joinpath("wandb").glob(f"offline-run-*-{run_id}"))
     if not runs:
         say(f"W&B: no offline run directory for id {run_id} yet")
         return
     say(
         f"W&B ran offline; upload from a machine with internet: wandb sync --id {run_id} -p "
-        f"{os.environ.get('WANDB_PROJECT', '')} {' '.join(map(str, runs))}"
+        f"{job_env.get('WANDB_PROJECT', '')} {' '.join(map(str, runs))}"
     )
 
 
@@ -607,37 +603,34 @@ class Attempt:
     hosts: list[str]
     python: str
     restart: str
+    env: dict[str, str] = field(default_factory=dict)  # the job's environment: every srun passes it to the nodes
 
 
 def run_job(k: Knobs, env: Mapping[str, str]) -> int:
     """Inside a Slurm job, as named steps: the batch host's checks, the run directory and its stop signals, the
-    nodes and where llmft runs, the network, each node's allocation and the plan, the data, one torchrun per node,
-    and what follows."""
-    os.environ["PATH"] = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
+    nodes and where llmft runs, the job's environment (the network's, W&B's, the container's), each node's
+    allocation and the plan, the data, one torchrun per node, and what follows."""
     host_checks(k, env)
     submit_dir = Path(env.get("SLURM_SUBMIT_DIR") or Path.cwd())
-    run_dir, sweep_flags = run_directory(k, env, submit_dir, env["SLURM_JOB_ID"])
+    run_dir = run_directory(k, env, submit_dir, env["SLURM_JOB_ID"])
     a = start_attempt(k, env, submit_dir, run_dir)
     rdzv_host, rdzv_port = rendezvous(a.hosts[0], a.job_id)
     say_start(k, env, a)
-    network_environment(k["NCCL_PROFILE"], run_dir, a.job_id)
-    report_to = tracking_environment(k, env)
-    container = container_arguments(k, submit_dir, run_dir, a.job_id)
+    a.env.update(network_environment(k["NCCL_PROFILE"], run_dir, a.job_id, a.env, say))
+    container, variables = container_arguments(k, submit_dir, run_dir, a.job_id, a.env)
+    a.env.update(variables)
     runner = ["srun", "--nodes=1", "--ntasks=1", *container] if container else []  # llmft's own steps
-    planned = plan(k, env, a, container, runner)
-    if planned is None:
+    launch = plan(k, env, a, container, runner)
+    if launch is None:
         return 2
-    launch = planned
-    train, srun_args = launch_arguments(k, env, a, launch, report_to, sweep_flags, container)
-    if k.flag("PREPARE") and not k.flag("DRY_RUN") and not prepare_data([*runner, a.python], train, say):
+    srun_args = launch_arguments(env, a, launch, container)
+    train = train_flags(k, run_dir, launch, report_to(k))
+    if k.flag("PREPARE") and not k.flag("DRY_RUN") and not prepare_data([*runner, a.python], train, say, a.env):
         return 2
-    if report_to == "wandb":
-        wandb_run(k, a, runner)
-    shutdown_timeout(slurm_kill_chain(env), env)
-    numa = ["--numa-binding", launch["numa_binding"]] if launch["numa_binding"] != "off" else []
-    torchrun = [a.python, "-m", "torch.distributed.run", "--nnodes", launch["nnodes"]]
-    torchrun += ["--nproc_per_node", launch["nproc_per_node"], *numa, "--rdzv_backend", "c10d"]
-    torchrun += ["--rdzv_endpoint", f"{rdzv_host}:{rdzv_port}", "--rdzv_id", a.job_id, "-m", "llmft.train", *train]
+    if report_to(k) == "wandb":
+        a.env.update(wandb_environment([*runner, a.python], a.run_dir, a.env, say))
+    shutdown_timeout(slurm_kill_chain(env), a.env)
+    torchrun = torchrun_command(a.python, launch, f"{rdzv_host}:{rdzv_port}", a.job_id, train)
     failures = run_dir / f".llmft-failures-{a.job_id}-{a.restart}"
     # each node's wrapper (llmft.launch.node: its report when torchrun fails), in the container where there is one
     node_step = [a.python, "-m", "llmft.launch.node", "--job", ME, "--failures", str(failures), "--"]
@@ -653,28 +646,27 @@ def run_job(k: Knobs, env: Mapping[str, str]) -> int:
         failures.mkdir(exist_ok=True)
         start_step = newest_complete_step(run_dir)
         write_job_end(a.files["job-end"], a.job_id)
-        rc = train_on_every_node(srun_args, node_step, torchrun, a.files["job-end"], a.job_id)
+        rc = train_on_every_node([*srun_args, *node_step, *torchrun], a)
         done = after_training(a, rc)
         if done == 0 and (run_dir / "llmft_done.json").is_file():
-            done = export_after_training(export_command(k, a.python, run_dir, submit_dir), runner, say)
+            command = export_command(k, a.python, run_dir, submit_dir)
+            done = export_after_training(command, runner, say, a.env)
         return done if done is not None else after_failure(k, env, a, rc, start_step, failures)
     finally:
-        if report_to == "wandb":
-            wandb_sync_hint(run_dir)
+        if report_to(k) == "wandb":
+            wandb_sync_hint(run_dir, a.env)
 
 
 def start_attempt(k: Knobs, env: Mapping[str, str], submit_dir: Path, run_dir: Path) -> Attempt:
-    """The files the ranks read (named in the environment every srun passes on), the stop signals handled from
-    here on (a signal may come any time), the job's nodes, the Python llmft runs in, and the caches."""
+    """The files the ranks read (named in the job's environment), the stop signals handled from here on (a signal
+    may come any time), the job's nodes, the Python llmft runs in, and the job's environment: this process's, which
+    srun would pass anyway, with llmft's (llmft.launch.job.job_environment)."""
     job_id = env["SLURM_JOB_ID"]
+    # stop: the ranks' stop request; requeue: written by llmft after its final save before the time limit
+    # (llmft.training.job_deadline); job-end: inside a container rank 0 usually has no squeue, so this process keeps
+    # the job's end there, before the launch and every 60 s while srun runs (a requeue and `scontrol update
+    # TimeLimit=` reach it).
     files = {n: run_dir / f".llmft-{n}-{job_id}" for n in ("stop", "requeue", "job-end")}
-    os.environ["LLMFT_STOP_FILE"] = str(files["stop"])
-    # llmft itself stops early enough for its final save to finish before the time limit (llmft.training.job_deadline)
-    # and then writes this file: requeue once it has exited.
-    os.environ["LLMFT_REQUEUE_FILE"] = str(files["requeue"])
-    # Inside a container rank 0 usually has no squeue: this process keeps the job's end in this file, before the
-    # launch and every 60 s while srun runs, so a requeue and `scontrol update TimeLimit=` reach it.
-    os.environ["LLMFT_JOB_END_FILE"] = str(files["job-end"])
     restarts_file = run_dir / f".llmft-failure-restarts-{job_id}"
     text = restarts_file.read_text().strip() if restarts_file.is_file() else ""
     for f in files.values():
@@ -684,17 +676,13 @@ def start_attempt(k: Knobs, env: Mapping[str, str], submit_dir: Path, run_dir: P
     signal.signal(signal.SIGTERM, stop)
     hosts = job_hosts(env)
     python = choose_python(k, env, shutil.which("python3") or shutil.which("python") or "")
-    if not k["CONTAINER_IMAGE"] and k["VENV"]:
-        os.environ["VIRTUAL_ENV"] = k["VENV"]
-        os.environ["PATH"] = f"{k['VENV']}/bin:{os.environ['PATH']}"
     if not python:
         raise SlurmJobError("no python3 on PATH; set VENV=/path/to/venv")
     node_cache = Path(env.get("TMPDIR") or "/tmp") / f"llmft-{pwd.getpwuid(os.getuid()).pw_name}"
-    os.environ.update(cache_variables(env, submit_dir, node_cache))
+    job_env = {**env, **job_environment(k, env, submit_dir, files, node_cache)}
     restart = env.get("SLURM_RESTART_COUNT") or "0"
-    return Attempt(
-        job_id, submit_dir, run_dir, files, stop, int(text) if text.isdigit() else 0, hosts, python, restart
-    )
+    restarts = int(text) if text.isdigit() else 0
+    return Attempt(job_id, submit_dir, run_dir, files, stop, restarts, hosts, python, restart, job_env)
 
 
 def say_start(k: Knobs, env: Mapping[str, str], a: Attempt) -> None:
@@ -707,20 +695,10 @@ def say_start(k: Knobs, env: Mapping[str, str], a: Attempt) -> None:
     warn_default_dataset(k)
     say(f"python {a.python}")
     say(
-        f"caches HF_HOME={os.environ['HF_HOME']} (shared: downloads) LLMFT_EXTENSIONS_ROOT="
-        f"{os.environ['LLMFT_EXTENSIONS_ROOT']} TRITON_CACHE_DIR={os.environ['TRITON_CACHE_DIR']} (node-local: "
+        f"caches HF_HOME={a.env['HF_HOME']} (shared: downloads) LLMFT_EXTENSIONS_ROOT="
+        f"{a.env['LLMFT_EXTENSIONS_ROOT']} TRITON_CACHE_DIR={a.env['TRITON_CACHE_DIR']} (node-local: "
         "builds, one op cache per environment)"
     )
-
-
-def tracking_environment(k: Knobs, env: Mapping[str, str]) -> str:
-    """W&B's project and mode for every rank. Returns --report_to."""
-    report_to = "wandb" if k["WANDB_PROJECT"] and k["WANDB_MODE"] != "disabled" else "none"
-    if report_to == "wandb":
-        os.environ["WANDB_PROJECT"] = k["WANDB_PROJECT"]
-    if k["WANDB_MODE"]:
-        os.environ["WANDB_MODE"] = k["WANDB_MODE"]
-    return report_to
 
 
 def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], runner: list[str]):
@@ -735,6 +713,7 @@ def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], run
             ["srun", f"--nodes={len(a.hosts)}", "--ntasks-per-node=1", "--mem=0", "--whole", "--kill-on-bad-exit=1"]
             + [*container, a.python, "-m", "llmft.planning.allocation", *probe],
             stdout=out,
+            env=a.env,
         ).returncode
     if probe_rc != 0:
         raise SlurmJobError(
@@ -742,7 +721,7 @@ def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], run
             f"{probe_rc}): {nodes_file.read_text().replace(chr(10), ' ')}"
         )
     plan_cmd = [a.python, "-m", "llmft.plan", *plan_arguments(k, a.run_dir, nodes_file)]
-    step = subprocess.run([*runner, *plan_cmd], stdout=subprocess.PIPE, text=True)
+    step = subprocess.run([*runner, *plan_cmd], stdout=subprocess.PIPE, text=True, env=a.env)
     nodes_file.unlink(missing_ok=True)
     plan_out = step.stdout.rstrip("\n")
     if plan_out:
@@ -765,19 +744,11 @@ def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], run
     return launch
 
 
-def launch_arguments(k, env, a: Attempt, launch, report_to, sweep_flags, container) -> tuple[list[str], list[str]]:
-    """llmft train's arguments and srun's, from the knobs and the plan's launch line (its CPU split unless EXTRA_ARGS
-    sets the same flag: yours wins)."""
+def launch_arguments(env: Mapping[str, str], a: Attempt, launch: Mapping[str, str], container) -> list[str]:
+    """srun's arguments for the training step, and what the plan's launch line sets in the job's environment."""
     # Every rank plans (llmft train --auto) and checks with the smallest node's memory, so all pick the same setting.
-    os.environ["LLMFT_HOST_RAM_GB"] = launch["host_ram_gb"]
-    os.environ["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or launch["omp_num_threads"]  # else torchrun sets 1
-    train = train_arguments(k, a.run_dir, report_to)
-    for flag in ("dataloader_num_workers", "dataset_num_proc"):
-        if not given(k.extra_args, f"--{flag}"):
-            train += [f"--{flag}", launch[flag]]
-    if k["SAVE_TOTAL_LIMIT"] != "0" and not given(k.extra_args, "--save_total_limit"):
-        train += ["--save_total_limit", k["SAVE_TOTAL_LIMIT"]]
-    train += [*k.extra_args, *sweep_flags]
+    a.env["LLMFT_HOST_RAM_GB"] = launch["host_ram_gb"]
+    a.env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or launch["omp_num_threads"]  # else torchrun sets 1
     # Every CPU the job has on a node goes to its torchrun, asked for explicitly: since Slurm 22.05 srun does not
     # inherit sbatch's --cpus-per-task, and a step gets only the CPUs it asks for once --exact or --cpus-per-task is
     # in play.
@@ -785,35 +756,12 @@ def launch_arguments(k, env, a: Attempt, launch, report_to, sweep_flags, contain
     srun_args += ["--mem=0", "--kill-on-bad-exit=1", *container]
     say(
         f"nodes {launch['nnodes']}: {' '.join(a.hosts)}; processes per node {launch['nproc_per_node']}; CPUs per node "
-        f"{launch['cpus_per_node']}; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+        f"{launch['cpus_per_node']}; OMP_NUM_THREADS={a.env['OMP_NUM_THREADS']}"
     )
-    return train, srun_args
+    return srun_args
 
 
-def wandb_run(k: Knobs, a: Attempt, runner: list[str]) -> None:
-    """The W&B run's name, id (stable across requeues), group, and offline mode where W&B is unreachable."""
-    out = subprocess.run(
-        [*runner, a.python, "-m", "llmft.tracking", "slurm-env", "--output_dir", str(a.run_dir)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    if out.returncode != 0:
-        raise SlurmJobError("llmft.tracking failed")
-    for line in out.stdout.splitlines():  # values are data: exported as they are, never evaluated
-        key, _, value = line.partition("=")
-        if not key:
-            continue
-        if not re.fullmatch(r"WANDB_[A-Z_]+", key):
-            raise SlurmJobError(f"unexpected line from llmft.tracking: {key}")
-        os.environ[key] = value
-    say(
-        f"W&B run {os.environ.get('WANDB_NAME', '')} (id {os.environ.get('WANDB_RUN_ID', '')}, group "
-        f"{os.environ.get('WANDB_RUN_GROUP', '')}) in project {k['WANDB_PROJECT']}, mode "
-        f"{os.environ.get('WANDB_MODE') or 'online'}"
-    )
-
-
-def shutdown_timeout(decided: tuple[int, str], env: Mapping[str, str]) -> None:
+def shutdown_timeout(decided: tuple[int, str], env: dict[str, str]) -> None:
     """torchrun's wait for its ranks after a SIGTERM, as llmft.launch.kill_chain decided (yours wins)."""
     timeout, said = decided
     if env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
@@ -822,7 +770,7 @@ def shutdown_timeout(decided: tuple[int, str], env: Mapping[str, str]) -> None:
             f"ranks (your TORCH_ELASTIC_SHUTDOWN_TIMEOUT; llmft would set {timeout})"
         )
     else:
-        os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(timeout)
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(timeout)
         say(said)
 
 
@@ -842,15 +790,16 @@ def stopped_before_launch(a: Attempt) -> int:
 JOB_END_EVERY_S = 60.0
 
 
-def train_on_every_node(srun_args, node_step, torchrun, job_end: Path, job_id: str) -> int:
-    """srun, one torchrun per node; the job's end kept in its file every JOB_END_EVERY_S while it runs. A stop
-    signal is handled while srun runs (the ranks save), and srun is waited for through it."""
-    proc = subprocess.Popen(["srun", *srun_args, *node_step, *torchrun])
+def train_on_every_node(srun_step: list[str], a: Attempt) -> int:
+    """srun, one node wrapper and torchrun per node, with the job's environment; the job's end kept in its file every
+    JOB_END_EVERY_S while it runs. A stop signal is handled while srun runs (the ranks save), and srun is waited for
+    through it."""
+    proc = subprocess.Popen(["srun", *srun_step], env=a.env)
     done = threading.Event()
 
     def keep() -> None:
         while not done.wait(JOB_END_EVERY_S):
-            write_job_end(job_end, job_id)
+            write_job_end(a.files["job-end"], a.job_id)
 
     keeper = threading.Thread(target=keep, daemon=True)
     keeper.start()
@@ -861,51 +810,35 @@ def train_on_every_node(srun_args, node_step, torchrun, job_end: Path, job_id: s
 
 
 def after_training(a: Attempt, rc: int) -> int | None:
-    """What follows, each case said in one line: done; llmft's own stop before the time limit, a USR1 or `llmft stop
-    --continue`, which requeue this job; `llmft stop` alone, which ends it; a SIGTERM, after which Slurm decides. None: the training failed (after_failure decides)."""
-    files, stop, job_id = a.files, a.stop, a.job_id
-    asked = stop_request.read_request(files["stop"])  # llmft stop's request, before the file goes
-    files["stop"].unlink(missing_ok=True)
-    if (a.run_dir / "llmft_done.json").is_file():
-        files["requeue"].unlink(missing_ok=True)
+    """What follows how the training ended (llmft.launch.job.how_it_ended), each case said in one line: done;
+    llmft's own stop before the time limit, a USR1 or `llmft stop --continue`, which requeue this job; `llmft stop`
+    alone, which ends it; a SIGTERM, after which Slurm decides. None: the training failed (after_failure decides)."""
+    ended = how_it_ended(a.run_dir, rc, a.stop, a.files["requeue"])
+    again = "to resume from the newest complete checkpoint"
+    if ended.kind == "done":
         say(f"training finished (exit {rc}); results in {a.run_dir}")
         return rc
-    if files["requeue"].is_file() and stop.signal != "TERM":
-        files["requeue"].unlink(missing_ok=True)
+    if ended.kind == "deadline":
+        why = f"llmft stopped for its final save before the time limit (exit {rc})"
+        requeue(a.job_id, f"{why}; requeueing job {a.job_id} {again}")
+    elif ended.kind == "usr1":
+        requeue(a.job_id, f"stopped early (exit {rc}) after a checkpoint; requeueing job {a.job_id} {again}")
+    elif ended.kind == "llmft-stop" and ended.go_on:
         requeue(
-            job_id,
-            f"llmft stopped for its final save before the time limit (exit {rc}); requeueing job {job_id} to resume "
-            "from the newest complete checkpoint",
+            a.job_id, f"stopped by llmft stop --continue (exit {rc}) after a checkpoint; requeueing job {a.job_id}"
         )
-        return 0
-    files["requeue"].unlink(missing_ok=True)
-    if asked is not None and asked.by == stop_request.BY and rc == 0 and stop.signal != "USR1":
-        if asked.go_on:
-            requeue(
-                job_id, f"stopped by llmft stop --continue (exit {rc}) after a checkpoint; requeueing job {job_id}"
-            )
-        else:
-            say(
-                f"stopped by llmft stop (exit {rc}) after a checkpoint; not requeued (no --continue): resubmit to resume"
-            )
-        return 0
-    if stop.signal == "USR1":
-        requeue(
-            job_id,
-            f"stopped early (exit {rc}) after a checkpoint; requeueing job {job_id} to resume from the newest complete "
-            "checkpoint",
-        )
-        return 0
-    if stop.signal == "TERM":
+    elif ended.kind == "llmft-stop":
+        say(f"stopped by llmft stop (exit {rc}) after a checkpoint; not requeued (no --continue): resubmit to resume")
+    elif ended.kind == "term":
         say(
             f"stopped by SIGTERM (exit {rc}) after a checkpoint; a preempted or requeued job resumes from it, a "
             "cancelled one ends here"
         )
-        return 0
-    if rc == 0:
+    elif ended.kind == "unfinished":
         say(f"warning: training exited 0 but {a.run_dir}/llmft_done.json is missing")
-        return 0
-    return None
+    else:
+        return None
+    return 0
 
 
 def after_failure(k: Knobs, env, a: Attempt, rc: int, start_step: int, failures: Path) -> int:
@@ -960,6 +893,8 @@ def after_failure(k: Knobs, env, a: Attempt, rc: int, start_step: int, failures:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("SLURM_JOB_ID"):  # Slurm's clients (scontrol, sinfo) may be in sbin
+        os.environ["PATH"] = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
     env = dict(os.environ)
     in_job = bool(env.get("SLURM_JOB_ID"))
     try:
