@@ -10,14 +10,62 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from test_slurm_script import run_script
 
-from llmft.launch import continuation, job, knobs, node, pbs, sweep
+from llmft.launch import continuation, job, knobs, node, pbs, scheduler, sweep
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+QSTAT_JOB = pbs.qstat_job
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a PBS job does after its training: its exit status, and whether it submitted a continuation."""
+
+    rc: int
+    go_on: bool = False
+    failure_restarts: int = 0  # counted for MAX_RESTARTS, in the continuation's variables
+
+
+def pbs_job(monkeypatch, k, env: dict, run_dir: Path, hosts=("pbs-n0",)) -> pbs.PbsJob:
+    """A PbsJob of job 7.head as run_job has it after its start (no PBS server: qstat answers nothing), whose
+    continuation is recorded instead of submitted."""
+    if pbs.qstat_job is QSTAT_JOB:  # a test's own qstat answer stays
+        monkeypatch.setattr(pbs, "qstat_job", lambda _job: {})
+    j = pbs.PbsJob(k, {"PBS_JOBID": "7.head", **env})
+    j.run_dir, j.hosts, j.pairs = run_dir, list(hosts), [(h, i) for i, h in enumerate(hosts)]
+    j.continued = []
+    monkeypatch.setattr(j, "go_on", j.continued.append)
+    return j
+
+
+def pbs_follow(monkeypatch, k, env, run_dir, rc, stop, requeue, start_step, failures, hosts) -> Outcome:
+    """What follows a PBS job's training (llmft.launch.scheduler.train_and_follow, after its pbsdsh step): how it
+    ended, then PbsJob.follow, or after a failure llmft.launch.failure_blame.decide through scheduler.after_failure."""
+    j = pbs_job(monkeypatch, k, env, run_dir, hosts)
+    ended = job.how_it_ended(run_dir, rc, stop, requeue)
+    if ended.kind == "failed":
+        code = scheduler.after_failure(k, j, run_dir, ended, start_step, failures)
+    else:
+        code = j.follow(ended, run_dir)
+    return Outcome(code, bool(j.continued), j.continued[0] if j.continued else 0)
+
+
+def pbs_node_environment(monkeypatch, k, env: dict, run_dir: Path, files) -> dict[str, str]:
+    """The environment a PBS job hands its nodes before the container and the plan (llmft.launch.scheduler.run_job's
+    steps): PbsJob's own, llmft's (job_environment), the network's."""
+    j = pbs_job(monkeypatch, k, env, run_dir)
+    node_env = {**j.environment(), **job.job_environment(k, env, run_dir, files, j.node_cache)}
+    node_env.update(job.network_environment(k["NCCL_PROFILE"], run_dir, j.job_id, node_env, j.say))
+    return node_env
+
+
 PBS_SCRIPT = REPO / "pbs" / "run_llm.pbs"
 
 
@@ -214,14 +262,14 @@ def test_the_plan_and_torchrun_get_the_knobs_as_the_slurm_job_gives_them(tmp_pat
     assert "--auto" in train and train[train.index("--sequence_parallel") + 1] == "2"
 
 
-def test_nccl_profile_and_the_flight_recorder_reach_every_pbs_node_as_every_slurm_rank(tmp_path, capsys):
+def test_nccl_profile_and_the_flight_recorder_reach_every_pbs_node_as_every_slurm_rank(tmp_path, monkeypatch, capsys):
     """NCCL_PROFILE on PBS: the profile's variables (yours win) and the flight recorder's are in the environment each
     node's torchrun runs with (llmft.launch.job.network_variables, the Slurm job's too), each said; aws-efa is refused
     on a node without EFA, and the allocation probe checks each node's plugin, on both schedulers."""
     k = knobs.resolve({}, ["NCCL_PROFILE=gcp-g2"])
     files = {n: tmp_path / f".llmft-{n}-7" for n in ("stop", "requeue", "job-end", "nodes")}
     env = {"HOME": str(tmp_path), "PATH": "/bin", "NCCL_SOCKET_IFNAME": "ens4"}
-    node_env = pbs.node_environment(k, env, tmp_path, tmp_path, files, "7.head", sys.executable)
+    node_env = pbs_node_environment(monkeypatch, k, env, tmp_path, files)
     assert node_env["NCCL_NET"] == "Socket" and node_env["NCCL_IB_DISABLE"] == "1"
     assert node_env["NCCL_SOCKET_IFNAME"] == "ens4"  # yours wins
     assert node_env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl_trace/7.head_rank_"
@@ -229,7 +277,7 @@ def test_nccl_profile_and_the_flight_recorder_reach_every_pbs_node_as_every_slur
     assert pairs and all(node_env[name] == value for name, value in pairs)
     out = capsys.readouterr().out
     assert "run_llm.pbs: nccl NCCL_NET=Socket\n" in out and "run_llm.pbs: nccl NCCL_SOCKET_IFNAME=ens4\n" in out
-    plain = pbs.node_environment(knobs.resolve({}, []), env, tmp_path, tmp_path, files, "7.head", sys.executable)
+    plain = pbs_node_environment(monkeypatch, knobs.resolve({}, []), env, tmp_path, files)
     assert "NCCL_NET" not in plain and plain["TORCH_FR_BUFFER_SIZE"] == "2000"  # no profile: NCCL's defaults
     assert job.fabric_probe("aws-efa") == ["--fabric", "aws-efa"] and job.fabric_probe("gcp-g2") == []
     with pytest.raises(job.JobError, match=r"^NCCL_PROFILE=aws-efa, but node \S+ has no EFA device"):
@@ -457,36 +505,34 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
         monkeypatch.setattr(pbs, "qstat_job", lambda _job: {} if left is None else {
             "Resource_List": {"walltime": "01:00:00"}, "resources_used": {"walltime": pbs.hms(3600 - left)}})  # fmt: skip
         env = {"LLMFT_FAILURE_RESTARTS": restarts}
-        return pbs.after_training(
-            run, rc, stop, requeue, start, failures, 10.0, "7.head", k, env, ["pbs-n0", "pbs-n1"]
-        )
+        return pbs_follow(monkeypatch, k, env, run, rc, stop, requeue, start, failures, ["pbs-n0", "pbs-n1"])
 
     def checkpoint(step):
         (run / f"checkpoint-{step}").mkdir()
         (run / f"checkpoint-{step}" / "llmft_complete.json").write_text("{}")
 
-    assert decide(0) == pbs.Outcome(1)  # exit 0 and no llmft_done.json: not a success
+    assert decide(0) == Outcome(1)  # exit 0 and no llmft_done.json: not a success
     assert "the run did not finish" in capsys.readouterr().out
     checkpoint(2)
     requeue.write_text("")
-    assert decide(0) == pbs.Outcome(0, go_on=True) and not requeue.exists()
+    assert decide(0) == Outcome(0, go_on=True) and not requeue.exists()
     assert "llmft stopped for its final save before the walltime" in capsys.readouterr().out
-    assert decide(0, "USR1") == pbs.Outcome(0, go_on=True)
-    assert decide(0, "TERM", left=30) == pbs.Outcome(0, go_on=True)  # within kill_delay + 60 s of the walltime
-    assert decide(0, "TERM", left=1800) == pbs.Outcome(0)  # qrerun or qdel: PBS decides
+    assert decide(0, "USR1") == Outcome(0, go_on=True)
+    assert decide(0, "TERM", left=30) == Outcome(0, go_on=True)  # within kill_delay + 60 s of the walltime
+    assert decide(0, "TERM", left=1800) == Outcome(0)  # qrerun or qdel: PBS decides
     assert "a job PBS reruns (qrerun) resumes from it" in capsys.readouterr().out
     killed = {"node": "pbs-n1", "rc": 1, "rank": 1, "exitcode": -9, "kind": "signal", "time": "2026-11-28_02:00:00"}
     (failures / "node-1.json").write_text(json.dumps(killed))
-    assert decide(1, start=0, restarts="1") == pbs.Outcome(1, go_on=True, failure_restarts=2)
+    assert decide(1, start=0, restarts="1") == Outcome(1, go_on=True, failure_restarts=2)
     out = capsys.readouterr().out
     # one line names the rank and node that failed first (llmft.launch.failure_blame, as on Slurm)
     assert "run_llm.pbs: training failed (exit 1): rank 1 on node pbs-n1 failed first (exit code -9, SIGKILL)\n" in out
     assert "after failures 2 of at most MAX_RESTARTS=2" in out
-    assert decide(1, start=0, restarts="2") == pbs.Outcome(1)  # the limit
+    assert decide(1, start=0, restarts="2") == Outcome(1)  # the limit
     assert "not continued: the run was continued in a new job after failures 2 times, and MAX_RESTARTS=2" in (
         capsys.readouterr().out
     )
-    assert decide(1, start=2) == pbs.Outcome(1)  # no new complete checkpoint: it would fail again
+    assert decide(1, start=2) == Outcome(1)  # no new complete checkpoint: it would fail again
     assert "no new complete checkpoint" in capsys.readouterr().out
     # an application error fails the same way anywhere: not continued, whatever the progress, and the fix is said
     oom = {
@@ -497,14 +543,14 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
         "cause": "torch.OutOfMemoryError: CUDA out of memory",
     }
     (failures / "node-1.json").write_text(json.dumps(oom))
-    assert decide(1, start=0) == pbs.Outcome(1)
+    assert decide(1, start=0) == Outcome(1)
     out = capsys.readouterr().out
     assert "rank 0 on node pbs-n0 failed first (exit code 1): torch.OutOfMemoryError" in out
     assert (
         "not continued: an application error fails the same way on any node; out of memory: lower MICRO_BATCH" in out
     )
     (run / "llmft_done.json").write_text("{}")
-    assert decide(0) == pbs.Outcome(0)
+    assert decide(0) == Outcome(0)
 
 
 def test_each_nodes_exit_is_its_wrappers_record_and_a_node_without_one_is_no_report(tmp_path):

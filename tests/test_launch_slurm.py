@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from llmft.launch import knobs, slurm
+from llmft.launch import job, knobs, slurm
 
 
 def test_export_lists_split_at_commas_outside_quotes_as_sbatch_splits_them():
@@ -65,18 +66,34 @@ def test_a_network_profile_sets_what_the_user_did_not_and_says_each(tmp_path, mo
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ens4")  # yours wins
-    env = slurm.network_environment("gcp-g2", tmp_path, "42", os.environ, slurm.say)
+    env = job.network_environment("gcp-g2", tmp_path, "42", os.environ, slurm.say)
     assert env["NCCL_NET"] == "Socket" and env["NCCL_SOCKET_IFNAME"] == "ens4"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl_trace/42_rank_"
     out = capsys.readouterr().out
     assert "run_llm.slurm: nccl NCCL_SOCKET_IFNAME=ens4\n" in out and "run_llm.slurm: nccl NCCL_IB_DISABLE=1\n" in out
 
 
-def attempt(run_dir: Path, signal: str = "") -> slurm.Attempt:
+@dataclass
+class Attempt:
+    job: slurm.SlurmJob
+    run_dir: Path
+    files: dict[str, Path]
+    stop: job.Stop
+
+
+def attempt(run_dir: Path, signal: str = "") -> Attempt:
     files = {n: run_dir / f".llmft-{n}-7" for n in ("stop", "requeue", "job-end")}
-    stop = slurm.Stop(files["stop"], slurm.ME)
+    stop = job.Stop(files["stop"], slurm.ME)
     stop.signal = signal
-    return slurm.Attempt("7", run_dir, run_dir, files, stop, 0, ["n1", "n2"], "python", "0")
+    k = knobs.resolve({}, [])
+    return Attempt(slurm.SlurmJob(k, {"SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(run_dir)}), run_dir, files, stop)
+
+
+def after_training(a: Attempt, rc: int) -> int | None:
+    """What the Slurm job does once its srun step ended (llmft.launch.scheduler.train_and_follow): how the training
+    ended (llmft.launch.job.how_it_ended), then SlurmJob.follow; None for a failure (failure_blame decides)."""
+    ended = job.how_it_ended(a.run_dir, rc, a.stop, a.files["requeue"])
+    return None if ended.kind == "failed" else a.job.follow(ended, a.run_dir)
 
 
 def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_signal(tmp_path, monkeypatch, capsys):
@@ -88,21 +105,21 @@ def test_what_follows_the_training_is_decided_from_the_run_directory_and_the_sig
     )
     a = attempt(tmp_path)
     a.files["stop"].touch()
-    assert slurm.after_training(a, 1) is None and not a.files["stop"].exists() and not requeued  # a failure
+    assert after_training(a, 1) is None and not a.files["stop"].exists() and not requeued  # a failure
     a.files["requeue"].touch()
-    assert slurm.after_training(a, 0) == 0 and requeued == [["scontrol", "requeue", "7"]]
+    assert after_training(a, 0) == 0 and requeued == [["scontrol", "requeue", "7"]]
     assert (
         "llmft stopped for its final save before the time limit (exit 0); requeueing job 7" in capsys.readouterr().out
     )
     assert not a.files["requeue"].exists()
     a.files["requeue"].touch()
-    assert slurm.after_training(attempt(tmp_path, "TERM"), 143) == 0 and len(requeued) == 1  # Slurm decides
+    assert after_training(attempt(tmp_path, "TERM"), 143) == 0 and len(requeued) == 1  # Slurm decides
     assert "a preempted or requeued job resumes from it, a cancelled one ends here" in capsys.readouterr().out
-    assert slurm.after_training(attempt(tmp_path, "USR1"), 0) == 0 and len(requeued) == 2
-    assert slurm.after_training(attempt(tmp_path), 0) == 0
+    assert after_training(attempt(tmp_path, "USR1"), 0) == 0 and len(requeued) == 2
+    assert after_training(attempt(tmp_path), 0) == 0
     assert "warning: training exited 0 but" in capsys.readouterr().out
     (tmp_path / "llmft_done.json").write_text("{}")
-    assert slurm.after_training(attempt(tmp_path, "TERM"), 0) == 0 and len(requeued) == 2
+    assert after_training(attempt(tmp_path, "TERM"), 0) == 0 and len(requeued) == 2
     assert "training finished (exit 0)" in capsys.readouterr().out
 
 

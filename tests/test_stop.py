@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 from conftest import PYTHON, subprocess_env
-from test_launch_slurm import attempt
+from test_launch import Outcome, pbs_follow
+from test_launch_slurm import after_training, attempt
 
-from llmft.launch import job, knobs, pbs, slurm
+from llmft.launch import job, knobs, slurm
 from llmft.planning import stop_request
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def test_a_jobs_run_gets_its_jobs_stop_file_and_the_line_says_what_the_job_does(
         assert stop_request.read_request(stop) == stop_request.Request("llmft stop", False)
 
 
-def test_after_llmft_stop_a_pbs_job_goes_on_only_with_continue(tmp_path, capsys):
+def test_after_llmft_stop_a_pbs_job_goes_on_only_with_continue(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     (run / "checkpoint-3").mkdir(parents=True)
     (run / "checkpoint-3" / "llmft_complete.json").write_text("{}")
@@ -113,19 +114,18 @@ def test_after_llmft_stop_a_pbs_job_goes_on_only_with_continue(tmp_path, capsys)
     failures.mkdir()
     k = knobs.resolve({}, [])
 
-    def decide(go_on: bool) -> pbs.Outcome:
+    def decide(go_on: bool):
         stop_request.ask(stop.stop_file, go_on, "me")
-        args = (run, 0, stop, run / "requeue", 0, failures, 10.0, "7.head", k, {}, ["pbs-n0"])
-        out = pbs.after_training(*args)
+        out = pbs_follow(monkeypatch, k, {}, run, 0, stop, run / "requeue", 0, failures, ["pbs-n0"])
         assert not stop.stop_file.exists()
         return out
 
-    assert decide(True) == pbs.Outcome(0, go_on=True)
+    assert decide(True) == Outcome(0, go_on=True)
     said = capsys.readouterr().out
     assert (
         "llmft stopped by llmft stop (exit 0) after a complete checkpoint at step 3; continuing in a new job" in said
     )
-    assert decide(False) == pbs.Outcome(0)
+    assert decide(False) == Outcome(0)
     assert "not continued (no --continue): resubmit with CHECKPOINT_DIR=" in capsys.readouterr().out
 
 
@@ -136,10 +136,10 @@ def test_after_llmft_stop_a_slurm_job_requeues_only_with_continue(tmp_path, monk
     )
     a = attempt(tmp_path)
     stop_request.ask(a.files["stop"], True, "me")
-    assert slurm.after_training(a, 0) == 0 and requeued == [["scontrol", "requeue", "7"]]
+    assert after_training(a, 0) == 0 and requeued == [["scontrol", "requeue", "7"]]
     assert "stopped by llmft stop --continue (exit 0) after a checkpoint; requeueing job 7" in capsys.readouterr().out
     stop_request.ask(a.files["stop"], False, "me")
-    assert slurm.after_training(a, 0) == 0 and len(requeued) == 1
+    assert after_training(a, 0) == 0 and len(requeued) == 1
     assert "not requeued (no --continue): resubmit to resume" in capsys.readouterr().out
 
 

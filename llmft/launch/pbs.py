@@ -35,36 +35,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmft.errors import LlmftError
-from llmft.launch import continuation, failure_blame, sweep
+from llmft.launch import continuation, failure_blame, scheduler, sweep
 from llmft.launch.job import (
     CONTAINER_GPU_VARIABLES,
+    Ending,
     JobError,
     Stop,
-    choose_python,
     container_mounts,
     container_path,
-    export_after_training,
-    export_command,
     fabric_check,
-    fabric_probe,
-    how_it_ended,
-    job_environment,
-    knobs_line,
-    launch_line,
-    network_environment,
-    newest_complete_step,
-    plan_arguments,
     port_taken,
-    prepare_data,
     rendezvous_port,
-    report_to,
     run_paths,
     safe_name,
-    torchrun_command,
-    train_flags,
-    wandb_environment,
 )
-from llmft.launch.job import run_directory as job_run_directory
 from llmft.launch.knobs import (
     KnobError,
     Knobs,
@@ -313,105 +297,6 @@ def outside_pbs(k: Knobs, raw_dataset: str) -> int:
     )
 
 
-def run_job(k: Knobs, env: Mapping[str, str]) -> int:
-    """Inside a PBS job, as named steps: the job's facts, the run directory, what each node was given, the plan, one
-    torchrun per node, and what follows."""
-    job_id = env["PBS_JOBID"]
-    submit_dir = Path(env.get("PBS_O_WORKDIR") or Path.cwd())
-    job = qstat_job(job_id)
-    unknown_in_variable_list(list(job.get("Variable_List", {})), "qsub -v")
-    fabric_check(k["NCCL_PROFILE"], env)
-    select = str(job.get("Resource_List", {}).get("select", "1:ncpus=1"))
-    hosts = job_hosts(env)
-    run_dir = run_directory(k, env, submit_dir, job_id)
-    if env.get("LLMFT_PBS_SCRIPT") and Path(env["LLMFT_PBS_SCRIPT"]).is_file():  # what a continuation submits
-        shutil.copyfile(env["LLMFT_PBS_SCRIPT"], run_dir / ".llmft-job.pbs")
-    files = {n: run_dir / f".llmft-{n}-{job_id}" for n in ("stop", "requeue", "job-end", "nodes")}
-    for f in files.values():
-        f.unlink(missing_ok=True)
-    stop = Stop(files["stop"], ME)
-    signal.signal(signal.SIGTERM, stop)
-    stop_on_usr1(stop)
-    python = choose_python(k, env, sys.executable)
-    run_count = int(job.get("run_count", 1) or 1)
-    say_start(k, env, job_id, run_count, submit_dir, run_dir, python)
-
-    node_env = node_environment(k, env, run_dir, submit_dir, files, job_id, python)
-    env_file = run_dir / f".llmft-env-{job_id}.json"
-    gpus = per_node(select, "ngpus", 0)
-    node_env["LLMFT_NODE_GPUS"] = str(gpus)
-    node_env.update(select_memory(select))
-    env_file.write_text(json.dumps(node_env))
-    inside, create = container_prefix(k, env, job_id, run_paths(k, submit_dir, run_dir, node_env), node_env, gpus)
-    atexit.register(remove_containers, hosts, env_file, create)
-    allocation = [python, "-m", "llmft.planning.allocation", *fabric_probe(k["NCCL_PROFILE"])]
-    probe_nodes(hosts, env_file, files["nodes"], [*create, "--", *inside, *allocation])
-    setup_delay(env)
-    here = on_this_node(inside, hosts)
-    plan = subprocess.run(
-        [*here, python, "-m", "llmft.plan", *plan_arguments(k, run_dir, files["nodes"], len(hosts), gpus)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **node_env, "NCPUS": str(per_node(select, "ncpus", 1))},
-    )
-    files["nodes"].unlink(missing_ok=True)
-    if plan.stdout.strip():
-        print(plan.stdout.rstrip(), flush=True)
-    if plan.returncode == 2:
-        sys.stderr.write(plan.stderr)
-        say(
-            "not launching: change what llmft plan names above (knobs such as GLOBAL_BATCH, MICRO_BATCH, ZERO_STAGE, "
-            "DS_CONFIG, OFFLOAD, or the select statement)"
-        )
-        return 2
-    if plan.returncode != 0:
-        raise PbsJobError(
-            f"could not run 'llmft plan' with {python} (exit {plan.returncode}: {plan.stderr.strip()[-300:]}); is llmft "
-            "installed there? Set VENV=/path/to/venv"
-        )
-    launch = launch_line(plan.stdout)
-    node_env["LLMFT_HOST_RAM_GB"] = launch["host_ram_gb"]
-    node_env.setdefault("OMP_NUM_THREADS", launch["omp_num_threads"])
-    kill_delay = queue_kill_delay(str(job.get("queue", "workq")))
-    node_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout(kill_delay)))
-    env_file.write_text(json.dumps(node_env))
-    train = train_flags(k, run_dir, launch, report_to(k))
-    torchrun = pbs_torchrun(python, launch, hosts, job_id, node_env, train)
-    say(
-        f"kill chain: PBS sends SIGKILL {kill_delay:g} s after SIGTERM (kill_delay); torchrun waits "
-        f"{node_env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s for its ranks"
-    )
-    if k.flag("PREPARE") and not k.flag("DRY_RUN"):
-        if not prepare_data([*here, python], train, say, {**os.environ, **node_env}):
-            return 2
-    if k.flag("DRY_RUN"):
-        say("DRY_RUN=1: not launching")
-        return 0
-    if stop.signal:
-        say(f"SIG{stop.signal} before launch; not starting training")
-        files["stop"].unlink(missing_ok=True)
-        return 0
-    write_job_end(files["job-end"], job)
-    failures = run_dir / f".llmft-failures-{job_id}-{run_count}"
-    failures.mkdir(exist_ok=True)
-    (run_dir / "nccl_trace").mkdir(exist_ok=True)
-    start_step = newest_complete_step(run_dir)
-    wrapper = node_wrapper(env_file, "--failures", str(failures))
-    on_every_node(hosts, [*wrapper, "--", *inside, *torchrun])
-    exits = node_exits(failures, hosts, lambda: shutdown_timeout(kill_delay) if stop.signal else NODE_EXIT_WAIT_S)
-    rc, silent = job_exit(exits, [h for h, _ in hosts])
-    for host in silent:
-        say(f"node {host} recorded no exit: its launcher did not finish (the node died, or PBS killed its task)")
-    outcome = after_training(
-        run_dir, rc, stop, files["requeue"], start_step, failures, kill_delay, job_id, k, env, [h for h, _ in hosts]
-    )
-    if outcome.go_on:
-        go_on(k, env, job, job_id, run_dir, node_env, outcome.failure_restarts)
-    if outcome.rc == 0 and not outcome.go_on and (run_dir / "llmft_done.json").is_file():
-        return export_after_training(export_command(k, python, run_dir, submit_dir), here, say)
-    return outcome.rc
-
-
 def write_job_end(path: Path, job: Mapping) -> None:
     """The job's end for rank 0 (llmft.training.job_deadline reads `<Unix time> <walltime left then>`), counted from
     the job's start (job_end), and said."""
@@ -457,22 +342,6 @@ def job_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
     return hosts
 
 
-def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> Path:
-    """The run directory (llmft.launch.job.run_directory), a sweep's element from PBS_ARRAY_INDEX; the variant's flags
-    join EXTRA_ARGS."""
-    run_dir, _ = job_run_directory(
-        k,
-        submit_dir,
-        env.get("PBS_JOBNAME", ""),
-        job_id,
-        this_variant=lambda variants: this_variant(variants, env),
-        live=live_state,
-        rename="qsub -N NAME",
-        say=say,
-    )
-    return run_dir
-
-
 def this_variant(variants: list[sweep.Variant], env: Mapping[str, str]) -> sweep.Variant:
     """The variant this array element trains: PBS_ARRAY_INDEX within the array's indices (its parent's qstat)."""
     index, parent = env.get("PBS_ARRAY_INDEX"), env.get("PBS_ARRAY_ID", "")
@@ -483,20 +352,7 @@ def this_variant(variants: list[sweep.Variant], env: Mapping[str, str]) -> sweep
     return sweep.element(variants, index, first, last, "qsub -J 1-{n} ... pbs/run_llm.pbs")
 
 
-def say_start(k, env, job_id, run_count, submit_dir, run_dir, python) -> None:
-    say(
-        f"job {job_id} ({env.get('PBS_JOBNAME', '')}) run {run_count}, submitted from {submit_dir}, started "
-        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
-    )
-    say(knobs_line(k, run_dir))
-    say(defaults_line(k))
-    warning = default_dataset_warning(k, env.get("DATASET", ""), "llmft plan --dataset_name ... --write DIR")
-    if warning:
-        say(warning)
-    say(f"python {python}")
-
-
-def container_prefix(k, env, job_id, paths, node_env, gpus) -> tuple[list[str], list[str]]:
+def container_prefix(k, env, job_id, paths, node_env, gpus, tell: bool = True) -> tuple[list[str], list[str]]:
     """The prefix of every command that runs llmft (none on the host; `{node}` in it is the node's name), and the
     node step's --create arguments. With VENV (a venv of the image's Python, container_python) its PYTHONPATH goes in
     too, and PATH starts at its bin (container_path): they belong to that environment; the host's own never go in."""
@@ -510,7 +366,8 @@ def container_prefix(k, env, job_id, paths, node_env, gpus) -> tuple[list[str], 
     inside = enroot_start(enroot, container_name(job_id), container_mounts(k, paths), gpus > 0, names)
     if k["VENV"]:  # the venv's bin first; set by env(1) inside, since enroot's login shell resets PATH (/etc/profile)
         inside += ["env", f"PATH={container_path(k)}"]
-    say(f"container {container_name(job_id)} from {k['CONTAINER_IMAGE']} on each node: {' '.join(inside)}")
+    if tell:
+        say(f"container {container_name(job_id)} from {k['CONTAINER_IMAGE']} on each node: {' '.join(inside)}")
     return inside, ["--create", enroot, k["CONTAINER_IMAGE"], container_name(job_id)]
 
 
@@ -557,87 +414,7 @@ def probe_nodes(hosts, env_file: Path, nodes_file: Path, command: list[str]) -> 
     nodes_file.write_text("".join(lines))
 
 
-def pbs_torchrun(python, launch, hosts, job_id, node_env, train: list[str]) -> list[str]:
-    """The torchrun every node runs (llmft.launch.job.torchrun_command), said with the world it makes."""
-    rdzv_host = hosts[0][0]
-    try:
-        rdzv_host = socket.gethostbyname(rdzv_host)
-    except OSError:
-        pass
-    port = rendezvous_port(rendezvous_start(job_id), lambda p: port_taken(rdzv_host, p))
-    # The first node of PBS_NODEFILE hosts the rendezvous, said rather than guessed from its addresses (torch's guess
-    # fails where the node's hostname resolves elsewhere, as on a node with several networks)
-    torchrun = torchrun_command(python, launch, f"{rdzv_host}:{port}", job_id, train, "is_host={is_host}")
-    say(
-        f"nodes {len(hosts)}: {' '.join(h for h, _ in hosts)}; processes per node {launch['nproc_per_node']}; CPUs per "
-        f"node {launch['cpus_per_node']}; OMP_NUM_THREADS={node_env['OMP_NUM_THREADS']}"
-    )
-    say(f"rendezvous c10d at {rdzv_host}:{port} (first host {hosts[0][0]}), id {job_id}")
-    say(f"launch: pbsdsh -n INDEX -- {' '.join(shlex.quote(a) for a in torchrun)}")
-    return torchrun
-
-
-@dataclass(frozen=True)
-class Outcome:
-    rc: int  # the job's exit status
-    go_on: bool = False  # submit the continuation (llmft.launch.continuation)
-    failure_restarts: int = 0  # counted for MAX_RESTARTS, in the continuation's variables
-
-
 WALLTIME_SIGTERM_MARGIN_S = 60.0  # a SIGTERM this close to the walltime (plus kill_delay) is the walltime's
-
-
-def after_training(
-    run_dir, rc, stop, requeue_file, start_step, failures, kill_delay, job_id, k, env, hosts: Sequence[str] = ()
-) -> Outcome:
-    """What follows how the training ended (llmft.launch.job.how_it_ended), each case said in one line: done;
-    stopped for the walltime (llmft's own final save, or PBS's SIGTERM at the limit), by SIGUSR1 or by `llmft stop
-    --continue`, which a continuation resumes; `llmft stop` alone, which ends the run's job; SIGTERM from qdel or
-    qrerun, where PBS decides; or a failure, named in one line and decided by llmft.launch.failure_blame.decide (as on
-    Slurm): continued only after progress, at most MAX_RESTARTS times, and never for an application error."""
-    ended = how_it_ended(run_dir, rc, stop, requeue_file)
-    step = ended.step
-    at = f"(exit {rc}) after a complete checkpoint at step {step}"
-    if ended.kind == "done":
-        say(f"training finished (exit {rc}); results in {run_dir}")
-        return Outcome(rc)
-    if ended.kind in ("deadline", "usr1") or (ended.kind == "llmft-stop" and ended.go_on):
-        why = {"deadline": "for its final save before the walltime", "usr1": "on SIGUSR1"}.get(ended.kind)
-        say(f"llmft stopped {why or 'by llmft stop'} {at}; continuing in a new job")
-        return Outcome(0, go_on=True)
-    if ended.kind == "llmft-stop":
-        say(
-            f"llmft stopped by llmft stop {at}; not continued (no --continue): resubmit with CHECKPOINT_DIR={run_dir} to resume"
-        )
-        return Outcome(0)
-    if ended.kind == "term":
-        left = time_left(qstat_job(job_id))
-        if left is not None and left <= kill_delay + WALLTIME_SIGTERM_MARGIN_S:
-            say(f"stopped by the walltime's SIGTERM {at}; continuing in a new job")
-            return Outcome(0, go_on=True)
-        say(f"stopped by SIGTERM {at}; a job PBS reruns (qrerun) resumes from it, a deleted one (qdel) ends here")
-        return Outcome(0)
-    if ended.kind == "unfinished":  # not a success: nothing says the training finished
-        say(f"error: every node's torchrun exited 0, but {run_dir}/llmft_done.json is missing: the run did not finish")
-        return Outcome(1)
-    # The failure in one line and what follows, by the rules of the Slurm job (llmft.launch.failure_blame.decide):
-    # an application error is not continued, nor an attempt without progress, nor one past MAX_RESTARTS.
-    restarts = int(env.get(continuation.RESTARTS_ENV, "0") or 0)
-    attempt = failure_blame.Attempt(
-        job=job_id,
-        rc=rc,
-        hosts=list(hosts),
-        restarts=restarts,
-        max_restarts=int(k["MAX_RESTARTS"]),
-        start_step=start_step,
-        end_step=step,
-        trace_dir=str(run_dir / "nccl_trace"),
-        restart=failure_blame.CONTINUE,
-    )
-    lines, again, _ = failure_blame.decide(failure_blame.read_reports(failures), attempt)
-    for line in lines:
-        say(line)
-    return Outcome(rc, go_on=again, failure_restarts=restarts + 1 if again else 0)
 
 
 def python_venv(k: Knobs) -> str:
@@ -674,28 +451,6 @@ def go_on(k, env, job, job_id, run_dir, node_env, failure_restarts: int) -> None
         )
         return
     say(f"continuation submitted: job {proc.stdout.strip()} starts after {job_id} ends, from {run_dir}")
-
-
-def node_environment(k, env, run_dir, submit_dir, files, job_id, python, here=()) -> dict[str, str]:
-    """What every node runs with (pbsdsh passes only the job's own variables: this goes to the nodes in a file): the
-    job's environment (llmft.launch.job.job_environment), the network's (NCCL_PROFILE and the flight recorder), W&B's
-    (llmft.tracking, run by `here`: on the first node, in the container where there is one), and what the job's own
-    environment holds for the ranks (PATH, the tests' hooks, the NCCL settings you exported)."""
-    node_env = {"PATH": env.get("PATH", os.defpath)}
-    for name in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        if env.get(name):
-            node_env[name] = env[name]
-    for name, value in env.items():
-        if name.startswith(("LLMFT_TEST_", "NCCL_")):
-            node_env[name] = value
-    # Build caches are node-local and outlive the job: not under TMPDIR, which PBS makes per job and deletes after it
-    # (DeepSpeed would compile its ops again in every job).
-    node_cache = Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"
-    node_env.update(job_environment(k, env, submit_dir, files, node_cache))
-    node_env.update(network_environment(k["NCCL_PROFILE"], run_dir, job_id, {**env, **node_env}, say))
-    if report_to(k) == "wandb":
-        node_env.update(wandb_environment([*here, python], run_dir, {**os.environ, **node_env}, say))
-    return node_env
 
 
 NODE_EXIT_WAIT_S = 10.0  # how long an exit a node's wrapper has not recorded yet is waited for (no stop signalled)
@@ -760,6 +515,191 @@ def on_every_node(hosts: list[tuple[str, int]], command: list[str]) -> list[int]
     return [p.wait() for p in procs]
 
 
+class PbsJob:
+    """This PBS job's facts and actions (llmft.launch.scheduler.Scheduler): pbsdsh tasks on the job's nodes (they
+    get only the job's own variables, so the job's environment goes to them in a file), enroot containers made and
+    removed per node, the walltime from `qstat -f`, and a continuation job after a stop or a failure (qsub cannot
+    exclude nodes)."""
+
+    script = ME
+    rename = "qsub -N NAME"
+    resources = "the select statement"
+    restart = failure_blame.CONTINUE
+
+    def __init__(self, k: Knobs, env: Mapping[str, str]):
+        self.k, self.env = k, dict(env)
+        self.job_id = env["PBS_JOBID"]
+        self.job_name = env.get("PBS_JOBNAME", "")
+        self.submit_dir = Path(env.get("PBS_O_WORKDIR") or Path.cwd())
+        self.job = qstat_job(self.job_id)
+        self.attempt = str(int(self.job.get("run_count", 1) or 1))
+        self.select = str(self.job.get("Resource_List", {}).get("select", "1:ncpus=1"))
+        self.default_python = sys.executable
+        # Build caches are node-local and outlive the job: not under TMPDIR, which PBS makes per job and deletes
+        # after it (DeepSpeed would compile its ops again in every job).
+        self.node_cache = Path("/tmp") / f"llmft-{env.get('USER') or os.getuid()}"
+        self.pairs: list[tuple[str, int]] = []  # each node and the index pbsdsh -n takes for it
+        self.hosts: list[str] = []
+        self.runner: list[str] = []
+        self.create: list[str] = []
+        self.python = ""
+        self.run_dir = self.submit_dir
+        self.env_file = self.submit_dir
+        self.gpus = 0
+        self.kill_delay = 10.0
+        self.job_env: dict[str, str] = {}
+
+    def say(self, text: str) -> None:
+        say(text)
+
+    def check(self) -> None:
+        unknown_in_variable_list(list(self.job.get("Variable_List", {})), "qsub -v")
+        fabric_check(self.k["NCCL_PROFILE"], self.env)
+        self.gpus = per_node(self.select, "ngpus", 0)
+        self.pairs = job_hosts(self.env)
+        self.hosts = [h for h, _ in self.pairs]
+
+    def variant(self, variants: list[sweep.Variant]) -> sweep.Variant:
+        return this_variant(variants, self.env)
+
+    def live(self, owner: str) -> str:
+        return live_state(owner)
+
+    def start(self, run_dir: Path, stop: Stop) -> str:
+        """TERM (the walltime, qdel, qrerun) and USR1 ask the ranks to checkpoint from here on; the job script kept
+        in the run directory for a continuation to submit."""
+        self.run_dir, self.env_file = run_dir, run_dir / f".llmft-env-{self.job_id}.json"
+        script = self.env.get("LLMFT_PBS_SCRIPT")
+        if script and Path(script).is_file():
+            shutil.copyfile(script, run_dir / ".llmft-job.pbs")
+        signal.signal(signal.SIGTERM, stop)
+        stop_on_usr1(stop)
+        return (
+            f"job {self.job_id} ({self.job_name}) run {self.attempt}, submitted from {self.submit_dir}, started "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+        )
+
+    def environment(self) -> dict[str, str]:
+        """What the nodes' environment starts from: PATH, the job's settings the ranks read, the tests' hooks and
+        the NCCL settings you exported, each node's GPUs and the select statement's memory."""
+        env = self.env
+        out = {"PATH": env.get("PATH", os.defpath)}
+        for name in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+            if env.get(name):
+                out[name] = env[name]
+        out.update({n: v for n, v in env.items() if n.startswith(("LLMFT_TEST_", "NCCL_"))})
+        out["LLMFT_NODE_GPUS"] = str(self.gpus)
+        return {**out, **select_memory(self.select)}
+
+    def inside(self, job_env: Mapping[str, str], tell: bool = False) -> list[str]:
+        """The prefix that runs a command in the node's container (none without CONTAINER_IMAGE), passing the
+        variables the job's environment holds now."""
+        paths = run_paths(self.k, self.submit_dir, self.run_dir, job_env)
+        inside, self.create = container_prefix(self.k, self.env, self.job_id, paths, job_env, self.gpus, tell)
+        return inside
+
+    def container(self, run_dir: Path, python: str, job_env: dict[str, str]) -> dict[str, str]:
+        """Each node's container is made by its probe (llmft.launch.node --create) and removed at the job's end,
+        however it ends (atexit)."""
+        self.python = python
+        self.runner = on_this_node(self.inside(job_env, tell=True), self.pairs)
+        atexit.register(remove_containers, self.pairs, self.env_file, self.create)
+        return {}
+
+    def probe(self, command: list[str], job_env: Mapping[str, str], nodes_file: Path) -> None:
+        self.env_file.write_text(json.dumps(job_env))
+        probe_nodes(self.pairs, self.env_file, nodes_file, [*self.create, "--", *self.inside(job_env), *command])
+        setup_delay(self.env)
+
+    def plan_world(self) -> tuple[int | None, int | None, dict[str, str]]:
+        """PBS's world for llmft plan: the nodes, one process per GPU (one on a node without GPUs), the CPUs."""
+        return len(self.hosts), self.gpus, {"NCPUS": str(per_node(self.select, "ncpus", 1))}
+
+    def kill_chain(self, job_env: dict[str, str]) -> None:
+        self.kill_delay = queue_kill_delay(str(self.job.get("queue", "workq")))
+        job_env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout(self.kill_delay)))
+        say(
+            f"kill chain: PBS sends SIGKILL {self.kill_delay:g} s after SIGTERM (kill_delay); torchrun waits "
+            f"{job_env['TORCH_ELASTIC_SHUTDOWN_TIMEOUT']} s for its ranks"
+        )
+
+    def rendezvous(self) -> tuple[str, str]:
+        """The first node of PBS_NODEFILE hosts the rendezvous, said to torchrun (is_host) rather than guessed from
+        its addresses (torch's guess fails where the node's hostname resolves elsewhere, as on a node with several
+        networks), on a port from the job's number and array index."""
+        host = self.hosts[0]
+        try:
+            host = socket.gethostbyname(host)
+        except OSError:
+            pass
+        port = rendezvous_port(rendezvous_start(self.job_id), lambda p: port_taken(host, p))
+        return f"{host}:{port}", "is_host={is_host}"
+
+    def launch_line(self, launch: Mapping[str, str], torchrun: list[str]) -> str:
+        return f"launch: pbsdsh -n INDEX -- {' '.join(shlex.quote(a) for a in torchrun)}"
+
+    def stopped_before_launch(self, stop: Stop) -> int:
+        say(f"SIG{stop.signal} before launch; not starting training")
+        return 0
+
+    def train(self, launch, node: list[str], torchrun: list[str], job_env, stop: Stop) -> int:
+        """One node wrapper per node through pbsdsh (on the host: it starts the node's container), with the job's
+        environment from its file; the attempt's exit status from what each node's wrapper recorded (pbsdsh returns
+        0 whatever its task did)."""
+        self.job_env = job_env
+        self.env_file.write_text(json.dumps(job_env))
+        write_job_end(Path(job_env["LLMFT_JOB_END_FILE"]), self.job)
+        on_every_node(self.pairs, [*node_wrapper(self.env_file, *node), "--", *self.inside(job_env), *torchrun])
+        failures = Path(node[node.index("--failures") + 1])
+        wait = lambda: shutdown_timeout(self.kill_delay) if stop.signal else NODE_EXIT_WAIT_S  # noqa: E731
+        rc, silent = job_exit(node_exits(failures, self.pairs, wait), self.hosts)
+        for host in silent:
+            say(f"node {host} recorded no exit: its launcher did not finish (the node died, or PBS killed its task)")
+        return rc
+
+    def follow(self, ended: Ending, run_dir: Path) -> int:
+        """After a success or a stop, each case said in one line: done; stopped for the walltime (llmft's own final
+        save, or PBS's SIGTERM at the limit), by SIGUSR1 or by `llmft stop --continue`, which a continuation resumes;
+        `llmft stop` alone, which ends the run's job; SIGTERM from qdel or qrerun, where PBS decides."""
+        rc = ended.rc
+        at = f"(exit {rc}) after a complete checkpoint at step {ended.step}"
+        if ended.kind == "done":
+            say(f"training finished (exit {rc}); results in {run_dir}")
+            return rc
+        if ended.kind in ("deadline", "usr1") or (ended.kind == "llmft-stop" and ended.go_on):
+            why = {"deadline": "for its final save before the walltime", "usr1": "on SIGUSR1"}.get(ended.kind)
+            say(f"llmft stopped {why or 'by llmft stop'} {at}; continuing in a new job")
+            self.go_on(0)
+            return 0
+        if ended.kind == "llmft-stop":
+            say(
+                f"llmft stopped by llmft stop {at}; not continued (no --continue): resubmit with CHECKPOINT_DIR={run_dir} to resume"
+            )
+            return 0
+        if ended.kind == "term":
+            left = time_left(qstat_job(self.job_id))
+            if left is not None and left <= self.kill_delay + WALLTIME_SIGTERM_MARGIN_S:
+                say(f"stopped by the walltime's SIGTERM {at}; continuing in a new job")
+                self.go_on(0)
+                return 0
+            say(f"stopped by SIGTERM {at}; a job PBS reruns (qrerun) resumes from it, a deleted one (qdel) ends here")
+            return 0
+        # unfinished: not a success, nothing says the training finished
+        say(f"error: every node's torchrun exited 0, but {run_dir}/llmft_done.json is missing: the run did not finish")
+        return 1
+
+    def failure_facts(self) -> tuple[int, list[str], list[str] | None]:
+        """The continuations after failures so far (carried by each continuation); qsub excludes no node."""
+        return int(self.env.get(continuation.RESTARTS_ENV, "0") or 0), [], None
+
+    def run_again(self, rc: int, exclude: list[str], restarts: int) -> int:
+        self.go_on(restarts + 1)
+        return rc
+
+    def go_on(self, failure_restarts: int) -> None:
+        go_on(self.k, self.env, self.job, self.job_id, self.run_dir, self.job_env, failure_restarts)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -774,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                 knobs, env.get("DATASET", "") or next((a for a in argv if a.startswith("DATASET=")), "")
             )
         os.chdir(cwd)
-        return run_job(knobs, env)
+        return scheduler.run_job(knobs, env, PbsJob(knobs, env))
     except (KnobError, PbsJobError, LlmftError, OSError) as e:  # OSError: a run directory it cannot create or write
         print(f"{ME}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -128,40 +128,24 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmft.errors import LlmftError
-from llmft.launch import failure_blame, kill_chain, sweep
+from llmft.launch import failure_blame, kill_chain, scheduler, sweep
 from llmft.launch.job import (
     IMAGE_PATH,
+    Ending,
     JobError,
     Stop,
     choose_python,
     container_gpu_variables,
     container_mounts,
     container_path,
-    export_after_training,
-    export_command,
     fabric_check,
-    fabric_probe,
-    how_it_ended,
-    job_environment,
-    knobs_line,
-    launch_line,
-    network_environment,
-    newest_complete_step,
-    plan_arguments,
     port_taken,
-    prepare_data,
     rendezvous_port,
-    report_to,
     run_paths,
-    torchrun_command,
-    train_flags,
-    wandb_environment,
 )
-from llmft.launch.job import run_directory as job_run_directory
 from llmft.launch.knobs import (
     NAMES,
     Knobs,
@@ -426,32 +410,6 @@ def host_checks(k: Knobs, env: Mapping[str, str]) -> None:
     fabric_check(k["NCCL_PROFILE"], env)
 
 
-def run_directory(k: Knobs, env: Mapping[str, str], submit_dir: Path, job_id: str) -> Path:
-    """The run directory (llmft.launch.job.run_directory), a sweep's element from SLURM_ARRAY_TASK_ID (its flags join
-    EXTRA_ARGS)."""
-
-    def this_variant(variants: list[sweep.Variant]) -> sweep.Variant:
-        return sweep.element(
-            variants,
-            env.get("SLURM_ARRAY_TASK_ID"),
-            env.get("SLURM_ARRAY_TASK_MIN", ""),
-            env.get("SLURM_ARRAY_TASK_MAX", ""),
-            "sbatch --array=1-{n} ... slurm/run_llm.slurm",
-        )
-
-    run_dir, _ = job_run_directory(
-        k,
-        submit_dir,
-        env.get("SLURM_JOB_NAME", ""),
-        job_id,
-        this_variant=this_variant,
-        live=live_state,
-        rename="sbatch -J NAME",
-        say=say,
-    )
-    return run_dir
-
-
 def live_state(owner: str) -> str:
     """The state of the job that holds a run directory ("" when it has ended, or is not a Slurm job id)."""
     if not re.fullmatch(r"[0-9_]+", owner):
@@ -568,197 +526,11 @@ def write_job_end(path: Path, job_id: str) -> None:
         pass
 
 
-def wandb_sync_hint(run_dir: Path, job_env: Mapping[str, str]) -> None:
-    """The job's last lines: how to upload an offline run (every attempt of this job, in order)."""
-    if job_env.get("WANDB_MODE") != "offline":
-        return
-    run_id = job_env.get("WANDB_RUN_ID", "")
-    runs = sorted(Path(job_env.get("WANDB_DIR") or run_dir).joinpath("wandb").glob(f"offline-run-*-{run_id}"))
-    if not runs:
-        say(f"W&B: no offline run directory for id {run_id} yet")
-        return
-    say(
-        f"W&B ran offline; upload from a machine with internet: wandb sync --id {run_id} -p "
-        f"{job_env.get('WANDB_PROJECT', '')} {' '.join(map(str, runs))}"
-    )
-
-
 def requeue(job_id: str, why: str) -> None:
     say(why)
     out = run(["scontrol", "requeue", job_id])
     if out is None or out.returncode != 0:
         say("scontrol requeue failed; resubmit with the same CHECKPOINT_DIR to resume")
-
-
-@dataclass
-class Attempt:
-    """This attempt of the job: what the steps after the plan read."""
-
-    job_id: str
-    submit_dir: Path
-    run_dir: Path
-    files: dict[str, Path]  # stop, requeue, job-end: the files the ranks read
-    stop: Stop
-    failure_restarts: int  # requeues after failures so far (SLURM_RESTART_COUNT counts every requeue)
-    hosts: list[str]
-    python: str
-    restart: str
-    env: dict[str, str] = field(default_factory=dict)  # the job's environment: every srun passes it to the nodes
-
-
-def run_job(k: Knobs, env: Mapping[str, str]) -> int:
-    """Inside a Slurm job, as named steps: the batch host's checks, the run directory and its stop signals, the
-    nodes and where llmft runs, the job's environment (the network's, W&B's, the container's), each node's
-    allocation and the plan, the data, one torchrun per node, and what follows."""
-    host_checks(k, env)
-    submit_dir = Path(env.get("SLURM_SUBMIT_DIR") or Path.cwd())
-    run_dir = run_directory(k, env, submit_dir, env["SLURM_JOB_ID"])
-    a = start_attempt(k, env, submit_dir, run_dir)
-    rdzv_host, rdzv_port = rendezvous(a.hosts[0], a.job_id)
-    say_start(k, env, a)
-    a.env.update(network_environment(k["NCCL_PROFILE"], run_dir, a.job_id, a.env, say))
-    container, variables = container_arguments(k, submit_dir, run_dir, a.job_id, a.env)
-    a.env.update(variables)
-    runner = ["srun", "--nodes=1", "--ntasks=1", *container] if container else []  # llmft's own steps
-    launch = plan(k, env, a, container, runner)
-    if launch is None:
-        return 2
-    srun_args = launch_arguments(env, a, launch, container)
-    train = train_flags(k, run_dir, launch, report_to(k))
-    if k.flag("PREPARE") and not k.flag("DRY_RUN") and not prepare_data([*runner, a.python], train, say, a.env):
-        return 2
-    if report_to(k) == "wandb":
-        a.env.update(wandb_environment([*runner, a.python], a.run_dir, a.env, say))
-    shutdown_timeout(slurm_kill_chain(env), a.env)
-    torchrun = torchrun_command(a.python, launch, f"{rdzv_host}:{rdzv_port}", a.job_id, train)
-    failures = run_dir / f".llmft-failures-{a.job_id}-{a.restart}"
-    # each node's wrapper (llmft.launch.node: its report when torchrun fails), in the container where there is one
-    node_step = [a.python, "-m", "llmft.launch.node", "--job", ME, "--failures", str(failures), "--"]
-    say(f"rendezvous c10d at {rdzv_host}:{rdzv_port} (first host {a.hosts[0]}), id {a.job_id}")
-    say(f"launch: srun {' '.join(srun_args)} {''.join(bash_quoted(x) + ' ' for x in torchrun)}")
-    if k.flag("DRY_RUN"):
-        say("DRY_RUN=1: not launching")
-        return 0
-    if a.stop.signal:
-        return stopped_before_launch(a)
-    try:
-        (run_dir / "nccl_trace").mkdir(exist_ok=True)  # the flight recorder's dumps, the nodes' failure reports
-        failures.mkdir(exist_ok=True)
-        start_step = newest_complete_step(run_dir)
-        write_job_end(a.files["job-end"], a.job_id)
-        rc = train_on_every_node([*srun_args, *node_step, *torchrun], a)
-        done = after_training(a, rc)
-        if done == 0 and (run_dir / "llmft_done.json").is_file():
-            command = export_command(k, a.python, run_dir, submit_dir)
-            done = export_after_training(command, runner, say, a.env)
-        return done if done is not None else after_failure(k, env, a, rc, start_step, failures)
-    finally:
-        if report_to(k) == "wandb":
-            wandb_sync_hint(run_dir, a.env)
-
-
-def start_attempt(k: Knobs, env: Mapping[str, str], submit_dir: Path, run_dir: Path) -> Attempt:
-    """The files the ranks read (named in the job's environment), the stop signals handled from here on (a signal
-    may come any time), the job's nodes, the Python llmft runs in, and the job's environment: this process's, which
-    srun would pass anyway, with llmft's (llmft.launch.job.job_environment)."""
-    job_id = env["SLURM_JOB_ID"]
-    # stop: the ranks' stop request; requeue: written by llmft after its final save before the time limit
-    # (llmft.training.job_deadline); job-end: inside a container rank 0 usually has no squeue, so this process keeps
-    # the job's end there, before the launch and every 60 s while srun runs (a requeue and `scontrol update
-    # TimeLimit=` reach it).
-    files = {n: run_dir / f".llmft-{n}-{job_id}" for n in ("stop", "requeue", "job-end")}
-    restarts_file = run_dir / f".llmft-failure-restarts-{job_id}"
-    text = restarts_file.read_text().strip() if restarts_file.is_file() else ""
-    for f in files.values():
-        f.unlink(missing_ok=True)  # stale from a previous run of this job (requeue)
-    stop = Stop(files["stop"], ME)
-    signal.signal(signal.SIGUSR1, stop)
-    signal.signal(signal.SIGTERM, stop)
-    hosts = job_hosts(env)
-    python = choose_python(k, env, shutil.which("python3") or shutil.which("python") or "")
-    if not python:
-        raise SlurmJobError("no python3 on PATH; set VENV=/path/to/venv")
-    node_cache = Path(env.get("TMPDIR") or "/tmp") / f"llmft-{pwd.getpwuid(os.getuid()).pw_name}"
-    job_env = {**env, **job_environment(k, env, submit_dir, files, node_cache)}
-    restart = env.get("SLURM_RESTART_COUNT") or "0"
-    restarts = int(text) if text.isdigit() else 0
-    return Attempt(job_id, submit_dir, run_dir, files, stop, restarts, hosts, python, restart, job_env)
-
-
-def say_start(k: Knobs, env: Mapping[str, str], a: Attempt) -> None:
-    say(
-        f"job {a.job_id} ({env.get('SLURM_JOB_NAME', '')}) restart {a.restart}, submitted from {a.submit_dir}, "
-        f"started {now()}; requeued after failures {a.failure_restarts} of at most {k['MAX_RESTARTS']} times"
-    )
-    say(knobs_line(k, a.run_dir))
-    say(defaults_line(k))
-    warn_default_dataset(k)
-    say(f"python {a.python}")
-    say(
-        f"caches HF_HOME={a.env['HF_HOME']} (shared: downloads) LLMFT_EXTENSIONS_ROOT="
-        f"{a.env['LLMFT_EXTENSIONS_ROOT']} TRITON_CACHE_DIR={a.env['TRITON_CACHE_DIR']} (node-local: "
-        "builds, one op cache per environment)"
-    )
-
-
-def plan(k: Knobs, env: Mapping[str, str], a: Attempt, container: list[str], runner: list[str]):
-    """What each node was given (llmft.planning.allocation, one task per node), then `llmft plan` for it and the
-    kill chain, before anything expensive runs: (the plan's launch line, the kill chain's lines), or None when the
-    plan refused the job (it said why)."""
-    nodes_file = a.run_dir / f".llmft-nodes-{a.job_id}"
-    probe = fabric_probe(k["NCCL_PROFILE"])
-    # --mem=0: all the job's memory on the node; --whole: all its CPUs there, as training gets (the NUMA check)
-    with open(nodes_file, "w") as out:
-        probe_rc = subprocess.run(
-            ["srun", f"--nodes={len(a.hosts)}", "--ntasks-per-node=1", "--mem=0", "--whole", "--kill-on-bad-exit=1"]
-            + [*container, a.python, "-m", "llmft.planning.allocation", *probe],
-            stdout=out,
-            env=a.env,
-        ).returncode
-    if probe_rc != 0:
-        raise SlurmJobError(
-            f"could not read the allocation on every node ('{a.python} -m llmft.planning.allocation' in srun exited "
-            f"{probe_rc}): {nodes_file.read_text().replace(chr(10), ' ')}"
-        )
-    plan_cmd = [a.python, "-m", "llmft.plan", *plan_arguments(k, a.run_dir, nodes_file)]
-    step = subprocess.run([*runner, *plan_cmd], stdout=subprocess.PIPE, text=True, env=a.env)
-    nodes_file.unlink(missing_ok=True)
-    plan_out = step.stdout.rstrip("\n")
-    if plan_out:
-        print(plan_out, flush=True)
-    if step.returncode == 2:
-        say(
-            "not launching: change what llmft plan names above (knobs such as GLOBAL_BATCH, MICRO_BATCH, ZERO_STAGE, "
-            "DS_CONFIG, OFFLOAD, or the #SBATCH resources)"
-        )
-        return None
-    if step.returncode != 0:
-        raise SlurmJobError(
-            f"could not run 'llmft plan' with {a.python} (exit {step.returncode}); is llmft installed there? Set "
-            "VENV=/path/to/venv"
-        )
-    launch = launch_line(plan_out)
-    for key, value in launch.items():
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", value):
-            raise SlurmJobError(f"cannot read '{key}={value}' in llmft plan's 'llmft launch:' line")
-    return launch
-
-
-def launch_arguments(env: Mapping[str, str], a: Attempt, launch: Mapping[str, str], container) -> list[str]:
-    """srun's arguments for the training step, and what the plan's launch line sets in the job's environment."""
-    # Every rank plans (llmft train --auto) and checks with the smallest node's memory, so all pick the same setting.
-    a.env["LLMFT_HOST_RAM_GB"] = launch["host_ram_gb"]
-    a.env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or launch["omp_num_threads"]  # else torchrun sets 1
-    # Every CPU the job has on a node goes to its torchrun, asked for explicitly: since Slurm 22.05 srun does not
-    # inherit sbatch's --cpus-per-task, and a step gets only the CPUs it asks for once --exact or --cpus-per-task is
-    # in play.
-    srun_args = [f"--nodes={launch['nnodes']}", "--ntasks-per-node=1", f"--cpus-per-task={launch['cpus_per_node']}"]
-    srun_args += ["--mem=0", "--kill-on-bad-exit=1", *container]
-    say(
-        f"nodes {launch['nnodes']}: {' '.join(a.hosts)}; processes per node {launch['nproc_per_node']}; CPUs per node "
-        f"{launch['cpus_per_node']}; OMP_NUM_THREADS={a.env['OMP_NUM_THREADS']}"
-    )
-    return srun_args
 
 
 def shutdown_timeout(decided: tuple[int, str], env: dict[str, str]) -> None:
@@ -774,121 +546,210 @@ def shutdown_timeout(decided: tuple[int, str], env: dict[str, str]) -> None:
         say(said)
 
 
-def stopped_before_launch(a: Attempt) -> int:
-    """USR1 before anything trained: nothing to save, requeue; TERM: Slurm decides, nothing starts."""
-    a.files["stop"].unlink(missing_ok=True)
-    if a.stop.signal == "USR1":
-        say(f"stop requested before launch; requeueing job {a.job_id}")
-        out = run(["scontrol", "requeue", a.job_id])
-        if out is None or out.returncode != 0:
-            say("scontrol requeue failed; resubmit to run")
-    else:
-        say("terminated before launch; not starting training")
-    return 0
-
-
 JOB_END_EVERY_S = 60.0
 
 
-def train_on_every_node(srun_step: list[str], a: Attempt) -> int:
-    """srun, one node wrapper and torchrun per node, with the job's environment; the job's end kept in its file every
-    JOB_END_EVERY_S while it runs. A stop signal is handled while srun runs (the ranks save), and srun is waited for
-    through it."""
-    proc = subprocess.Popen(["srun", *srun_step], env=a.env)
-    done = threading.Event()
+class SlurmJob:
+    """This Slurm job's facts and actions (llmft.launch.scheduler.Scheduler): srun steps on the job's nodes, pyxis
+    containers, Slurm's time limit, and a requeue of the same job (without the nodes with evidence against them)."""
 
-    def keep() -> None:
-        while not done.wait(JOB_END_EVERY_S):
-            write_job_end(a.files["job-end"], a.job_id)
+    script = ME
+    rename = "sbatch -J NAME"
+    resources = "the #SBATCH resources"
+    restart = failure_blame.REQUEUE
 
-    keeper = threading.Thread(target=keep, daemon=True)
-    keeper.start()
-    try:
-        return proc.wait()
-    finally:
-        done.set()
+    def __init__(self, k: Knobs, env: Mapping[str, str]):
+        self.k, self.env = k, dict(env)
+        self.job_id = env["SLURM_JOB_ID"]
+        self.job_name = env.get("SLURM_JOB_NAME", "")
+        self.submit_dir = Path(env.get("SLURM_SUBMIT_DIR") or Path.cwd())
+        self.attempt = env.get("SLURM_RESTART_COUNT") or "0"
+        self.default_python = shutil.which("python3") or shutil.which("python") or ""
+        self.node_cache = Path(env.get("TMPDIR") or "/tmp") / f"llmft-{pwd.getpwuid(os.getuid()).pw_name}"
+        self.hosts: list[str] = []
+        self.runner: list[str] = []
+        self.container_args: list[str] = []
+        self.python = ""
+        self.run_dir = self.submit_dir
+        self.failure_restarts = 0  # requeues after failures so far (SLURM_RESTART_COUNT counts every requeue)
 
+    def say(self, text: str) -> None:
+        say(text)
 
-def after_training(a: Attempt, rc: int) -> int | None:
-    """What follows how the training ended (llmft.launch.job.how_it_ended), each case said in one line: done;
-    llmft's own stop before the time limit, a USR1 or `llmft stop --continue`, which requeue this job; `llmft stop`
-    alone, which ends it; a SIGTERM, after which Slurm decides. None: the training failed (after_failure decides)."""
-    ended = how_it_ended(a.run_dir, rc, a.stop, a.files["requeue"])
-    again = "to resume from the newest complete checkpoint"
-    if ended.kind == "done":
-        say(f"training finished (exit {rc}); results in {a.run_dir}")
-        return rc
-    if ended.kind == "deadline":
-        why = f"llmft stopped for its final save before the time limit (exit {rc})"
-        requeue(a.job_id, f"{why}; requeueing job {a.job_id} {again}")
-    elif ended.kind == "usr1":
-        requeue(a.job_id, f"stopped early (exit {rc}) after a checkpoint; requeueing job {a.job_id} {again}")
-    elif ended.kind == "llmft-stop" and ended.go_on:
-        requeue(
-            a.job_id, f"stopped by llmft stop --continue (exit {rc}) after a checkpoint; requeueing job {a.job_id}"
+    def check(self) -> None:
+        host_checks(self.k, self.env)
+
+    def variant(self, variants: list[sweep.Variant]) -> sweep.Variant:
+        env = self.env
+        return sweep.element(
+            variants,
+            env.get("SLURM_ARRAY_TASK_ID"),
+            env.get("SLURM_ARRAY_TASK_MIN", ""),
+            env.get("SLURM_ARRAY_TASK_MAX", ""),
+            "sbatch --array=1-{n} ... slurm/run_llm.slurm",
         )
-    elif ended.kind == "llmft-stop":
-        say(f"stopped by llmft stop (exit {rc}) after a checkpoint; not requeued (no --continue): resubmit to resume")
-    elif ended.kind == "term":
-        say(
-            f"stopped by SIGTERM (exit {rc}) after a checkpoint; a preempted or requeued job resumes from it, a "
-            "cancelled one ends here"
+
+    def live(self, owner: str) -> str:
+        return live_state(owner)
+
+    def start(self, run_dir: Path, stop: Stop) -> str:
+        """USR1 (Slurm's warning before the time limit) and TERM (scancel, a requeue, a preemption) ask the ranks to
+        checkpoint from here on; the job's nodes; the requeues after failures so far."""
+        self.run_dir = run_dir
+        text = self.restarts_file.read_text().strip() if self.restarts_file.is_file() else ""
+        self.failure_restarts = int(text) if text.isdigit() else 0
+        signal.signal(signal.SIGUSR1, stop)
+        signal.signal(signal.SIGTERM, stop)
+        self.hosts = job_hosts(self.env)
+        return (
+            f"job {self.job_id} ({self.job_name}) restart {self.attempt}, submitted from {self.submit_dir}, started "
+            f"{now()}; requeued after failures {self.failure_restarts} of at most {self.k['MAX_RESTARTS']} times"
         )
-    elif ended.kind == "unfinished":
-        say(f"warning: training exited 0 but {a.run_dir}/llmft_done.json is missing")
-    else:
-        return None
-    return 0
 
+    @property
+    def restarts_file(self) -> Path:
+        return self.run_dir / f".llmft-failure-restarts-{self.job_id}"
 
-def after_failure(k: Knobs, env, a: Attempt, rc: int, start_step: int, failures: Path) -> int:
-    """Which node to run without, and whether to run again: llmft.launch.failure_blame.decide (its docstring says
-    why), from the nodes' reports, this attempt's progress, and the nodes the partition (and reservation) can still
-    offer."""
-    job_id = a.job_id
-    end_step = newest_complete_step(a.run_dir)
-    out = run(["scontrol", "show", "job", job_id])
-    m = re.search(r"ExcNodeList=(\S*)", out.stdout if out is not None else "")
-    excluded = m.group(1) if m and m.group(1) != "(null)" else ""
-    sinfo, reservation_text = None, ""
-    partition, reservation = env.get("SLURM_JOB_PARTITION", ""), env.get("SLURM_JOB_RESERVATION", "")
-    if partition:
-        out = run(["sinfo", "-h", "-N", "-o", "%N %t", "-p", partition], timeout=30)
-        if out is not None and out.returncode == 0:
-            sinfo = out.stdout
-    if reservation:
-        out = run(["scontrol", "show", "reservation", reservation], timeout=30)
-        if out is not None and out.returncode == 0:
-            reservation_text = out.stdout
-    attempt = failure_blame.Attempt(
-        job=job_id,
-        rc=rc,
-        hosts=list(a.hosts),
-        restarts=a.failure_restarts,
-        max_restarts=int(k["MAX_RESTARTS"]),
-        start_step=start_step,
-        end_step=end_step,
-        already_excluded=expand_hostlist(excluded) if excluded else [],
-        usable=failure_blame.usable_nodes(sinfo, reservation_text) if sinfo is not None else None,
-        trace_dir=str(a.run_dir / "nccl_trace"),
-    )
-    lines, again, exclude_list = failure_blame.decide(failure_blame.read_reports(failures), attempt)
-    for line in lines:
-        say(line)
-    exclude = ",".join(exclude_list)
-    if not again:
-        return rc
-    (a.run_dir / f".llmft-failure-restarts-{job_id}").write_text(f"{a.failure_restarts + 1}\n")
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue signals this job; the exclusion must still be set
-    out = run(["scontrol", "requeue", job_id])
-    if out is None or out.returncode != 0:
-        say("scontrol requeue failed; resubmit with the same CHECKPOINT_DIR to resume")
-        return rc
-    if exclude:  # Slurm takes the exclusion only while the job is pending
-        out = run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={exclude}"])
+    def environment(self) -> dict[str, str]:
+        return dict(self.env)  # srun passes the batch step's whole environment to every node
+
+    def container(self, run_dir: Path, python: str, job_env: dict[str, str]) -> dict[str, str]:
+        self.python = python
+        self.container_args, variables = container_arguments(self.k, self.submit_dir, run_dir, self.job_id, job_env)
+        self.runner = ["srun", "--nodes=1", "--ntasks=1", *self.container_args] if self.container_args else []
+        return variables
+
+    def probe(self, command: list[str], job_env: Mapping[str, str], nodes_file: Path) -> None:
+        """One probe per node (srun); --mem=0: all the job's memory on the node; --whole: all its CPUs there, as
+        training gets (the NUMA check)."""
+        srun = ["srun", f"--nodes={len(self.hosts)}", "--ntasks-per-node=1", "--mem=0", "--whole"]
+        with open(nodes_file, "w") as out:
+            rc = subprocess.run(
+                [*srun, "--kill-on-bad-exit=1", *self.container_args, *command], stdout=out, env=dict(job_env)
+            ).returncode
+        if rc != 0:
+            raise SlurmJobError(
+                f"could not read the allocation on every node ('{' '.join(command[:3])}' in srun exited {rc}): "
+                f"{nodes_file.read_text().replace(chr(10), ' ')}"
+            )
+
+    def plan_world(self) -> tuple[int | None, int | None, dict[str, str]]:
+        return None, None, {}  # llmft plan reads Slurm's SLURM_* variables itself
+
+    def kill_chain(self, job_env: dict[str, str]) -> None:
+        shutdown_timeout(slurm_kill_chain(self.env), job_env)
+
+    def rendezvous(self) -> tuple[str, str]:
+        host, port = rendezvous(self.hosts[0], self.job_id)
+        return f"{host}:{port}", ""
+
+    def srun_arguments(self, launch: Mapping[str, str]) -> list[str]:
+        """Every CPU the job has on a node goes to its torchrun, asked for explicitly: since Slurm 22.05 srun does
+        not inherit sbatch's --cpus-per-task, and a step gets only the CPUs it asks for once --exact or
+        --cpus-per-task is in play."""
+        srun = [f"--nodes={launch['nnodes']}", "--ntasks-per-node=1", f"--cpus-per-task={launch['cpus_per_node']}"]
+        return [*srun, "--mem=0", "--kill-on-bad-exit=1", *self.container_args]
+
+    def launch_line(self, launch: Mapping[str, str], torchrun: list[str]) -> str:
+        return (
+            f"launch: srun {' '.join(self.srun_arguments(launch))} {''.join(bash_quoted(x) + ' ' for x in torchrun)}"
+        )
+
+    def stopped_before_launch(self, stop: Stop) -> int:
+        """USR1 before anything trained: nothing to save, requeue; TERM: Slurm decides, nothing starts."""
+        if stop.signal == "USR1":
+            say(f"stop requested before launch; requeueing job {self.job_id}")
+            out = run(["scontrol", "requeue", self.job_id])
+            if out is None or out.returncode != 0:
+                say("scontrol requeue failed; resubmit to run")
+        else:
+            say("terminated before launch; not starting training")
+        return 0
+
+    def train(self, launch, node: list[str], torchrun: list[str], job_env, stop: Stop) -> int:
+        """srun, one node wrapper (in the container where there is one) and torchrun per node, with the job's
+        environment; the job's end kept in its file every JOB_END_EVERY_S while it runs (inside a container rank 0
+        usually has no squeue: a requeue and `scontrol update TimeLimit=` reach it so). A stop signal is handled while
+        srun runs (the ranks save), and srun is waited for through it."""
+        job_end = Path(job_env["LLMFT_JOB_END_FILE"])
+        write_job_end(job_end, self.job_id)
+        wrapper = [self.python, "-m", "llmft.launch.node", *node, "--"]
+        proc = subprocess.Popen(["srun", *self.srun_arguments(launch), *wrapper, *torchrun], env=dict(job_env))
+        done = threading.Event()
+
+        def keep() -> None:
+            while not done.wait(JOB_END_EVERY_S):
+                write_job_end(job_end, self.job_id)
+
+        threading.Thread(target=keep, daemon=True).start()
+        try:
+            return proc.wait()
+        finally:
+            done.set()
+
+    def follow(self, ended: Ending, run_dir: Path) -> int:
+        """After a success or a stop, each case said in one line: done; llmft's own stop before the time limit, a
+        USR1 or `llmft stop --continue`, which requeue this job; `llmft stop` alone, which ends it; a SIGTERM, after
+        which Slurm decides."""
+        rc, job_id = ended.rc, self.job_id
+        again = "to resume from the newest complete checkpoint"
+        if ended.kind == "done":
+            say(f"training finished (exit {rc}); results in {run_dir}")
+            return rc
+        if ended.kind == "deadline":
+            why = f"llmft stopped for its final save before the time limit (exit {rc})"
+            requeue(job_id, f"{why}; requeueing job {job_id} {again}")
+        elif ended.kind == "usr1":
+            requeue(job_id, f"stopped early (exit {rc}) after a checkpoint; requeueing job {job_id} {again}")
+        elif ended.kind == "llmft-stop" and ended.go_on:
+            requeue(
+                job_id, f"stopped by llmft stop --continue (exit {rc}) after a checkpoint; requeueing job {job_id}"
+            )
+        elif ended.kind == "llmft-stop":
+            say(
+                f"stopped by llmft stop (exit {rc}) after a checkpoint; not requeued (no --continue): resubmit to resume"
+            )
+        elif ended.kind == "term":
+            say(
+                f"stopped by SIGTERM (exit {rc}) after a checkpoint; a preempted or requeued job resumes from it, a "
+                "cancelled one ends here"
+            )
+        else:
+            say(f"warning: training exited 0 but {run_dir}/llmft_done.json is missing")
+        return 0
+
+    def failure_facts(self) -> tuple[int, list[str], list[str] | None]:
+        """The requeues after failures so far, the nodes the job already excludes, and those the partition (and
+        reservation) can still offer (None: sinfo could not tell)."""
+        out = run(["scontrol", "show", "job", self.job_id])
+        m = re.search(r"ExcNodeList=(\S*)", out.stdout if out is not None else "")
+        excluded = expand_hostlist(m.group(1)) if m and m.group(1) not in ("", "(null)") else []
+        sinfo, reservation_text = None, ""
+        partition, reservation = self.env.get("SLURM_JOB_PARTITION", ""), self.env.get("SLURM_JOB_RESERVATION", "")
+        if partition:
+            out = run(["sinfo", "-h", "-N", "-o", "%N %t", "-p", partition], timeout=30)
+            if out is not None and out.returncode == 0:
+                sinfo = out.stdout
+        if reservation:
+            out = run(["scontrol", "show", "reservation", reservation], timeout=30)
+            if out is not None and out.returncode == 0:
+                reservation_text = out.stdout
+        usable = failure_blame.usable_nodes(sinfo, reservation_text) if sinfo is not None else None
+        return self.failure_restarts, excluded, usable
+
+    def run_again(self, rc: int, exclude: list[str], restarts: int) -> int:
+        """The requeue after a failure, counted in the run directory, with the exclusion set while the job pends."""
+        self.restarts_file.write_text(f"{restarts + 1}\n")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue signals this job; the exclusion must still be set
+        out = run(["scontrol", "requeue", self.job_id])
         if out is None or out.returncode != 0:
-            say(f"could not exclude {exclude}; the requeued job may get it again")
-    return 0
+            say("scontrol requeue failed; resubmit with the same CHECKPOINT_DIR to resume")
+            return rc
+        if exclude:  # Slurm takes the exclusion only while the job is pending
+            out = run(["scontrol", "update", f"JobId={self.job_id}", f"ExcNodeList={','.join(exclude)}"])
+            if out is None or out.returncode != 0:
+                say(f"could not exclude {','.join(exclude)}; the requeued job may get it again")
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -905,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         knobs = resolve(env, [f"{key}={value}" for key, value in given_knobs.items()], Path.cwd())
         if not in_job:
             return outside_slurm(knobs, world, env.get("LLMFT_SLURM_SCRIPT", ""))
-        return run_job(knobs, env)
+        return scheduler.run_job(knobs, env, SlurmJob(knobs, env))
     except LlmftError as e:
         print(f"{ME}: error: {e}", file=sys.stderr, flush=True)
         return 2
