@@ -4,6 +4,7 @@ words), and PBS's facts (select statements, walltimes, node files) are read righ
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_slurm_script import run_script
 
-from llmft.launch import continuation, job, knobs, node, pbs, scheduler, sweep
+from llmft.launch import continuation, job, knobs, node, pbs, scheduler, slurm, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -691,3 +692,24 @@ def test_the_node_wrapper_outlives_a_sigterm_until_its_command_has_saved(tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert saved.exists() and (failures / "exit-pbs-n0").read_text() == "0\n"
+
+
+def test_both_schedulers_give_the_whole_scheduler_interface_with_its_signatures(monkeypatch):
+    """llmft.launch.scheduler.run_job drives a job on either scheduler through one interface: SlurmJob and PbsJob
+    each give every member of Scheduler, each method with the interface's parameters, and nothing the steps rely on is
+    missing on one of them (a step added for one scheduler alone fails here)."""
+    k = knobs.resolve({}, [])
+    monkeypatch.setattr(pbs, "qstat_job", lambda _job: {})
+    jobs = [slurm.SlurmJob(k, {"SLURM_JOB_ID": "7"}), pbs.PbsJob(k, {"PBS_JOBID": "7.head"})]
+    members = [n for n in dir(scheduler.Scheduler) if not n.startswith("_")] + list(
+        scheduler.Scheduler.__annotations__
+    )
+    for j in jobs:
+        assert isinstance(j, scheduler.Scheduler), type(j)
+        for name in members:
+            wanted = getattr(scheduler.Scheduler, name, None)
+            if callable(wanted):
+                given = inspect.signature(getattr(j, name)).parameters
+                assert list(given) == list(inspect.signature(wanted).parameters)[1:], (type(j).__name__, name)
+            else:
+                assert hasattr(j, name), (type(j).__name__, name)

@@ -20,7 +20,7 @@ import re
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from llmft.launch import failure_blame, sweep
 from llmft.launch.job import (
@@ -48,6 +48,7 @@ from llmft.launch.job import (
 from llmft.launch.knobs import Knobs, default_dataset_warning, defaults_line
 
 
+@runtime_checkable
 class Scheduler(Protocol):
     """One scheduler's facts about this job and its actions on it."""
 
