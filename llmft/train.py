@@ -1083,5 +1083,6 @@ def cli(parser, argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # every rank torchrun starts (`-m llmft.train`)
+    launcher.end_with_the_agent()  # first: a rank never outlives its torchrun
     garbage_collection.pause_for_startup()  # before make_parser imports torch and TRL
     exit_process(cli(make_parser()))

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -447,3 +454,51 @@ def test_deepspeeds_muon_module_imports_without_calling_torch_compile_until_a_fu
     else:
         assert seen["deferred"] and seen["at_import"] == [] and not seen["inductor"]
         assert seen["at_decoration"] == [] and seen["after_calls"] == ["double"]  # once, at the first call
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter ('' when it is gone; 'Z' when it has ended but is not reaped yet)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def test_a_rank_torchrun_started_ends_with_its_torchrun_and_no_other_process_does(tmp_path):
+    """torchrun starts each rank in a session of its own, so a scheduler that kills the job's sessions (PBS's mom
+    without the cgroups hook) kills torchrun and misses its ranks. A rank under torchrun (TORCHELASTIC_RUN_ID) asks to
+    be killed when its parent dies (llmft.training.launcher.end_with_the_agent); any other process is left alone."""
+    repo = str(Path(__file__).resolve().parents[1])
+    for under_torchrun in (True, False):
+        ready = tmp_path / f"ready-{under_torchrun}"
+        rank = (
+            f"import os, sys, time; sys.path.insert(0, {repo!r}); from llmft.training import launcher; "
+            f"asked = launcher.end_with_the_agent(); open({str(ready)!r}, 'w').write(f'{{os.getpid()}} {{asked}}'); "
+            "time.sleep(300)"
+        )
+        agent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True); time.sleep(300)"
+        env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+        if under_torchrun:
+            env["TORCHELASTIC_RUN_ID"] = "test"
+        parent = subprocess.Popen([sys.executable, "-c", agent], env=env)
+        for _ in range(1200):  # a hang guard: the rank writes the file once it has asked
+            if ready.exists() and ready.read_text() or parent.poll() is not None:
+                break
+            time.sleep(0.1)
+        pid_text, asked = ready.read_text().split()
+        pid = int(pid_text)
+        try:
+            assert asked == str(under_torchrun)
+            parent.kill()  # torchrun killed, as the mom kills a job's session
+            parent.wait()
+            if under_torchrun:
+                for _ in range(300):
+                    if process_state(pid) in ("", "Z"):
+                        break
+                    time.sleep(0.1)
+                assert process_state(pid) in ("", "Z"), "the rank outlived its torchrun"
+            else:
+                assert process_state(pid) not in ("", "Z"), "a process not under torchrun ended with its parent"
+        finally:
+            if process_state(pid) not in ("", "Z"):
+                os.kill(pid, signal.SIGKILL)

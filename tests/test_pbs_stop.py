@@ -82,6 +82,20 @@ def stop_jobs(pbs_cluster: PbsCluster, tiny_model, tiny_data, tmp_path_factory):
     return out
 
 
+def running_with(text: str) -> list[str]:
+    """The processes still running (not ended and unreaped) whose command line holds `text`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
 def finished_in_a_continuation(pbs_cluster: PbsCluster, job: str, d: Path, said: str) -> tuple[str, str, int]:
     """The first job stopped at the held step with a complete checkpoint, said `said`, and submitted its continuation,
     which resumed from that checkpoint and trained the rest: (first output, second output, the step stopped at)."""
@@ -127,6 +141,12 @@ def test_qsig_usr1_ends_the_job_at_once_and_submits_no_continuation(pbs_cluster,
     assert not list((d / "ckpt").glob(".llmft-continue-*.json")), first
     assert (d / "ckpt" / "checkpoint-2" / "llmft_complete.json").is_file()
     assert not (d / "ckpt" / "llmft_done.json").exists()
+    # torchrun starts its ranks in sessions of their own, which the mom's kill misses: each rank ends with its
+    # torchrun (llmft.training.launcher.end_with_the_agent), so none is left running the job (a hang guard, not a race)
+    deadline = time.monotonic() + 60
+    while running_with(str(d / "ckpt")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not running_with(str(d / "ckpt")), running_with(str(d / "ckpt"))
 
 
 def test_llmft_stop_continue_stops_a_pbs_job_and_its_continuation_finishes_the_run(pbs_cluster, stop_jobs):

@@ -10,15 +10,42 @@ failing rank's line once and exits 2. Other failures (a crash with a traceback) 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
 # Set by the launcher for its ranks: write the error line to TORCHELASTIC_ERROR_FILE only, the launcher prints it.
 LAUNCHED_BY_LLMFT = "LLMFT_LAUNCHED"
 LLMFT_LINE = "llmft_line"  # key of the error file's message that marks it as llmft's one line
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_the_agent(env=os.environ) -> bool:
+    """A rank torchrun started is killed when torchrun dies (Linux's PR_SET_PDEATHSIG, SIGKILL); whether it was set.
+
+    torchrun starts each rank in a session of its own (start_new_session in torch's SubprocessHandler). A scheduler
+    that ends a job by killing its sessions, as PBS's mom does without the cgroups hook, kills torchrun and misses
+    its ranks: measured on the local OpenPBS, after `qsig -s USR1` killed a job its rank ran on, reparented to init,
+    holding what it held (on a GPU node, its GPU's memory). A rank whose torchrun is gone has nobody to answer to, so
+    it ends with it. Only under torchrun (TORCHELASTIC_RUN_ID set); a torchrun that died before this ran ends the rank
+    at once."""
+    if "TORCHELASTIC_RUN_ID" not in env or not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL)) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # torchrun died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def take_nproc_per_node(argv: list[str]) -> tuple[int | None, list[str], str | None]:
