@@ -202,6 +202,21 @@ def test_two_ranks_under_zero3_match_one_rank(tiny_model, data, dpo_one_rank, tm
     assert max(abs(a - b) / a for a, b in zip(one, two)) < 0.02, (one, two)
 
 
+def stop_after_checkpoint(out: Path, step: int, stop: Path) -> threading.Thread:
+    """A stop request (the stop file, as a preempted job gets) once checkpoint-`step` is complete, from a thread; the
+    runs wait at a later step for it (LLMFT_TEST_HOLD_AT_STEP), so they stop at a known step."""
+
+    def request() -> None:
+        deadline = time.time() + 600
+        while time.time() < deadline and not (out / f"checkpoint-{step}" / "llmft_complete.json").exists():
+            time.sleep(0.02)
+        stop.touch()
+
+    watcher = threading.Thread(target=request, daemon=True)
+    watcher.start()
+    return watcher
+
+
 def test_a_dpo_run_stopped_and_resumed_gives_the_uninterrupted_runs_losses(tiny_model, data, dpo_one_rank, tmp_path):
     """A stop request (the stop file, as a preempted job gets) after the first complete checkpoint: the run saves
     and stops; the rerun resumes, and the 20 steps' losses are the uninterrupted run's (dpo_one_rank: the same flags
@@ -210,14 +225,7 @@ def test_a_dpo_run_stopped_and_resumed_gives_the_uninterrupted_runs_losses(tiny_
     flags += ("--save_strategy", "steps", "--save_steps", 2)  # the last --save_strategy wins
     out, stop = tmp_path / "stopped", tmp_path / "STOP"
 
-    def request_stop_after_a_checkpoint():
-        deadline = time.time() + 600
-        while time.time() < deadline and not (out / "checkpoint-4" / "llmft_complete.json").exists():
-            time.sleep(0.02)
-        stop.touch()
-
-    watcher = threading.Thread(target=request_stop_after_a_checkpoint, daemon=True)
-    watcher.start()
+    watcher = stop_after_checkpoint(out, 4, stop)
     # the run waits at step 6 for the stop request (LLMFT_TEST_HOLD_AT_STEP), so it stops at a known step
     first = run(
         llmft_cmd("dpo", tiny_model, data["pairs"], out, *flags),
@@ -423,14 +431,7 @@ def test_a_dpo_run_on_two_ranks_resumes_on_one_keeping_the_global_batch_and_logs
     flags += ("--zero_stage", 2, "--save_steps", 2, "--report_to", "wandb")
     env = {"LLMFT_STOP_FILE": str(stop), "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir)}
 
-    def request_stop_after_a_checkpoint():
-        deadline = time.time() + 600
-        while time.time() < deadline and not (out / "checkpoint-4" / "llmft_complete.json").exists():
-            time.sleep(0.02)
-        stop.touch()
-
-    watcher = threading.Thread(target=request_stop_after_a_checkpoint, daemon=True)
-    watcher.start()
+    watcher = stop_after_checkpoint(out, 4, stop)
     first = run(
         llmft_cmd("dpo", tiny_model, data["pairs"], out, *flags, "--per_device_train_batch_size", 2, nproc=2),
         check=True,
